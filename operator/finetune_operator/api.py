@@ -1,0 +1,421 @@
+"""The FineTuneJob API: the types are the source of truth.
+
+The CRD in `crds/` is generated from these models (`make crds`), so descriptions,
+defaults and enums written here are what `kubectl explain ftj.spec` shows. The
+trainer's sections come from `finetune_trainer.config`, the contract every worker reads.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
+from pydantic.alias_generators import to_camel
+
+from finetune_trainer.config import (
+    API_GROUP,
+    API_VERSION,
+    ApiModel,
+    DatasetSource,
+    Hyperparameters,
+    MethodConfig,
+    ModelSource,
+    OutputConfig,
+    StrategyConfig,
+    section,
+)
+
+KIND = "FineTuneJob"
+PLURAL = "finetunejobs"
+SINGULAR = "finetunejob"
+SHORT_NAMES = ["ftj"]
+VERSION = API_VERSION.split("/", 1)[1]
+
+# Children get the job's name plus a suffix (the longest is "-trainer"), and an Indexed
+# Job's pods get "-<index>": 47 keeps every derived name a valid 63-character label.
+MAX_NAME_LENGTH = 47
+DNS_1035_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+DNS_1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+GUID_PATTERN = r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$"
+
+# Kubernetes resource quantity (e.g. 16, "64Gi", "500m"); int or string on the wire.
+QUANTITY_PATTERN = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+Quantity = Annotated[
+    str,
+    BeforeValidator(lambda v: str(v) if isinstance(v, int) and not isinstance(v, bool) else v),
+    Field(pattern=QUANTITY_PATTERN, max_length=64),
+    WithJsonSchema({"x-kubernetes-int-or-string": True, "pattern": QUANTITY_PATTERN,
+                    "anyOf": [{"type": "integer"}, {"type": "string"}]}),
+]
+StringMap = Annotated[
+    dict[str, Annotated[str, Field(max_length=4096, description="Value.")]], Field(max_length=64)]
+
+Phase = Literal[
+    "Pending", "Queued", "Launching", "Running", "Restarting", "Suspended", "Succeeded", "Failed"
+]
+TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed"})
+
+
+class Resources(ApiModel):
+    """The machines the job runs on."""
+
+    nodes: int = Field(default=1, ge=1, le=1024)
+    """Worker nodes (Kubernetes pods, or Azure ML instances). Must be at least 1."""
+    gpus_per_node: int = Field(default=1, ge=0, le=16)
+    """GPUs per node; one training process per GPU. 0 runs CPU workers (gloo), useful for
+    smoke tests."""
+    processes_per_node: int | None = Field(default=None, ge=1, le=256)
+    """Training processes per CPU worker (only with `gpusPerNode: 0`; default 1)."""
+    gpu_type: str | None = Field(default=None, max_length=128)
+    """GPU model or Azure VM size the job expects (e.g. `A100-80GB`,
+    `Standard_ND96asr_v4`), used to check the job fits before launch."""
+    cpu: Quantity | None = None
+    """CPU request per node (e.g. `8`, `7500m`)."""
+    memory: Quantity | None = None
+    """Memory request per node (e.g. `64Gi`)."""
+
+    def processes(self) -> int:
+        """Training processes per node."""
+        return self.gpus_per_node or self.processes_per_node or 1
+
+
+class RunPolicy(ApiModel):
+    """Restart budget and deadlines. These may be changed while the job runs."""
+
+    backoff_limit: int = Field(default=3, ge=0, le=1000)
+    """Gang restarts allowed after worker failures before the job fails. Preemption,
+    node loss and eviction do not count."""
+    active_deadline_seconds: int | None = Field(default=None, ge=1)
+    """Fail the job when it has been active this long."""
+    startup_deadline_seconds: int = Field(default=1800, ge=0)
+    """Fail the job when workers have not started training this long after launch
+    (image pulls, scheduling, model download). 0 disables."""
+    stall_timeout_seconds: int = Field(default=1800, ge=0)
+    """Mark the job Stalled, then restart it, when no step completes this long. 0 disables."""
+    ttl_seconds_after_finished: int | None = Field(default=None, ge=0)
+    """Delete the FineTuneJob this long after it succeeds or fails (outputs are kept)."""
+    suspend: bool = False
+    """Stop the workers after a checkpoint; set back to false to resume from it."""
+
+
+class Toleration(ApiModel):
+    """A Kubernetes toleration added to every worker pod."""
+
+    key: str | None = Field(default=None, max_length=317)
+    """Taint key to tolerate; empty with `Exists` tolerates every taint."""
+    operator: Literal["Exists", "Equal"] = "Equal"
+    """`Equal` matches key and value; `Exists` matches the key alone."""
+    value: str | None = Field(default=None, max_length=63)
+    """Taint value to match with `Equal`."""
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    """Taint effect to match; empty matches every effect."""
+    toleration_seconds: int | None = None
+    """With NoExecute: how long the pod stays bound after the taint appears."""
+
+
+class KeyRef(ApiModel):
+    """A key of a Secret or ConfigMap."""
+
+    name: str = Field(min_length=1, max_length=253)
+    """Name of the object in the job's namespace."""
+    key: str = Field(min_length=1, max_length=253)
+    """Key within it."""
+
+
+class EnvVarSource(ApiModel):
+    """Where an environment variable's value comes from."""
+
+    secret_key_ref: KeyRef | None = None
+    """A key of a Secret: the value never appears in the spec."""
+    config_map_key_ref: KeyRef | None = None
+    """A key of a ConfigMap."""
+
+
+class EnvVar(ApiModel):
+    """An environment variable for every training process."""
+
+    name: str = Field(pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$", max_length=256)
+    """Variable name."""
+    value: str | None = Field(default=None, max_length=32768)
+    """Literal value. Put credentials in a Secret and use valueFrom instead."""
+    value_from: EnvVarSource | None = None
+    """Take the value from a Secret or ConfigMap key."""
+
+
+class PvcSource(ApiModel):
+    """A PersistentVolumeClaim in the job's namespace."""
+
+    claim_name: str = Field(min_length=1, max_length=253)
+    """Name of the claim."""
+    read_only: bool = False
+    """Mount the claim read-only."""
+
+
+class ConfigMapSource(ApiModel):
+    """A ConfigMap's keys as files."""
+
+    name: str = Field(min_length=1, max_length=253)
+    """Name of the ConfigMap."""
+
+
+class SecretSource(ApiModel):
+    """A Secret's keys as files."""
+
+    secret_name: str = Field(min_length=1, max_length=253)
+    """Name of the Secret."""
+
+
+class EmptyDirSource(ApiModel):
+    """A scratch folder that lives as long as the pod."""
+
+    medium: Literal["", "Memory"] = ""
+    """`Memory` for a tmpfs; empty for the node's disk."""
+    size_limit: Quantity | None = None
+    """Upper bound on the folder's size (e.g. `100Gi`)."""
+
+
+class Volume(ApiModel):
+    """An extra volume mounted into every worker. Set exactly one source."""
+
+    name: str = Field(pattern=DNS_1123_LABEL, max_length=63)
+    """Volume name, unique within the job."""
+    mount_path: str = Field(pattern=r"^/\S*$", max_length=1024)
+    """Where the volume appears in every worker."""
+    read_only: bool = False
+    """Mount it read-only."""
+    persistent_volume_claim: PvcSource | None = None
+    """A PersistentVolumeClaim (pvc:// locations are mounted automatically)."""
+    config_map: ConfigMapSource | None = None
+    """A ConfigMap's keys as files."""
+    secret: SecretSource | None = None
+    """A Secret's keys as files."""
+    empty_dir: EmptyDirSource | None = None
+    """Scratch space that lives as long as the pod."""
+
+    def sources(self) -> list[str]:
+        return [name for name in ("persistent_volume_claim", "config_map", "secret", "empty_dir")
+                if getattr(self, name) is not None]
+
+
+class KubernetesSpec(ApiModel):
+    """Settings of the `kubernetes` backend (AKS GPU node pools, or any cluster)."""
+
+    image: str | None = Field(default=None, max_length=1024)
+    """Trainer image. Defaults to the image the operator was installed with; overriding it
+    is a cluster-admin choice (the image runs with the job's service account)."""
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    """When the kubelet pulls the image; Kubernetes' default when left out."""
+    node_selector: StringMap = Field(default_factory=dict)
+    """Node labels the workers must run on (e.g. `agentpool: gpunp`)."""
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
+    """Extra tolerations. The GPU taint toleration (`sku=gpu:NoSchedule` on AKS) is added
+    automatically when `gpusPerNode` > 0."""
+    spot: bool = False
+    """Run on spot (low-priority) nodes: adds the AKS spot toleration and node affinity.
+    Evictions restart the gang from the last checkpoint without using the restart budget."""
+    infiniband: bool = False
+    """Request InfiniBand (`rdma/ib`), add IPC_LOCK, and set NCCL's IB environment."""
+    shm_size: Quantity | None = None
+    """Size of /dev/shm (a memory-backed emptyDir). Defaults to no limit beyond the pod's."""
+    priority_class_name: str | None = Field(default=None, max_length=253)
+    """PriorityClass of the worker pods, for preemption between jobs."""
+    queue_name: str | None = Field(default=None, max_length=63)
+    """Kueue LocalQueue: the Job is created suspended and starts when Kueue admits it."""
+    service_account_name: str | None = Field(default=None, max_length=253)
+    """Service account of the worker pods (e.g. one bound to an Azure workload identity)."""
+    volumes: list[Volume] = Field(default_factory=list, max_length=32)
+    """Extra volumes mounted into every worker."""
+    env: list[EnvVar] = Field(default_factory=list, max_length=128)
+    """Extra environment for training processes. Rendezvous names (MASTER_ADDR, RANK,
+    WORLD_SIZE, PET_*, ...) are reserved."""
+    labels: StringMap = Field(default_factory=dict)
+    """Extra labels on worker pods (e.g. `azure.workload.identity/use: "true"`)."""
+    annotations: StringMap = Field(default_factory=dict)
+    """Extra annotations on worker pods."""
+
+
+class AzureMLSpec(ApiModel):
+    """Settings of the `azureml` backend: where the Azure ML command job is submitted.
+    Credentials come from the operator's workload identity, never from the spec."""
+
+    subscription_id: str = Field(pattern=GUID_PATTERN)
+    """Azure subscription id (a GUID)."""
+    resource_group: str = Field(min_length=1, max_length=90)
+    """Resource group of the workspace."""
+    workspace: str = Field(min_length=1, max_length=260)
+    """Azure ML workspace name."""
+    compute: str = Field(min_length=1, max_length=260)
+    """Compute cluster (or attached Kubernetes compute) to run on."""
+    instance_type: str | None = Field(default=None, max_length=260)
+    """Instance type, for attached Kubernetes compute."""
+    environment: str | None = Field(default=None, max_length=1024)
+    """Azure ML environment (`name@latest`, `name:version` or an `azureml://` URI). Defaults
+    to an environment built from the trainer image."""
+    job_tier: Literal["Spot", "Basic", "Standard", "Premium"] | None = None
+    """`Spot` for low-priority capacity; Azure ML's default otherwise."""
+    experiment_name: str | None = Field(default=None, max_length=255)
+    """Azure ML experiment; defaults to the FineTuneJob's namespace."""
+
+
+class FineTuneJobSpec(ApiModel):
+    """What to fine-tune, on what, and how."""
+
+    backend: str = Field(default="kubernetes", pattern=DNS_1035_LABEL, max_length=63)
+    """Where the job runs: `kubernetes` (torchrun pods on this cluster), `azureml` (an Azure
+    ML command job), or the name of an installed backend plugin."""
+    model: ModelSource
+    dataset: DatasetSource
+    method: MethodConfig = section(MethodConfig)
+    strategy: StrategyConfig = section(StrategyConfig)
+    hyperparameters: Hyperparameters = section(Hyperparameters)
+    resources: Resources = section(Resources)
+    output: OutputConfig
+    run_policy: RunPolicy = section(RunPolicy)
+    kubernetes: KubernetesSpec | None = None
+    """Only read by the `kubernetes` backend."""
+    azureml: AzureMLSpec | None = None
+    """Required by the `azureml` backend; only read by it."""
+
+
+class StatusModel(BaseModel):
+    """Status is written by the operator; unknown fields from newer versions are kept out
+    quietly rather than refused."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore",
+                              use_attribute_docstrings=True)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+class Condition(StatusModel):
+    """A Kubernetes-style condition."""
+
+    type: str
+    """Validated, Feasible, Admitted, Running, Stalled, Degraded, Suspended, Complete or Failed."""
+    status: Literal["True", "False", "Unknown"]
+    """Whether the condition holds."""
+    reason: str = ""
+    """CamelCase reason, for machines."""
+    message: str = ""
+    """What happened and what to do, for people."""
+    last_transition_time: datetime | None = None
+    """When `status` last changed."""
+    observed_generation: int | None = None
+    """The spec generation the condition was computed from."""
+
+
+class Progress(StatusModel):
+    """Where training is, from the trainer's metrics."""
+
+    step: int | None = None
+    """Optimizer steps completed."""
+    total_steps: int | None = None
+    """Optimizer steps the job will run."""
+    epoch: float | None = None
+    """Passes over the training data so far (fractional)."""
+    loss: float | None = None
+    """Training loss over the last logging window."""
+    tokens_per_second: float | None = None
+    """Label tokens per second, summed over all ranks."""
+    mfu: float | None = None
+    """Model FLOPs utilisation, 0 to 1 (GPU only)."""
+    eta_seconds: int | None = None
+    """Estimated seconds until the last step, from the recent step rate."""
+
+
+class CheckpointRef(StatusModel):
+    """The newest complete checkpoint: where a restart resumes from."""
+
+    uri: str
+    """Location of the checkpoint folder."""
+    step: int
+    """Optimizer step it was taken after."""
+    time: datetime | None = None
+    """When it was completed."""
+
+
+class BackendRef(StatusModel):
+    """The backend's own object for this job."""
+
+    kind: str
+    """e.g. `Job` or `AzureMLJob`."""
+    name: str
+    """Its name in the backend."""
+    url: str | None = None
+    """Link to the job in the backend's UI (Azure ML Studio)."""
+
+
+class FineTuneJobStatus(StatusModel):
+    """Observed state, written by the operator."""
+
+    phase: Phase | None = None
+    """Pending, Queued, Launching, Running, Restarting, Suspended, Succeeded or Failed."""
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    """Detailed state: one entry per condition type."""
+    progress: Progress | None = None
+    restarts: int = 0
+    """Gang restarts counted against `runPolicy.backoffLimit`."""
+    last_checkpoint: CheckpointRef | None = None
+    """The newest complete checkpoint."""
+    backend_ref: BackendRef | None = None
+    start_time: datetime | None = None
+    """When the workers were first launched."""
+    completion_time: datetime | None = None
+    """When the job succeeded or failed."""
+    observed_generation: int | None = None
+    """The spec generation the operator last acted on."""
+    message: str | None = None
+    """A one-line summary of the current phase."""
+
+
+class ObjectMeta(BaseModel):
+    """The metadata fields the API reads; everything else is passed through untouched."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    namespace: str | None = None
+    uid: str | None = None
+    generation: int | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class FineTuneJob(ApiModel):
+    """A distributed LLM fine-tune: one manifest, any backend."""
+
+    api_version: Literal["finetune.dev/v1alpha1"] = Field(API_VERSION, alias="apiVersion")
+    kind: Literal["FineTuneJob"] = KIND
+    metadata: ObjectMeta
+    spec: FineTuneJobSpec
+    status: FineTuneJobStatus | None = None
+
+    @property
+    def name(self) -> str:
+        return self.metadata.name
+
+    @property
+    def namespace(self) -> str:
+        return self.metadata.namespace or "default"
+
+
+__all__ = [
+    "API_GROUP",
+    "API_VERSION",
+    "KIND",
+    "PLURAL",
+    "SHORT_NAMES",
+    "VERSION",
+    "Condition",
+    "FineTuneJob",
+    "FineTuneJobSpec",
+    "FineTuneJobStatus",
+    "Phase",
+    "Progress",
+]

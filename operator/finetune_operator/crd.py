@@ -1,0 +1,198 @@
+"""Generate the FineTuneJob CRD from the API models (`make crds`, or `python -m` this).
+
+pydantic's JSON Schema is turned into a Kubernetes structural schema: references are
+inlined, `X | None` becomes X (optional fields are simply not required), draft-2020
+keywords become their OpenAPI v3.0 spelling, and the CEL rules of `validation` are
+attached where they apply.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from pathlib import Path
+from typing import Any
+
+from finetune_operator import api, yamlio
+from finetune_operator.validation import CelRule, cel_rules
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CRD_PATHS = (
+    REPO_ROOT / "crds" / f"{api.PLURAL}.{api.API_GROUP}.yaml",
+    REPO_ROOT / "charts" / "finetune-operator" / "crds" / f"{api.PLURAL}.{api.API_GROUP}.yaml",
+)
+
+PRINTER_COLUMNS = [
+    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    {"name": "Backend", "type": "string", "jsonPath": ".spec.backend"},
+    {"name": "Nodes", "type": "integer", "jsonPath": ".spec.resources.nodes"},
+    {"name": "GPUs", "type": "integer", "jsonPath": ".spec.resources.gpusPerNode",
+     "description": "GPUs per node"},
+    {"name": "Step", "type": "integer", "jsonPath": ".status.progress.step"},
+    {"name": "Total", "type": "integer", "jsonPath": ".status.progress.totalSteps",
+     "priority": 1},
+    {"name": "Loss", "type": "number", "jsonPath": ".status.progress.loss"},
+    {"name": "Tokens/s", "type": "number", "jsonPath": ".status.progress.tokensPerSecond",
+     "priority": 1},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+_DROP = {"title", "additionalProperties", "$defs"}
+
+
+def _structural(node: Any, defs: dict[str, Any]) -> Any:
+    if isinstance(node, list):
+        return [_structural(item, defs) for item in node]
+    if not isinstance(node, dict):
+        return node
+    node = dict(node)
+    if "$ref" in node:
+        target = copy.deepcopy(defs[node.pop("$ref").rsplit("/", 1)[1]])
+        node = {**target, **node}  # the field's own description / default win
+    if "anyOf" in node and not node.get("x-kubernetes-int-or-string"):
+        branches = [b for b in node.pop("anyOf") if b.get("type") != "null"]
+        if len(branches) != 1:
+            raise ValueError(f"unions are not structural: {branches}")
+        node = {**_structural(branches[0], defs), **node}
+        if "default" in node and node["default"] is None:
+            del node["default"]  # "unset" is expressed by leaving the field out
+    if "const" in node:
+        node["enum"] = [node.pop("const")]
+    for bound in ("exclusiveMinimum", "exclusiveMaximum"):
+        if isinstance(node.get(bound), (int, float)) and not isinstance(node[bound], bool):
+            node["minimum" if bound == "exclusiveMinimum" else "maximum"] = node[bound]
+            node[bound] = True
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in _DROP and not (key == "additionalProperties" and isinstance(value, dict)):
+            continue
+        if key == "properties":
+            out[key] = {k: _structural(v, defs) for k, v in value.items()}
+        elif key in ("items", "additionalProperties"):
+            out[key] = _structural(value, defs)
+        elif key == "description":
+            out[key] = " ".join(value.split())  # docstrings are wrapped for the source
+        else:
+            out[key] = value
+    if "enum" in out and "type" not in out:
+        out["type"] = "string"
+    if "properties" in out:
+        out.setdefault("type", "object")
+    return out
+
+
+def _schema_of(model: type, mode: str = "validation") -> dict[str, Any]:
+    raw = model.model_json_schema(by_alias=True, mode=mode)
+    return _structural(raw, raw.get("$defs", {}))
+
+
+def _locate(schema: dict[str, Any], scope: str) -> dict[str, Any]:
+    node = schema
+    for part in filter(None, scope.split(".")):
+        name, each = (part[:-3], True) if part.endswith("[*]") else (part, False)
+        node = node["properties"][name]
+        if each:
+            node = node["items"]
+    return node
+
+
+def _attach(schema: dict[str, Any], rules: list[CelRule]) -> None:
+    for cel in rules:
+        entry: dict[str, Any] = {"rule": cel.rule, "message": cel.message}
+        if cel.field_path:
+            entry["fieldPath"] = cel.field_path
+        _locate(schema, cel.scope).setdefault("x-kubernetes-validations", []).append(entry)
+
+
+def openapi_schema() -> dict[str, Any]:
+    """The structural openAPIV3Schema of FineTuneJob."""
+    spec = _schema_of(api.FineTuneJobSpec)
+    status = _schema_of(api.FineTuneJobStatus, mode="serialization")
+    status.pop("required", None)
+    spec["description"] = (api.FineTuneJobSpec.__doc__ or "").strip()
+    # list-map semantics let the API server refuse duplicate names by itself
+    k8s = spec["properties"]["kubernetes"]["properties"]
+    for key in ("env", "volumes"):
+        k8s[key]["x-kubernetes-list-type"] = "map"
+        k8s[key]["x-kubernetes-list-map-keys"] = ["name"]
+    root = {
+        "type": "object",
+        "description": (api.FineTuneJob.__doc__ or "").strip(),
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec,
+            "status": status,
+        },
+    }
+    _attach(root, cel_rules())
+    return root
+
+
+def crd() -> dict[str, Any]:
+    """The CustomResourceDefinition object."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {
+            "name": f"{api.PLURAL}.{api.API_GROUP}",
+            "labels": {"app.kubernetes.io/name": "finetune-operator",
+                       "app.kubernetes.io/component": "crd"},
+        },
+        "spec": {
+            "group": api.API_GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": api.KIND,
+                "listKind": f"{api.KIND}List",
+                "plural": api.PLURAL,
+                "singular": api.SINGULAR,
+                "shortNames": api.SHORT_NAMES,
+                "categories": ["finetune", "ml"],
+            },
+            "versions": [{
+                "name": api.VERSION,
+                "served": True,
+                "storage": True,
+                "subresources": {"status": {}},
+                "additionalPrinterColumns": PRINTER_COLUMNS,
+                "schema": {"openAPIV3Schema": openapi_schema()},
+            }],
+        },
+    }
+
+
+HEADER = "# Generated by `make crds` from finetune_operator/api.py. Do not edit by hand.\n"
+
+
+def render_yaml() -> str:
+    return HEADER + yamlio.dump(crd())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help="write the CRD files in the repo")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 when the committed CRD files are out of date")
+    args = parser.parse_args(argv)
+    text = render_yaml()
+    if args.check:
+        stale = [str(p) for p in CRD_PATHS if not p.exists() or p.read_text() != text]
+        for path in stale:
+            print(f"{path} is out of date: run `make crds`", file=sys.stderr)
+        return 1 if stale else 0
+    if args.write:
+        for path in CRD_PATHS:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            print(f"wrote {path.relative_to(REPO_ROOT)}")
+        return 0
+    sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""FineTuneJob → TrainerConfig: what every worker of a job is told."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from finetune_operator.api import FineTuneJob
+from finetune_trainer.config import (
+    ConcreteStrategy,
+    JobIdentity,
+    LoraConfig,
+    MethodConfig,
+    StrategyConfig,
+    TrainerConfig,
+)
+from finetune_trainer.uris import DATASET_SCHEMES, MODEL_SCHEMES, OUTPUT_SCHEMES
+
+Locate = Callable[[str, tuple], str]
+"""Maps a spec location to what the trainer opens (a mount path, or the URI unchanged)."""
+
+
+def keep_location(uri: str, schemes: tuple) -> str:
+    return uri
+
+
+def resolve_strategy(job: FineTuneJob) -> ConcreteStrategy:
+    """The strategy `auto` stands for.
+
+    Adapters are small, so LoRA/QLoRA replicate the frozen base (ddp); full fine-tuning
+    shards once there is more than one device (fsdp); offload needs DeepSpeed ZeRO-3.
+    """
+    strategy = job.spec.strategy
+    if strategy.type != "auto":
+        return strategy.type
+    if strategy.offload != "none":
+        return "zero3"
+    devices = job.spec.resources.nodes * job.spec.resources.processes()
+    if job.spec.method.type == "full" and devices > 1:
+        return "fsdp"
+    return "ddp"
+
+
+def _explicit_lora(method: MethodConfig) -> MethodConfig:
+    """Workers get the adapter settings spelled out, defaults included."""
+    if method.type == "full" or method.lora is not None:
+        return method
+    return method.model_copy(update={"lora": LoraConfig()})
+
+
+def build_trainer_config(job: FineTuneJob, locate: Locate = keep_location) -> TrainerConfig:
+    spec = job.spec
+    strategy: StrategyConfig = spec.strategy.model_copy(update={"type": resolve_strategy(job)})
+    return TrainerConfig(
+        job=JobIdentity(name=job.name, namespace=job.namespace, uid=job.metadata.uid),
+        model=spec.model.model_copy(update={"uri": locate(spec.model.uri, MODEL_SCHEMES)}),
+        dataset=spec.dataset.model_copy(update={"uri": locate(spec.dataset.uri, DATASET_SCHEMES)}),
+        method=_explicit_lora(spec.method),
+        strategy=strategy,
+        hyperparameters=spec.hyperparameters.model_copy(update={
+            "learning_rate": spec.hyperparameters.resolved_learning_rate(spec.method.type)}),
+        output=spec.output.model_copy(update={"uri": locate(spec.output.uri, OUTPUT_SCHEMES)}),
+    )
+

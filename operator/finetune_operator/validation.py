@@ -1,0 +1,448 @@
+"""Validation of FineTuneJob manifests: every problem at once, each naming its field.
+
+Two layers, run in order:
+1. Structure (types, enums, ranges, unknown fields) by the pydantic models in `api`,
+   with pydantic's messages rewritten into `path: what is wrong — how to fix`.
+2. Cross-field rules, below. A rule that the API server can enforce by itself also
+   carries a CEL expression; the CRD generator copies it into `x-kubernetes-validations`
+   so `kubectl apply` refuses the same manifest, and a test checks both agree.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ValidationError
+
+from finetune_operator import backends
+from finetune_operator.api import (
+    API_VERSION,
+    DNS_1035_LABEL,
+    DNS_1123_LABEL,
+    GUID_PATTERN,
+    KIND,
+    MAX_NAME_LENGTH,
+    QUANTITY_PATTERN,
+    FineTuneJob,
+)
+from finetune_trainer.uris import (
+    DATASET_SCHEMES,
+    MODEL_SCHEMES,
+    OUTPUT_SCHEMES,
+    UriError,
+    parse_uri,
+)
+
+# torchrun / torch.distributed rendezvous and the names Kubeflow users know: set by the
+# backend for every worker, so a user value would silently split or hang the gang.
+RESERVED_ENV_NAMES = (
+    "MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+    "GROUP_RANK", "NODE_RANK", "NNODES", "NPROC_PER_NODE", "TORCHELASTIC_RUN_ID",
+    "FINETUNE_CONFIG",
+)
+RESERVED_ENV_PREFIXES = ("PET_",)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a manifest: where, what, and how to fix it."""
+
+    path: str
+    message: str
+    fix: str
+    severity: Literal["error", "warning"] = "error"
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message} — {self.fix}"
+
+
+class InvalidJobError(ValueError):
+    """A manifest with at least one error; `problems` lists them all."""
+
+    def __init__(self, problems: list[Problem]):
+        super().__init__("\n".join(str(p) for p in problems))
+        self.problems = problems
+
+
+@dataclass(frozen=True)
+class CelRule:
+    """A rule the API server checks itself (`x-kubernetes-validations`).
+
+    `scope` is the schema location the rule is attached to, as a dotted path where `[*]`
+    means "each list item"; `self` in `rule` is the object at that location, after the
+    API server applied the CRD's defaults.
+    """
+
+    scope: str
+    rule: str
+    message: str
+    field_path: str | None = None
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    check: Callable[[FineTuneJob], Iterable[Problem]]
+    cel: tuple[CelRule, ...] = field(default_factory=tuple)
+
+
+RULES: list[Rule] = []
+
+
+def rule(*cel: CelRule) -> Callable[[Callable[[FineTuneJob], Iterable[Problem]]], Any]:
+    def register(check: Callable[[FineTuneJob], Iterable[Problem]]) -> Any:
+        RULES.append(Rule(check.__name__, check, cel))
+        return check
+    return register
+
+
+def cel_rules() -> list[CelRule]:
+    """Every CEL rule, for the CRD generator."""
+    return [c for r in RULES for c in r.cel]
+
+
+# --- cross-field rules -----------------------------------------------------------------
+
+_NAME_FIX = (f"use at most {MAX_NAME_LENGTH} lowercase letters, digits and '-', starting "
+             "with a letter (child objects and pod hostnames are derived from it)")
+
+
+@rule(
+    CelRule("", f"self.metadata.name.size() <= {MAX_NAME_LENGTH}",
+            f"metadata.name: too long — {_NAME_FIX}"),
+    CelRule("", f"self.metadata.name.matches('{DNS_1035_LABEL}')",
+            f"metadata.name: not a DNS-1035 label — {_NAME_FIX}"),
+)
+def name_fits_derived_objects(job: FineTuneJob) -> Iterator[Problem]:
+    name = job.metadata.name
+    if len(name) > MAX_NAME_LENGTH:
+        yield Problem("metadata.name", f"is {len(name)} characters, the limit is "
+                      f"{MAX_NAME_LENGTH}", _NAME_FIX)
+    if not re.fullmatch(DNS_1035_LABEL, name):
+        yield Problem("metadata.name", f"{name!r} is not a DNS-1035 label", _NAME_FIX)
+
+
+@rule(CelRule("spec.hyperparameters", "has(self.epochs) != has(self.maxSteps)",
+              "set exactly one of spec.hyperparameters.epochs or "
+              "spec.hyperparameters.maxSteps"))
+def epochs_or_max_steps(job: FineTuneJob) -> Iterator[Problem]:
+    hp = job.spec.hyperparameters
+    if hp.epochs is None and hp.max_steps is None:
+        yield Problem("spec.hyperparameters", "neither epochs nor maxSteps is set",
+                      "set `epochs: 1` (passes over the data) or `maxSteps: N` (optimizer steps)")
+    elif hp.epochs is not None and hp.max_steps is not None:
+        yield Problem("spec.hyperparameters.maxSteps", "is set together with epochs",
+                      "keep one: remove `epochs` or `maxSteps`")
+
+
+@rule(
+    CelRule("spec", "self.method.type != 'qlora' || self.resources.gpusPerNode > 0",
+            "qlora needs GPUs (bitsandbytes 4-bit kernels) — set spec.resources.gpusPerNode "
+            ">= 1, or use method lora on CPU workers", ".method.type"),
+    CelRule("spec", "self.method.type != 'qlora' || self.strategy.precision != 'fp32'",
+            "qlora computes in bf16 or fp16 — set spec.strategy.precision to bf16 (Ampere and "
+            "newer) or fp16 (V100/T4)", ".strategy.precision"),
+)
+def qlora_needs_gpus_and_half_precision(job: FineTuneJob) -> Iterator[Problem]:
+    spec = job.spec
+    if spec.method.type != "qlora":
+        return
+    if spec.resources.gpus_per_node == 0:
+        yield Problem("spec.method.type", "qlora needs GPUs (bitsandbytes 4-bit kernels) but "
+                      "spec.resources.gpusPerNode is 0",
+                      "set spec.resources.gpusPerNode >= 1, or use `method.type: lora` on CPU")
+    if spec.strategy.precision == "fp32":
+        yield Problem("spec.strategy.precision", "qlora cannot compute in fp32",
+                      "use bf16 (A100, H100 and newer) or fp16 (V100, T4)")
+
+
+@rule(CelRule("spec", "!(self.method.type == 'full' && self.strategy.type == 'fsdp' && "
+              "self.strategy.precision == 'fp16')",
+              "fp16 full fine-tuning under FSDP is numerically unstable — use bf16, fp32, or "
+              "strategy zero3 (DeepSpeed's fp16 loss scaler)", ".strategy.precision"))
+def no_fp16_full_fsdp(job: FineTuneJob) -> Iterator[Problem]:
+    s = job.spec.strategy
+    if job.spec.method.type == "full" and s.type == "fsdp" and s.precision == "fp16":
+        yield Problem("spec.strategy.precision", "fp16 full fine-tuning under FSDP is "
+                      "numerically unstable (sharded fp16 gradients overflow without a "
+                      "global loss scaler)",
+                      "use bf16 (A100/H100), fp32, or `strategy.type: zero3` for fp16 GPUs")
+
+
+@rule(
+    CelRule("spec.strategy", "self.offload != 'cpu' || self.type in "
+            "['auto', 'fsdp', 'zero2', 'zero3']",
+            "offload cpu needs strategy fsdp, zero2 or zero3", ".offload"),
+    CelRule("spec.strategy", "self.offload != 'nvme' || self.type in ['auto', 'zero3']",
+            "offload nvme needs strategy zero3", ".offload"),
+    CelRule("spec.strategy", "self.offload != 'nvme' || has(self.nvmePath)",
+            "offload nvme needs spec.strategy.nvmePath (a local NVMe folder)", ".nvmePath"),
+)
+def offload_needs_sharding(job: FineTuneJob) -> Iterator[Problem]:
+    s = job.spec.strategy
+    if s.offload == "cpu" and s.type not in ("auto", "fsdp", "zero2", "zero3"):
+        yield Problem("spec.strategy.offload", f"cpu offload does not work with {s.type}",
+                      "use `strategy.type: zero2`, `zero3` or `fsdp`, or `offload: none`")
+    if s.offload == "nvme":
+        if s.type not in ("auto", "zero3"):
+            yield Problem("spec.strategy.offload", f"nvme offload does not work with {s.type}",
+                          "use `strategy.type: zero3` (ZeRO-Infinity), or `offload: cpu`")
+        if s.nvme_path is None:
+            yield Problem("spec.strategy.nvmePath", "is required with `offload: nvme`",
+                          "set it to a folder on the node's local NVMe, e.g. /mnt/nvme")
+    elif s.nvme_path is not None:
+        yield Problem("spec.strategy.nvmePath", "is only used with `offload: nvme`",
+                      "remove it, or set `offload: nvme`")
+
+
+@rule(CelRule("spec.method", "!has(self.lora) || self.type != 'full'",
+              "spec.method.lora is only used with lora and qlora — remove it, or choose "
+              "type lora", ".lora"))
+def lora_settings_need_lora(job: FineTuneJob) -> Iterator[Problem]:
+    if job.spec.method.type == "full" and job.spec.method.lora is not None:
+        yield Problem("spec.method.lora", "is set but method.type is full",
+                      "remove `lora`, or set `method.type: lora`")
+
+
+@rule(CelRule("spec", "!self.output.mergeAdapter || self.method.type != 'full'",
+              "spec.output.mergeAdapter needs method lora or qlora — remove it for full "
+              "fine-tuning", ".output.mergeAdapter"))
+def merge_needs_adapter(job: FineTuneJob) -> Iterator[Problem]:
+    if job.spec.output.merge_adapter and job.spec.method.type == "full":
+        yield Problem("spec.output.mergeAdapter", "there is no adapter to merge in a full "
+                      "fine-tune", "remove `mergeAdapter` (the full weights are exported)")
+
+
+@rule(CelRule("spec", "!has(self.hyperparameters.evalEverySteps) || "
+              "self.dataset.evalFraction > 0.0",
+              "spec.hyperparameters.evalEverySteps needs an eval split — set "
+              "spec.dataset.evalFraction, e.g. 0.05", ".hyperparameters.evalEverySteps"))
+def eval_needs_split(job: FineTuneJob) -> Iterator[Problem]:
+    if job.spec.hyperparameters.eval_every_steps and job.spec.dataset.eval_fraction == 0:
+        yield Problem("spec.hyperparameters.evalEverySteps", "is set but there is no eval split",
+                      "set `spec.dataset.evalFraction` (e.g. 0.05), or remove evalEverySteps")
+
+
+@rule(CelRule("spec.resources", "!has(self.processesPerNode) || self.gpusPerNode == 0",
+              "spec.resources.processesPerNode is for CPU workers — with GPUs there is one "
+              "process per GPU; remove it", ".processesPerNode"))
+def processes_only_for_cpu(job: FineTuneJob) -> Iterator[Problem]:
+    r = job.spec.resources
+    if r.processes_per_node is not None and r.gpus_per_node > 0:
+        yield Problem("spec.resources.processesPerNode",
+                      f"is set with gpusPerNode: {r.gpus_per_node}",
+                      "remove it: with GPUs there is one training process per GPU")
+
+
+@rule(CelRule("spec", "self.backend != 'azureml' || has(self.azureml)",
+              "backend azureml needs spec.azureml (subscriptionId, resourceGroup, workspace, "
+              "compute)", ".azureml"))
+def backend_section_present(job: FineTuneJob) -> Iterator[Problem]:
+    spec = job.spec
+    if spec.backend == "azureml" and spec.azureml is None:
+        yield Problem("spec.azureml", "is required by backend azureml",
+                      "add `azureml: {subscriptionId, resourceGroup, workspace, compute}`")
+    if spec.backend == "azureml" and spec.kubernetes is not None:
+        yield Problem("spec.kubernetes", "is ignored by backend azureml",
+                      "remove it, or set `backend: kubernetes`", "warning")
+    if spec.backend == "kubernetes" and spec.azureml is not None:
+        yield Problem("spec.azureml", "is ignored by backend kubernetes",
+                      "remove it, or set `backend: azureml`", "warning")
+
+
+def backend_installed(job: FineTuneJob) -> Iterator[Problem]:
+    installed = backends.installed_names()
+    if job.spec.backend not in installed:
+        yield Problem("spec.backend", f"{job.spec.backend!r} is not an installed backend",
+                      "use one of: " + ", ".join(sorted(installed)))
+
+
+RULES.append(Rule("backend_installed", backend_installed))
+
+
+def locations_are_supported(job: FineTuneJob) -> Iterator[Problem]:
+    spec = job.spec
+    relative: list[str] = []
+    for path, uri, schemes in (("spec.model.uri", spec.model.uri, MODEL_SCHEMES),
+                               ("spec.dataset.uri", spec.dataset.uri, DATASET_SCHEMES),
+                               ("spec.output.uri", spec.output.uri, OUTPUT_SCHEMES)):
+        try:
+            if parse_uri(uri, schemes).scheme == "relative":
+                relative.append(path)
+        except UriError as error:
+            yield Problem(path, error.what, error.fix)
+    if relative:
+        others = f" (also {', '.join(relative[1:])})" if relative[1:] else ""
+        yield Problem(relative[0], f"relative paths{others} only work with `finetune run` on "
+                      "one machine", "on a cluster use pvc://claim/path, azureml://... or an "
+                      "absolute path inside the image", "warning")
+    if spec.model.token_secret_ref and not spec.model.uri.startswith("hf://"):
+        yield Problem("spec.model.tokenSecretRef", "is only used for hf:// models",
+                      "remove it, or point spec.model.uri at the hub", "warning")
+
+
+RULES.append(Rule("locations_are_supported", locations_are_supported))
+
+_RESERVED_CEL = ("!(e.name in [" + ", ".join(f"'{n}'" for n in RESERVED_ENV_NAMES) + "]) && "
+                 + " && ".join(f"!e.name.startsWith('{p}')" for p in RESERVED_ENV_PREFIXES))
+
+
+@rule(
+    CelRule("spec.kubernetes", f"!has(self.env) || self.env.all(e, {_RESERVED_CEL})",
+            "spec.kubernetes.env sets a reserved rendezvous variable (MASTER_ADDR, "
+            "MASTER_PORT, RANK, WORLD_SIZE, PET_*, ...) — remove it; the backend sets these",
+            ".env"),
+    CelRule("spec.kubernetes.env[*]", "!(has(self.value) && has(self.valueFrom))",
+            "an env entry has both value and valueFrom — keep one"),
+    CelRule("spec.kubernetes.volumes[*]",
+            "[has(self.persistentVolumeClaim), has(self.configMap), has(self.secret), "
+            "has(self.emptyDir)].filter(x, x).size() == 1",
+            "a volume needs exactly one of persistentVolumeClaim, configMap, secret or emptyDir"),
+)
+def kubernetes_pod_settings(job: FineTuneJob) -> Iterator[Problem]:
+    k8s = job.spec.kubernetes
+    if k8s is None:
+        return
+    seen: set[str] = set()
+    for i, env in enumerate(k8s.env):
+        path = f"spec.kubernetes.env[{i}]"
+        if env.name in RESERVED_ENV_NAMES or env.name.startswith(RESERVED_ENV_PREFIXES):
+            yield Problem(f"{path}.name", f"{env.name} is reserved: the backend sets it for "
+                          "the rendezvous of every worker", f"remove {env.name} from env")
+        if env.value is not None and env.value_from is not None:
+            yield Problem(path, "has both value and valueFrom", "keep one of them")
+        if env.name in seen:
+            yield Problem(f"{path}.name", f"{env.name} is set twice", "keep one entry")
+        seen.add(env.name)
+    names: set[str] = set()
+    for i, volume in enumerate(k8s.volumes):
+        path = f"spec.kubernetes.volumes[{i}]"
+        if len(volume.sources()) != 1:
+            yield Problem(path, f"has {len(volume.sources())} sources",
+                          "set exactly one of persistentVolumeClaim, configMap, secret, emptyDir")
+        if volume.name in names:
+            yield Problem(f"{path}.name", f"{volume.name} is used twice", "give it another name")
+        names.add(volume.name)
+
+
+# --- structure: pydantic errors as problems --------------------------------------------
+
+_PATTERN_HINTS = {
+    DNS_1035_LABEL: ("is not a DNS-1035 label",
+                     "use lowercase letters, digits and '-', starting with a letter"),
+    DNS_1123_LABEL: ("is not a DNS-1123 label", "use lowercase letters, digits and '-'"),
+    QUANTITY_PATTERN: ("is not a Kubernetes quantity", "write e.g. 8, 500m, 64Gi"),
+    r"^/\S*$": ("is not an absolute path", "start it with /"),
+    GUID_PATTERN: ("is not a GUID", "copy the id from `az account show --query id`"),
+}
+_TYPE_NAMES = {"int": "an integer", "float": "a number", "bool": "true or false",
+               "string": "a string", "dict": "a mapping", "list": "a list", "model": "a mapping"}
+
+
+def _path(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _field_names_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """Wire names of the fields of the object at `loc`, for spelling suggestions."""
+    current: Any = model
+    for part in loc:
+        if isinstance(part, int) or not (isinstance(current, type)
+                                         and issubclass(current, BaseModel)):
+            continue
+        match = [f for n, f in current.model_fields.items() if (f.alias or n) == part]
+        if not match:
+            return []
+        current = _inner_model(match[0].annotation)
+    if isinstance(current, type) and issubclass(current, BaseModel):
+        return [f.alias or n for n, f in current.model_fields.items()]
+    return []
+
+
+def _inner_model(annotation: Any) -> Any:
+    """The BaseModel inside `X | None` or `list[X]`, if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _inner_model(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _structural_problem(error: Any, root: type[BaseModel]) -> Problem:
+    loc = tuple(error["loc"])
+    path = _path(loc)
+    kind = error["type"]
+    ctx = error.get("ctx", {})
+    given = error.get("input")
+    explain = f"see `kubectl explain ftj.{path}`" if path.startswith("spec") else (
+        "see the FineTuneJob reference in the README")
+    if kind == "missing":
+        return Problem(path, "is required", f"add `{loc[-1]}`; {explain}")
+    if kind == "extra_forbidden":
+        known = _field_names_at(root, loc[:-1])
+        close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+        fix = (f"did you mean `{close[0]}`?" if close
+               else "remove it; known fields: " + ", ".join(known))
+        return Problem(path, "is not a known field", fix)
+    if kind == "literal_error":
+        return Problem(path, f"{given!r} is not allowed", f"use one of {ctx.get('expected')}")
+    if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
+        bound = next(iter(ctx.values()))
+        word = {"greater_than_equal": "at least", "greater_than": "greater than",
+                "less_than_equal": "at most", "less_than": "less than"}[kind]
+        return Problem(path, f"is {given}, must be {word} {bound}", f"set a value {word} {bound}")
+    if kind == "string_pattern_mismatch":
+        what, fix = _PATTERN_HINTS.get(ctx.get("pattern"), ("has the wrong form",
+                                                           f"match {ctx.get('pattern')}"))
+        return Problem(path, f"{given!r} {what}", fix)
+    if kind in ("string_too_long", "too_long"):
+        return Problem(path, f"is longer than {ctx.get('max_length')}", "shorten it")
+    if kind in ("string_too_short", "too_short"):
+        return Problem(path, "is empty", f"set a value; {explain}")
+    base = kind.split("_")[0]
+    if base in _TYPE_NAMES:
+        return Problem(path, f"must be {_TYPE_NAMES[base]}, got {given!r}", explain)
+    return Problem(path, error["msg"], explain)
+
+
+# --- entry points ----------------------------------------------------------------------
+
+def check_document(doc: Any) -> tuple[FineTuneJob | None, list[Problem]]:
+    """Every problem with one manifest (errors and warnings), and the job if it parsed."""
+    if not isinstance(doc, dict):
+        return None, [Problem("(document)", f"is {type(doc).__name__}, not a mapping",
+                              "write a FineTuneJob manifest (apiVersion, kind, metadata, spec)")]
+    problems: list[Problem] = []
+    if doc.get("apiVersion") != API_VERSION:
+        problems.append(Problem("apiVersion", f"{doc.get('apiVersion')!r} is not served by "
+                                "this operator", f"use `apiVersion: {API_VERSION}`"))
+    if doc.get("kind") != KIND:
+        problems.append(Problem("kind", f"{doc.get('kind')!r} is not {KIND}",
+                                f"use `kind: {KIND}`"))
+    if problems:
+        return None, problems
+    try:
+        job = FineTuneJob.model_validate(doc)
+    except ValidationError as error:
+        return None, [_structural_problem(e, FineTuneJob) for e in error.errors()]
+    for r in RULES:
+        problems.extend(r.check(job))
+    return job, problems
+
+
+def parse_job(doc: Any) -> FineTuneJob:
+    """The FineTuneJob in `doc`, or InvalidJobError listing every error (warnings pass)."""
+    job, problems = check_document(doc)
+    errors = [p for p in problems if p.severity == "error"]
+    if errors or job is None:
+        raise InvalidJobError(errors)
+    return job

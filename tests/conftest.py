@@ -1,0 +1,39 @@
+"""Shared fixtures: the repository's examples, the generated CRD, and manifest builders."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+
+
+def load_yaml(path: Path) -> Any:
+    return yaml.safe_load(path.read_text())
+
+
+@pytest.fixture(scope="session")
+def committed_crd() -> dict[str, Any]:
+    return load_yaml(REPO / "crds" / "finetunejobs.finetune.dev.yaml")
+
+
+def minimal_job(**spec_overrides: Any) -> dict[str, Any]:
+    """The smallest valid FineTuneJob; tests change one thing at a time."""
+    job = {
+        "apiVersion": "finetune.dev/v1alpha1",
+        "kind": "FineTuneJob",
+        "metadata": {"name": "demo"},
+        "spec": {
+            "model": {"uri": "hf://Qwen/Qwen2.5-0.5B"},
+            "dataset": {"uri": "pvc://data/train.jsonl"},
+            "hyperparameters": {"maxSteps": 10},
+            "output": {"uri": "pvc://ckpt/demo"},
+        },
+    }
+    job["spec"].update(copy.deepcopy(spec_overrides))
+    return job

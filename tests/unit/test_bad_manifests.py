@@ -1,0 +1,192 @@
+"""Bad manifests: each gets a message that names the field and says how to fix it, and
+the API server (the CRD's schema or its CEL rules) refuses the same ones it can see."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from finetune_operator.validation import check_document
+from tests.conftest import minimal_job
+from tests.crd_schema import cel_failures, schema_errors
+
+DELETE = object()
+
+
+def edit(doc: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    doc = copy.deepcopy(doc)
+    for dotted, value in changes.items():
+        *parents, leaf = dotted.split(".")
+        node = doc
+        for part in parents:
+            node = node.setdefault(part, {})
+        if value is DELETE:
+            node.pop(leaf, None)
+        else:
+            node[leaf] = value
+    return doc
+
+
+@dataclass
+class Case:
+    id: str
+    changes: dict[str, Any]
+    path: str
+    message: str
+    server: str | None  # "schema", "cel", or None when only the operator can tell
+
+
+GPU_LORA = {"spec.resources.gpusPerNode": 1}
+AML = {"subscriptionId": "00000000-0000-0000-0000-000000000000", "resourceGroup": "rg",
+       "workspace": "ws", "compute": "gpu-cluster"}
+
+CASES = [
+    Case("wrong-api-version", {"apiVersion": "finetune.dev/v1"}, "apiVersion",
+         "use `apiVersion: finetune.dev/v1alpha1`", None),
+    Case("wrong-kind", {"kind": "PyTorchJob"}, "kind", "use `kind: FineTuneJob`", None),
+    Case("missing-name", {"metadata.name": DELETE}, "metadata.name", "is required", None),
+    Case("name-uppercase", {"metadata.name": "Demo"}, "metadata.name",
+         "not a DNS-1035 label", "cel"),
+    Case("name-too-long", {"metadata.name": "a" * 48}, "metadata.name",
+         "is 48 characters, the limit is 47", "cel"),
+    Case("missing-model", {"spec.model": DELETE}, "spec.model", "is required", "schema"),
+    Case("model-on-s3", {"spec.model.uri": "s3://bucket/llama"}, "spec.model.uri",
+         "not a location this API understands", "schema"),
+    Case("model-over-https", {"spec.model.uri": "https://example.com/model"}, "spec.model.uri",
+         "https:// locations are not accepted here", "schema"),
+    Case("dataset-plain-http", {"spec.dataset.uri": "http://example.com/d.jsonl"},
+         "spec.dataset.uri", "use https://", "schema"),
+    Case("output-to-hub", {"spec.output.uri": "hf://me/out"}, "spec.output.uri",
+         "Hugging Face Hub (hf://) locations are not accepted", "schema"),
+    Case("pvc-claim-uppercase", {"spec.dataset.uri": "pvc://Data/x"}, "spec.dataset.uri",
+         "not a location", "schema"),
+    Case("method-typo", {"spec.method": {"type": "lorra"}}, "spec.method.type",
+         "use one of 'lora', 'qlora' or 'full'", "schema"),
+    Case("field-typo", {"spec.methd": {"type": "lora"}}, "spec.methd",
+         "did you mean `method`?", "schema"),
+    Case("qlora-on-cpu", {"spec.method": {"type": "qlora"}, "spec.resources.gpusPerNode": 0},
+         "spec.method.type", "qlora needs GPUs", "cel"),
+    Case("qlora-fp32", {**GPU_LORA, "spec.method": {"type": "qlora"},
+                        "spec.strategy": {"precision": "fp32"}},
+         "spec.strategy.precision", "use bf16", "cel"),
+    Case("fp16-fsdp-full", {"spec.method": {"type": "full"},
+                            "spec.strategy": {"type": "fsdp", "precision": "fp16"}},
+         "spec.strategy.precision", "numerically unstable", "cel"),
+    Case("cpu-offload-with-ddp", {"spec.strategy": {"type": "ddp", "offload": "cpu"}},
+         "spec.strategy.offload", "use `strategy.type: zero2`, `zero3` or `fsdp`", "cel"),
+    Case("nvme-offload-with-zero2", {"spec.strategy": {"type": "zero2", "offload": "nvme",
+                                                       "nvmePath": "/nvme"}},
+         "spec.strategy.offload", "ZeRO-Infinity", "cel"),
+    Case("nvme-offload-without-path", {"spec.strategy": {"type": "zero3", "offload": "nvme"}},
+         "spec.strategy.nvmePath", "is required with `offload: nvme`", "cel"),
+    Case("zero-nodes", {"spec.resources.nodes": 0}, "spec.resources.nodes",
+         "must be at least 1", "schema"),
+    Case("negative-gpus", {"spec.resources.gpusPerNode": -1}, "spec.resources.gpusPerNode",
+         "must be at least 0", "schema"),
+    Case("processes-with-gpus", {"spec.resources.processesPerNode": 2},
+         "spec.resources.processesPerNode", "one training process per GPU", "cel"),
+    Case("azureml-without-section", {"spec.backend": "azureml"}, "spec.azureml",
+         "is required by backend azureml", "cel"),
+    Case("azureml-bad-subscription", {"spec.backend": "azureml", "spec.azureml": {
+        **AML, "subscriptionId": "my-subscription"}}, "spec.azureml.subscriptionId",
+         "is not a GUID", "schema"),
+    Case("unknown-backend", {"spec.backend": "slurm"}, "spec.backend",
+         "use one of: azureml, kubernetes", None),
+    Case("epochs-and-max-steps", {"spec.hyperparameters": {"epochs": 1, "maxSteps": 5}},
+         "spec.hyperparameters.maxSteps", "remove `epochs` or `maxSteps`", "cel"),
+    Case("no-length", {"spec.hyperparameters": {}}, "spec.hyperparameters",
+         "set `epochs: 1`", "cel"),
+    Case("zero-learning-rate", {"spec.hyperparameters.learningRate": 0},
+         "spec.hyperparameters.learningRate", "greater than 0", "schema"),
+    Case("eval-fraction-too-big", {"spec.dataset.evalFraction": 0.9},
+         "spec.dataset.evalFraction", "at most 0.5", "schema"),
+    Case("keep-no-checkpoints", {"spec.output.keepLast": 0}, "spec.output.keepLast",
+         "at least 1", "schema"),
+    Case("reserved-master-addr", {"spec.kubernetes": {"env": [
+        {"name": "MASTER_ADDR", "value": "10.0.0.1"}]}}, "spec.kubernetes.env[0].name",
+         "MASTER_ADDR is reserved", "cel"),
+    Case("reserved-pet-prefix", {"spec.kubernetes": {"env": [
+        {"name": "LOG_LEVEL", "value": "info"}, {"name": "PET_NNODES", "value": "4"}]}},
+         "spec.kubernetes.env[1].name", "PET_NNODES is reserved", "cel"),
+    Case("env-value-and-value-from", {"spec.kubernetes": {"env": [
+        {"name": "X", "value": "1", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]}},
+         "spec.kubernetes.env[0]", "has both value and valueFrom", "cel"),
+    Case("volume-two-sources", {"spec.kubernetes": {"volumes": [
+        {"name": "data", "mountPath": "/data", "emptyDir": {},
+         "persistentVolumeClaim": {"claimName": "c"}}]}}, "spec.kubernetes.volumes[0]",
+         "set exactly one of", "cel"),
+    Case("lora-settings-on-full", {"spec.method": {"type": "full", "lora": {"r": 8}}},
+         "spec.method.lora", "remove `lora`", "cel"),
+    Case("merge-on-full", {"spec.method": {"type": "full"}, "spec.output.mergeAdapter": True},
+         "spec.output.mergeAdapter", "no adapter to merge", "cel"),
+    Case("eval-every-without-split", {"spec.hyperparameters.evalEverySteps": 50},
+         "spec.hyperparameters.evalEverySteps", "set `spec.dataset.evalFraction`", "cel"),
+    Case("bad-quantity", {"spec.kubernetes": {"shmSize": "lots"}}, "spec.kubernetes.shmSize",
+         "not a Kubernetes quantity", "schema"),
+    Case("bad-toleration-effect", {"spec.kubernetes": {"tolerations": [
+        {"key": "sku", "value": "gpu", "effect": "NoRun"}]}},
+         "spec.kubernetes.tolerations[0].effect", "'NoSchedule'", "schema"),
+    Case("sequence-too-short", {"spec.dataset.maxSeqLength": 8}, "spec.dataset.maxSeqLength",
+         "at least 16", "schema"),
+    Case("spec-not-a-mapping", {"spec": "train please"}, "spec", "must be a mapping",
+         "schema"),
+    Case("batch-size-word", {"spec.hyperparameters.batchSizePerDevice": "four"},
+         "spec.hyperparameters.batchSizePerDevice", "must be an integer", "schema"),
+]
+
+
+def test_enough_distinct_cases():
+    assert len({c.id for c in CASES}) == len(CASES) >= 25
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_bad_manifest_is_refused_with_an_actionable_message(case: Case, committed_crd):
+    doc = edit(minimal_job(), case.changes)
+    job, problems = check_document(doc)
+    errors = [p for p in problems if p.severity == "error"]
+    assert errors, "the manifest was accepted"
+    matching = [p for p in errors if p.path == case.path]
+    assert matching, f"no problem at {case.path}: {[str(p) for p in errors]}"
+    text = " | ".join(str(p) for p in matching)
+    assert case.message in text
+    assert all(p.fix for p in errors)  # every problem says how to fix it
+
+    if case.server == "schema":
+        assert schema_errors(committed_crd, doc), "the CRD schema accepts it"
+    elif case.server == "cel":
+        assert job is not None, "a CEL case must pass the structural checks"
+        assert schema_errors(committed_crd, doc) == []
+        defaulted = job.model_dump(by_alias=True, exclude_none=True, mode="json")
+        assert cel_failures(committed_crd, defaulted), "no CEL rule refuses it"
+
+
+def test_the_minimal_job_is_valid(committed_crd):
+    doc = minimal_job()
+    job, problems = check_document(doc)
+    assert job is not None and problems == []
+    assert schema_errors(committed_crd, doc) == []
+
+
+def test_all_problems_are_reported_at_once():
+    doc = edit(minimal_job(), {"spec.method": {"type": "qlora"}, "spec.resources.gpusPerNode": 0,
+                               "spec.strategy": {"precision": "fp32", "offload": "nvme"}})
+    _, problems = check_document(doc)
+    paths = {p.path for p in problems}
+    assert {"spec.method.type", "spec.strategy.precision", "spec.strategy.nvmePath"} <= paths
+
+
+def test_non_mapping_document():
+    _, problems = check_document(["not", "a", "job"])
+    assert problems[0].path == "(document)"
+
+
+def test_warnings_do_not_fail_a_manifest():
+    doc = edit(minimal_job(), {"spec.dataset.uri": "./data/train.jsonl",
+                               "spec.azureml": AML})
+    job, problems = check_document(doc)
+    assert job is not None
+    assert {p.severity for p in problems} == {"warning"}
+    assert {p.path for p in problems} == {"spec.dataset.uri", "spec.azureml"}

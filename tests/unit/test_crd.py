@@ -1,0 +1,90 @@
+"""The CRD is generated from the API models, committed, structural and valid Kubernetes."""
+
+from __future__ import annotations
+
+import kubernetes_validate
+import pytest
+
+from finetune_operator import crd
+from tests.conftest import REPO, load_yaml
+
+KUBERNETES_VERSIONS = ["1.30", "1.33"]
+
+
+def test_committed_crds_match_generation():
+    generated = crd.render_yaml()
+    for path in crd.CRD_PATHS:
+        assert path.read_text() == generated, f"{path} is stale: run `make crds`"
+
+
+def test_check_mode_reports_stale_files(tmp_path, monkeypatch, capsys):
+    stale = tmp_path / "crd.yaml"
+    stale.write_text("old")
+    monkeypatch.setattr(crd, "CRD_PATHS", (stale,))
+    assert crd.main(["--check"]) == 1
+    assert "run `make crds`" in capsys.readouterr().err
+    stale.write_text(crd.render_yaml())
+    assert crd.main(["--check"]) == 0
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_crd_is_a_valid_kubernetes_object(version, committed_crd):
+    kubernetes_validate.validate(committed_crd, version, strict=True)
+
+
+def _walk(node, path="$"):
+    yield path, node
+    for key in ("properties",):
+        for name, child in node.get(key, {}).items():
+            yield from _walk(child, f"{path}.{name}")
+    for key in ("items", "additionalProperties"):
+        if isinstance(node.get(key), dict):
+            yield from _walk(node[key], f"{path}.{key}")
+
+
+def test_schema_is_structural(committed_crd):
+    root = committed_crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    for path, node in _walk(root):
+        assert "$ref" not in node and "$defs" not in node, path
+        if node.get("x-kubernetes-int-or-string"):
+            continue
+        assert "anyOf" not in node and "oneOf" not in node, path
+        assert "type" in node, f"{path} has no type"
+
+
+def test_every_field_is_documented(committed_crd):
+    """`kubectl explain ftj.spec.<anything>` has something to say."""
+    props = committed_crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]
+    for root in ("spec", "status"):
+        assert [path for path, node in _walk(props[root], root) if "description" not in node] == []
+
+
+def test_crd_names_and_columns(committed_crd):
+    spec = committed_crd["spec"]
+    assert spec["group"] == "finetune.dev"
+    assert spec["names"]["plural"] == "finetunejobs"
+    assert spec["names"]["shortNames"] == ["ftj"]
+    version = spec["versions"][0]
+    assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
+    columns = [c["name"] for c in version["additionalPrinterColumns"]]
+    for wanted in ("Phase", "Backend", "Nodes", "GPUs", "Step", "Loss", "Age"):
+        assert wanted in columns
+    conditions = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"][
+        "conditions"]
+    assert conditions["x-kubernetes-list-map-keys"] == ["type"]
+
+
+def test_defaults_and_enums_reach_the_crd(committed_crd):
+    props = committed_crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"][
+        "spec"]["properties"]
+    assert props["backend"]["default"] == "kubernetes"
+    assert props["method"]["properties"]["type"]["enum"] == ["lora", "qlora", "full"]
+    assert props["method"]["default"] == {}
+    assert props["strategy"]["properties"]["precision"]["default"] == "bf16"
+    assert props["resources"]["properties"]["nodes"]["minimum"] == 1
+
+
+def test_chart_ships_the_same_crd():
+    assert (REPO / "charts/finetune-operator/crds/finetunejobs.finetune.dev.yaml").read_text() == (
+        REPO / "crds/finetunejobs.finetune.dev.yaml").read_text()
+    assert load_yaml(REPO / "charts/finetune-operator/Chart.yaml")["name"] == "finetune-operator"

@@ -1,0 +1,68 @@
+"""The trainer config contract: built from a job, read back by the trainer, torch-free."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from pydantic import ValidationError
+
+from finetune_operator import naming
+from finetune_operator.api import MAX_NAME_LENGTH
+from finetune_operator.render import render
+from finetune_operator.trainer_config import build_trainer_config, resolve_strategy
+from finetune_operator.validation import parse_job
+from finetune_trainer.config import TrainerConfig
+from tests.conftest import minimal_job
+
+
+def test_config_module_imports_without_torch():
+    code = ("import sys; sys.modules['torch'] = None; "
+            "import finetune_trainer.config, finetune_operator.cli; print('ok')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.strip() == "ok", result.stderr
+
+
+def test_rendered_config_round_trips_through_the_trainer_loader(tmp_path):
+    job = parse_job(minimal_job(method={"type": "lora"}))
+    config_map = render(job)[0]
+    path = tmp_path / naming.TRAINER_CONFIG_KEY
+    path.write_text(config_map["data"][naming.TRAINER_CONFIG_KEY])
+    config = TrainerConfig.load(path)
+    assert config == build_trainer_config(job, locate=lambda uri, _: (
+        "/mnt/pvc/" + uri.removeprefix("pvc://") if uri.startswith("pvc://") else uri))
+    assert config.method.lora is not None and config.method.lora.r == 16  # defaults spelled out
+    assert config.hyperparameters.learning_rate == 2e-4
+    assert config.output.uri == "/mnt/pvc/ckpt/demo"
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    ({"method": {"type": "lora"}}, "ddp"),
+    ({"method": {"type": "full"}}, "ddp"),
+    ({"method": {"type": "full"}, "resources": {"gpusPerNode": 8}}, "fsdp"),
+    ({"method": {"type": "full"}, "resources": {"gpusPerNode": 1, "nodes": 2}}, "fsdp"),
+    ({"strategy": {"offload": "cpu"}}, "zero3"),
+    ({"strategy": {"type": "zero2"}}, "zero2"),
+], ids=["lora", "full-one-gpu", "full-eight-gpus", "full-two-nodes", "offload", "explicit"])
+def test_auto_strategy(overrides, expected):
+    assert resolve_strategy(parse_job(minimal_job(**overrides))) == expected
+
+
+def test_trainer_refuses_an_unresolved_strategy():
+    config = build_trainer_config(parse_job(minimal_job())).to_dict()
+    config["strategy"]["type"] = "auto"
+    with pytest.raises(ValidationError, match="must be resolved"):
+        TrainerConfig.model_validate(config)
+
+
+def test_full_method_gets_no_adapter_and_a_lower_learning_rate():
+    config = build_trainer_config(parse_job(minimal_job(method={"type": "full"})))
+    assert config.method.lora is None
+    assert config.hyperparameters.learning_rate == 2e-5
+
+
+def test_derived_names_fit_kubernetes_labels():
+    longest = "a" * MAX_NAME_LENGTH
+    for name in naming.all_names(longest, nodes=1024):
+        assert len(name) <= 63, name

@@ -1,0 +1,252 @@
+"""The trainer config: the contract between the operator and the trainer.
+
+The sections here (model, dataset, method, strategy, hyperparameters, output) are the
+trainer's part of the `FineTuneJob` spec: the operator's API composes them, so a field
+is described once and means the same thing in a manifest and in the file every worker
+reads. `TrainerConfig` adds what the operator resolves (job identity, a concrete
+strategy) and is what `finetune-train --config FILE` reads.
+
+This module must stay importable without torch: the operator image has no training stack.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic.alias_generators import to_camel
+
+from finetune_trainer.uris import DATASET_SCHEMES, MODEL_SCHEMES, OUTPUT_SCHEMES, uri_pattern
+
+API_GROUP = "finetune.dev"
+API_VERSION = f"{API_GROUP}/v1alpha1"
+TRAINER_CONFIG_KIND = "TrainerConfig"
+
+MethodType = Literal["lora", "qlora", "full"]
+StrategyType = Literal["auto", "ddp", "fsdp", "zero1", "zero2", "zero3"]
+ConcreteStrategy = Literal["ddp", "fsdp", "zero1", "zero2", "zero3"]
+Offload = Literal["none", "cpu", "nvme"]
+Precision = Literal["bf16", "fp16", "fp32"]
+DatasetFormat = Literal["auto", "chat", "instruction", "text"]
+Scheduler = Literal["cosine", "linear", "constant"]
+
+
+def _uri(schemes: tuple) -> Any:
+    # The pattern is enforced by the API server; Python checks the same regex in a
+    # validation rule so the message can say which forms are accepted.
+    return WithJsonSchema({"type": "string", "pattern": uri_pattern(schemes), "maxLength": 2048})
+
+
+ModelUri = Annotated[str, _uri(MODEL_SCHEMES)]
+DatasetUri = Annotated[str, _uri(DATASET_SCHEMES)]
+OutputUri = Annotated[str, _uri(OUTPUT_SCHEMES)]
+
+
+class ApiModel(BaseModel):
+    """Base of every API object: camelCase on the wire, unknown fields refused."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        use_attribute_docstrings=True,
+        validate_default=True,
+    )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The wire form: camelCase keys, unset optional fields left out."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+def section(cls: type[ApiModel]) -> Any:
+    """A sub-object that is always present; `default: {}` lets the API server fill it in."""
+    return Field(default_factory=cls, json_schema_extra={"default": {}})
+
+
+class SecretKeyRef(ApiModel):
+    """A key of a Kubernetes Secret in the job's namespace."""
+
+    name: str = Field(min_length=1, max_length=253)
+    """Name of the Secret."""
+    key: str = Field(default="token", min_length=1, max_length=253)
+    """Key within the Secret."""
+
+
+class ModelSource(ApiModel):
+    """The base model to fine-tune: a Hugging Face causal language model."""
+
+    uri: ModelUri
+    """Where the model is: `hf://org/name` (Hugging Face Hub), `pvc://claim/path` (a
+    PersistentVolumeClaim), `azureml://registries/...` or `azureml://datastores/...`
+    (Azure ML), an absolute path inside the worker image, or `./path` (relative to the
+    manifest; `finetune run` only)."""
+    revision: str | None = Field(default=None, max_length=255)
+    """Hub revision to pin: a branch, tag or commit hash. Pin a commit for reproducible runs."""
+    token_secret_ref: SecretKeyRef | None = None
+    """Secret holding a Hugging Face token for gated or private models. The token is
+    passed to workers as the HF_TOKEN environment variable, never stored in the spec."""
+    trust_remote_code: bool = False
+    """Run modelling code shipped with the model repository. Only for repositories you trust."""
+
+
+class DatasetSource(ApiModel):
+    """The training data."""
+
+    uri: DatasetUri
+    """Where the data is: a jsonl/json/parquet/csv file or folder (`pvc://`, `azureml://`,
+    `https://`, an absolute or `./relative` path), or a hub dataset (`hf://org/name`)."""
+    format: DatasetFormat = "auto"
+    """How samples are laid out. `chat`: a `messages` list with roles, rendered through
+    the tokenizer's chat template. `instruction`: `prompt`/`response` or
+    `instruction`/`input`/`output` columns. `text`: a `text` column. `auto` detects
+    from the columns. Loss counts only response tokens where the format has a prompt."""
+    split: str = Field(default="train", min_length=1, max_length=128)
+    """Split to train on, for hub datasets and data files with named splits."""
+    eval_fraction: float = Field(default=0.0, ge=0.0, le=0.5)
+    """Fraction of samples held out for evaluation (0 disables evaluation)."""
+    max_seq_length: int = Field(default=2048, ge=16, le=1_048_576)
+    """Tokens per training sequence; longer samples are truncated."""
+    packing: bool = True
+    """Pack several samples into each sequence, without attention or positions leaking
+    between them. Faster on variable-length data; the loss is unchanged."""
+
+
+class LoraConfig(ApiModel):
+    """LoRA adapter settings (also used by QLoRA)."""
+
+    r: int = Field(default=16, ge=1, le=1024)
+    """Rank of the adapter matrices."""
+    alpha: float = Field(default=32, gt=0)
+    """Scaling numerator: the update is scaled by alpha / r."""
+    dropout: float = Field(default=0.05, ge=0.0, lt=1.0)
+    """Dropout on the adapter input."""
+    target_modules: list[Annotated[str, Field(min_length=1, max_length=128,
+                                              description="A module name.")]] = Field(
+        default_factory=lambda: ["all-linear"], min_length=1, max_length=64
+    )
+    """Module names to adapt (e.g. `q_proj`, `v_proj`), or `all-linear` for every linear
+    layer except the output head."""
+
+
+class MethodConfig(ApiModel):
+    """What is trained."""
+
+    type: MethodType = "lora"
+    """`lora`: low-rank adapters on frozen weights. `qlora`: LoRA on a 4-bit quantised
+    base model (GPU only, bf16 or fp16). `full`: every weight."""
+    lora: LoraConfig | None = None
+    """Adapter settings for `lora` and `qlora`; defaults apply when left out."""
+
+
+class StrategyConfig(ApiModel):
+    """How the work is spread over GPUs and how numbers are represented."""
+
+    type: StrategyType = "auto"
+    """`ddp`: every rank holds the whole model. `fsdp`: PyTorch FSDP2, parameters,
+    gradients and optimizer state sharded. `zero1`/`zero2`/`zero3`: DeepSpeed ZeRO
+    stages. `auto`: chosen from the model size, method and GPUs."""
+    offload: Offload = "none"
+    """Move optimizer state (and, with zero3 or fsdp, parameters) to `cpu` or `nvme`.
+    Saves GPU memory at the cost of speed. `cpu` needs zero2, zero3 or fsdp; `nvme`
+    needs zero3."""
+    nvme_path: str | None = Field(default=None, pattern=r"^/\S*$", max_length=1024)
+    """Local NVMe folder used by `offload: nvme`."""
+    precision: Precision = "bf16"
+    """`bf16` (Ampere GPUs and newer), `fp16` (with loss scaling; for V100/T4), or `fp32`."""
+    gradient_checkpointing: bool = True
+    """Recompute activations in the backward pass: much less memory, about 20-30% slower."""
+
+
+class Hyperparameters(ApiModel):
+    """Optimisation settings. Set exactly one of `epochs` and `maxSteps`."""
+
+    epochs: float | None = Field(default=None, gt=0, le=1000)
+    """Passes over the training data (fractions allowed)."""
+    max_steps: int | None = Field(default=None, ge=1)
+    """Optimizer steps to run, whatever the data size."""
+    learning_rate: float | None = Field(default=None, gt=0, le=1)
+    """Peak learning rate. Defaults to 2e-4 for lora/qlora and 2e-5 for full."""
+    batch_size_per_device: int = Field(default=4, ge=1, le=4096)
+    """Sequences per device (GPU or CPU worker process) per micro-step."""
+    gradient_accumulation_steps: int = Field(default=1, ge=1, le=4096)
+    """Micro-steps per optimizer step. Global batch = batchSizePerDevice x
+    gradientAccumulationSteps x devices."""
+    warmup_ratio: float = Field(default=0.03, ge=0.0, lt=1.0)
+    """Fraction of steps over which the learning rate rises linearly from 0."""
+    scheduler: Scheduler = "cosine"
+    """Learning-rate decay after warmup."""
+    weight_decay: float = Field(default=0.0, ge=0.0, le=1.0)
+    """AdamW decoupled weight decay."""
+    max_grad_norm: float = Field(default=1.0, ge=0.0)
+    """Gradient clipping threshold (0 disables clipping)."""
+    seed: int = Field(default=42, ge=0, le=2**32 - 1)
+    """Seed for shuffling, initialisation and dropout."""
+    eval_every_steps: int | None = Field(default=None, ge=1)
+    """Evaluate every N steps (needs `dataset.evalFraction` > 0); by default once at the end."""
+    log_every_steps: int = Field(default=10, ge=1)
+    """Log and publish metrics every N steps."""
+
+    def resolved_learning_rate(self, method: MethodType) -> float:
+        if self.learning_rate is not None:
+            return self.learning_rate
+        return 2e-5 if method == "full" else 2e-4
+
+
+class OutputConfig(ApiModel):
+    """Where checkpoints and the final model go."""
+
+    uri: OutputUri
+    """Folder for checkpoints and the final export: `pvc://claim/path`,
+    `azureml://datastores/<store>/paths/<path>`, an absolute or `./relative` path."""
+    checkpoint_every_steps: int | None = Field(default=500, ge=1)
+    """Write a checkpoint every N steps (always also at the end and on SIGTERM)."""
+    keep_last: int = Field(default=2, ge=1, le=1000)
+    """Complete checkpoints kept; older ones are deleted once a newer one is complete."""
+    merge_adapter: bool = False
+    """Also export the base model with the LoRA adapter merged in (lora and qlora)."""
+
+
+class JobIdentity(ApiModel):
+    """Which FineTuneJob this run belongs to (metric labels, log lines, MLflow run name)."""
+
+    name: str
+    namespace: str = "default"
+    uid: str | None = None
+
+
+class MetricsConfig(ApiModel):
+    """Prometheus endpoint served by every rank."""
+
+    enabled: bool = True
+    port: int = Field(default=9108, ge=1, le=65535)
+    """Port of local rank 0; local rank k serves on port + k."""
+
+
+class TrainerConfig(ApiModel):
+    """Everything a worker needs, resolved by the operator (or `finetune run`)."""
+
+    api_version: Literal["finetune.dev/v1alpha1"] = API_VERSION
+    kind: Literal["TrainerConfig"] = TRAINER_CONFIG_KIND
+    job: JobIdentity
+    model: ModelSource
+    dataset: DatasetSource
+    method: MethodConfig = section(MethodConfig)
+    strategy: StrategyConfig = section(StrategyConfig)
+    hyperparameters: Hyperparameters
+    output: OutputConfig
+    metrics: MetricsConfig = section(MetricsConfig)
+
+    @model_validator(mode="after")
+    def _strategy_is_resolved(self) -> TrainerConfig:
+        if self.strategy.type == "auto":
+            raise ValueError("strategy.type must be resolved (ddp, fsdp, zero1-3) before "
+                             "the trainer runs; the operator or `finetune run` does this")
+        return self
+
+    @classmethod
+    def load(cls, path: str | Path) -> TrainerConfig:
+        """Read a trainer config from a JSON or YAML file."""
+        with open(path, encoding="utf-8") as handle:
+            return cls.model_validate(yaml.safe_load(handle))

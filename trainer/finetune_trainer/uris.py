@@ -1,0 +1,99 @@
+"""Where models, datasets and outputs live: the URI forms the API accepts.
+
+One regular expression per form, shared by the Python validation rules and the CRD's
+`pattern`, so `kubectl apply` and `finetune validate` refuse the same strings.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+Scheme = Literal["hf", "pvc", "azureml", "https", "path", "relative"]
+
+_SCHEME_PATTERNS: dict[Scheme, str] = {
+    # hf://org/name or hf://name (a few hub repos have no org, e.g. hf://gpt2)
+    "hf": r"hf://[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?",
+    # pvc://claim[/path]: the claim is mounted read-only (inputs) or read-write (output)
+    "pvc": r"pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/\S*)?",
+    # azureml://datastores/..., azureml://registries/..., azureml://subscriptions/...
+    "azureml": r"azureml://\S+",
+    "https": r"https://\S+",
+    "path": r"/\S*",
+    # ./x or ../x: only meaningful to `finetune run`, resolved against the manifest's folder
+    "relative": r"\.\.?/\S*",
+}
+
+SCHEME_EXAMPLES: dict[Scheme, str] = {
+    "hf": "hf://org/name",
+    "pvc": "pvc://claim/path",
+    "azureml": "azureml://...",
+    "https": "https://...",
+    "path": "/absolute/path",
+    "relative": "./relative/path",
+}
+
+SCHEME_NAMES: dict[Scheme, str] = {
+    "hf": "Hugging Face Hub (hf://)",
+    "pvc": "PersistentVolumeClaim (pvc://)",
+    "azureml": "Azure ML (azureml://)",
+    "https": "https://",
+    "path": "absolute path",
+    "relative": "relative path",
+}
+
+MODEL_SCHEMES: tuple[Scheme, ...] = ("hf", "pvc", "azureml", "path", "relative")
+DATASET_SCHEMES: tuple[Scheme, ...] = ("hf", "pvc", "azureml", "https", "path", "relative")
+OUTPUT_SCHEMES: tuple[Scheme, ...] = ("pvc", "azureml", "path", "relative")
+
+
+def uri_pattern(schemes: tuple[Scheme, ...]) -> str:
+    """An anchored regular expression accepting exactly the given URI forms."""
+    return "^(" + "|".join(_SCHEME_PATTERNS[s] for s in schemes) + ")$"
+
+
+@dataclass(frozen=True)
+class Uri:
+    """A parsed location: `scheme` plus the part after `scheme://` (the raw path otherwise)."""
+
+    scheme: Scheme
+    raw: str
+
+    @property
+    def rest(self) -> str:
+        return self.raw.split("://", 1)[1] if "://" in self.raw else self.raw
+
+    @property
+    def pvc_claim(self) -> str:
+        assert self.scheme == "pvc"
+        return self.rest.split("/", 1)[0]
+
+    @property
+    def pvc_subpath(self) -> str:
+        assert self.scheme == "pvc"
+        parts = self.rest.split("/", 1)
+        return parts[1] if len(parts) == 2 else ""
+
+
+class UriError(ValueError):
+    """A location the API does not accept: `what` is wrong, `fix` says what to write instead."""
+
+    def __init__(self, what: str, fix: str):
+        super().__init__(f"{what} — {fix}")
+        self.what = what
+        self.fix = fix
+
+
+def parse_uri(raw: str, allowed: tuple[Scheme, ...]) -> Uri:
+    """Parse `raw` into a Uri, or raise UriError saying which forms would be accepted."""
+    for scheme in allowed:
+        if re.fullmatch(_SCHEME_PATTERNS[scheme], raw):
+            return Uri(scheme, raw)
+    fix = "use " + " or ".join(SCHEME_EXAMPLES[s] for s in allowed)
+    for scheme, pattern in _SCHEME_PATTERNS.items():
+        if re.fullmatch(pattern, raw):
+            raise UriError(f"{SCHEME_NAMES[scheme]} locations are not accepted here", fix)
+    if raw.startswith("http://"):
+        raise UriError(f"{raw!r} is plain http", "use https:// so data and tokens travel encrypted")
+    raise UriError(f"{raw!r} is not a location this API understands", fix)

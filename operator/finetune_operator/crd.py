@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from finetune_operator import api, yamlio
+from finetune_operator import api, apidoc, yamlio
 from finetune_operator.validation import CelRule, cel_rules
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+API_REFERENCE = REPO_ROOT / "docs" / "api-reference.md"
 CRD_PATHS = (
     REPO_ROOT / "crds" / f"{api.PLURAL}.{api.API_GROUP}.yaml",
     REPO_ROOT / "charts" / "finetune-operator" / "crds" / f"{api.PLURAL}.{api.API_GROUP}.yaml",
@@ -172,25 +174,34 @@ def render_yaml() -> str:
     return HEADER + yamlio.dump(crd())
 
 
+def generated_files() -> dict[Path, str]:
+    """Every file `make crds` writes, with its content."""
+    text = render_yaml()
+    files = {path: text for path in CRD_PATHS}
+    files[API_REFERENCE] = apidoc.render_markdown(openapi_schema())
+    return files
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="write the CRD files in the repo")
+    parser.add_argument("--write", action="store_true",
+                        help="write the CRD files and the API reference in the repo")
     parser.add_argument("--check", action="store_true",
-                        help="exit 1 when the committed CRD files are out of date")
+                        help="exit 1 when the committed files are out of date")
     args = parser.parse_args(argv)
-    text = render_yaml()
+    files = generated_files()
     if args.check:
-        stale = [str(p) for p in CRD_PATHS if not p.exists() or p.read_text() != text]
+        stale = [str(p) for p, text in files.items() if not p.exists() or p.read_text() != text]
         for path in stale:
             print(f"{path} is out of date: run `make crds`", file=sys.stderr)
         return 1 if stale else 0
     if args.write:
-        for path in CRD_PATHS:
+        for path, text in files.items():
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
-            print(f"wrote {path.relative_to(REPO_ROOT)}")
+            print(f"wrote {os.path.relpath(path)}")
         return 0
-    sys.stdout.write(text)
+    sys.stdout.write(render_yaml())
     return 0
 
 

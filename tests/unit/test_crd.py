@@ -8,23 +8,25 @@ import pytest
 from finetune_operator import crd
 from tests.conftest import REPO, load_yaml
 
-KUBERNETES_VERSIONS = ["1.30", "1.33"]
+KUBERNETES_VERSIONS = ["1.30", "1.37"]  # oldest we support, newest the validator knows
 
 
-def test_committed_crds_match_generation():
-    generated = crd.render_yaml()
-    for path in crd.CRD_PATHS:
-        assert path.read_text() == generated, f"{path} is stale: run `make crds`"
+def test_committed_crds_and_reference_match_generation():
+    for path, text in crd.generated_files().items():
+        assert path.read_text() == text, f"{path} is stale: run `make crds`"
 
 
 def test_check_mode_reports_stale_files(tmp_path, monkeypatch, capsys):
     stale = tmp_path / "crd.yaml"
     stale.write_text("old")
     monkeypatch.setattr(crd, "CRD_PATHS", (stale,))
+    monkeypatch.setattr(crd, "API_REFERENCE", tmp_path / "api.md")
     assert crd.main(["--check"]) == 1
     assert "run `make crds`" in capsys.readouterr().err
-    stale.write_text(crd.render_yaml())
+    assert crd.main(["--write"]) == 0
     assert crd.main(["--check"]) == 0
+    assert "FineTuneJob API reference" in (tmp_path / "api.md").read_text()
+
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)

@@ -37,3 +37,19 @@ def minimal_job(**spec_overrides: Any) -> dict[str, Any]:
     }
     job["spec"].update(copy.deepcopy(spec_overrides))
     return job
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny Llama and its tokenizer, saved with save_pretrained (nothing downloaded)."""
+    from finetune_trainer.tiny import build_tiny_llama, corpus_from_jsonl
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    return build_tiny_llama(out, corpus_from_jsonl(REPO / "examples/data/tiny-chat.jsonl"))
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)

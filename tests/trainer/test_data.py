@@ -1,0 +1,208 @@
+"""The data pipeline: formats, loss masks, packing without leakage, batches across ranks."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from finetune_trainer.config import DatasetSource
+from finetune_trainer.data import (
+    IGNORE,
+    DataError,
+    GlobalBatches,
+    collate,
+    label_tokens,
+    one_per_sequence,
+    pack,
+    read_records,
+    resolve_format,
+    tokenize_record,
+    tokenize_records,
+)
+from tests.conftest import REPO
+
+CHAT = {"messages": [{"role": "system", "content": "Be brief."},
+                     {"role": "user", "content": "What is a GPU?"},
+                     {"role": "assistant", "content": "A parallel processor."},
+                     {"role": "user", "content": "And FSDP?"},
+                     {"role": "assistant", "content": "Sharded data parallel."}]}
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def trained_text(sample, tokenizer) -> str:
+    return tokenizer.decode([t for t in sample["labels"] if t != IGNORE])
+
+
+# --- reading and formats -------------------------------------------------------------------
+
+def test_reads_the_shipped_chat_data():
+    records = read_records(DatasetSource(uri="./examples/data/tiny-chat.jsonl"), base_dir=REPO)
+    assert len(records) == 64
+    assert resolve_format("auto", records.column_names) == "chat"
+
+
+@pytest.mark.parametrize(("columns", "expected"), [
+    (["messages"], "chat"), (["prompt", "response"], "instruction"),
+    (["instruction", "input", "output"], "instruction"), (["text", "id"], "text")])
+def test_auto_detects_the_format(columns, expected):
+    assert resolve_format("auto", columns) == expected
+
+
+def test_missing_columns_name_what_was_found():
+    with pytest.raises(DataError, match=r"format chat needs columns messages, found \['text'\]"):
+        resolve_format("chat", ["text"])
+    with pytest.raises(DataError, match="match no format"):
+        resolve_format("auto", ["question", "answer"])
+
+
+def test_malformed_jsonl_line_is_named(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "ok"}\n\n{"text": "broken"\n')
+    with pytest.raises(DataError) as error:
+        read_records(DatasetSource(uri=str(path)))
+    assert error.value.where == f"{path}:3"
+    assert "is not valid JSON" in error.value.what and error.value.fix == "fix or remove that line"
+
+
+def test_missing_path_and_empty_folder(tmp_path):
+    with pytest.raises(DataError, match=r"does not exist — check spec\.dataset\.uri"):
+        read_records(DatasetSource(uri=str(tmp_path / "nope.jsonl")))
+    with pytest.raises(DataError, match=r"holds no \.jsonl"):
+        read_records(DatasetSource(uri=str(tmp_path)))
+
+
+def test_reads_a_folder_of_parquet_and_csv(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_dict({"text": ["a b", "c d"]}).to_parquet(str(tmp_path / "p1.parquet"))
+    datasets.Dataset.from_dict({"text": ["e f"]}).to_parquet(str(tmp_path / "p2.parquet"))
+    assert len(read_records(DatasetSource(uri=str(tmp_path)))) == 3
+    csv_dir = tmp_path / "csv"
+    csv_dir.mkdir()
+    (csv_dir / "d.csv").write_text("prompt,response\nhi,hello\n")
+    assert read_records(DatasetSource(uri=str(csv_dir))).column_names == ["prompt", "response"]
+
+
+# --- loss masks ----------------------------------------------------------------------------
+
+def test_chat_trains_only_on_assistant_turns(tiny_tokenizer):
+    sample = tokenize_record(CHAT, "chat", tiny_tokenizer, max_length=512)
+    assert len(sample["input_ids"]) == len(sample["labels"])
+    assert trained_text(sample, tiny_tokenizer) == (
+        "A parallel processor.<|end|>\nSharded data parallel.<|end|>\n")
+
+
+def test_instruction_trains_only_on_the_response(tiny_tokenizer):
+    alpaca = tokenize_record({"instruction": "Define DDP", "input": "briefly",
+                              "output": "Replicated model."}, "instruction", tiny_tokenizer, 512)
+    assert trained_text(alpaca, tiny_tokenizer) == "Replicated model.<|end|>"
+    prompt_response = tokenize_record({"prompt": "Q: why? A:", "response": " because"},
+                                      "instruction", tiny_tokenizer, 512)
+    assert trained_text(prompt_response, tiny_tokenizer) == " because<|end|>"
+
+
+def test_text_trains_on_everything_but_the_first_token(tiny_tokenizer):
+    sample = tokenize_record({"text": "What is a token?"}, "text", tiny_tokenizer, 512)
+    assert sample["labels"][0] == IGNORE
+    assert sample["labels"][1:] == sample["input_ids"][1:]
+
+
+def test_truncation_and_samples_left_without_labels(tiny_tokenizer):
+    long = {"messages": [{"role": "user", "content": "What is warmup? " * 40},
+                         {"role": "assistant", "content": "Slow start."}]}
+    assert len(tokenize_record(long, "chat", tiny_tokenizer, 32)["input_ids"]) == 32
+    kept = tokenize_records([long, CHAT], "chat", tiny_tokenizer, 32)
+    assert len(kept) == 1  # the long one lost its answer to truncation
+
+
+# --- packing -------------------------------------------------------------------------------
+
+def samples_of(lengths):
+    out = []
+    for n, length in enumerate(lengths):
+        ids = [100 + n] * length
+        out.append({"input_ids": ids, "labels": [IGNORE, *ids[1:]]})
+    return out
+
+
+def test_pack_keeps_every_token_and_restarts_positions():
+    samples = samples_of([5, 3, 7, 2, 8])
+    sequences = pack(samples, max_length=10)
+    assert [len(s["input_ids"]) for s in sequences] == [8, 9, 8]
+    assert sum(label_tokens(s) for s in sequences) == sum(len(s["input_ids"]) - 1 for s in samples)
+    assert sequences[0]["position_ids"] == [0, 1, 2, 3, 4, 0, 1, 2]
+    # the first token of every packed sample carries no loss
+    assert [lab for lab, pos in zip(sequences[1]["labels"], sequences[1]["position_ids"],
+                                    strict=True) if pos == 0] == [IGNORE, IGNORE]
+
+
+def test_packed_loss_equals_unpacked_loss(tiny_model_dir, tiny_tokenizer):
+    """No attention or position leaks between packed samples: same token losses."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    records = [json.loads(line) for line in
+               (REPO / "examples/data/tiny-chat.jsonl").read_text().splitlines()[:6]]
+    samples = tokenize_records(records, "chat", tiny_tokenizer, max_length=256)
+
+    def summed_loss(sequences):
+        batch = collate(sequences, tiny_tokenizer.pad_token_id)
+        with torch.no_grad():
+            logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                           use_cache=False).logits.float()
+        return torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.size(-1)), batch["labels"][:, 1:].reshape(-1),
+            ignore_index=IGNORE, reduction="sum")
+
+    packed = pack(samples, max_length=256)
+    assert len(packed) < len(samples)
+    unpacked = summed_loss(one_per_sequence(samples))
+    assert torch.allclose(summed_loss(packed), unpacked, rtol=1e-4)
+    # and the check has teeth: with positions running on, samples see each other
+    leaky = [{**s, "position_ids": list(range(len(s["input_ids"])))} for s in packed]
+    assert not torch.allclose(summed_loss(leaky), unpacked, rtol=1e-4)
+
+
+# --- batches across ranks ------------------------------------------------------------------
+
+def test_every_sequence_once_per_epoch_across_ranks():
+    batches = GlobalBatches(num_sequences=23, micro_batch=2, accumulation=2, world_size=3, seed=7)
+    for epoch in range(2):
+        seen = Counter(i for step in range(batches.steps_per_epoch) for rank in range(3)
+                       for micro in batches.micro_batches(epoch, step, rank) for i in micro)
+        assert seen == Counter(range(23))
+    assert batches.order(0) != batches.order(1)
+    assert batches.order(0) == GlobalBatches(23, 2, 2, 3, seed=7).order(0)
+
+
+def test_two_ranks_see_what_one_rank_with_double_accumulation_sees():
+    two = GlobalBatches(num_sequences=40, micro_batch=4, accumulation=1, world_size=2, seed=1)
+    one = GlobalBatches(num_sequences=40, micro_batch=4, accumulation=2, world_size=1, seed=1)
+    assert two.steps_per_epoch == one.steps_per_epoch == 5
+    for step in range(5):
+        by_two = sorted(i for r in range(2) for m in two.micro_batches(0, step, r) for i in m)
+        by_one = sorted(i for m in one.micro_batches(0, step, 0) for i in m)
+        assert by_two == by_one
+
+
+def test_schedule_resumes_mid_epoch():
+    batches = GlobalBatches(num_sequences=10, micro_batch=2, accumulation=1, world_size=1, seed=0)
+    schedule = batches.schedule(start_step=6)
+    assert [next(schedule) for _ in range(3)] == [(1, 1), (1, 2), (1, 3)]
+
+
+def test_collate_pads_and_fills_empty_micro_batches():
+    batch = collate([{"input_ids": [5, 6, 7], "labels": [IGNORE, 6, 7], "position_ids": [0, 1, 2]},
+                     {"input_ids": [8], "labels": [IGNORE], "position_ids": [0]}], pad_id=0)
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert batch["labels"].tolist() == [[IGNORE, 6, 7], [IGNORE, IGNORE, IGNORE]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2], [0, 0, 1]]
+    empty = collate([], pad_id=0)
+    assert empty["labels"].tolist() == [[IGNORE]]

@@ -1,0 +1,312 @@
+"""Training data: read, tokenise with loss masks, pack, and batch the same way on every rank.
+
+The pipeline is `read_records` → `tokenize_records` → `pack` (or `one_per_sequence`) →
+`GlobalBatches` → `collate`. Everything up to the batches is plain data (lists of ints),
+so it is tested without a model; only `collate` makes tensors.
+
+Two conventions hold throughout:
+- `labels` are aligned with `input_ids` (the model shifts them); a label of IGNORE carries
+  no loss. The first token of every sample is IGNORE, so in a packed sequence no token
+  is trained to follow the previous sample.
+- `position_ids` restart at 0 for every sample and no attention mask is passed: the
+  model then attends only within each sample (transformers builds the block-diagonal
+  mask from the restarts; flash-attention uses them as sequence boundaries). The model
+  must run with `use_cache=False`: with a KV cache transformers skips that detection and
+  packed samples silently attend to each other (tests/trainer/test_data.py shows both).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from finetune_trainer.config import DatasetFormat, DatasetSource
+
+IGNORE = -100
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n{input_block}### Response:\n"
+
+
+class DataError(ValueError):
+    """Training data that cannot be used: `where` (a file, line or column), what, and the fix."""
+
+    def __init__(self, where: str, what: str, fix: str):
+        super().__init__(f"{where}: {what} — {fix}")
+        self.where, self.what, self.fix = where, what, fix
+
+
+# --- reading -----------------------------------------------------------------------------
+
+def local_data_files(uri: str, base_dir: Path | None = None) -> list[Path]:
+    """The data files a local location names (a file, or every data file in a folder)."""
+    path = Path(uri)
+    if not path.is_absolute():
+        path = (base_dir or Path.cwd()) / path
+    if not path.exists():
+        raise DataError(str(path), "does not exist",
+                        "check spec.dataset.uri (relative paths start at the manifest's folder)")
+    files = [path] if path.is_file() else sorted(
+        p for p in path.rglob("*") if p.suffix in FILE_BUILDERS and p.is_file())
+    if not files:
+        raise DataError(str(path), "holds no .jsonl, .json, .parquet or .csv file",
+                        "point spec.dataset.uri at a data file or a folder of them")
+    kinds = {FILE_BUILDERS.get(p.suffix) for p in files}
+    if None in kinds:
+        raise DataError(str(files[0]), f"has an unsupported extension {files[0].suffix!r}",
+                        "use .jsonl, .json, .parquet or .csv")
+    if len(kinds) > 1:
+        raise DataError(str(path), f"mixes file types ({', '.join(sorted(kinds))})",
+                        "keep one kind of data file per dataset")
+    return files
+
+
+def check_jsonl(path: Path) -> None:
+    """Refuse a malformed JSON Lines file, naming the first bad line."""
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise DataError(f"{path}:{number}", f"is not valid JSON ({error.msg}, column "
+                                f"{error.colno})", "fix or remove that line") from error
+            if not isinstance(value, dict):
+                raise DataError(f"{path}:{number}", f"is a JSON {type(value).__name__}, not an "
+                                "object", "write one JSON object per line")
+
+
+def read_records(source: DatasetSource, base_dir: Path | None = None):
+    """The dataset `source` names, as a `datasets.Dataset`."""
+    import datasets
+
+    uri = source.uri
+    if uri.startswith("hf://"):
+        try:
+            return datasets.load_dataset(uri.removeprefix("hf://"), split=source.split)
+        except Exception as error:  # network, auth, missing split: all end the run here
+            raise DataError(uri, f"cannot be loaded from the hub ({error})",
+                            "check the name, the split, network access and HF_TOKEN; or copy "
+                            "the data to a PVC") from error
+    if uri.startswith("https://"):
+        builder = FILE_BUILDERS.get(Path(uri.split("?")[0]).suffix)
+        if builder is None:
+            raise DataError(uri, "does not end in .jsonl, .json, .parquet or .csv",
+                            "link to a data file of one of those kinds")
+        return datasets.load_dataset(builder, data_files=uri, split="train")
+    files = local_data_files(uri, base_dir)
+    builder = FILE_BUILDERS[files[0].suffix]
+    if builder == "json" and files[0].suffix == ".jsonl":
+        for path in files:
+            check_jsonl(path)
+    try:
+        return datasets.load_dataset(builder, data_files=[str(p) for p in files], split="train")
+    except Exception as error:
+        raise DataError(str(files[0]), f"cannot be read as {builder} ({error})",
+                        "check the file's format") from error
+
+
+# --- formats -----------------------------------------------------------------------------
+
+FORMAT_COLUMNS: dict[str, list[set[str]]] = {
+    "chat": [{"messages"}],
+    "instruction": [{"prompt", "response"}, {"instruction", "output"}],
+    "text": [{"text"}],
+}
+
+
+def resolve_format(requested: DatasetFormat, columns: Sequence[str]) -> str:
+    """The concrete format, checking the columns it needs are there."""
+    present = set(columns)
+    if requested == "auto":
+        for fmt, alternatives in FORMAT_COLUMNS.items():
+            if any(needed <= present for needed in alternatives):
+                return fmt
+        raise DataError("dataset", f"has columns {sorted(present)}, which match no format",
+                        "provide `messages` (chat), `prompt`+`response` or "
+                        "`instruction`+`output` (instruction), or `text`")
+    if not any(needed <= present for needed in FORMAT_COLUMNS[requested]):
+        wanted = " or ".join("+".join(sorted(n)) for n in FORMAT_COLUMNS[requested])
+        raise DataError("dataset", f"format {requested} needs columns {wanted}, found "
+                        f"{sorted(present)}", "rename the columns, or set spec.dataset.format")
+    return requested
+
+
+def _chat_tokens(messages: list[dict[str, Any]], tokenizer) -> tuple[list[int], list[int]]:
+    """Token ids of a conversation, labelled only on the assistant turns.
+
+    Each assistant turn's tokens are those the template adds when the turn is appended
+    to the conversation so far (rendered with the generation prompt), so the role header
+    is not trained on but the end-of-turn marker is.
+    """
+    def render(turns: list[dict[str, Any]], prompt: bool) -> list[int]:
+        return list(tokenizer.apply_chat_template(turns, tokenize=True, return_dict=False,
+                                                  add_generation_prompt=prompt))
+
+    ids = render(messages, prompt=False)
+    labels = [IGNORE] * len(ids)
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        before, through = render(messages[:i], prompt=True), render(messages[: i + 1], False)
+        start, end = len(before), len(through)
+        if ids[:start] != before or ids[:end] != through:
+            raise DataError("tokenizer.chat_template", "renders a conversation differently "
+                            "from its prefixes, so assistant turns cannot be located",
+                            "use a prefix-stable chat template, or format text")
+        labels[start:end] = ids[start:end]
+    return ids, labels
+
+
+def _instruction_text(record: dict[str, Any]) -> tuple[str, str]:
+    if record.get("prompt") is not None and record.get("response") is not None:
+        return str(record["prompt"]), str(record["response"])
+    extra = record.get("input") or ""
+    prompt = ALPACA_PROMPT.format(instruction=record["instruction"],
+                                  input_block=f"### Input:\n{extra}\n\n" if extra else "")
+    return prompt, str(record["output"])
+
+
+def tokenize_record(record: dict[str, Any], fmt: str, tokenizer, max_length: int
+                    ) -> dict[str, list[int]]:
+    """One sample's `input_ids` and `labels`, truncated to `max_length`."""
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    eos = [tokenizer.eos_token_id]
+    if fmt == "chat":
+        ids, labels = _chat_tokens(record["messages"], tokenizer)
+    elif fmt == "instruction":
+        prompt, response = _instruction_text(record)
+        prompt_ids = bos + tokenizer.encode(prompt, add_special_tokens=False)
+        response_ids = tokenizer.encode(response, add_special_tokens=False) + eos
+        ids = prompt_ids + response_ids
+        labels = [IGNORE] * len(prompt_ids) + response_ids
+    else:
+        ids = bos + tokenizer.encode(str(record["text"]), add_special_tokens=False) + eos
+        labels = list(ids)
+    ids, labels = ids[:max_length], labels[:max_length]
+    labels[0] = IGNORE  # nothing predicts a sample's first token
+    return {"input_ids": ids, "labels": labels}
+
+
+def tokenize_records(records, fmt: str, tokenizer, max_length: int) -> list[dict[str, list[int]]]:
+    """Tokenise every record, dropping those truncation left without a trained token."""
+    out = []
+    for record in records:
+        sample = tokenize_record(record, fmt, tokenizer, max_length)
+        if any(label != IGNORE for label in sample["labels"]):
+            out.append(sample)
+    return out
+
+
+# --- sequences ---------------------------------------------------------------------------
+
+def _sequence(samples: list[dict[str, list[int]]]) -> dict[str, list[int]]:
+    seq: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": []}
+    for sample in samples:
+        seq["input_ids"] += sample["input_ids"]
+        seq["labels"] += sample["labels"]
+        seq["position_ids"] += list(range(len(sample["input_ids"])))
+    return seq
+
+
+def pack(samples: list[dict[str, list[int]]], max_length: int) -> list[dict[str, list[int]]]:
+    """Join consecutive samples into sequences of at most `max_length` tokens."""
+    sequences, current, used = [], [], 0
+    for sample in samples:
+        size = len(sample["input_ids"])
+        if current and used + size > max_length:
+            sequences.append(_sequence(current))
+            current, used = [], 0
+        current.append(sample)
+        used += size
+    if current:
+        sequences.append(_sequence(current))
+    return sequences
+
+
+def one_per_sequence(samples: list[dict[str, list[int]]]) -> list[dict[str, list[int]]]:
+    return [_sequence([sample]) for sample in samples]
+
+
+def label_tokens(sequence: dict[str, list[int]]) -> int:
+    """Tokens that carry loss: what tokens/s counts."""
+    return sum(label != IGNORE for label in sequence["labels"])
+
+
+# --- batches -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GlobalBatches:
+    """Which sequences each rank reads at each step, identical on every rank.
+
+    An optimizer step consumes one global batch of `micro_batch x accumulation x world`
+    sequences in a seeded per-epoch order; micro-step `a` of rank `r` reads slot
+    `a * world + r`. So 2 ranks with accumulation 1 train on the same sequences per step
+    as 1 rank with accumulation 2, and each sequence is read exactly once per epoch (the
+    last step of an epoch may be short; ranks with nothing left get empty micro-batches).
+    """
+
+    num_sequences: int
+    micro_batch: int
+    accumulation: int
+    world_size: int
+    seed: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.accumulation * self.world_size
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(self.num_sequences / self.global_batch)
+
+    def order(self, epoch: int) -> list[int]:
+        order = list(range(self.num_sequences))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def micro_batches(self, epoch: int, step: int, rank: int) -> list[list[int]]:
+        """Sequence indices of each micro-step of `rank` at `step` (0-based) of `epoch`."""
+        window = self.order(epoch)[step * self.global_batch:(step + 1) * self.global_batch]
+        out = []
+        for micro in range(self.accumulation):
+            slot = micro * self.world_size + rank
+            out.append(window[slot * self.micro_batch:(slot + 1) * self.micro_batch])
+        return out
+
+    def schedule(self, start_step: int = 0) -> Iterator[tuple[int, int]]:
+        """(epoch, step within epoch) for every optimizer step from `start_step` on."""
+        step = start_step
+        while True:
+            yield divmod(step, self.steps_per_epoch)
+            step += 1
+
+
+def collate(sequences: list[dict[str, list[int]]], pad_id: int):
+    """Tensors for one micro-batch, right-padded to its longest sequence.
+
+    Padding restarts position_ids at 0, so it forms its own segment and never attends to
+    or from real tokens. An empty micro-batch becomes one padding row with no loss: the
+    rank still runs forward and backward, keeping collectives in step with its peers.
+    """
+    import torch
+
+    if not sequences:
+        sequences = [{"input_ids": [pad_id], "labels": [IGNORE], "position_ids": [0]}]
+    width = max(len(s["input_ids"]) for s in sequences)
+
+    def padded(key: str, fill: int, continue_positions: bool = False) -> torch.Tensor:
+        rows = []
+        for s in sequences:
+            gap = width - len(s[key])
+            tail = list(range(gap)) if continue_positions else [fill] * gap
+            rows.append(s[key] + tail)
+        return torch.tensor(rows, dtype=torch.long)
+
+    return {"input_ids": padded("input_ids", pad_id), "labels": padded("labels", IGNORE),
+            "position_ids": padded("position_ids", 0, continue_positions=True)}

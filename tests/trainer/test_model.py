@@ -1,0 +1,86 @@
+"""Loading through the real from_pretrained path, adapters, and clear refusals."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from finetune_trainer.config import LoraConfig, MethodConfig, ModelSource
+from finetune_trainer.model import ModelError, load_model, model_location
+
+
+def test_full_model_loads_in_fp32_without_cache(tiny_model_dir):
+    model = load_model(ModelSource(uri=str(tiny_model_dir)), MethodConfig(type="full"), "bf16",
+                       gradient_checkpointing=True)
+    assert model.config.use_cache is False
+    assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_lora_freezes_the_base_in_compute_dtype_and_trains_fp32_adapters(tiny_model_dir):
+    model = load_model(ModelSource(uri=str(tiny_model_dir)),
+                       MethodConfig(type="lora", lora=LoraConfig(r=4)), "bf16", False)
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert {p.dtype for p in trainable.values()} == {torch.float32}
+    assert {p.dtype for p in frozen} == {torch.bfloat16}
+    # all-linear adapts every projection but not the output head
+    adapted = {n.split(".lora_A")[0].rsplit(".", 1)[-1] for n in trainable if "lora_A" in n}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                       "down_proj"}
+
+
+def test_named_target_modules(tiny_model_dir):
+    model = load_model(ModelSource(uri=str(tiny_model_dir)), MethodConfig(
+        type="lora", lora=LoraConfig(target_modules=["q_proj", "v_proj"])), "fp32", False)
+    assert {n.split(".lora_A")[0].rsplit(".", 1)[-1] for n, p in model.named_parameters()
+            if "lora_A" in n} == {"q_proj", "v_proj"}
+
+
+def test_unknown_target_module_lists_the_real_ones(tiny_model_dir):
+    with pytest.raises(ModelError) as error:
+        load_model(ModelSource(uri=str(tiny_model_dir)), MethodConfig(
+            type="lora", lora=LoraConfig(target_modules=["q_proj", "c_attn"])), "fp32", False)
+    assert error.value.where == "spec.method.lora.targetModules"
+    assert "c_attn is not a linear layer of LlamaForCausalLM" in error.value.what
+    assert "q_proj" in error.value.fix and "lm_head" not in error.value.fix
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_qlora_is_refused_on_cpu(tiny_model_dir):
+    with pytest.raises(ModelError, match="qlora needs a CUDA GPU"):
+        load_model(ModelSource(uri=str(tiny_model_dir)), MethodConfig(type="qlora"), "bf16", False)
+
+
+def test_folder_without_config(tmp_path):
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(ModelError, match=r"has no config\.json"):
+        model_location(ModelSource(uri=str(tmp_path)))
+    with pytest.raises(ModelError, match="does not exist"):
+        model_location(ModelSource(uri=str(tmp_path / "missing")))
+
+
+def test_relative_location_starts_at_the_manifest_folder(tiny_model_dir):
+    source = ModelSource(uri=f"./{tiny_model_dir.name}")
+    assert model_location(source, base_dir=tiny_model_dir.parent) == str(tiny_model_dir)
+
+
+def test_hub_model_without_network_says_so():
+    # huggingface_hub reads HF_HUB_OFFLINE at import, so this runs in a fresh process
+    code = ("from finetune_trainer.config import ModelSource\n"
+            "from finetune_trainer.model import ModelError, load_tokenizer\n"
+            "try:\n"
+            "    load_tokenizer(ModelSource(uri='hf://finetune-operator-tests/no-such-model'))\n"
+            "except ModelError as error:\n"
+            "    print(error)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=120)
+    assert result.stdout.startswith("hf://finetune-operator-tests/no-such-model: cannot be "
+                                    "loaded from the hub"), result.stdout + result.stderr
+    assert "reach the hub" in result.stdout

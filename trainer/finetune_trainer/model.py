@@ -1,0 +1,171 @@
+"""The model: a Hugging Face causal LM through `from_pretrained`, with LoRA/QLoRA adapters.
+
+Precision is set up once here so every strategy trains the same numbers: trainable
+weights stay in fp32 (the optimizer's master copy) and the forward pass runs under
+autocast in bf16/fp16; frozen base weights of LoRA are stored in the compute dtype to
+save memory, and QLoRA stores them in 4-bit.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from finetune_trainer.config import LoraConfig, MethodConfig, ModelSource, Precision
+
+COMPUTE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+class ModelError(ValueError):
+    """A model that cannot be loaded or adapted: `where`, what, and the fix."""
+
+    def __init__(self, where: str, what: str, fix: str):
+        super().__init__(f"{where}: {what} — {fix}")
+        self.where, self.what, self.fix = where, what, fix
+
+
+def model_location(source: ModelSource, base_dir: Path | None = None) -> str:
+    """What `from_pretrained` is given: a hub repo id or a local folder with a config."""
+    if source.uri.startswith("hf://"):
+        return source.uri.removeprefix("hf://")
+    path = Path(source.uri)
+    if not path.is_absolute():
+        path = (base_dir or Path.cwd()) / path
+    if not path.is_dir():
+        raise ModelError(str(path), "does not exist", "check spec.model.uri (relative paths "
+                         "start at the manifest's folder; pvc:// claims are mounted at /mnt/pvc)")
+    if not (path / "config.json").is_file():
+        raise ModelError(str(path), "has no config.json, so it is not a saved model",
+                         "point spec.model.uri at a folder written by save_pretrained")
+    return str(path)
+
+
+def _hub_kwargs(source: ModelSource) -> dict[str, Any]:
+    return {"revision": source.revision, "token": os.environ.get("HF_TOKEN") or None,
+            "trust_remote_code": source.trust_remote_code}
+
+
+def _load_error(location: str, source: ModelSource, error: Exception) -> ModelError:
+    if source.uri.startswith("hf://"):
+        hint = ("set spec.model.tokenSecretRef for gated or private models" if
+                "401" in str(error) or "403" in str(error) or "gated" in str(error).lower()
+                else "check the name and revision, and that workers can reach the hub "
+                     "(or copy the model to a PVC and use pvc://)")
+        return ModelError(source.uri, f"cannot be loaded from the hub ({type(error).__name__}: "
+                          f"{str(error).splitlines()[0]})", hint)
+    return ModelError(location, f"cannot be loaded ({type(error).__name__}: {error})",
+                      "check the folder holds a complete save_pretrained output")
+
+
+def load_tokenizer(source: ModelSource, base_dir: Path | None = None):
+    from transformers import AutoTokenizer
+
+    location = model_location(source, base_dir)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location, **_hub_kwargs(source))
+    except Exception as error:
+        raise _load_error(location, source, error) from error
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token  # padding carries no loss either way
+    return tokenizer
+
+
+def load_model(source: ModelSource, method: MethodConfig, precision: Precision,
+               gradient_checkpointing: bool, base_dir: Path | None = None):
+    """The model ready for training: adapters applied, cache off, checkpointing set."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    location = model_location(source, base_dir)
+    kwargs: dict[str, Any] = _hub_kwargs(source)
+    compute = getattr(torch, COMPUTE_DTYPES[precision])
+    if method.type == "qlora":
+        kwargs["quantization_config"] = _four_bit(compute)
+        kwargs["dtype"] = compute
+    else:
+        kwargs["dtype"] = compute if method.type == "lora" else torch.float32
+    try:
+        model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
+    except ModelError:
+        raise
+    except Exception as error:
+        raise _load_error(location, source, error) from error
+    # A KV cache disables transformers' packed-sequence masking (see data.py).
+    model.config.use_cache = False
+    if gradient_checkpointing:
+        enable_activation_checkpointing(model)
+    if method.type == "qlora":
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    if method.type in ("lora", "qlora"):
+        model = apply_lora(model, method.lora or LoraConfig())
+    return model
+
+
+def enable_activation_checkpointing(model) -> None:
+    """Recompute each decoder layer in backward (non-reentrant: works with frozen inputs)."""
+    options = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+
+
+def _four_bit(compute):
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ModelError("spec.method.type", "qlora needs a CUDA GPU (bitsandbytes 4-bit "
+                         "kernels) and none is visible", "use `method.type: lora` on CPU, or run "
+                         "on GPU nodes")
+    from transformers import BitsAndBytesConfig
+
+    # quant_storage in the compute dtype lets FSDP shard the 4-bit weights like the rest
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                              bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute,
+                              bnb_4bit_quant_storage=compute)
+
+
+def linear_module_names(model) -> set[str]:
+    """Short names of the linear layers LoRA can adapt (the output head excluded)."""
+    import torch
+
+    names = set()
+    for full_name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) or type(module).__name__ in ("Linear4bit",
+                                                                          "Linear8bitLt"):
+            names.add(full_name.rsplit(".", 1)[-1])
+    output = model.get_output_embeddings()
+    for full_name, module in model.named_modules():
+        if module is output:
+            names.discard(full_name.rsplit(".", 1)[-1])
+    return names
+
+
+def apply_lora(model, lora: LoraConfig):
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    available = linear_module_names(model)
+    targets: str | list[str]
+    if lora.target_modules == ["all-linear"]:
+        targets = "all-linear"
+    else:
+        missing = [m for m in lora.target_modules if m not in available]
+        if missing:
+            raise ModelError("spec.method.lora.targetModules",
+                             f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
+                             f"a linear layer of {type(model).__name__}",
+                             f"use some of {', '.join(sorted(available))}, or all-linear")
+        targets = list(lora.target_modules)
+    config = PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                            target_modules=targets, task_type="CAUSAL_LM")
+    model = get_peft_model(model, config)
+    for parameter in model.parameters():  # adapters train in fp32 whatever the base dtype
+        if parameter.requires_grad:
+            parameter.data = parameter.data.float()
+    return model

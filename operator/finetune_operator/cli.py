@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+from pathlib import Path
 
 import click
 
@@ -16,9 +18,10 @@ from finetune_operator.validation import check_document
 EXIT_INVALID = 2
 
 
-def _jobs_in(paths: tuple[str, ...]) -> tuple[list[tuple[Document, FineTuneJob]], int]:
+def _jobs_in(paths: tuple[str, ...], local: bool = False
+             ) -> tuple[list[tuple[Document, FineTuneJob]], int]:
     """Check every FineTuneJob in `paths`, printing problems; returns the valid jobs and
-    the number of invalid documents."""
+    the number of invalid documents. `local`: for `finetune run`, not a cluster."""
     valid: list[tuple[Document, FineTuneJob]] = []
     invalid = 0
     for path in paths:
@@ -36,6 +39,7 @@ def _jobs_in(paths: tuple[str, ...]) -> tuple[list[tuple[Document, FineTuneJob]]
                 continue
             jobs_here += 1
             job, problems = check_document(doc.data)
+            problems = [p for p in problems if not (local and p.cluster_only)]
             errors = [p for p in problems if p.severity == "error"]
             for problem in problems:
                 prefix = "warning: " if problem.severity == "warning" else ""
@@ -69,6 +73,7 @@ def main() -> None:
     \b
       finetune validate job.yaml      check a manifest, every problem at once
       finetune render job.yaml        print the objects the operator would create
+      finetune run job.yaml           train it on this machine (CPU or local GPUs)
     """
 
 
@@ -102,6 +107,56 @@ def render_command(file: str, output: str) -> None:
                               {"apiVersion": "v1", "kind": "List", "items": objects}, indent=2))
     else:
         click.echo(yamlio.dump_all(objects).rstrip())
+
+
+@main.command(name="run")
+@click.argument("file", metavar="FILE")
+@click.option("--nproc", type=click.IntRange(min=1), default=None,
+              help="Training processes on this machine. Default: the spec's CPU workers "
+                   "(nodes x processesPerNode), or the visible GPUs.")
+def run_command(file: str, nproc: int | None) -> None:
+    """Train a FineTuneJob on this machine with torchrun, no cluster needed.
+
+    Validates first, checks the model and data before any process starts, then trains
+    and prints where the outputs went. Relative paths start at the manifest's folder.
+    Ctrl-C (or SIGTERM) checkpoints at the next step and exits 143; running the same
+    command again resumes from that checkpoint.
+    """
+    from finetune_operator import local
+    from finetune_operator.validation import InvalidJobError
+
+    valid, invalid = _jobs_in((file,), local=True)
+    if invalid:
+        sys.exit(EXIT_INVALID)
+    if len(valid) != 1:
+        click.echo(f"{file}: holds {len(valid)} FineTuneJobs — `finetune run` takes one", err=True)
+        sys.exit(EXIT_INVALID)
+    doc, job = valid[0]
+    base_dir = Path.cwd() if file == "-" else Path(file).resolve().parent
+    try:
+        config = local.local_config(job, base_dir)
+    except InvalidJobError as error:
+        for problem in error.problems:
+            click.echo(f"{doc.source}: {problem}", err=True)
+        sys.exit(EXIT_INVALID)
+    output_dir = Path(config.output.uri)
+    config_path = local.write_config(config, output_dir)
+    processes = nproc or local.default_processes(job)
+    click.echo(f"{doc.source}: {_summary(job)}")
+    click.echo(f"trainer config: {config_path}")
+    if subprocess.run(local.preflight_command(config_path), check=False).returncode != 0:
+        sys.exit(EXIT_INVALID)
+    click.echo(f"starting {processes} training process{'es' if processes > 1 else ''}")
+    code = local.run_trainer(config_path, processes)
+    if code == 0:
+        click.echo(f"done: model in {output_dir / 'final'}, checkpoints in "
+                   f"{output_dir / 'checkpoints'}, progress in {output_dir / 'progress.json'}")
+    elif code == local.EXIT_STOPPED:
+        click.echo(f"stopped after a checkpoint in {output_dir / 'checkpoints'}; run the same "
+                   "command again to resume", err=True)
+    else:
+        click.echo(f"training failed (exit {code}); see the log above", err=True)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

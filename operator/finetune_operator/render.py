@@ -15,7 +15,7 @@ from finetune_trainer.config import TrainerConfig
 from finetune_trainer.uris import parse_uri
 
 
-def kubernetes_location(uri: str, schemes: tuple) -> str:
+def kubernetes_location(section: str, uri: str, schemes: tuple) -> str:
     """pvc:// locations become the path where the worker pods mount the claim."""
     parsed = parse_uri(uri, schemes)
     return naming.pvc_mount_path(parsed) if parsed.scheme == "pvc" else uri

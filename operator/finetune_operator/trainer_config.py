@@ -15,11 +15,12 @@ from finetune_trainer.config import (
 )
 from finetune_trainer.uris import DATASET_SCHEMES, MODEL_SCHEMES, OUTPUT_SCHEMES
 
-Locate = Callable[[str, tuple], str]
-"""Maps a spec location to what the trainer opens (a mount path, or the URI unchanged)."""
+Locate = Callable[[str, str, tuple], str]
+"""(section, uri, accepted schemes) → what the trainer opens: a mount path, a local path,
+or the URI unchanged. `section` is model, dataset or output."""
 
 
-def keep_location(uri: str, schemes: tuple) -> str:
+def keep_location(section: str, uri: str, schemes: tuple) -> str:
     return uri
 
 
@@ -52,12 +53,15 @@ def build_trainer_config(job: FineTuneJob, locate: Locate = keep_location) -> Tr
     strategy: StrategyConfig = spec.strategy.model_copy(update={"type": resolve_strategy(job)})
     return TrainerConfig(
         job=JobIdentity(name=job.name, namespace=job.namespace, uid=job.metadata.uid),
-        model=spec.model.model_copy(update={"uri": locate(spec.model.uri, MODEL_SCHEMES)}),
-        dataset=spec.dataset.model_copy(update={"uri": locate(spec.dataset.uri, DATASET_SCHEMES)}),
+        model=spec.model.model_copy(
+            update={"uri": locate("model", spec.model.uri, MODEL_SCHEMES)}),
+        dataset=spec.dataset.model_copy(
+            update={"uri": locate("dataset", spec.dataset.uri, DATASET_SCHEMES)}),
         method=_explicit_lora(spec.method),
         strategy=strategy,
         hyperparameters=spec.hyperparameters.model_copy(update={
             "learning_rate": spec.hyperparameters.resolved_learning_rate(spec.method.type)}),
-        output=spec.output.model_copy(update={"uri": locate(spec.output.uri, OUTPUT_SCHEMES)}),
+        output=spec.output.model_copy(
+            update={"uri": locate("output", spec.output.uri, OUTPUT_SCHEMES)}),
     )
 

@@ -55,6 +55,8 @@ class Problem:
     message: str
     fix: str
     severity: Literal["error", "warning"] = "error"
+    cluster_only: bool = False
+    """True when the problem does not apply to `finetune run` on one machine."""
 
     def __str__(self) -> str:
         return f"{self.path}: {self.message} — {self.fix}"
@@ -279,7 +281,7 @@ def locations_are_supported(job: FineTuneJob) -> Iterator[Problem]:
         others = f" (also {', '.join(relative[1:])})" if relative[1:] else ""
         yield Problem(relative[0], f"relative paths{others} only work with `finetune run` on "
                       "one machine", "on a cluster use pvc://claim/path, azureml://... or an "
-                      "absolute path inside the image", "warning")
+                      "absolute path inside the image", "warning", cluster_only=True)
     if spec.model.token_secret_ref and not spec.model.uri.startswith("hf://"):
         yield Problem("spec.model.tokenSecretRef", "is only used for hf:// models",
                       "remove it, or point spec.model.uri at the hub", "warning")

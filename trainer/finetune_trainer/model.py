@@ -2,8 +2,8 @@
 
 Precision is set up once here so every strategy trains the same numbers: trainable
 weights stay in fp32 (the optimizer's master copy) and the forward pass runs under
-autocast in bf16/fp16; frozen base weights of LoRA are stored in the compute dtype to
-save memory, and QLoRA stores them in 4-bit.
+autocast in bf16/fp16; under ddp the frozen base weights of LoRA are stored in the
+compute dtype to save memory, and QLoRA stores them in 4-bit.
 """
 
 from __future__ import annotations
@@ -72,8 +72,13 @@ def load_tokenizer(source: ModelSource, base_dir: Path | None = None):
 
 
 def load_model(source: ModelSource, method: MethodConfig, precision: Precision,
-               gradient_checkpointing: bool, base_dir: Path | None = None):
-    """The model ready for training: adapters applied, cache off, checkpointing set."""
+               gradient_checkpointing: bool, base_dir: Path | None = None,
+               sharded: bool = False):
+    """The model ready for training: adapters applied, cache off, checkpointing set.
+
+    `sharded` (fsdp, zero): every weight stays fp32, since FSDP2 shards one dtype per
+    layer and ZeRO keeps its own master copy; the strategy casts for compute.
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -84,7 +89,8 @@ def load_model(source: ModelSource, method: MethodConfig, precision: Precision,
         kwargs["quantization_config"] = _four_bit(compute)
         kwargs["dtype"] = compute
     else:
-        kwargs["dtype"] = compute if method.type == "lora" else torch.float32
+        lora_on_replicas = method.type == "lora" and not sharded
+        kwargs["dtype"] = compute if lora_on_replicas else torch.float32
     try:
         model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
     except ModelError:
@@ -130,6 +136,39 @@ def _four_bit(compute):
                               bnb_4bit_quant_storage=compute)
 
 
+def inspect_architecture(source: ModelSource, method: MethodConfig,
+                         base_dir: Path | None = None) -> list[str]:
+    """Check the adapter targets on an empty (meta-device) copy of the model, before any
+    weights are read or processes are joined; returns its decoder-layer class names
+    (what FSDP wraps)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    location = model_location(source, base_dir)
+    try:
+        config = AutoConfig.from_pretrained(location, **_hub_kwargs(source))
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(
+                config, trust_remote_code=source.trust_remote_code)
+    except Exception as error:
+        raise _load_error(location, source, error) from error
+    if method.type != "full":
+        _check_targets(model, method.lora or LoraConfig())
+    return list(getattr(model, "_no_split_modules", None) or [])
+
+
+def _check_targets(model, lora: LoraConfig) -> None:
+    if lora.target_modules == ["all-linear"]:
+        return
+    available = linear_module_names(model)
+    missing = [m for m in lora.target_modules if m not in available]
+    if missing:
+        raise ModelError("spec.method.lora.targetModules",
+                         f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
+                         f"a linear layer of {type(model).__name__}",
+                         f"use some of {', '.join(sorted(available))}, or all-linear")
+
+
 def linear_module_names(model) -> set[str]:
     """Short names of the linear layers LoRA can adapt (the output head excluded)."""
     import torch
@@ -150,18 +189,8 @@ def apply_lora(model, lora: LoraConfig):
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
-    available = linear_module_names(model)
-    targets: str | list[str]
-    if lora.target_modules == ["all-linear"]:
-        targets = "all-linear"
-    else:
-        missing = [m for m in lora.target_modules if m not in available]
-        if missing:
-            raise ModelError("spec.method.lora.targetModules",
-                             f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
-                             f"a linear layer of {type(model).__name__}",
-                             f"use some of {', '.join(sorted(available))}, or all-linear")
-        targets = list(lora.target_modules)
+    _check_targets(model, lora)
+    targets = "all-linear" if lora.target_modules == ["all-linear"] else list(lora.target_modules)
     config = PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                             target_modules=targets, task_type="CAUSAL_LM")
     model = get_peft_model(model, config)

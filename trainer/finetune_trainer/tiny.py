@@ -75,3 +75,23 @@ def build_tiny_llama(out_dir: str | Path, corpus: Iterable[str], *, hidden_size:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Build a tiny local model for demos and tests.")
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--corpus", type=Path, required=True,
+                        help="JSONL whose strings train the tokenizer")
+    args = parser.parse_args(argv)
+    if (args.out_dir / "config.json").is_file():
+        print(f"{args.out_dir} already holds a model")
+        return 0
+    build_tiny_llama(args.out_dir, corpus_from_jsonl(args.corpus))
+    print(f"built a tiny Llama and its tokenizer in {args.out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,99 @@
+"""`finetune run`: the same FineTuneJob on this machine, under torchrun, no cluster.
+
+Pure parts (locations, the command line) are separate from the process handling so they
+are tested directly; torch is only ever started as a child process.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from finetune_operator.api import FineTuneJob
+from finetune_operator.trainer_config import build_trainer_config
+from finetune_operator.validation import InvalidJobError, Problem
+from finetune_trainer.config import TrainerConfig
+from finetune_trainer.uris import parse_uri
+
+CONFIG_DIR = ".finetune"
+EXIT_STOPPED = 143
+
+
+def local_config(job: FineTuneJob, base_dir: Path) -> TrainerConfig:
+    """The trainer config with every location usable here (relative paths resolved)."""
+    problems: list[Problem] = []
+
+    def locate(section: str, uri: str, schemes: tuple) -> str:
+        scheme = parse_uri(uri, schemes).scheme
+        if scheme == "relative":
+            return str((base_dir / uri).resolve())
+        if scheme in ("pvc", "azureml"):
+            problems.append(Problem(f"spec.{section}.uri", f"{scheme}:// locations exist only "
+                                    "on the cluster", "use a local path (absolute or "
+                                    "./relative) with `finetune run`"))
+        return uri
+
+    config = build_trainer_config(job, locate)
+    if problems:
+        raise InvalidJobError(problems)
+    return config
+
+
+def default_processes(job: FineTuneJob) -> int:
+    """Processes on this machine: the spec's CPU workers, or the GPUs that are visible."""
+    resources = job.spec.resources
+    if resources.gpus_per_node == 0:
+        return resources.nodes * resources.processes()
+    return max(1, min(visible_gpus(), resources.nodes * resources.gpus_per_node))
+
+
+def visible_gpus() -> int:
+    if (listed := os.environ.get("CUDA_VISIBLE_DEVICES")) is not None:
+        return len([d for d in listed.split(",") if d.strip()])
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    result = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False)
+    return sum(line.startswith("GPU ") for line in result.stdout.splitlines())
+
+
+def write_config(config: TrainerConfig, output_dir: Path) -> Path:
+    from finetune_operator import yamlio
+
+    path = output_dir / CONFIG_DIR / "trainer.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yamlio.dump(config.to_dict()))
+    return path
+
+
+def trainer_command(config_path: Path, processes: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={processes}", "-m", "finetune_trainer",
+            "--config", str(config_path)]
+
+
+def preflight_command(config_path: Path) -> list[str]:
+    return [sys.executable, "-m", "finetune_trainer", "--config", str(config_path), "--preflight"]
+
+
+def run_trainer(config_path: Path, processes: int) -> int:
+    """Run torchrun in its own session; Ctrl-C or SIGTERM here becomes a SIGTERM there, so
+    the workers checkpoint at the next step boundary and exit (143)."""
+    child = subprocess.Popen(trainer_command(config_path, processes), start_new_session=True)
+    stopped = False
+
+    def forward(signum, frame) -> None:
+        nonlocal stopped
+        stopped = True
+        child.send_signal(signal.SIGTERM)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return EXIT_STOPPED if stopped else code

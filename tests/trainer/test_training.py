@@ -1,0 +1,203 @@
+"""Real fine-tunes: `finetune run` on 2 CPU processes over gloo, every strategy.
+
+Each run is a subprocess tree (finetune run → torchrun → 2 workers) on the tiny model,
+so what is tested is exactly what a user runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+DATA = REPO / "examples/data/tiny-chat.jsonl"
+
+
+def manifest(model_dir: Path, output: Path, *, strategy: str = "ddp", method: str = "lora",
+             steps: int = 6, batch: int = 2, accumulation: int = 1, processes: int = 2,
+             checkpoint_every: int = 3, **dataset) -> dict:
+    spec = {
+        "model": {"uri": str(model_dir)},
+        "dataset": {"uri": str(DATA), "format": "chat", "maxSeqLength": 96, **dataset},
+        "method": {"type": method},
+        "strategy": {"type": strategy, "precision": "fp32", "gradientCheckpointing": False},
+        "hyperparameters": {"maxSteps": steps, "batchSizePerDevice": batch,
+                            "gradientAccumulationSteps": accumulation, "learningRate": 5e-3,
+                            "logEverySteps": 1, "warmupRatio": 0.0},
+        "resources": {"gpusPerNode": 0, "processesPerNode": processes},
+        "output": {"uri": str(output), "checkpointEverySteps": checkpoint_every},
+    }
+    if method == "lora":
+        spec["method"]["lora"] = {"r": 4, "alpha": 8, "dropout": 0.0}
+    return {"apiVersion": "finetune.dev/v1alpha1", "kind": "FineTuneJob",
+            "metadata": {"name": f"t-{strategy}-{method}"}, "spec": spec}
+
+
+def finetune_run(job: dict, where: Path, *extra: str, wait: bool = True):
+    where.mkdir(parents=True, exist_ok=True)
+    path = where / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    command = [sys.executable, "-m", "finetune_operator.cli", "run", str(path), *extra]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if not wait:
+        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=env)
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+
+
+def losses(output: Path) -> list[float]:
+    records = [json.loads(line) for line in (output / "progress.jsonl").read_text().splitlines()]
+    by_step = {r["step"]: r["loss"] for r in records}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir, tmp_path_factory):
+    """One finished run per (strategy, method), shared by the comparisons below."""
+    cache: dict[tuple, Path] = {}
+
+    def get(strategy: str, method: str = "lora", **options) -> Path:
+        key = (strategy, method, tuple(sorted(options.items())))
+        if key not in cache:
+            where = tmp_path_factory.mktemp(f"{strategy}-{method}")
+            result = finetune_run(manifest(tiny_model_dir, where / "out", strategy=strategy,
+                                           method=method, **options), where)
+            assert result.returncode == 0, result.stdout + result.stderr
+            cache[key] = where / "out"
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+@pytest.mark.parametrize("strategy", ["fsdp", "zero2", "zero3"])
+def test_strategies_train_the_same_numbers_as_ddp(runs, strategy, method):
+    reference = losses(runs("ddp", method))
+    assert len(reference) == 6
+    assert reference[-1] < reference[0]  # it learns
+    assert losses(runs(strategy, method)) == pytest.approx(reference, rel=1e-3)
+
+
+def test_two_ranks_match_one_rank_with_double_accumulation(runs):
+    two = losses(runs("ddp", "full"))
+    one = losses(runs("ddp", "full", processes=1, accumulation=2))
+    assert one == pytest.approx(two, rel=1e-3)
+
+
+def test_lora_run_leaves_checkpoints_progress_and_an_adapter_that_generates(runs):
+    output = runs("ddp", "lora")
+    checkpoints = sorted(p.name for p in (output / "checkpoints").iterdir())
+    assert checkpoints == ["step-00000003", "step-00000006"]  # keepLast 2
+    progress = json.loads((output / "progress.json").read_text())
+    assert progress["phase"] == "Succeeded" and progress["step"] == progress["totalSteps"] == 6
+    assert progress["tokensPerSecond"] > 0
+
+    import torch
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoTokenizer
+
+    final = output / "final"
+    assert (final / "adapter_config.json").is_file()
+    assert not (final / "model.safetensors").exists()  # an adapter, not a full copy
+    model = AutoPeftModelForCausalLM.from_pretrained(final)
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is DDP?"}],
+                                           add_generation_prompt=True, return_tensors="pt",
+                                           return_dict=True)
+    with torch.no_grad():
+        out = model.generate(**prompt, max_new_tokens=8, do_sample=False)
+    assert out.shape[1] == prompt["input_ids"].shape[1] + 8
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+def test_sharded_full_export_gathers_every_weight(runs, strategy):
+    from safetensors.torch import load_file
+
+    reference = load_file(runs("ddp", "full") / "final" / "model.safetensors")
+    exported = load_file(runs(strategy, "full") / "final" / "model.safetensors")
+    assert exported.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert exported[name].float().allclose(tensor.float(), atol=2e-3), name
+
+
+def test_sigterm_checkpoints_and_the_restart_ends_where_an_uninterrupted_run_ends(
+        runs, tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    job = manifest(tiny_model_dir, tmp_path / "out", method="full", steps=6, checkpoint_every=4)
+    process = finetune_run(job, tmp_path, wait=False)
+    progress = tmp_path / "out" / "progress.json"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if progress.exists() and json.loads(progress.read_text())["step"] >= 1:
+            break
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 143, output
+    assert "stopped by SIGTERM after step" in output
+    stopped_at = json.loads(progress.read_text())["step"]
+    assert 1 <= stopped_at < 6
+    assert (tmp_path / "out" / "checkpoints" / f"step-{stopped_at:08d}").is_dir()
+
+    resumed = finetune_run(job, tmp_path)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"resuming from {tmp_path / 'out' / 'checkpoints'}/step-{stopped_at:08d}" in (
+        resumed.stdout)
+    assert losses(tmp_path / "out") == pytest.approx(losses(runs("ddp", "full")), rel=1e-3)
+    uninterrupted = load_file(runs("ddp", "full") / "final" / "model.safetensors")
+    restarted = load_file(tmp_path / "out" / "final" / "model.safetensors")
+    for name, tensor in uninterrupted.items():
+        assert restarted[name].allclose(tensor, atol=1e-5), name
+
+
+def test_half_written_checkpoint_is_never_loaded(runs, tiny_model_dir, tmp_path):
+    import shutil
+
+    finished = runs("ddp", "lora")
+    shutil.copytree(finished / "checkpoints", tmp_path / "out" / "checkpoints")
+    # the newest is incomplete: renamed back as if the writer died before the rename
+    (tmp_path / "out/checkpoints/step-00000006").rename(
+        tmp_path / "out/checkpoints/step-00000006.partial")
+    result = finetune_run(manifest(tiny_model_dir, tmp_path / "out"), tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "resuming from" in result.stdout and "step-00000003 (step 3/6)" in result.stdout
+    # the adapter, optimizer and schedule came back exactly: steps 4-6 repeat the original
+    assert losses(tmp_path / "out") == pytest.approx(losses(finished)[3:], rel=1e-4)
+
+
+def test_bad_data_fails_before_any_process_starts(tiny_model_dir, tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"messages": []}\n{"messages": [\n')
+    job = manifest(tiny_model_dir, tmp_path / "out")
+    job["spec"]["dataset"]["uri"] = str(data)
+    result = finetune_run(job, tmp_path)
+    assert result.returncode == 2
+    assert f"{data}:2: is not valid JSON" in result.stderr
+    assert "starting 2 training processes" not in result.stdout
+
+
+def test_unknown_lora_target_fails_before_any_process_starts(tiny_model_dir, tmp_path):
+    job = manifest(tiny_model_dir, tmp_path / "out")
+    job["spec"]["method"]["lora"]["targetModules"] = ["query_key_value"]
+    result = finetune_run(job, tmp_path)
+    assert result.returncode == 2
+    assert "query_key_value is not a linear layer of LlamaForCausalLM" in result.stderr
+
+
+def test_cluster_locations_are_refused_locally(tmp_path):
+    job = manifest(tmp_path / "model", tmp_path / "out")
+    job["spec"]["model"]["uri"] = "pvc://models/llama"
+    result = finetune_run(job, tmp_path)
+    assert result.returncode == 2
+    assert "spec.model.uri: pvc:// locations exist only on the cluster" in result.stderr

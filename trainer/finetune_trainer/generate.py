@@ -1,0 +1,43 @@
+"""Smoke-test an exported model: `python -m finetune_trainer.generate DIR "question"`.
+
+DIR is what a run exported (`final/` or `merged/`): a peft adapter or a full model.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def answer(model_dir: Path, question: str, max_new_tokens: int = 32) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if (model_dir / "adapter_config.json").is_file():
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(model_dir)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    inputs = tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                           add_generation_prompt=True, return_tensors="pt",
+                                           return_dict=True)
+    with torch.no_grad():
+        output = model.eval().generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                       pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model_dir", type=Path)
+    parser.add_argument("question")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    args = parser.parse_args(argv)
+    print(answer(args.model_dir, args.question, args.max_new_tokens))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,279 @@
+"""Strategies: ddp, fsdp (FSDP2) and DeepSpeed ZeRO-1/2/3 behind one small interface.
+
+Each strategy wraps the model, owns the optimizer step and the checkpoint format, and
+nothing else; the training loop never branches on the distributed type. All of them
+average gradients over ranks, and the loop scales each micro-batch's summed loss by
+world / tokens-in-the-global-batch so the result is the mean over every label token.
+
+Built on torch and deepspeed directly rather than through accelerate: accelerate only
+selects FSDP and DeepSpeed on GPU device types, and these paths must run (and be tested)
+on CPU workers over gloo as well.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from finetune_trainer.config import Hyperparameters, StrategyConfig
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+# --- process group ---------------------------------------------------------------------
+
+def init_distributed(timeout_minutes: int = 30):
+    """Join the process group from the torchrun / Azure ML environment (nccl on GPUs,
+    gloo on CPU); a bare `finetune-train` runs as a world of one. Returns the device."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes),
+                                device_id=device if backend == "nccl" else None)
+    return device
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# --- strategies ------------------------------------------------------------------------
+
+class Strategy:
+    """The interface the loop uses. `model` is what forward is called on."""
+
+    name = ""
+
+    def __init__(self, config: StrategyConfig, hp: Hyperparameters, device) -> None:
+        import torch
+
+        self.config, self.hp, self.device = config, hp, device
+        self.compute_dtype = getattr(torch, DTYPES[config.precision])
+        self.model: Any = None
+        self.optimizer: Any = None
+        self.base_optimizer: Any = None
+        """The torch optimizer the learning-rate schedule drives (DeepSpeed wraps it)."""
+        # fp16 needs loss scaling; bf16 and fp32 do not (the scaler is then a no-op)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=config.precision == "fp16")
+
+    # set up
+    def setup(self, model, make_optimizer) -> None:
+        raise NotImplementedError
+
+    # one micro-step
+    def autocast(self):
+        import torch
+
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def backward(self, loss, boundary: bool) -> None:
+        raise NotImplementedError
+
+    def step(self) -> Any:
+        """At the accumulation boundary: clip, update, zero; returns the gradient norm."""
+        self.scaler.unscale_(self.optimizer)
+        norm = self._clip()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    # state
+    def save(self, path: Path) -> None:
+        """Collective: model (trainable weights) and optimizer state into `path`."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        model_state, optim_state = get_state_dict(
+            self.model, self.optimizer, options=StateDictOptions(ignore_frozen_params=True))
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path))
+
+    def load(self, path: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_state_dict,
+            set_state_dict,
+        )
+
+        # frozen base weights are not in the checkpoint: they come from the model itself
+        options = StateDictOptions(ignore_frozen_params=True, strict=False)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
+        state = {"model": model_state, "optimizer": optim_state}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"], options=options)
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """Collective: every weight, gathered on rank 0 (on CPU); empty elsewhere."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True))
+
+    def unwrapped(self):
+        """The Hugging Face (or peft) model inside the wrappers."""
+        return getattr(self.model, "module", self.model)
+
+    def _clip(self) -> Any:
+        import torch
+
+        if self.hp.max_grad_norm <= 0:
+            return None
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, self.hp.max_grad_norm)
+
+
+class DDPStrategy(Strategy):
+    name = "ddp"
+
+    def setup(self, model, make_optimizer) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model.to(self.device)
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        self.model = DistributedDataParallel(model, device_ids=ids)
+        self.optimizer = self.base_optimizer = make_optimizer(self.model)
+
+    def backward(self, loss, boundary: bool) -> None:
+        context = contextlib.nullcontext() if boundary else self.model.no_sync()
+        with context:
+            self.scaler.scale(loss).backward()
+
+
+class FSDPStrategy(Strategy):
+    """FSDP2: each decoder layer is its own shard group, then the root."""
+
+    name = "fsdp"
+
+    def __init__(self, config, hp, device, wrap_classes: list[str]) -> None:
+        super().__init__(config, hp, device)
+        self.wrap_classes = set(wrap_classes)
+
+    def setup(self, model, make_optimizer) -> None:
+        import torch
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        options: dict[str, Any] = {}
+        if self.compute_dtype != torch.float32:
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.compute_dtype,
+                                                        reduce_dtype=torch.float32)
+        if self.config.offload == "cpu":
+            options["offload_policy"] = CPUOffloadPolicy()
+        else:
+            model.to(self.device)
+        for module in model.modules():
+            if type(module).__name__ in self.wrap_classes:
+                fully_shard(module, **options)
+        fully_shard(model, **options)
+        self.model = model
+        self.optimizer = self.base_optimizer = make_optimizer(model)
+
+    def autocast(self):
+        return contextlib.nullcontext()  # the mixed-precision policy casts per layer
+
+    def backward(self, loss, boundary: bool) -> None:
+        self.model.set_requires_gradient_sync(boundary)
+        self.scaler.scale(loss).backward()
+
+
+class DeepSpeedStrategy(Strategy):
+    """ZeRO stages 1-3 through deepspeed.initialize; the engine owns precision and clipping."""
+
+    def __init__(self, config, hp, device) -> None:
+        super().__init__(config, hp, device)
+        self.name = config.type
+
+    def ds_config(self) -> dict[str, Any]:
+        return deepspeed_config(self.config, self.hp)
+
+    def setup(self, model, make_optimizer) -> None:
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
+        self.base_optimizer = make_optimizer(model)
+        self.model, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=self.base_optimizer, config=self.ds_config())
+
+    def autocast(self):
+        return contextlib.nullcontext()  # the engine runs the module in bf16/fp16 itself
+
+    def backward(self, loss, boundary: bool) -> None:
+        self.model.set_gradient_accumulation_boundary(boundary)
+        self.model.backward(loss, scale_wrt_gas=False)
+        self.model.step()  # applies the update only at the boundary
+
+    def step(self) -> Any:
+        return self.model.get_global_grad_norm()
+
+    def save(self, path: Path) -> None:
+        self.model.save_checkpoint(str(path), tag="deepspeed", save_latest=False,
+                                   exclude_frozen_parameters=True)
+
+    def load(self, path: Path) -> None:
+        self.model.load_checkpoint(str(path), tag="deepspeed", load_module_strict=False)
+
+    def full_state_dict(self) -> dict[str, Any]:
+        import torch.distributed as dist
+
+        if self.config.type == "zero3":
+            state = self.model._zero3_consolidated_16bit_state_dict()
+        else:
+            state = self.model.module.state_dict() if dist.get_rank() == 0 else {}
+        return {k: v.detach().cpu() for k, v in (state or {}).items()}
+
+
+def deepspeed_config(strategy: StrategyConfig, hp: Hyperparameters) -> dict[str, Any]:
+    """The DeepSpeed config for zero1/zero2/zero3 (+ offload), matching our loop."""
+    stage = int(strategy.type.removeprefix("zero"))
+    zero: dict[str, Any] = {"stage": stage, "overlap_comm": False, "contiguous_gradients": True}
+    if strategy.offload != "none":
+        target: dict[str, Any] = {"device": strategy.offload, "pin_memory": False}
+        if strategy.offload == "nvme":
+            target["nvme_path"] = strategy.nvme_path
+        zero["offload_optimizer"] = dict(target)
+        if stage == 3:
+            zero["offload_param"] = dict(target)
+    return {
+        "train_micro_batch_size_per_gpu": hp.batch_size_per_device,
+        "gradient_accumulation_steps": hp.gradient_accumulation_steps,
+        "gradient_clipping": hp.max_grad_norm,
+        "zero_optimization": zero,
+        "bf16": {"enabled": strategy.precision == "bf16"},
+        "fp16": {"enabled": strategy.precision == "fp16"},
+        # our AdamW is used even with offload; DeepSpeedCPUAdam is faster where it builds
+        "zero_force_ds_cpu_optimizer": False,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+def build_strategy(config: StrategyConfig, hp: Hyperparameters, device,
+                   wrap_classes: list[str]) -> Strategy:
+    if config.type == "ddp":
+        return DDPStrategy(config, hp, device)
+    if config.type == "fsdp":
+        return FSDPStrategy(config, hp, device, wrap_classes)
+    return DeepSpeedStrategy(config, hp, device)

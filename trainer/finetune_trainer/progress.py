@@ -1,0 +1,105 @@
+"""What rank 0 tells people and the operator: log lines, a progress bar, progress.json."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+PROGRESS_FILE = "progress.json"
+HISTORY_FILE = "progress.jsonl"
+
+
+@dataclass
+class Progress:
+    """The machine-readable record; field names match FineTuneJob status.progress."""
+
+    step: int
+    totalSteps: int
+    epoch: float
+    loss: float | None
+    learningRate: float
+    tokensPerSecond: float
+    etaSeconds: int | None
+    phase: str = "Running"
+    updateTime: str = ""
+
+
+def format_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class Reporter:
+    """Rank 0's progress: every log step a line on stdout, progress.json (the latest record,
+    replaced atomically) and a line of progress.jsonl (the history) in the output folder;
+    a progress bar on stderr when it is a terminal."""
+
+    def __init__(self, output_dir: Path, total_steps: int, start_step: int, enabled: bool):
+        self.path = output_dir / PROGRESS_FILE
+        self.history = output_dir / HISTORY_FILE
+        self.total_steps = total_steps
+        self.enabled = enabled
+        self.window_start = time.perf_counter()
+        self.window_tokens = 0
+        self.window_steps = 0
+        self.bar = None
+        self.last: Progress | None = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", file=sys.stderr)
+
+    def step_done(self, label_tokens: int) -> None:
+        self.window_tokens += label_tokens
+        self.window_steps += 1
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def report(self, step: int, epoch: float, loss: float | None, lr: float) -> Progress:
+        """Close the current window and publish it (`step` counts completed steps)."""
+        elapsed = max(time.perf_counter() - self.window_start, 1e-9)
+        tokens_per_second = self.window_tokens / elapsed
+        step_seconds = elapsed / self.window_steps if self.window_steps else None
+        eta = None if step_seconds is None else int(step_seconds * (self.total_steps - step))
+        record = Progress(step=step, totalSteps=self.total_steps, epoch=round(epoch, 4),
+                          loss=loss, learningRate=lr, tokensPerSecond=round(tokens_per_second, 1),
+                          etaSeconds=eta,
+                          updateTime=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+        if self.enabled:
+            loss_text = "n/a" if loss is None else f"{loss:.4f}"
+            line = (f"step {step}/{self.total_steps} | epoch {epoch:.2f} | loss {loss_text} | "
+                    f"lr {lr:.2e} | {tokens_per_second:,.0f} tok/s | eta {format_duration(eta)}")
+            if self.bar is not None:
+                self.bar.write(line)
+            else:
+                print(line, flush=True)
+            self._write(record)
+            with self.history.open("a", encoding="utf-8") as handle:
+                handle.write(json.dumps(asdict(record)) + "\n")
+        self.window_start, self.window_tokens, self.window_steps = time.perf_counter(), 0, 0
+        self.last = record
+        return record
+
+    def finish(self, phase: str) -> None:
+        """Publish the final phase with the last figures (no log line)."""
+        if self.enabled and self.last is not None:
+            self.last.phase, self.last.etaSeconds = phase, 0
+            self._write(self.last)
+        self.close()
+
+    def _write(self, record: Progress) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(record)))
+        os.replace(tmp, self.path)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

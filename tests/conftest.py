@@ -53,3 +53,21 @@ def tiny_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests skip cleanly where no CUDA device is visible; kind tests without a cluster."""
+    import os
+
+    gpu = None
+    for item in items:
+        if "gpu" in item.keywords:
+            if gpu is None:
+                import torch
+
+                gpu = torch.cuda.is_available()
+            if not gpu:
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; none is visible"))
+        if "kind" in item.keywords and not os.environ.get("KUBECONFIG"):
+            item.add_marker(pytest.mark.skip(
+                reason="needs a real cluster: set KUBECONFIG (kind cannot run without Docker)"))

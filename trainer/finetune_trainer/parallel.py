@@ -179,9 +179,9 @@ class FSDPStrategy(Strategy):
         if self.compute_dtype != torch.float32:
             options["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.compute_dtype,
                                                         reduce_dtype=torch.float32)
-        if self.config.offload == "cpu":
+        if self.config.offload == "cpu" and self.device.type != "cpu":
             options["offload_policy"] = CPUOffloadPolicy()
-        else:
+        else:  # on CPU workers the weights already live in host memory
             model.to(self.device)
         for module in model.modules():
             if type(module).__name__ in self.wrap_classes:

@@ -1,0 +1,36 @@
+"""GPU-only runs: QLoRA (bitsandbytes 4-bit) and bf16 over nccl. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.trainer.test_training import finetune_run, losses, manifest
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+
+def test_qlora_trains_and_exports_an_adapter(tiny_model_dir, tmp_path):
+    job = manifest(tiny_model_dir, tmp_path / "out", method="qlora", precision="bf16",
+                   processes=1, checkpointing=True)
+    job["spec"]["resources"] = {"gpusPerNode": 1}
+    result = finetune_run(job, tmp_path, "--nproc", "1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    trajectory = losses(tmp_path / "out")
+    assert trajectory[-1] < trajectory[0]
+    assert (tmp_path / "out/final/adapter_config.json").is_file()
+
+
+def test_bf16_over_nccl_matches_fp32_closely(tiny_model_dir, tmp_path):
+    runs = {}
+    for precision in ("bf16", "fp32"):
+        job = manifest(tiny_model_dir, tmp_path / precision / "out", method="full",
+                       precision=precision, processes=1)
+        job["spec"]["resources"] = {"gpusPerNode": 1}
+        result = finetune_run(job, tmp_path / precision, "--nproc", "1")
+        assert result.returncode == 0, result.stdout + result.stderr
+        runs[precision] = losses(tmp_path / precision / "out")
+        progress = json.loads((tmp_path / precision / "out/progress.json").read_text())
+        assert progress["phase"] == "Succeeded"
+    assert runs["bf16"] == pytest.approx(runs["fp32"], rel=2e-2)

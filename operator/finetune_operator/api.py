@@ -216,7 +216,8 @@ class KubernetesSpec(ApiModel):
     """Run on spot (low-priority) nodes: adds the AKS spot toleration and node affinity.
     Evictions restart the gang from the last checkpoint without using the restart budget."""
     infiniband: bool = False
-    """Request InfiniBand (`rdma/ib`), add IPC_LOCK, and set NCCL's IB environment."""
+    """Request the cluster's RDMA device (the resource name is an operator setting), add
+    IPC_LOCK, and set NCCL's InfiniBand environment."""
     shm_size: Quantity | None = None
     """Size of /dev/shm (a memory-backed emptyDir). Defaults to no limit beyond the pod's."""
     priority_class_name: str | None = Field(default=None, max_length=253)

@@ -98,8 +98,13 @@ def validate(files: tuple[str, ...]) -> None:
               show_default=True, help="Output format.")
 def render_command(file: str, output: str) -> None:
     """Print the objects the operator would create for a FineTuneJob, without a cluster."""
+    from finetune_operator.render import backend_problems
+
     valid, invalid = _jobs_in((file,))
-    if invalid:
+    refused = [(doc, p) for doc, job in valid for p in backend_problems(job)]
+    for doc, problem in refused:
+        click.echo(f"{doc.source}: {problem}", err=True)
+    if invalid or refused:
         sys.exit(EXIT_INVALID)
     objects = [obj for _, job in valid for obj in render(job)]
     if output == "json":

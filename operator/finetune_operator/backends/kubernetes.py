@@ -1,0 +1,289 @@
+"""The kubernetes backend: torchrun pods on this cluster (AKS GPU node pools or any other).
+
+One FineTuneJob becomes a ConfigMap (the trainer config), a headless Service (stable DNS
+for rank 0) and an Indexed Job with one pod per node: the Job controller is the engine,
+the completion index is the node rank. `render` is a pure function of the job and the
+operator settings; the kopf handlers create what it returns.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from finetune_operator import naming, yamlio
+from finetune_operator.api import API_VERSION, KIND, FineTuneJob
+from finetune_operator.settings import OperatorSettings, Taint
+from finetune_operator.trainer_config import build_trainer_config
+from finetune_operator.validation import Problem
+from finetune_trainer.config import TrainerConfig
+from finetune_trainer.uris import DATASET_SCHEMES, MODEL_SCHEMES, OUTPUT_SCHEMES, parse_uri
+
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+CACHE_DIR = "/tmp/finetune"
+WORKER_UID = 1000
+
+
+def kubernetes_location(section: str, uri: str, schemes: tuple) -> str:
+    """pvc:// locations become the path where the worker pods mount the claim."""
+    parsed = parse_uri(uri, schemes)
+    return naming.pvc_mount_path(parsed) if parsed.scheme == "pvc" else uri
+
+
+def validate(job: FineTuneJob) -> list[Problem]:
+    """What this backend cannot run, beyond the API's own rules."""
+    problems = []
+    for section, schemes in (("model", MODEL_SCHEMES), ("dataset", DATASET_SCHEMES),
+                             ("output", OUTPUT_SCHEMES)):
+        scheme = parse_uri(getattr(job.spec, section).uri, schemes).scheme
+        if scheme in ("relative", "azureml"):
+            problems.append(Problem(
+                f"spec.{section}.uri", f"{scheme} locations cannot be reached from pods",
+                "use pvc://claim/path, an hf:// or https:// location, or a path in the image"))
+    return problems
+
+
+# --- metadata ----------------------------------------------------------------------------
+
+def labels(job: FineTuneJob) -> dict[str, str]:
+    return {naming.LABEL_JOB: job.name, naming.LABEL_MANAGED_BY: naming.MANAGER}
+
+
+def owner_references(job: FineTuneJob) -> list[dict[str, Any]]:
+    """Children are garbage-collected with their FineTuneJob (when its uid is known)."""
+    if not job.metadata.uid:
+        return []
+    return [{"apiVersion": API_VERSION, "kind": KIND, "name": job.name,
+             "uid": job.metadata.uid, "controller": True, "blockOwnerDeletion": True}]
+
+
+def object_meta(job: FineTuneJob, name: str, extra_labels: dict[str, str] | None = None
+                ) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": job.namespace,
+                            "labels": {**labels(job), **(extra_labels or {})}}
+    if owner := owner_references(job):
+        meta["ownerReferences"] = owner
+    return meta
+
+
+# --- the three objects -------------------------------------------------------------------
+
+def trainer_config_map(job: FineTuneJob, config: TrainerConfig) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": object_meta(job, naming.trainer_config_map(job.name)),
+        "data": {naming.TRAINER_CONFIG_KEY: yamlio.dump(config.to_dict())},
+    }
+
+
+def headless_service(job: FineTuneJob, settings: OperatorSettings) -> dict[str, Any]:
+    """Stable DNS for every worker (`<job>-<index>.<service>`), ready or not: rank 0 must be
+    resolvable while its peers are still starting."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": object_meta(job, naming.headless_service(job.name)),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": labels(job),
+            "ports": [{"name": "rendezvous", "port": settings.rendezvous_port},
+                      {"name": "metrics", "port": settings.metrics_port}],
+        },
+    }
+
+
+def rank0_address(job: FineTuneJob) -> str:
+    return (f"{naming.worker_hostname(job.name, 0)}.{naming.headless_service(job.name)}."
+            f"{job.namespace}.svc")
+
+
+def _toleration(taint: Taint) -> dict[str, Any]:
+    toleration: dict[str, Any] = {"key": taint.key, "effect": taint.effect}
+    if taint.value is None:
+        toleration["operator"] = "Exists"
+    else:
+        toleration.update(operator="Equal", value=taint.value)
+    return toleration
+
+
+def _env(job: FineTuneJob, settings: OperatorSettings) -> list[dict[str, Any]]:
+    spec = job.spec
+    resources = spec.resources
+    env: list[dict[str, Any]] = [
+        # torchrun reads PET_<FLAG> as its flags' defaults: the names Kubeflow users know
+        {"name": "PET_NNODES", "value": str(resources.nodes)},
+        {"name": "PET_NPROC_PER_NODE", "value": str(resources.processes())},
+        {"name": "PET_NODE_RANK", "valueFrom": {"fieldRef": {"fieldPath": COMPLETION_INDEX}}},
+        {"name": "PET_MASTER_ADDR", "value": rank0_address(job)},
+        {"name": "PET_MASTER_PORT", "value": str(settings.rendezvous_port)},
+        {"name": "FINETUNE_CONFIG",
+         "value": f"{naming.TRAINER_CONFIG_MOUNT}/{naming.TRAINER_CONFIG_KEY}"},
+        {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
+        {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
+        {"name": "TORCH_NCCL_ASYNC_ERROR_HANDLING", "value": "1"},
+        {"name": "NCCL_DEBUG", "value": "WARN"},
+    ]
+    if spec.model.token_secret_ref is not None:
+        ref = spec.model.token_secret_ref
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": ref.name, "key": ref.key}}})
+    if spec.kubernetes and spec.kubernetes.infiniband:
+        env += [{"name": "NCCL_IB_DISABLE", "value": "0"},
+                {"name": "NCCL_NET_GDR_LEVEL", "value": "PHB"}]
+    if spec.kubernetes:
+        env += [e.to_dict() for e in spec.kubernetes.env]
+    return env
+
+
+def _pvc_volumes(job: FineTuneJob) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """One volume per claim named in the job's locations; read-only unless it holds the output."""
+    claims: dict[str, bool] = {}
+    for section, schemes in (("model", MODEL_SCHEMES), ("dataset", DATASET_SCHEMES),
+                             ("output", OUTPUT_SCHEMES)):
+        uri = parse_uri(getattr(job.spec, section).uri, schemes)
+        if uri.scheme == "pvc":
+            writable = section == "output"
+            claims[uri.pvc_claim] = claims.get(uri.pvc_claim, False) or writable
+    volumes, mounts = [], []
+    for index, (claim, writable) in enumerate(sorted(claims.items())):
+        name = f"pvc-{index}"
+        volumes.append({"name": name, "persistentVolumeClaim": {"claimName": claim,
+                                                                 "readOnly": not writable}})
+        mounts.append({"name": name, "mountPath": f"{naming.PVC_MOUNT_ROOT}/{claim}",
+                       "readOnly": not writable})
+    return volumes, mounts
+
+
+def _user_volumes(job: FineTuneJob) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    if job.spec.kubernetes is None:
+        return [], []
+    volumes, mounts = [], []
+    for volume in job.spec.kubernetes.volumes:
+        source = volume.to_dict()
+        mounts.append({"name": volume.name, "mountPath": source.pop("mountPath"),
+                       "readOnly": source.pop("readOnly", False)})
+        volumes.append(source)
+    return volumes, mounts
+
+
+def worker_pod_template(job: FineTuneJob, settings: OperatorSettings) -> dict[str, Any]:
+    spec = job.spec
+    k8s = spec.kubernetes
+    resources = spec.resources
+    requests: dict[str, Any] = {}
+    limits: dict[str, Any] = {}
+    if resources.cpu is not None:
+        requests["cpu"] = resources.cpu
+    if resources.memory is not None:
+        requests["memory"] = limits["memory"] = resources.memory
+    if resources.gpus_per_node:
+        limits[settings.gpu_resource] = resources.gpus_per_node
+    capabilities: dict[str, Any] = {"drop": ["ALL"]}
+    if k8s and k8s.infiniband:
+        limits[settings.infiniband_resource] = 1
+        capabilities["add"] = ["IPC_LOCK"]  # RDMA pins memory
+
+    shm: dict[str, Any] = {"medium": "Memory"}
+    if k8s and k8s.shm_size is not None:
+        shm["sizeLimit"] = k8s.shm_size
+    pvc_volumes, pvc_mounts = _pvc_volumes(job)
+    user_volumes, user_mounts = _user_volumes(job)
+    volumes = [
+        {"name": "trainer-config",
+         "configMap": {"name": naming.trainer_config_map(job.name)}},
+        {"name": "dshm", "emptyDir": shm},
+        {"name": "cache", "emptyDir": {}},
+        *pvc_volumes, *user_volumes,
+    ]
+    mounts = [
+        {"name": "trainer-config", "mountPath": naming.TRAINER_CONFIG_MOUNT, "readOnly": True},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "cache", "mountPath": CACHE_DIR},
+        *pvc_mounts, *user_mounts,
+    ]
+    container: dict[str, Any] = {
+        "name": "trainer",
+        "image": (k8s.image if k8s and k8s.image else settings.trainer_image),
+        "command": ["torchrun"],
+        "args": ["--nnodes=$(PET_NNODES)", "--nproc-per-node=$(PET_NPROC_PER_NODE)",
+                 "--node-rank=$(PET_NODE_RANK)", "--master-addr=$(PET_MASTER_ADDR)",
+                 "--master-port=$(PET_MASTER_PORT)", "-m", "finetune_trainer",
+                 "--config=$(FINETUNE_CONFIG)"],
+        "env": _env(job, settings),
+        "ports": [{"name": "rendezvous", "containerPort": settings.rendezvous_port},
+                  {"name": "metrics", "containerPort": settings.metrics_port}],
+        "resources": {k: v for k, v in (("requests", requests), ("limits", limits)) if v},
+        "volumeMounts": mounts,
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": capabilities,
+        },
+    }
+    if k8s and k8s.image_pull_policy:
+        container["imagePullPolicy"] = k8s.image_pull_policy
+
+    tolerations = []
+    if resources.gpus_per_node and settings.gpu_taint is not None:
+        tolerations.append(_toleration(settings.gpu_taint))
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",  # a failed worker fails the gang; the operator restarts it
+        "subdomain": naming.headless_service(job.name),
+        "terminationGracePeriodSeconds": settings.termination_grace_seconds,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": WORKER_UID,
+                            "runAsGroup": WORKER_UID, "fsGroup": WORKER_UID,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if k8s:
+        if k8s.spot:
+            tolerations.append(_toleration(settings.spot_taint))
+            pod_spec["affinity"] = {"nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{
+                    "matchExpressions": [{"key": settings.spot_node_label, "operator": "In",
+                                          "values": [settings.spot_taint.value or "spot"]}]}]}}}
+        tolerations += [t.to_dict() for t in k8s.tolerations]
+        if k8s.node_selector:
+            pod_spec["nodeSelector"] = dict(k8s.node_selector)
+        if k8s.priority_class_name:
+            pod_spec["priorityClassName"] = k8s.priority_class_name
+        if k8s.service_account_name:
+            pod_spec["serviceAccountName"] = k8s.service_account_name
+    if tolerations:
+        pod_spec["tolerations"] = tolerations
+    pod_meta: dict[str, Any] = {"labels": {**(k8s.labels if k8s else {}), **labels(job)}}
+    if k8s and k8s.annotations:
+        pod_meta["annotations"] = dict(k8s.annotations)
+    return {"metadata": pod_meta, "spec": pod_spec}
+
+
+def worker_job(job: FineTuneJob, settings: OperatorSettings) -> dict[str, Any]:
+    """The Indexed Job: one pod per node, completion index = node rank. It fails on the first
+    pod failure (backoffLimit 0): gang restarts and their budget belong to the operator."""
+    nodes = job.spec.resources.nodes
+    k8s = job.spec.kubernetes
+    queue = {QUEUE_LABEL: k8s.queue_name} if k8s and k8s.queue_name else {}
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": object_meta(job, naming.worker_job(job.name), queue),
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": nodes,
+            "parallelism": nodes,
+            "backoffLimit": 0,
+            # Kueue admits a suspended Job by unsuspending it; a suspended FineTuneJob too
+            "suspend": bool(queue) or job.spec.run_policy.suspend,
+            "template": worker_pod_template(job, settings),
+        },
+    }
+
+
+def render(job: FineTuneJob, settings: OperatorSettings) -> list[dict[str, Any]]:
+    """Everything this backend creates for `job`, in creation order."""
+    config = build_trainer_config(job, kubernetes_location)
+    return [trainer_config_map(job, config), headless_service(job, settings),
+            worker_job(job, settings)]

@@ -1,0 +1,194 @@
+"""The kubernetes backend's objects: what torchrun pods need, valid Kubernetes, least privilege."""
+
+from __future__ import annotations
+
+import kubernetes_validate
+import pytest
+
+from finetune_operator.backends import kubernetes as backend
+from finetune_operator.settings import OperatorSettings, Taint
+from finetune_operator.validation import parse_job
+from tests.conftest import EXAMPLES, load_yaml, minimal_job
+
+SETTINGS = OperatorSettings()
+K8S_EXAMPLES = [p for p in EXAMPLES if load_yaml(p)["spec"].get("backend", "kubernetes")
+                == "kubernetes" and "cpu-lora" not in p.name]
+
+
+def objects(doc, settings=SETTINGS):
+    rendered = backend.render(parse_job(doc), settings)
+    return {o["kind"]: o for o in rendered}
+
+
+def pod(doc, settings=SETTINGS):
+    return objects(doc, settings)["Job"]["spec"]["template"]["spec"]
+
+
+def env(doc) -> dict:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in
+            pod(doc)["containers"][0]["env"]}
+
+
+@pytest.mark.parametrize("version", ["1.30", "1.37"])
+@pytest.mark.parametrize("path", K8S_EXAMPLES, ids=lambda p: p.name)
+def test_rendered_objects_are_valid_kubernetes(path, version):
+    doc = load_yaml(path)
+    doc["metadata"]["uid"] = "6c1f0d52-1c1a-4a8e-9d47-0f6a1b2c3d4e"
+    for obj in backend.render(parse_job(doc), SETTINGS):
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_one_indexed_job_one_pod_per_node_failing_fast():
+    job = objects(minimal_job(resources={"nodes": 4, "gpusPerNode": 8}))["Job"]["spec"]
+    assert job["completionMode"] == "Indexed"
+    assert job["completions"] == job["parallelism"] == 4
+    assert job["backoffLimit"] == 0  # gang restarts are the operator's
+    assert job["suspend"] is False
+    assert job["template"]["spec"]["restartPolicy"] == "Never"
+
+
+def test_torchrun_rendezvous_at_rank_zero():
+    doc = minimal_job(resources={"nodes": 2, "gpusPerNode": 8})
+    values = env(doc)
+    assert values["PET_NNODES"] == "2" and values["PET_NPROC_PER_NODE"] == "8"
+    assert values["PET_NODE_RANK"] == {"fieldRef": {"fieldPath": backend.COMPLETION_INDEX}}
+    assert values["PET_MASTER_ADDR"] == "demo-0.demo.default.svc"
+    container = pod(doc)["containers"][0]
+    assert container["command"] == ["torchrun"]
+    assert "--node-rank=$(PET_NODE_RANK)" in container["args"]
+    assert container["args"][-3:] == ["-m", "finetune_trainer", "--config=$(FINETUNE_CONFIG)"]
+    service = objects(doc)["Service"]["spec"]
+    assert service["clusterIP"] == "None" and service["publishNotReadyAddresses"] is True
+    assert pod(doc)["subdomain"] == "demo"
+
+
+def test_cpu_workers_get_their_process_count_and_no_gpu():
+    spec = pod(minimal_job(resources={"gpusPerNode": 0, "processesPerNode": 2, "cpu": 4}))
+    container = spec["containers"][0]
+    assert "nvidia.com/gpu" not in container["resources"].get("limits", {})
+    assert container["resources"]["requests"] == {"cpu": "4"}
+    assert "tolerations" not in spec
+    assert env(minimal_job(resources={"gpusPerNode": 0, "processesPerNode": 2}))[
+        "PET_NPROC_PER_NODE"] == "2"
+
+
+def test_gpu_limits_and_the_aks_gpu_taint():
+    spec = pod(minimal_job(resources={"gpusPerNode": 4}))
+    assert spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert {"key": "sku", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"} in (
+        spec["tolerations"])
+    custom = OperatorSettings(gpu_taint=Taint(key="nvidia.com/gpu"))
+    assert pod(minimal_job(), custom)["tolerations"] == [
+        {"key": "nvidia.com/gpu", "effect": "NoSchedule", "operator": "Exists"}]
+
+
+def test_spot_nodes_are_tolerated_and_required():
+    spec = pod(minimal_job(kubernetes={"spot": True}))
+    assert {"key": "kubernetes.azure.com/scalesetpriority", "operator": "Equal",
+            "value": "spot", "effect": "NoSchedule"} in spec["tolerations"]
+    term = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"][0]["matchExpressions"][0]
+    assert term == {"key": "kubernetes.azure.com/scalesetpriority", "operator": "In",
+                    "values": ["spot"]}
+
+
+def test_infiniband_resources_capability_and_nccl_env():
+    doc = minimal_job(resources={"gpusPerNode": 8}, kubernetes={"infiniband": True})
+    container = pod(doc)["containers"][0]
+    assert container["resources"]["limits"]["rdma/rdma_shared_device_a"] == 1
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"],
+                                                            "add": ["IPC_LOCK"]}
+    assert env(doc)["NCCL_IB_DISABLE"] == "0"
+    plain = pod(minimal_job())["containers"][0]["securityContext"]["capabilities"]
+    assert plain == {"drop": ["ALL"]}
+
+
+def test_non_root_read_only_root_and_shared_memory():
+    spec = pod(minimal_job(kubernetes={"shmSize": "32Gi"}))
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    container = spec["containers"][0]
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    dshm = next(v for v in spec["volumes"] if v["name"] == "dshm")
+    assert dshm["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+
+
+def test_claims_are_mounted_where_the_trainer_config_points():
+    doc = minimal_job(model={"uri": "pvc://models/llama"},
+                      dataset={"uri": "pvc://data/train.jsonl"},
+                      output={"uri": "pvc://data/runs/demo"})
+    rendered = objects(doc)
+    spec = rendered["Job"]["spec"]["template"]["spec"]
+    claims = {v["persistentVolumeClaim"]["claimName"]: v["persistentVolumeClaim"]["readOnly"]
+              for v in spec["volumes"] if "persistentVolumeClaim" in v}
+    assert claims == {"models": True, "data": False}  # data also holds the output
+    mounts = {m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
+    assert {"/mnt/pvc/models", "/mnt/pvc/data"} <= mounts
+    trainer = load_yaml_text(rendered["ConfigMap"]["data"]["trainer.yaml"])
+    assert trainer["model"]["uri"] == "/mnt/pvc/models/llama"
+    assert trainer["output"]["uri"] == "/mnt/pvc/data/runs/demo"
+
+
+def load_yaml_text(text: str):
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+def test_kueue_queue_label_and_suspended_job():
+    job = objects(minimal_job(kubernetes={"queueName": "team-a"}))["Job"]
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    assert job["spec"]["suspend"] is True
+    assert objects(minimal_job(runPolicy={"suspend": True}))["Job"]["spec"]["suspend"] is True
+
+
+def test_hub_token_comes_from_the_secret_and_user_env_follows():
+    doc = minimal_job(model={"uri": "hf://meta-llama/Llama-3.1-8B",
+                             "tokenSecretRef": {"name": "hf-token"}},
+                      kubernetes={"env": [{"name": "LOG_LEVEL", "value": "debug"}]})
+    values = env(doc)
+    assert values["HF_TOKEN"] == {"secretKeyRef": {"name": "hf-token", "key": "token"}}
+    assert values["LOG_LEVEL"] == "debug"
+
+
+def test_children_are_owned_by_the_job():
+    doc = minimal_job()
+    doc["metadata"]["uid"] = "uid-1"
+    for obj in backend.render(parse_job(doc), SETTINGS):
+        owner = obj["metadata"]["ownerReferences"][0]
+        assert owner["kind"] == "FineTuneJob" and owner["uid"] == "uid-1"
+        assert owner["controller"] is True
+        assert obj["metadata"]["labels"]["finetune.dev/job"] == "demo"
+
+
+def test_user_pod_settings_pass_through():
+    spec = pod(minimal_job(kubernetes={
+        "nodeSelector": {"agentpool": "gpunp"}, "priorityClassName": "high",
+        "serviceAccountName": "trainer", "image": "registry.example.com/trainer:1",
+        "tolerations": [{"key": "team", "operator": "Exists", "effect": "NoSchedule"}],
+        "volumes": [{"name": "extra", "mountPath": "/extra", "readOnly": True,
+                     "configMap": {"name": "cm"}}]}))
+    assert spec["nodeSelector"] == {"agentpool": "gpunp"}
+    assert spec["priorityClassName"] == "high" and spec["serviceAccountName"] == "trainer"
+    assert spec["containers"][0]["image"] == "registry.example.com/trainer:1"
+    assert {"key": "team", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+    assert {"name": "extra", "configMap": {"name": "cm"}} in spec["volumes"]
+    assert {"name": "extra", "mountPath": "/extra", "readOnly": True} in (
+        spec["containers"][0]["volumeMounts"])
+
+
+def test_locations_pods_cannot_reach_are_refused():
+    problems = backend.validate(parse_job(minimal_job(
+        dataset={"uri": "./data.jsonl"},
+        output={"uri": "azureml://datastores/blob/paths/out"})))
+    assert [p.path for p in problems] == ["spec.dataset.uri", "spec.output.uri"]
+    assert all("cannot be reached from pods" in p.message for p in problems)
+
+
+def test_settings_from_the_environment():
+    settings = OperatorSettings.from_env({
+        "FINETUNE_TRAINER_IMAGE": "acr.io/trainer:2", "FINETUNE_GPU_TAINT": "null",
+        "FINETUNE_RENDEZVOUS_PORT": "23456"})
+    assert settings.trainer_image == "acr.io/trainer:2"
+    assert settings.gpu_taint is None and settings.rendezvous_port == 23456

@@ -325,6 +325,8 @@ class Progress(StatusModel):
     """Model FLOPs utilisation, 0 to 1 (GPU only)."""
     eta_seconds: int | None = None
     """Estimated seconds until the last step, from the recent step rate."""
+    last_step_time: datetime | None = None
+    """When `step` last advanced (what stallTimeoutSeconds is measured from)."""
 
 
 class CheckpointRef(StatusModel):
@@ -371,6 +373,13 @@ class FineTuneJobStatus(StatusModel):
     """When the job succeeded or failed."""
     observed_generation: int | None = None
     """The spec generation the operator last acted on."""
+    launched_spec: dict[str, Annotated[str, Field(description="Fingerprint of the section.")]] = (
+        Field(default_factory=dict))
+    """A fingerprint per spec section as launched; changes other than runPolicy after
+    launch are refused."""
+    launch_time: datetime | None = None
+    """When the current attempt's workers were created (startupDeadlineSeconds counts
+    from here)."""
     message: str | None = None
     """A one-line summary of the current phase."""
 

@@ -1,0 +1,332 @@
+"""The operator's decisions: (job, observation, now) → actions, new status, events.
+
+Pure: no API calls, no clocks, no kopf. The handlers observe the backend, call
+`reconcile`, carry out the actions and patch the status; every rule of the job's life
+(gang restarts and their budget, deadlines, stalls, suspend, spec changes) is here and
+is tested as a table of situations.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Literal
+
+from finetune_operator.api import (
+    TERMINAL_PHASES,
+    Condition,
+    FineTuneJob,
+    FineTuneJobStatus,
+    Progress,
+)
+
+# Spec sections that may change while a job runs; any other change is refused.
+MUTABLE_SECTIONS = frozenset({"runPolicy"})
+
+FailureKind = Literal["worker", "preempted", "stopped"]
+"""worker: a training process failed (counts against backoffLimit). preempted: the node or
+pod was taken away (eviction, spot reclaim, node loss) — restarted for free. stopped: the
+trainer exited 143 after a checkpoint because it was told to stop — restarted for free."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    kind: FailureKind
+    message: str
+    """Which pod, and why, as the user should read it."""
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the backend sees of the job's workload right now."""
+
+    exists: bool = False
+    deleting: bool = False
+    """The workload is being deleted (a restart in progress)."""
+    suspended: bool = False
+    """The workload exists but does not run (Kueue has not admitted it, or we suspended it)."""
+    running: bool = False
+    """Every worker is running."""
+    succeeded: bool = False
+    failure: Failure | None = None
+    waiting: str | None = None
+    """Why workers are not running yet, in the pod's own words (ImagePullBackOff: ...)."""
+    progress: Progress | None = None
+    """Rank 0's latest progress record, if it could be read."""
+
+
+ActionKind = Literal["launch", "delete-workload", "suspend", "resume", "delete-job"]
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: ActionKind
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Event:
+    type: Literal["Normal", "Warning"]
+    reason: str
+    message: str
+
+
+@dataclass
+class Decision:
+    status: FineTuneJobStatus
+    actions: list[Action] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    requeue_after: float | None = None
+    """Seconds until the next look, while something is expected to change."""
+
+
+def spec_fingerprint(job: FineTuneJob) -> dict[str, str]:
+    """A short hash per spec section, to tell which sections changed after launch."""
+    out = {}
+    for name, value in job.spec.to_dict().items():
+        digest = hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+        out[name] = digest[:12]
+    return out
+
+
+def set_condition(status: FineTuneJobStatus, type_: str, value: bool, reason: str,
+                  message: str, now: datetime, generation: int | None) -> None:
+    """Add or update a condition; its transition time moves only when its status does."""
+    text = "True" if value else "False"
+    for condition in status.conditions:
+        if condition.type == type_:
+            if condition.status != text:
+                condition.last_transition_time = now
+            condition.status, condition.reason, condition.message = text, reason, message
+            condition.observed_generation = generation
+            return
+    status.conditions.append(Condition(type=type_, status=text, reason=reason, message=message,
+                                       last_transition_time=now,
+                                       observed_generation=generation))
+
+
+def condition(status: FineTuneJobStatus, type_: str) -> Condition | None:
+    return next((c for c in status.conditions if c.type == type_), None)
+
+
+class _Builder:
+    """Accumulates one decision; keeps the transitions readable below."""
+
+    def __init__(self, job: FineTuneJob, now: datetime):
+        self.job, self.now = job, now
+        self.generation = job.metadata.generation
+        self.status = (job.status or FineTuneJobStatus()).model_copy(deep=True)
+        self.decision = Decision(status=self.status)
+
+    def phase(self, phase: str, message: str) -> None:
+        if self.status.phase != phase:
+            self.event("Normal" if phase not in ("Failed", "Restarting") else "Warning",
+                       phase, message)
+        self.status.phase = phase  # type: ignore[assignment]
+        self.status.message = message
+
+    def cond(self, type_: str, value: bool, reason: str, message: str = "") -> None:
+        set_condition(self.status, type_, value, reason, message, self.now, self.generation)
+
+    def act(self, kind: ActionKind, reason: str = "") -> None:
+        self.decision.actions.append(Action(kind, reason))
+
+    def event(self, type_: Literal["Normal", "Warning"], reason: str, message: str) -> None:
+        self.decision.events.append(Event(type_, reason, message))
+
+    def requeue(self, seconds: float) -> None:
+        current = self.decision.requeue_after
+        self.decision.requeue_after = seconds if current is None else min(current, seconds)
+
+    def fail(self, reason: str, message: str, stop_workload: bool) -> Decision:
+        self.cond("Failed", True, reason, message)
+        self.cond("Running", False, reason, "")
+        self.phase("Failed", message)
+        self.status.completion_time = self.status.completion_time or self.now
+        if stop_workload:
+            self.act("delete-workload", reason)
+        return self.decision
+
+
+def _seconds_since(then: datetime | None, now: datetime) -> float:
+    return (now - then).total_seconds() if then else 0.0
+
+
+def _merge_progress(b: _Builder, seen: Progress | None) -> None:
+    if seen is None:
+        return
+    before = b.status.progress
+    advanced = before is None or (seen.step or 0) > (before.step or 0)
+    last = b.now if advanced else (before.last_step_time if before else b.now)
+    b.status.progress = seen.model_copy(update={"last_step_time": last})
+
+
+def reconcile(job: FineTuneJob, seen: Observation, now: datetime,
+              problems: list[str] | None = None) -> Decision:
+    """Decide what to do about `job`. `problems` are validation errors found by the caller
+    (the API's rules and the backend's own), each `path: what — fix`."""
+    b = _Builder(job, now)
+    status, policy = b.status, job.spec.run_policy
+    status.observed_generation = b.generation
+
+    if status.phase in TERMINAL_PHASES:
+        ttl = policy.ttl_seconds_after_finished
+        if ttl is not None:
+            left = ttl - _seconds_since(status.completion_time, now)
+            if left <= 0:
+                b.act("delete-job", "ttlSecondsAfterFinished")
+            else:
+                b.requeue(left)
+        return b.decision
+
+    # 1. the spec must be valid, and unchanged since launch except where allowed
+    if problems:
+        b.cond("Validated", False, "InvalidSpec", "; ".join(problems))
+        if not status.launched_spec:
+            return b.fail("InvalidSpec", "the spec is invalid: " + "; ".join(problems),
+                          stop_workload=False)
+        return b.decision  # keep running what was launched; the condition says why
+    b.cond("Validated", True, "Valid", "")
+    fingerprint = spec_fingerprint(job)
+    if status.launched_spec:
+        changed = sorted(k for k in set(fingerprint) | set(status.launched_spec)
+                         if k not in MUTABLE_SECTIONS
+                         and fingerprint.get(k) != status.launched_spec.get(k))
+        if changed:
+            b.cond("SpecChangeRefused", True, "ImmutableAfterLaunch",
+                   f"spec.{', spec.'.join(changed)} cannot change after launch; only "
+                   "spec.runPolicy can (suspend, deadlines, budget). Revert the change, or "
+                   "delete and re-create the job to start over")
+        elif condition(status, "SpecChangeRefused"):
+            b.cond("SpecChangeRefused", False, "SpecMatchesLaunch", "")
+
+    # 2. deadlines that end the job whatever the workers do
+    if policy.active_deadline_seconds and status.start_time and _seconds_since(
+            status.start_time, now) > policy.active_deadline_seconds:
+        return b.fail("DeadlineExceeded", f"the job ran longer than activeDeadlineSeconds "
+                      f"({policy.active_deadline_seconds}s)", stop_workload=seen.exists)
+
+    # 3. suspend and resume
+    if policy.suspend:
+        if seen.exists and not seen.suspended:
+            b.act("suspend", "spec.runPolicy.suspend")
+        if status.phase != "Suspended" and (status.launched_spec or not seen.exists):
+            b.cond("Running", False, "Suspended", "")
+            b.cond("Suspended", True, "SuspendedByUser",
+                   "workers checkpoint and stop; set spec.runPolicy.suspend=false to resume")
+            b.phase("Suspended", "suspended by spec.runPolicy.suspend")
+        return b.decision
+    if status.phase == "Suspended":
+        b.cond("Suspended", False, "Resumed", "")
+        if seen.exists and seen.suspended and not _queued(job):
+            b.act("resume", "spec.runPolicy.suspend cleared")
+        b.phase("Launching", "resuming from the last checkpoint")
+        status.launch_time = now
+        return b.decision
+
+    _merge_progress(b, seen.progress)
+
+    # 4. nothing running: launch (first time, or the next attempt after a restart)
+    if seen.deleting or (seen.exists and status.phase == "Restarting"):
+        if not seen.deleting:  # the delete was asked for but has not shown yet: ask again
+            b.act("delete-workload", "restart")
+        b.requeue(2)
+        return b.decision
+    if not seen.exists:
+        b.act("launch")
+        status.launched_spec = fingerprint
+        status.launch_time = now
+        status.start_time = status.start_time or now
+        first = status.phase in (None, "Pending")
+        b.phase("Launching", "creating workers" if first else
+                f"restarting the gang (restart {status.restarts}); it resumes from the last "
+                "checkpoint")
+        b.requeue(5)
+        return b.decision
+
+    # 5. the workload exists: read its state
+    if seen.succeeded:
+        b.cond("Running", False, "Completed", "")
+        b.cond("Complete", True, "TrainingFinished", "the export is in spec.output.uri/final")
+        b.phase("Succeeded", "training finished; the model is in "
+                f"{job.spec.output.uri}/final")
+        status.completion_time = now
+        if status.progress:
+            status.progress.eta_seconds = 0
+        return b.decision
+
+    if seen.failure is not None:
+        return _restart_or_fail(b, seen.failure)
+
+    if seen.suspended:  # created suspended for Kueue, not yet admitted
+        b.cond("Admitted", False, "WaitingForQueue",
+               f"waiting for Kueue to admit the job from queue {job.spec.kubernetes.queue_name}"
+               if _queued(job) else "the workload is suspended")
+        b.phase("Queued", "waiting in the queue")
+        status.launch_time = now  # the startup deadline counts from admission
+        b.requeue(15)
+        return b.decision
+    if _queued(job):
+        b.cond("Admitted", True, "Admitted", "")
+
+    if seen.running or seen.progress is not None:
+        if status.phase != "Running":
+            b.cond("Running", True, "WorkersRunning", "")
+            b.phase("Running", "training")
+        return _watch_for_stall(b)
+
+    # 6. launched but not running yet: the startup deadline
+    deadline = policy.startup_deadline_seconds
+    waited = _seconds_since(status.launch_time, now)
+    if deadline and waited > deadline:
+        why = seen.waiting or "workers did not start"
+        return b.fail("StartupDeadlineExceeded", f"workers did not start within "
+                      f"startupDeadlineSeconds ({deadline}s): {why}", stop_workload=True)
+    if seen.waiting:
+        b.cond("Running", False, "WorkersWaiting", seen.waiting)
+        status.message = f"waiting for workers: {seen.waiting}"
+    b.requeue(min(10.0, max(1.0, deadline - waited)) if deadline else 10.0)
+    return b.decision
+
+
+def _queued(job: FineTuneJob) -> bool:
+    return bool(job.spec.kubernetes and job.spec.kubernetes.queue_name)
+
+
+def _restart_or_fail(b: _Builder, failure: Failure) -> Decision:
+    status, limit = b.status, b.job.spec.run_policy.backoff_limit
+    counted = failure.kind == "worker"
+    if counted and status.restarts >= limit:
+        return b.fail("BackoffLimitExceeded", f"{failure.message} (restart budget of {limit} "
+                      "used up)", stop_workload=True)
+    if counted:
+        status.restarts += 1
+    cause = {"worker": "a worker failed", "preempted": "a worker was preempted",
+             "stopped": "workers were stopped"}[failure.kind]
+    b.cond("Running", False, "Restarting", failure.message)
+    b.act("delete-workload", failure.kind)
+    budget = f"restart {status.restarts} of {limit}" if counted else "not counted"
+    b.phase("Restarting", f"{cause}: {failure.message}; restarting the gang ({budget})")
+    b.requeue(2)
+    return b.decision
+
+
+def _watch_for_stall(b: _Builder) -> Decision:
+    timeout = b.job.spec.run_policy.stall_timeout_seconds
+    progress = b.status.progress
+    # measured from the later of the last step and this attempt's launch
+    marks = [t for t in (progress.last_step_time if progress else None, b.status.launch_time)
+             if t is not None]
+    quiet = _seconds_since(max(marks) if marks else None, b.now)
+    if timeout and quiet > timeout:
+        step = progress.step if progress else None
+        b.cond("Stalled", True, "NoProgress", f"no step completed for {int(quiet)}s "
+               f"(stallTimeoutSeconds {timeout}) at step {step}")
+        return _restart_or_fail(b, Failure("worker", f"no progress for {int(quiet)}s at step "
+                                           f"{step}: the gang looks hung"))
+    if condition(b.status, "Stalled") and condition(b.status, "Stalled").status == "True":
+        b.cond("Stalled", False, "Progressing", "")
+    b.requeue(min(30.0, max(1.0, timeout - quiet)) if timeout else 30.0)
+    return b.decision

@@ -1,0 +1,193 @@
+"""The operator's decisions as a table of situations: no kopf, no cluster, no clock."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from finetune_operator.api import FineTuneJobStatus, Progress
+from finetune_operator.reconcile import (
+    Failure,
+    Observation,
+    condition,
+    reconcile,
+    set_condition,
+    spec_fingerprint,
+)
+from finetune_operator.validation import parse_job
+from tests.conftest import minimal_job
+
+T0 = datetime(2026, 11, 21, 12, 0, tzinfo=UTC)
+
+
+def job(status: FineTuneJobStatus | None = None, generation: int = 1, **spec):
+    doc = minimal_job(**spec)
+    doc["metadata"]["generation"] = generation
+    parsed = parse_job(doc)
+    parsed.status = status
+    return parsed
+
+
+def launched(phase="Launching", restarts=0, **spec) -> FineTuneJobStatus:
+    """The status of a job whose workers were created at T0."""
+    return FineTuneJobStatus(phase=phase, restarts=restarts, launch_time=T0, start_time=T0,
+                             launched_spec=spec_fingerprint(job(**spec)))
+
+
+def kinds(decision) -> list[str]:
+    return [a.kind for a in decision.actions]
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def test_a_new_job_is_validated_and_launched():
+    d = reconcile(job(), Observation(), T0)
+    assert kinds(d) == ["launch"]
+    assert d.status.phase == "Launching" and d.status.start_time == T0
+    assert condition(d.status, "Validated").status == "True"
+    assert d.status.launched_spec == spec_fingerprint(job())
+    assert d.status.observed_generation == 1
+    assert [e.reason for e in d.events] == ["Launching"]
+
+
+def test_an_invalid_job_fails_without_creating_anything():
+    d = reconcile(job(), Observation(), T0, problems=["spec.backend: 'slurm' is not installed"])
+    assert kinds(d) == [] and d.status.phase == "Failed"
+    assert condition(d.status, "Validated").reason == "InvalidSpec"
+    assert "slurm" in d.status.message
+
+
+def test_waiting_workers_are_reported_until_the_startup_deadline():
+    seen = Observation(exists=True, waiting="demo-0-x7k2p: ImagePullBackOff: pull access denied")
+    d = reconcile(job(launched()), seen, at(60))
+    assert kinds(d) == [] and d.status.phase == "Launching"
+    assert "ImagePullBackOff" in d.status.message
+    assert d.requeue_after is not None
+
+    late = reconcile(job(launched()), seen, at(1801))
+    assert late.status.phase == "Failed" and kinds(late) == ["delete-workload"]
+    assert condition(late.status, "Failed").reason == "StartupDeadlineExceeded"
+    assert "demo-0-x7k2p: ImagePullBackOff" in late.status.message
+
+
+def test_running_workers_and_progress_reach_the_status():
+    progress = Progress(step=10, total_steps=100, loss=1.5, tokens_per_second=1e4,
+                        eta_seconds=900)
+    d = reconcile(job(launched()), Observation(exists=True, running=True, progress=progress),
+                  at(30))
+    assert d.status.phase == "Running" and condition(d.status, "Running").status == "True"
+    assert d.status.progress.step == 10 and d.status.progress.last_step_time == at(30)
+    # the same step seen later keeps the time it was first seen
+    again = reconcile(job(d.status), Observation(exists=True, running=True, progress=progress),
+                      at(90))
+    assert again.status.progress.last_step_time == at(30)
+    assert [e.reason for e in again.events] == []  # no transition, no event
+
+
+def test_a_stalled_gang_is_marked_and_restarted():
+    status = launched("Running")
+    status.progress = Progress(step=10, last_step_time=at(100))
+    seen = Observation(exists=True, running=True, progress=Progress(step=10))
+    d = reconcile(job(status, runPolicy={"stallTimeoutSeconds": 600}), seen, at(701))
+    assert condition(d.status, "Stalled").status == "True"
+    assert kinds(d) == ["delete-workload"] and d.status.restarts == 1
+    assert d.status.phase == "Restarting"
+
+
+def test_a_worker_failure_restarts_the_gang_once_and_counts():
+    seen = Observation(exists=True, failure=Failure("worker", "demo-1-abcde exited 1 (OOMKilled)"))
+    d = reconcile(job(launched("Running")), seen, at(50))
+    assert kinds(d) == ["delete-workload"] and d.status.restarts == 1
+    assert d.status.phase == "Restarting" and "OOMKilled" in d.status.message
+    assert d.events[-1].type == "Warning"
+    # the deletion has not shown yet: ask again, do not count again
+    again = reconcile(job(d.status), seen, at(52))
+    assert kinds(again) == ["delete-workload"] and again.status.restarts == 1
+    # gone: the next attempt is launched
+    relaunch = reconcile(job(again.status), Observation(), at(60))
+    assert kinds(relaunch) == ["launch"] and relaunch.status.phase == "Launching"
+    assert relaunch.status.launch_time == at(60) and relaunch.status.start_time == T0
+
+
+def test_preemption_restarts_without_using_the_budget():
+    seen = Observation(exists=True, failure=Failure("preempted", "node aks-spot-1 was reclaimed"))
+    d = reconcile(job(launched("Running", restarts=2)), seen, at(50))
+    assert kinds(d) == ["delete-workload"] and d.status.restarts == 2
+    assert "not counted" in d.status.message
+
+
+def test_an_exhausted_budget_fails_the_job_with_the_cause():
+    seen = Observation(exists=True, failure=Failure("worker", "demo-0-aaaaa exited 1"))
+    d = reconcile(job(launched("Running", restarts=3)), seen, at(50))
+    assert d.status.phase == "Failed" and kinds(d) == ["delete-workload"]
+    assert condition(d.status, "Failed").reason == "BackoffLimitExceeded"
+    assert "demo-0-aaaaa exited 1" in d.status.message
+
+
+def test_success_and_ttl():
+    d = reconcile(job(launched("Running")), Observation(exists=True, succeeded=True), at(500))
+    assert d.status.phase == "Succeeded" and d.status.completion_time == at(500)
+    assert condition(d.status, "Complete").status == "True"
+    finished = d.status
+    ttl = {"runPolicy": {"ttlSecondsAfterFinished": 3600}}
+    assert kinds(reconcile(job(finished, **ttl), Observation(), at(600))) == []
+    assert kinds(reconcile(job(finished, **ttl), Observation(), at(4101))) == ["delete-job"]
+    assert kinds(reconcile(job(finished), Observation(), at(99999))) == []  # no ttl: kept
+
+
+def test_suspend_and_resume():
+    suspend = {"runPolicy": {"suspend": True}}
+    d = reconcile(job(launched("Running", **suspend), **suspend),
+                  Observation(exists=True, running=True), at(100))
+    assert kinds(d) == ["suspend"] and d.status.phase == "Suspended"
+    assert condition(d.status, "Suspended").status == "True"
+    resumed = reconcile(job(d.status), Observation(exists=True, suspended=True), at(200))
+    assert kinds(resumed) == ["resume"] and resumed.status.phase == "Launching"
+    assert condition(resumed.status, "Suspended").status == "False"
+
+
+def test_a_job_created_suspended_launches_nothing():
+    d = reconcile(job(runPolicy={"suspend": True}), Observation(), T0)
+    assert kinds(d) == [] and d.status.phase == "Suspended"
+
+
+def test_kueue_queued_until_admitted():
+    queue = {"kubernetes": {"queueName": "team-a"}}
+    d = reconcile(job(launched(**queue), **queue), Observation(exists=True, suspended=True),
+                  at(10))
+    assert d.status.phase == "Queued" and condition(d.status, "Admitted").status == "False"
+    assert "team-a" in condition(d.status, "Admitted").message
+    admitted = reconcile(job(d.status, **queue), Observation(exists=True, running=True), at(900))
+    assert admitted.status.phase == "Running"
+    assert condition(admitted.status, "Admitted").status == "True"
+
+
+def test_spec_changes_after_launch_are_refused_except_run_policy():
+    status = launched("Running")
+    changed = reconcile(job(status, generation=2, method={"type": "full"}),
+                        Observation(exists=True, running=True), at(10))
+    refused = condition(changed.status, "SpecChangeRefused")
+    assert refused.status == "True" and "spec.method" in refused.message
+    assert kinds(changed) == []  # what runs keeps running
+    assert changed.status.observed_generation == 2
+    policy = reconcile(job(status, generation=3, runPolicy={"backoffLimit": 9}),
+                       Observation(exists=True, running=True), at(20))
+    assert condition(policy.status, "SpecChangeRefused") is None
+
+
+def test_active_deadline_fails_the_job():
+    d = reconcile(job(launched("Running"), runPolicy={"activeDeadlineSeconds": 3600}),
+                  Observation(exists=True, running=True), at(3601))
+    assert d.status.phase == "Failed" and kinds(d) == ["delete-workload"]
+    assert condition(d.status, "Failed").reason == "DeadlineExceeded"
+
+
+def test_condition_transition_time_moves_only_with_its_status():
+    status = FineTuneJobStatus()
+    set_condition(status, "Running", True, "WorkersRunning", "", T0, 1)
+    set_condition(status, "Running", True, "WorkersRunning", "still", at(60), 2)
+    assert status.conditions[0].last_transition_time == T0
+    assert status.conditions[0].observed_generation == 2
+    set_condition(status, "Running", False, "Restarting", "", at(120), 2)
+    assert status.conditions[0].last_transition_time == at(120)

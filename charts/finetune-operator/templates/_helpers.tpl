@@ -1,0 +1,55 @@
+{{- define "finetune-operator.name" -}}finetune-operator{{- end -}}
+
+{{- define "finetune-operator.fullname" -}}
+{{- if contains "finetune-operator" .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-finetune-operator" .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "finetune-operator.labels" -}}
+app.kubernetes.io/name: finetune-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "finetune-operator.selector" -}}
+app.kubernetes.io/name: finetune-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "finetune-operator.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "finetune-operator.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The rules the operator needs in a namespace it watches: nothing more. */}}
+{{- define "finetune-operator.namespacedRules" -}}
+- apiGroups: ["finetune.dev"]
+  resources: ["finetunejobs"]
+  verbs: ["get", "list", "watch", "patch", "update", "delete"]
+- apiGroups: ["finetune.dev"]
+  resources: ["finetunejobs/status"]
+  verbs: ["get", "patch", "update"]
+- apiGroups: ["finetune.dev"]
+  resources: ["finetunejobs/finalizers"]
+  verbs: ["update"]
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: [""]
+  resources: ["services", "configmaps"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: ["", "events.k8s.io"]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+{{- end -}}

@@ -1,0 +1,128 @@
+"""The Helm chart, rendered by the real Helm engine (helm-python-sdk): valid objects,
+least-privilege RBAC, values the schema refuses, and the operator settings it passes."""
+
+from __future__ import annotations
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+from finetune_operator.settings import OperatorSettings, Taint
+from tests.conftest import REPO
+
+CHART = REPO / "charts/finetune-operator"
+NON_DEFAULT = {
+    "watchNamespaces": ["ml-team", "research"],
+    "azureWorkloadIdentity": {"clientId": "11111111-2222-3333-4444-555555555555"},
+    "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
+    "gpu": {"taint": None},
+    "trainer": {"image": "acr.example.com/trainer:2"},
+    "tolerations": [{"key": "system", "operator": "Exists", "effect": "NoSchedule"}],
+}
+
+
+def render(values=None) -> list[dict]:
+    chart = helm.Chart.load(str(CHART))
+    out = chart.render(values, name="ft", namespace="finetune-system", is_install=True)
+    return [d for path, text in out.items() if path.endswith(".yaml")
+            for d in yaml.safe_load_all(text) if d]
+
+
+def by_kind(objects, kind):
+    return [o for o in objects if o["kind"] == kind]
+
+
+def operator_env(objects) -> dict[str, str]:
+    container = by_kind(objects, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
+    return {e["name"]: e["value"] for e in container["env"]}
+
+
+def test_lint_is_clean():
+    report = helm.lint(str(CHART), strict=True)
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+@pytest.mark.parametrize("values", [None, NON_DEFAULT], ids=["defaults", "non-default"])
+@pytest.mark.parametrize("version", ["1.30", "1.37"])
+def test_every_object_is_valid_kubernetes(values, version):
+    for obj in render(values):
+        if obj["apiVersion"].startswith("monitoring.coreos.com"):
+            continue  # a CRD kind the validator has no schema for
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_the_chart_ships_the_generated_crd():
+    chart = helm.Chart.load(str(CHART))
+    assert [c["name"] for c in chart.crds] == ["crds/finetunejobs.finetune.dev.yaml"]
+
+
+def _rules(objects):
+    return [rule for kind in ("ClusterRole", "Role") for role in by_kind(objects, kind)
+            for rule in role["rules"]]
+
+
+@pytest.mark.parametrize("values", [None, NON_DEFAULT], ids=["cluster-wide", "namespaced"])
+def test_rbac_is_least_privilege(values):
+    rules = _rules(render(values))
+    assert rules
+    for rule in rules:
+        for key in ("apiGroups", "resources", "verbs"):
+            assert "*" not in rule[key], rule
+        assert "secrets" not in rule["resources"], rule
+        assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"]), rule
+
+
+def test_namespaced_mode_grants_jobs_only_in_the_watched_namespaces():
+    objects = render(NON_DEFAULT)
+    roles = by_kind(objects, "Role")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["ml-team", "research"]
+    cluster_resources = {r for role in by_kind(objects, "ClusterRole") for rule in role["rules"]
+                         for r in rule["resources"]}
+    assert cluster_resources == {"customresourcedefinitions", "namespaces"}
+    args = by_kind(objects, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=ml-team" in args and "--all-namespaces" not in args
+
+
+def test_the_operator_pod_is_locked_down():
+    pod = by_kind(render(), "Deployment")[0]["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    context = pod["containers"][0]["securityContext"]
+    assert context == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                       "capabilities": {"drop": ["ALL"]}}
+
+
+def test_workload_identity_annotation_and_label():
+    objects = render(NON_DEFAULT)
+    account = by_kind(objects, "ServiceAccount")[0]
+    assert account["metadata"]["annotations"]["azure.workload.identity/client-id"] == (
+        "11111111-2222-3333-4444-555555555555")
+    template = by_kind(objects, "Deployment")[0]["spec"]["template"]
+    assert template["metadata"]["labels"]["azure.workload.identity/use"] == "true"
+    assert by_kind(objects, "ServiceMonitor")[0]["metadata"]["labels"]["release"] == "prom"
+
+
+@pytest.mark.parametrize(("values", "expected"), [
+    (None, OperatorSettings()),
+    (NON_DEFAULT, OperatorSettings(trainer_image="acr.example.com/trainer:2", gpu_taint=None)),
+    # Helm merges maps with the defaults: `value: null` removes the default value
+    ({"gpu": {"taint": {"key": "nvidia.com/gpu", "value": None}}},
+     OperatorSettings(gpu_taint=Taint(key="nvidia.com/gpu"))),
+], ids=["defaults", "non-default", "other-taint"])
+def test_values_reach_the_operator_as_its_settings(values, expected):
+    """The chart and OperatorSettings.from_env agree on every FINETUNE_* variable."""
+    assert OperatorSettings.from_env(operator_env(render(values))) == expected
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"replicas": 2}, "replicas"),
+    ({"logLevel": "loud"}, "logLevel"),
+    ({"imagePullPolicy": "Always"}, "imagePullPolicy"),
+    ({"azureWorkloadIdentity": {"clientId": "not-a-guid"}}, "clientId"),
+    ({"watchNamespaces": ["Bad_Name"]}, "watchNamespaces"),
+])
+def test_the_schema_refuses_bad_values(values, message):
+    chart = helm.Chart.load(str(CHART))
+    with pytest.raises(helm.HelmError, match=message):
+        chart.validate_schema(values)

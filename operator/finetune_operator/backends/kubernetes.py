@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from finetune_operator import naming, yamlio
-from finetune_operator.api import API_VERSION, KIND, FineTuneJob
+from finetune_operator.api import API_VERSION, KIND, FineTuneJob, Progress
+from finetune_operator.reconcile import Failure, Observation
 from finetune_operator.settings import OperatorSettings, Taint
 from finetune_operator.trainer_config import build_trainer_config
 from finetune_operator.validation import Problem
@@ -215,6 +216,8 @@ def worker_pod_template(job: FineTuneJob, settings: OperatorSettings) -> dict[st
         "ports": [{"name": "rendezvous", "containerPort": settings.rendezvous_port},
                   {"name": "metrics", "containerPort": settings.metrics_port}],
         "resources": {k: v for k, v in (("requests", requests), ("limits", limits)) if v},
+        # a failed worker's last log lines land in its status, and so in our message
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": mounts,
         "securityContext": {
             "allowPrivilegeEscalation": False,
@@ -287,3 +290,84 @@ def render(job: FineTuneJob, settings: OperatorSettings) -> list[dict[str, Any]]
     config = build_trainer_config(job, kubernetes_location)
     return [trainer_config_map(job, config), headless_service(job, settings),
             worker_job(job, settings)]
+
+
+# --- observation: the Job and its pods → what the reconciler needs ------------------------
+
+# Pod conditions and reasons that mean the pod was taken away, not that training failed.
+DISRUPTION_REASONS = frozenset({"Evicted", "NodeLost", "Preempting", "Shutdown", "Terminated",
+                                "NodeShutdown"})
+
+
+def _condition(obj: dict[str, Any], type_: str) -> dict[str, Any] | None:
+    return next((c for c in obj.get("status", {}).get("conditions") or []
+                 if c.get("type") == type_ and c.get("status") == "True"), None)
+
+
+def _terminated(pod: dict[str, Any]) -> dict[str, Any] | None:
+    for status in pod.get("status", {}).get("containerStatuses") or []:
+        state = status.get("state", {}).get("terminated")
+        if state:
+            return state
+    return None
+
+
+def pod_failure(pod: dict[str, Any]) -> Failure | None:
+    """Why a failed pod failed, classified for the restart budget."""
+    status = pod.get("status", {})
+    if status.get("phase") != "Failed":
+        return None
+    name = pod["metadata"]["name"]
+    disruption = _condition(pod, "DisruptionTarget")
+    if disruption is not None or status.get("reason") in DISRUPTION_REASONS:
+        why = (disruption or {}).get("reason") or status.get("reason")
+        detail = (disruption or {}).get("message") or status.get("message") or ""
+        return Failure("preempted", f"{name} was {why}: {detail}".rstrip(": "))
+    terminated = _terminated(pod) or {}
+    code = terminated.get("exitCode")
+    if code == 143:
+        return Failure("stopped", f"{name} stopped after SIGTERM (exit 143)")
+    reason = terminated.get("reason") or status.get("reason") or "Error"
+    tail = (terminated.get("message") or "").strip().splitlines()[-1:] or [""]
+    detail = f": {tail[0][:300]}" if tail[0] else ""
+    return Failure("worker", f"{name} exited {code} ({reason}){detail}")
+
+
+def pod_waiting(pod: dict[str, Any]) -> str | None:
+    """Why a pod is not running yet, in its own words."""
+    name = pod["metadata"]["name"]
+    scheduled = next((c for c in pod.get("status", {}).get("conditions") or []
+                      if c.get("type") == "PodScheduled"), None)
+    if scheduled and scheduled.get("status") == "False":
+        return f"{name}: {scheduled.get('reason', 'Unschedulable')}: {scheduled.get('message', '')}"
+    for status in pod.get("status", {}).get("containerStatuses") or []:
+        waiting = status.get("state", {}).get("waiting")
+        if waiting and waiting.get("reason") not in (None, "ContainerCreating"):
+            return f"{name}: {waiting['reason']}: {waiting.get('message', '')}".rstrip(": ")
+    return None
+
+
+def observe(workload: dict[str, Any] | None, pods: list[dict[str, Any]], nodes: int,
+            progress: Progress | None = None) -> Observation:
+    """What the reconciler needs from the Job and its pods (pure: the caller fetches them)."""
+    if workload is None:
+        return Observation()
+    if workload["metadata"].get("deletionTimestamp"):
+        return Observation(exists=True, deleting=True)
+    current = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+    failures = [f for f in map(pod_failure, current) if f is not None]
+    # a worker failure outranks a preemption seen at the same time: it must be counted
+    failures.sort(key=lambda f: {"worker": 0, "preempted": 1, "stopped": 2}[f.kind])
+    if _condition(workload, "Complete") is not None:
+        return Observation(exists=True, succeeded=True, progress=progress)
+    if failures:
+        return Observation(exists=True, failure=failures[0], progress=progress)
+    if _condition(workload, "Failed") is not None:
+        cause = _condition(workload, "Failed")
+        return Observation(exists=True, failure=Failure(
+            "worker", f"{cause.get('reason')}: {cause.get('message', '')}".rstrip(": ")))
+    if workload.get("spec", {}).get("suspend"):
+        return Observation(exists=True, suspended=True)
+    running = sum(p.get("status", {}).get("phase") == "Running" for p in current)
+    waiting = next((w for w in map(pod_waiting, current) if w), None)
+    return Observation(exists=True, running=running >= nodes, waiting=waiting, progress=progress)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 PROGRESS_FILE = "progress.json"
@@ -41,7 +43,9 @@ class Reporter:
     replaced atomically) and a line of progress.jsonl (the history) in the output folder;
     a progress bar on stderr when it is a terminal."""
 
-    def __init__(self, output_dir: Path, total_steps: int, start_step: int, enabled: bool):
+    def __init__(self, output_dir: Path, total_steps: int, start_step: int, enabled: bool,
+                 server: ProgressServer | None = None):
+        self.server = server
         self.path = output_dir / PROGRESS_FILE
         self.history = output_dir / HISTORY_FILE
         self.total_steps = total_steps
@@ -95,6 +99,8 @@ class Reporter:
         self.close()
 
     def _write(self, record: Progress) -> None:
+        if self.server is not None:
+            self.server.publish(record)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(asdict(record)))
@@ -103,3 +109,52 @@ class Reporter:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+class ProgressServer:
+    """Rank 0's latest progress record over HTTP (`GET /progress`, `GET /healthz`), on the
+    metrics port: the operator reads it into the FineTuneJob status. A port that cannot
+    be bound costs only this endpoint, never the training run."""
+
+    def __init__(self, port: int, host: str = "0.0.0.0"):
+        self.record: dict | None = None
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path == "/healthz":
+                    self._send(200, b"ok\n", "text/plain")
+                elif self.path == "/progress" and server.record is not None:
+                    self._send(200, json.dumps(server.record).encode(), "application/json")
+                elif self.path == "/progress":
+                    self._send(204, b"", "application/json")
+                else:
+                    self._send(404, b"not found\n", "text/plain")
+
+            def _send(self, code: int, body: bytes, kind: str) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:  # keep the training log clean
+                pass
+
+        try:
+            self.httpd: ThreadingHTTPServer | None = ThreadingHTTPServer((host, port), Handler)
+        except OSError as error:
+            print(f"progress endpoint not served: port {port}: {error.strerror}", flush=True)
+            self.httpd = None
+            return
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, daemon=True,
+                         name="progress-server").start()
+
+    def publish(self, record: Progress) -> None:
+        self.record = asdict(record)
+
+    def close(self) -> None:
+        if self.httpd is not None:
+            self.httpd.shutdown()
+            self.httpd.server_close()

@@ -29,7 +29,7 @@ from finetune_trainer.data import (
     tokenize_records,
 )
 from finetune_trainer.model import inspect_architecture, load_model, load_tokenizer
-from finetune_trainer.progress import Reporter
+from finetune_trainer.progress import ProgressServer, Reporter
 
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: what Kubernetes and torchrun expect after SIGTERM
 FINAL_DIR = "final"
@@ -219,7 +219,8 @@ def run(config: TrainerConfig, base_dir: Path) -> int:
     if (latest := checkpoint.latest_checkpoint(output_dir)) is not None:
         state = checkpoint.load(strategy, scheduler, latest)
         _say(f"resuming from {latest} (step {state.step}/{steps})")
-    reporter = Reporter(output_dir, steps, state.step, enabled=rank == 0)
+    server = ProgressServer(config.metrics.port) if rank == 0 and config.metrics.enabled else None
+    reporter = Reporter(output_dir, steps, state.step, enabled=rank == 0, server=server)
     _say(f"training {len(prepared.train)} sequences on {world} "
          f"{'process' if world == 1 else 'processes'} ({strategy.name}, "
          f"{config.strategy.precision}): {steps} steps of {batches.global_batch} sequences")

@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: venv test lint crds demo clean
+.PHONY: venv test lint crds demo clean kind-e2e
 
 venv: $(VENV)/.installed
 
@@ -31,3 +31,6 @@ demo: venv
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+kind-e2e: venv
+	bash scripts/kind-e2e.sh $(BIN)

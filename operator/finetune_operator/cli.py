@@ -74,6 +74,7 @@ def main() -> None:
       finetune validate job.yaml      check a manifest, every problem at once
       finetune render job.yaml        print the objects the operator would create
       finetune run job.yaml           train it on this machine (CPU or local GPUs)
+      finetune operator               run the controller (in-cluster, or via KUBECONFIG)
     """
 
 
@@ -162,6 +163,41 @@ def run_command(file: str, nproc: int | None) -> None:
     else:
         click.echo(f"training failed (exit {code}); see the log above", err=True)
     sys.exit(code)
+
+
+@main.command(name="operator")
+@click.option("--all-namespaces", "-A", "all_namespaces", is_flag=True,
+              help="Watch every namespace (the default when no --namespace is given).")
+@click.option("--namespace", "-n", "namespaces", multiple=True, metavar="NS",
+              help="Watch only this namespace; repeat for several.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
+              default="info", show_default=True)
+@click.option("--metrics-port", type=int, default=8080, show_default=True,
+              help="Port of /healthz (and, later, /metrics).")
+@click.option("--interval", type=float, default=10.0, show_default=True,
+              help="Seconds between looks at each job's workers.")
+@click.option("--server", default=None, hidden=True, help="API server URL (tests).")
+def operator_command(all_namespaces: bool, namespaces: tuple[str, ...], log_level: str,
+                     metrics_port: int, interval: float, server: str | None) -> None:
+    """Run the controller: watches FineTuneJobs and runs them on their backend.
+
+    Connects as kubectl does: the in-cluster service account, else KUBECONFIG. Worker
+    settings (trainer image, GPU taint, ...) come from FINETUNE_* variables (Helm values).
+    """
+    import asyncio
+    import logging
+
+    from finetune_operator import controller, kube
+    from finetune_operator.settings import OperatorSettings
+
+    if all_namespaces and namespaces:
+        raise click.UsageError("use either --all-namespaces or --namespace, not both")
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    runtime = controller.Runtime(kube=kube.Kube(kube.connect(server)),
+                                 settings=OperatorSettings.from_env(), interval=interval)
+    asyncio.run(controller.run(runtime, namespaces=namespaces, liveness_port=metrics_port,
+                               server=server))
 
 
 if __name__ == "__main__":

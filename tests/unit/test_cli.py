@@ -114,3 +114,6 @@ def test_help_reads_well():
     assert "validate" in result.stdout and "render" in result.stdout
     sub = finetune("validate", "--help")
     assert "exits 2 when any manifest is invalid" in sub.stdout
+    assert "--all-namespaces" in finetune("operator", "--help").stdout
+    both = finetune("operator", "--all-namespaces", "--namespace", "ml")
+    assert both.returncode == 2 and "not both" in both.stderr

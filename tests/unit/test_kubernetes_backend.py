@@ -74,7 +74,7 @@ def test_cpu_workers_get_their_process_count_and_no_gpu():
 
 def test_gpu_limits_and_the_aks_gpu_taint():
     spec = pod(minimal_job(resources={"gpusPerNode": 4}))
-    assert spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
     assert {"key": "sku", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"} in (
         spec["tolerations"])
     custom = OperatorSettings(gpu_taint=Taint(key="nvidia.com/gpu"))
@@ -95,7 +95,7 @@ def test_spot_nodes_are_tolerated_and_required():
 def test_infiniband_resources_capability_and_nccl_env():
     doc = minimal_job(resources={"gpusPerNode": 8}, kubernetes={"infiniband": True})
     container = pod(doc)["containers"][0]
-    assert container["resources"]["limits"]["rdma/rdma_shared_device_a"] == 1
+    assert container["resources"]["limits"]["rdma/rdma_shared_device_a"] == "1"
     assert container["securityContext"]["capabilities"] == {"drop": ["ALL"],
                                                             "add": ["IPC_LOCK"]}
     assert env(doc)["NCCL_IB_DISABLE"] == "0"

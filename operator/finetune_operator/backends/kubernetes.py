@@ -180,10 +180,10 @@ def worker_pod_template(job: FineTuneJob, settings: OperatorSettings) -> dict[st
     if resources.memory is not None:
         requests["memory"] = limits["memory"] = resources.memory
     if resources.gpus_per_node:
-        limits[settings.gpu_resource] = resources.gpus_per_node
+        limits[settings.gpu_resource] = str(resources.gpus_per_node)
     capabilities: dict[str, Any] = {"drop": ["ALL"]}
     if k8s and k8s.infiniband:
-        limits[settings.infiniband_resource] = 1
+        limits[settings.infiniband_resource] = "1"
         capabilities["add"] = ["IPC_LOCK"]  # RDMA pins memory
 
     shm: dict[str, Any] = {"medium": "Memory"}

@@ -194,8 +194,8 @@ def operator_command(all_namespaces: bool, namespaces: tuple[str, ...], log_leve
         raise click.UsageError("use either --all-namespaces or --namespace, not both")
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    runtime = controller.Runtime(kube=kube.Kube(kube.connect(server)),
-                                 settings=OperatorSettings.from_env(), interval=interval)
+    runtime = controller.Runtime.build(kube.Kube(kube.connect(server)),
+                                       OperatorSettings.from_env(), interval=interval)
     asyncio.run(controller.run(runtime, namespaces=namespaces, liveness_port=metrics_port,
                                server=server))
 

@@ -58,9 +58,8 @@ class Operator:
 
     def __init__(self, cluster: ApiServer, rank0: ProgressServer):
         self.server = str(cluster.url).rstrip("/")
-        self.runtime = controller.Runtime(kube=Kube(connect(self.server)),
-                                          settings=OperatorSettings(), interval=0.3,
-                                          progress_port=rank0.port)
+        self.runtime = controller.Runtime.build(Kube(connect(self.server)), OperatorSettings(),
+                                                interval=0.3, progress_port=rank0.port)
         self.task: asyncio.Task | None = None
         self.stop_flag: asyncio.Event | None = None
 

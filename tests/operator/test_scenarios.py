@@ -172,6 +172,17 @@ async def test_invalid_spec_is_refused_with_a_condition(cluster, kubelet, operat
     assert cluster.get("batch/v1/jobs", "default", "demo") is None
 
 
+async def test_a_backend_this_operator_does_not_serve_is_refused(cluster, kubelet, operator):
+    doc = manifest(backend="azureml", azureml={
+        "subscriptionId": "00000000-0000-0000-0000-000000000000", "resourceGroup": "rg",
+        "workspace": "ws", "compute": "gpu"})
+    await apply(cluster, doc)
+    await eventually(lambda: status(cluster).get("phase") == "Failed", what="Failed")
+    validated = next(c for c in status(cluster)["conditions"] if c["type"] == "Validated")
+    assert "'azureml' is not served by this operator — use one of: kubernetes" in (
+        validated["message"])
+
+
 async def test_many_jobs_at_once_all_run(cluster, kubelet, operator):
     await operator.stop()
     operator.runtime.interval = 3.0  # 50 jobs: look at each every few seconds, as in production

@@ -1,21 +1,78 @@
 """Backend plugins: where a FineTuneJob runs.
 
-A backend is found through the `finetune_operator.backends` entry-point group, so a
-plugin package adds one without touching this code. The built-in ones are registered
-by this distribution's own entry points.
+A backend is a class with the `Backend` interface, found through the
+`finetune_operator.backends` entry-point group: a plugin package adds one by declaring
+`[project.entry-points."finetune_operator.backends"] name = "module:Class"`, without
+touching this code. The class is built with a `BackendContext`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from finetune_operator.api import FineTuneJob
+    from finetune_operator.kube import Kube
+    from finetune_operator.reconcile import Observation
+    from finetune_operator.settings import OperatorSettings
+    from finetune_operator.validation import Problem
 
 ENTRY_POINT_GROUP = "finetune_operator.backends"
 
-# Backends this distribution ships but whose implementation has not landed yet: their
-# names are accepted by validation so manifests written today stay valid.
+# Backends this distribution ships whose implementation has not landed yet: manifests may
+# name them (they validate), the operator reports them as not served.
 PLANNED_BACKENDS = ("azureml",)
+
+
+@dataclass
+class BackendContext:
+    """What a backend gets from the operator."""
+
+    kube: Kube
+    settings: OperatorSettings
+    progress_port: int | None = None
+    """Where rank 0 serves /progress (tests); defaults to settings.metrics_port."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """One place jobs run. Every method is idempotent: names derive from the job, so a
+    repeated call finds what an earlier one made instead of making it twice."""
+
+    name: str
+
+    def validate(self, job: FineTuneJob) -> list[Problem]:
+        """What this backend cannot run (beyond the API's own rules)."""
+
+    def render(self, job: FineTuneJob) -> list[dict[str, Any]]:
+        """The objects `launch` creates, for `finetune render`."""
+
+    async def launch(self, job: FineTuneJob) -> None:
+        """Start the workers (or find them started)."""
+
+    async def observe(self, job: FineTuneJob) -> Observation:
+        """What the workers are doing now."""
+
+    async def suspend(self, job: FineTuneJob) -> None:
+        """Stop the workers after a checkpoint, keeping what resume needs."""
+
+    async def resume(self, job: FineTuneJob) -> None:
+        """Start suspended workers again; they resume from the last checkpoint."""
+
+    async def restart(self, job: FineTuneJob) -> None:
+        """Remove the failed gang; the next reconcile launches a new one."""
+
+    async def cancel(self, job: FineTuneJob) -> None:
+        """Remove everything the job created (the job is being deleted)."""
 
 
 def installed_names() -> set[str]:
     """Names a manifest may use in `spec.backend`."""
     return set(PLANNED_BACKENDS) | {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def load_backends(context: BackendContext) -> dict[str, Backend]:
+    """Every installed backend, built for this operator."""
+    return {ep.name: ep.load()(context) for ep in entry_points(group=ENTRY_POINT_GROUP)}

@@ -8,10 +8,14 @@ operator settings; the kopf handlers create what it returns.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+import aiohttp
 
 from finetune_operator import naming, yamlio
 from finetune_operator.api import API_VERSION, KIND, FineTuneJob, Progress
+from finetune_operator.backends import BackendContext
 from finetune_operator.reconcile import Failure, Observation
 from finetune_operator.settings import OperatorSettings, Taint
 from finetune_operator.trainer_config import build_trainer_config
@@ -19,8 +23,10 @@ from finetune_operator.validation import Problem
 from finetune_trainer.config import TrainerConfig
 from finetune_trainer.uris import DATASET_SCHEMES, MODEL_SCHEMES, OUTPUT_SCHEMES, parse_uri
 
+logger = logging.getLogger("finetune_operator.kubernetes")
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
-COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+COMPLETION_INDEX_KEY = "batch.kubernetes.io/job-completion-index"
+COMPLETION_INDEX = f"metadata.annotations['{COMPLETION_INDEX_KEY}']"
 CACHE_DIR = "/tmp/finetune"
 WORKER_UID = 1000
 
@@ -371,3 +377,78 @@ def observe(workload: dict[str, Any] | None, pods: list[dict[str, Any]], nodes: 
     running = sum(p.get("status", {}).get("phase") == "Running" for p in current)
     waiting = next((w for w in map(pod_waiting, current) if w), None)
     return Observation(exists=True, running=running >= nodes, waiting=waiting, progress=progress)
+
+
+# --- the backend: the pure parts above, plus the API calls ------------------------------
+
+class KubernetesBackend:
+    """torchrun pods in an Indexed Job on this cluster."""
+
+    name = "kubernetes"
+
+    def __init__(self, context: BackendContext):
+        self.kube, self.settings = context.kube, context.settings
+        self.progress_port = context.progress_port or context.settings.metrics_port
+
+    def validate(self, job: FineTuneJob) -> list[Problem]:
+        return validate(job)
+
+    def render(self, job: FineTuneJob) -> list[dict[str, Any]]:
+        return render(job, self.settings)
+
+    async def launch(self, job: FineTuneJob) -> None:
+        for obj in self.render(job):
+            created = await self.kube.create(obj)
+            logger.info("%s %s %s/%s", "created" if created else "found", obj["kind"],
+                        job.namespace, obj["metadata"]["name"])
+
+    async def observe(self, job: FineTuneJob) -> Observation:
+        workload = await self.kube.get("Job", job.namespace, naming.worker_job(job.name))
+        if workload is None:
+            return Observation()
+        selector = f"{naming.LABEL_JOB}={job.name}"
+        pods = [p for p in await self.kube.pods(job.namespace, selector)
+                if p["metadata"].get("labels", {}).get(naming.LABEL_JOB) == job.name]
+        return observe(workload, pods, job.spec.resources.nodes, await self.progress(pods))
+
+    async def progress(self, pods: list[dict[str, Any]]) -> Progress | None:
+        """Rank 0's latest progress record, or None when it cannot be read right now."""
+        rank0 = next((p for p in pods
+                      if p["metadata"].get("annotations", {}).get(COMPLETION_INDEX_KEY) == "0"
+                      and p.get("status", {}).get("phase") in ("Running", "Succeeded")
+                      and p.get("status", {}).get("podIP")), None)
+        if rank0 is None:
+            return None
+        url = f"http://{rank0['status']['podIP']}:{self.progress_port}/progress"
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as session:
+                async with session.get(url) as response:
+                    if response.status != 200:
+                        return None
+                    record = await response.json()
+        except (aiohttp.ClientError, TimeoutError, ValueError) as error:
+            logger.debug("progress of %s not readable: %s", rank0["metadata"]["name"], error)
+            return None
+        return Progress(step=record.get("step"), total_steps=record.get("totalSteps"),
+                        epoch=record.get("epoch"), loss=record.get("loss"),
+                        tokens_per_second=record.get("tokensPerSecond"),
+                        eta_seconds=record.get("etaSeconds"))
+
+    async def suspend(self, job: FineTuneJob) -> None:
+        await self.kube.suspend_job(job.namespace, naming.worker_job(job.name), True)
+
+    async def resume(self, job: FineTuneJob) -> None:
+        await self.kube.suspend_job(job.namespace, naming.worker_job(job.name), False)
+
+    async def restart(self, job: FineTuneJob) -> None:
+        # Foreground: the Job stays (deleting) until its pods are gone, so the next gang
+        # never meets the old one's hostnames
+        await self.kube.delete("Job", job.namespace, naming.worker_job(job.name))
+
+    async def cancel(self, job: FineTuneJob) -> None:
+        """Owner references would collect these too; deleting them now frees the name."""
+        await self.kube.delete("Job", job.namespace, naming.worker_job(job.name))
+        await self.kube.delete("Service", job.namespace, naming.headless_service(job.name),
+                               "Background")
+        await self.kube.delete("ConfigMap", job.namespace, naming.trainer_config_map(job.name),
+                               "Background")

@@ -109,6 +109,9 @@ def test_non_root_read_only_root_and_shared_memory():
     container = spec["containers"][0]
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    values = env(minimal_job())
+    for cache in ("HF_HOME", "XDG_CACHE_HOME", "TORCH_EXTENSIONS_DIR", "TRITON_CACHE_DIR"):
+        assert values[cache].startswith("/tmp/finetune/"), cache  # the writable scratch volume
     dshm = next(v for v in spec["volumes"] if v["name"] == "dshm")
     assert dshm["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]

@@ -129,6 +129,9 @@ def _env(job: FineTuneJob, settings: OperatorSettings) -> list[dict[str, Any]]:
          "value": f"{naming.TRAINER_CONFIG_MOUNT}/{naming.TRAINER_CONFIG_KEY}"},
         {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
         {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
+        # the root filesystem is read-only: every cache goes to the writable scratch volume
+        {"name": "XDG_CACHE_HOME", "value": f"{CACHE_DIR}/cache"},
+        {"name": "TORCH_EXTENSIONS_DIR", "value": f"{CACHE_DIR}/torch_extensions"},
         {"name": "TORCH_NCCL_ASYNC_ERROR_HANDLING", "value": "1"},
         {"name": "NCCL_DEBUG", "value": "WARN"},
     ]

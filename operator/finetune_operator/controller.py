@@ -39,7 +39,7 @@ class Runtime:
     @classmethod
     def build(cls, kube: Kube, settings: OperatorSettings, interval: float = 10.0,
               progress_port: int | None = None) -> Runtime:
-        context = BackendContext(kube=kube, settings=settings, progress_port=progress_port)
+        context = BackendContext(settings=settings, kube=kube, progress_port=progress_port)
         return cls(backends=load_backends(context), kube=kube, interval=interval)
 
 

@@ -1,6 +1,7 @@
-"""FineTuneJob → the objects its backend creates. Pure: no API calls.
+"""FineTuneJob → the objects its backend creates, offline (`finetune render`).
 
-`finetune render` prints these; the operator creates them.
+The backend is found through the same plugin registry the operator uses; only its pure
+parts (validate, render) are called, so no cluster is needed.
 """
 
 from __future__ import annotations
@@ -8,24 +9,28 @@ from __future__ import annotations
 from typing import Any
 
 from finetune_operator.api import FineTuneJob
-from finetune_operator.backends import kubernetes
+from finetune_operator.backends import Backend, BackendContext, load_backends
 from finetune_operator.settings import OperatorSettings
 from finetune_operator.trainer_config import build_trainer_config
 from finetune_operator.validation import Problem
 
 
+def _backend(job: FineTuneJob, settings: OperatorSettings | None = None) -> Backend | None:
+    context = BackendContext(settings=settings or OperatorSettings.from_env())
+    return load_backends(context).get(job.spec.backend)
+
+
 def backend_problems(job: FineTuneJob) -> list[Problem]:
     """What the job's backend refuses (the operator reports these as Validated=False)."""
-    if job.spec.backend == "kubernetes":
-        return kubernetes.validate(job)
-    return []
+    backend = _backend(job)
+    return backend.validate(job) if backend is not None else []
 
 
 def render(job: FineTuneJob, settings: OperatorSettings | None = None) -> list[dict[str, Any]]:
     """The objects the job's backend would create, in creation order."""
-    settings = settings or OperatorSettings.from_env()
-    if job.spec.backend == "kubernetes":
-        return kubernetes.render(job, settings)
+    backend = _backend(job, settings)
+    if backend is not None:
+        return backend.render(job)
     # Azure ML passes the trainer config to its workers as a job input: until that backend
     # lands, the contract document is what `render` can show for it.
     return [build_trainer_config(job).to_dict()]

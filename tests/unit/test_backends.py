@@ -20,7 +20,7 @@ from finetune_operator.validation import parse_job
 from tests.conftest import minimal_job
 
 ASYNC_METHODS = ("launch", "observe", "suspend", "resume", "restart", "cancel")
-CONTEXT = BackendContext(kube=Kube(connect("http://127.0.0.1:9")), settings=OperatorSettings())
+CONTEXT = BackendContext(settings=OperatorSettings(), kube=Kube(connect("http://127.0.0.1:9")))
 BACKENDS = load_backends(CONTEXT)
 
 

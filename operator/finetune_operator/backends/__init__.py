@@ -8,6 +8,7 @@ touching this code. The class is built with a `BackendContext`.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -30,8 +31,9 @@ PLANNED_BACKENDS = ("azureml",)
 class BackendContext:
     """What a backend gets from the operator."""
 
-    kube: Kube
     settings: OperatorSettings
+    kube: Kube | None = None
+    """None offline (`finetune render`): only validate and render may be called."""
     progress_port: int | None = None
     """Where rank 0 serves /progress (tests); defaults to settings.metrics_port."""
 
@@ -68,9 +70,10 @@ class Backend(Protocol):
         """Remove everything the job created (the job is being deleted)."""
 
 
-def installed_names() -> set[str]:
-    """Names a manifest may use in `spec.backend`."""
-    return set(PLANNED_BACKENDS) | {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
+@functools.cache
+def installed_names() -> frozenset[str]:
+    """Names a manifest may use in `spec.backend` (entry points do not change at run time)."""
+    return frozenset(PLANNED_BACKENDS) | {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
 def load_backends(context: BackendContext) -> dict[str, Backend]:

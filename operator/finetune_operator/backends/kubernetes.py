@@ -390,7 +390,8 @@ class KubernetesBackend:
     name = "kubernetes"
 
     def __init__(self, context: BackendContext):
-        self.kube, self.settings = context.kube, context.settings
+        self.settings = context.settings
+        self.kube = context.kube  # None offline: then only validate and render are used
         self.progress_port = context.progress_port or context.settings.metrics_port
 
     def validate(self, job: FineTuneJob) -> list[Problem]:

@@ -11,7 +11,6 @@ from typing import Any
 from finetune_operator.api import FineTuneJob
 from finetune_operator.backends import Backend, BackendContext, load_backends
 from finetune_operator.settings import OperatorSettings
-from finetune_operator.trainer_config import build_trainer_config
 from finetune_operator.validation import Problem
 
 
@@ -29,8 +28,6 @@ def backend_problems(job: FineTuneJob) -> list[Problem]:
 def render(job: FineTuneJob, settings: OperatorSettings | None = None) -> list[dict[str, Any]]:
     """The objects the job's backend would create, in creation order."""
     backend = _backend(job, settings)
-    if backend is not None:
-        return backend.render(job)
-    # Azure ML passes the trainer config to its workers as a job input: until that backend
-    # lands, the contract document is what `render` can show for it.
-    return [build_trainer_config(job).to_dict()]
+    if backend is None:  # validation refuses names no entry point declares
+        raise ValueError(f"spec.backend: {job.spec.backend!r} is not installed")
+    return backend.render(job)

@@ -22,11 +22,18 @@ from tests.conftest import minimal_job
 ASYNC_METHODS = ("launch", "observe", "suspend", "resume", "restart", "cancel")
 CONTEXT = BackendContext(settings=OperatorSettings(), kube=Kube(connect("http://127.0.0.1:9")))
 BACKENDS = load_backends(CONTEXT)
+# What each backend needs beyond the minimal job to run it at all.
+RUNNABLE = {"azureml": {
+    "azureml": {"subscriptionId": "00000000-0000-0000-0000-000000000000",
+                "resourceGroup": "rg", "workspace": "ws", "compute": "gpu"},
+    "dataset": {"uri": "azureml://datastores/blob/paths/train.jsonl"},
+    "output": {"uri": "azureml://datastores/blob/paths/out"}}}
 
 
-def test_the_kubernetes_backend_is_registered_by_entry_point():
-    assert "kubernetes" in {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
-    assert "kubernetes" in installed_names()
+def test_the_built_in_backends_are_registered_by_entry_point():
+    for name in ("kubernetes", "azureml"):
+        assert name in {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
+        assert name in installed_names()
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
@@ -36,9 +43,10 @@ def test_backend_conforms(name):
     assert backend.name == name
     for method in ASYNC_METHODS:
         assert inspect.iscoroutinefunction(getattr(backend, method)), method
-    job = parse_job(minimal_job(backend=name))
+    needs = RUNNABLE.get(name, {})
+    job = parse_job(minimal_job(backend=name, **needs))
     assert backend.validate(job) == []
     assert backend.render(job), "render shows what launch creates"
-    problems = backend.validate(parse_job(minimal_job(backend=name,
-                                                      dataset={"uri": "./local.jsonl"})))
+    problems = backend.validate(parse_job(minimal_job(backend=name, **{
+        **needs, "dataset": {"uri": "./local.jsonl"}})))
     assert problems and all(p.path and p.fix for p in problems)

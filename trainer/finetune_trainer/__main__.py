@@ -9,6 +9,7 @@ checkpoint, 1 anything else.
 from __future__ import annotations
 
 import argparse
+import base64
 import os
 import sys
 from pathlib import Path
@@ -16,16 +17,45 @@ from pathlib import Path
 EXIT_BAD_INPUT = 2
 
 
+def bind_locations(config, pairs: list[str]):
+    """The config with `${{inputs.x}}` placeholders in its locations replaced by the paths
+    given as `inputs.x=PATH` (where Azure ML mounted them)."""
+    from finetune_trainer.uris import bind_placeholders
+
+    bindings = {}
+    for pair in pairs:
+        key, sep, path = pair.partition("=")
+        if not sep or not path:
+            raise ValueError(f"--location {pair!r} is not KEY=PATH (e.g. inputs.model=/mnt/m)")
+        bindings[key] = path
+    update = {}
+    for section in ("model", "dataset", "output"):
+        part = getattr(config, section)
+        try:
+            update[section] = part.model_copy(
+                update={"uri": bind_placeholders(part.uri, bindings)})
+        except KeyError as missing:
+            raise ValueError(f"{section}.uri {part.uri!r} needs --location "
+                             f"{missing.args[0]}=PATH") from None
+    return config.model_copy(update=update)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="finetune-train", description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=os.environ.get("FINETUNE_CONFIG"),
                         help="trainer config (YAML or JSON); default $FINETUNE_CONFIG")
+    parser.add_argument("--config-base64", default=None, metavar="DATA",
+                        help="the trainer config inline, base64-encoded JSON (Azure ML passes "
+                             "it as a job input)")
+    parser.add_argument("--location", action="append", default=[], metavar="KEY=PATH",
+                        help="bind a ${{inputs.KEY}} / ${{outputs.KEY}} placeholder in the "
+                             "config's locations to PATH (Azure ML mount paths); repeatable")
     parser.add_argument("--base-dir", type=Path, default=None,
                         help="folder that relative paths start from (default: the config's)")
     parser.add_argument("--preflight", action="store_true",
                         help="only check the model and the data, then exit (0 or 2)")
     args = parser.parse_args(argv)
-    if not args.config:
+    if not args.config and not args.config_base64:
         parser.error("--config is required (or set FINETUNE_CONFIG)")
 
     from pydantic import ValidationError
@@ -34,12 +64,18 @@ def main(argv: list[str] | None = None) -> int:
     from finetune_trainer.data import DataError
     from finetune_trainer.model import ModelError
 
+    source = "--config-base64" if args.config_base64 else args.config
     try:
-        config = TrainerConfig.load(args.config)
+        if args.config_base64:
+            config = TrainerConfig.model_validate_json(base64.b64decode(args.config_base64))
+        else:
+            config = TrainerConfig.load(args.config)
+        config = bind_locations(config, args.location)
     except (OSError, ValidationError, ValueError) as error:
-        print(f"finetune-train: {args.config}: {error}", file=sys.stderr)
+        print(f"finetune-train: {source}: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    base_dir = args.base_dir or Path(args.config).resolve().parent
+    base_dir = args.base_dir or (Path.cwd() if args.config_base64
+                                 else Path(args.config).resolve().parent)
 
     from finetune_trainer.train import preflight, run
 

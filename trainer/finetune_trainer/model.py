@@ -36,9 +36,20 @@ def model_location(source: ModelSource, base_dir: Path | None = None) -> str:
         raise ModelError(str(path), "does not exist", "check spec.model.uri (relative paths "
                          "start at the manifest's folder; pvc:// claims are mounted at /mnt/pvc)")
     if not (path / "config.json").is_file():
-        raise ModelError(str(path), "has no config.json, so it is not a saved model",
-                         "point spec.model.uri at a folder written by save_pretrained")
+        nested = _saved_model_below(path)
+        if nested is None:
+            raise ModelError(str(path), "has no config.json, so it is not a saved model",
+                             "point spec.model.uri at a folder written by save_pretrained")
+        path = nested
     return str(path)
+
+
+def _saved_model_below(path: Path, depth: int = 3) -> Path | None:
+    """The one saved model in a subfolder: MLflow-packaged models (Azure ML registry
+    models) keep the save_pretrained folder a few levels down (e.g. `data/model`)."""
+    found = [c.parent for level in range(1, depth + 1)
+             for c in path.glob("/".join(["*"] * level) + "/config.json")]
+    return found[0] if len(found) == 1 else None
 
 
 def _hub_kwargs(source: ModelSource) -> dict[str, Any]:

@@ -11,6 +11,10 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from finetune_trainer.tracking import MlflowTracker
 
 PROGRESS_FILE = "progress.json"
 HISTORY_FILE = "progress.jsonl"
@@ -44,8 +48,9 @@ class Reporter:
     a progress bar on stderr when it is a terminal."""
 
     def __init__(self, output_dir: Path, total_steps: int, start_step: int, enabled: bool,
-                 server: ProgressServer | None = None):
+                 server: ProgressServer | None = None, tracker: MlflowTracker | None = None):
         self.server = server
+        self.tracker = tracker  # Azure ML's MLflow tracking, when running there
         self.path = output_dir / PROGRESS_FILE
         self.history = output_dir / HISTORY_FILE
         self.total_steps = total_steps
@@ -87,6 +92,8 @@ class Reporter:
             self._write(record)
             with self.history.open("a", encoding="utf-8") as handle:
                 handle.write(json.dumps(asdict(record)) + "\n")
+            if self.tracker is not None:
+                self.tracker.log(record)
         self.window_start, self.window_tokens, self.window_steps = time.perf_counter(), 0, 0
         self.last = record
         return record
@@ -96,6 +103,8 @@ class Reporter:
         if self.enabled and self.last is not None:
             self.last.phase, self.last.etaSeconds = phase, 0
             self._write(self.last)
+            if self.tracker is not None:
+                self.tracker.finish(phase)
         self.close()
 
     def _write(self, record: Progress) -> None:

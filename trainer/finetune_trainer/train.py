@@ -15,7 +15,7 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-from finetune_trainer import checkpoint
+from finetune_trainer import checkpoint, tracking
 from finetune_trainer.config import TrainerConfig
 from finetune_trainer.data import (
     IGNORE,
@@ -220,7 +220,9 @@ def run(config: TrainerConfig, base_dir: Path) -> int:
         state = checkpoint.load(strategy, scheduler, latest)
         _say(f"resuming from {latest} (step {state.step}/{steps})")
     server = ProgressServer(config.metrics.port) if rank == 0 and config.metrics.enabled else None
-    reporter = Reporter(output_dir, steps, state.step, enabled=rank == 0, server=server)
+    tracker = tracking.from_environment() if rank == 0 else None  # Azure ML Studio charts
+    reporter = Reporter(output_dir, steps, state.step, enabled=rank == 0, server=server,
+                        tracker=tracker)
     _say(f"training {len(prepared.train)} sequences on {world} "
          f"{'process' if world == 1 else 'processes'} ({strategy.name}, "
          f"{config.strategy.precision}): {steps} steps of {batches.global_batch} sequences")

@@ -97,3 +97,27 @@ def parse_uri(raw: str, allowed: tuple[Scheme, ...]) -> Uri:
     if raw.startswith("http://"):
         raise UriError(f"{raw!r} is plain http", "use https:// so data and tokens travel encrypted")
     raise UriError(f"{raw!r} is not a location this API understands", fix)
+
+
+# --- Azure ML job placeholders -----------------------------------------------------------
+# Azure ML mounts a job's inputs and outputs at paths known only when the job starts, and
+# substitutes `${{inputs.<name>}}` / `${{outputs.<name>}}` in the command line, never in
+# files. The operator writes these placeholders into the trainer config and binds them on
+# the command line (`--location inputs.model=${{inputs.model}}`); the trainer swaps them.
+PLACEHOLDER_PATTERN = re.compile(r"\$\{\{\s*((?:inputs|outputs)\.[A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
+
+
+def job_placeholder(key: str) -> str:
+    """`inputs.model` → `${{inputs.model}}`: what Azure ML substitutes in a command."""
+    return "${{" + key + "}}"
+
+
+def bind_placeholders(value: str, bindings: dict[str, str]) -> str:
+    """`value` with every job placeholder replaced by its bound path.
+
+    Raises KeyError naming the first placeholder that has no binding."""
+
+    def swap(match: re.Match) -> str:
+        return bindings[match.group(1)]
+
+    return PLACEHOLDER_PATTERN.sub(swap, value)

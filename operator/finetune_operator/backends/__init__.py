@@ -24,7 +24,17 @@ ENTRY_POINT_GROUP = "finetune_operator.backends"
 
 # Backends this distribution ships whose implementation has not landed yet: manifests may
 # name them (they validate), the operator reports them as not served.
-PLANNED_BACKENDS = ("azureml",)
+PLANNED_BACKENDS: tuple[str, ...] = ()
+
+
+class BackendError(Exception):
+    """A backend call failed in a way that may pass (throttling, an outage, a missing role
+    or identity): the handler retries after `retry_after` seconds. The message says what
+    happened and what to fix, for people; it never carries a credential."""
+
+    def __init__(self, message: str, retry_after: float = 30.0):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 @dataclass
@@ -36,6 +46,12 @@ class BackendContext:
     """None offline (`finetune render`): only validate and render may be called."""
     progress_port: int | None = None
     """Where rank 0 serves /progress (tests); defaults to settings.metrics_port."""
+    azure_credential: Any = None
+    """azure-core TokenCredential of the azureml backend; None: DefaultAzureCredential
+    (workload identity in the cluster)."""
+    azure_transport: Any = None
+    """azure-core HttpTransport of the azureml backend; None: the SDK's default (tests
+    pass a fake that answers like Azure ML's REST API)."""
 
 
 @runtime_checkable

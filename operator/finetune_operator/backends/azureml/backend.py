@@ -1,0 +1,211 @@
+"""The azureml backend: submits, watches and cancels one Azure ML command job per attempt.
+
+Attempts are named `<job>-<uid>` then `<job>-<uid>-2`, ...: a re-reconcile computes the
+same name and finds the job it submitted before (get before create), and a resume or a
+gang restart submits the next name, which resumes from the newest checkpoint in the
+output datastore folder. The SDK is blocking, so every call runs in a worker thread; a
+throttled workspace is left alone for as long as Azure asked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from finetune_operator.api import FineTuneJob
+from finetune_operator.backends import BackendContext, BackendError
+from finetune_operator.backends.azureml import jobspec, states
+from finetune_operator.backends.azureml.client import (
+    AzureMLClient,
+    Refused,
+    RetrySettings,
+    Throttled,
+    Workspace,
+)
+from finetune_operator.backends.azureml.states import AzureJob
+from finetune_operator.reconcile import Failure, Observation
+from finetune_operator.validation import Problem
+
+logger = logging.getLogger("finetune_operator.azureml")
+T = TypeVar("T")
+
+
+class ThrottleGate:
+    """Per workspace: no call before the time Azure's last Retry-After named."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.until: dict[Workspace, float] = {}
+
+    def wait_left(self, workspace: Workspace) -> float:
+        return max(0.0, self.until.get(workspace, 0.0) - self.clock())
+
+    def close_for(self, workspace: Workspace, seconds: float) -> None:
+        self.until[workspace] = max(self.until.get(workspace, 0.0), self.clock() + seconds)
+
+
+def workspace_of(job: FineTuneJob) -> Workspace:
+    aml = job.spec.azureml
+    assert aml is not None  # validation requires it for this backend
+    return Workspace(aml.subscription_id, aml.resource_group, aml.workspace)
+
+
+class AzureMLBackend:
+    """Jobs as Azure ML command jobs (compute clusters, or attached AKS compute)."""
+
+    name = "azureml"
+
+    def __init__(self, context: BackendContext, retry: RetrySettings | None = None):
+        self.settings = context.settings
+        self._credential = context.azure_credential
+        self._transport = context.azure_transport
+        self.retry = retry or RetrySettings()
+        self.gate = ThrottleGate()
+        self._clients: dict[Workspace, AzureMLClient] = {}
+        self._refused: dict[str, str] = {}
+        """FineTuneJob uid → why Azure ML refused its last submission."""
+
+    # --- offline ---
+
+    def validate(self, job: FineTuneJob) -> list[Problem]:
+        return jobspec.validate(job)
+
+    def render(self, job: FineTuneJob) -> list[dict[str, Any]]:
+        return [jobspec.render(job, self.settings)]
+
+    # --- lifecycle ---
+
+    async def observe(self, job: FineTuneJob) -> Observation:
+        try:
+            current = await self._call(job, self._newest_attempt, job)
+        except BackendError as error:
+            return Observation(unreachable=str(error))
+        if current is None:
+            refused = self._refused.get(job.metadata.uid or job.name)
+            if refused is not None:  # counted as a failed attempt: the budget ends it
+                return Observation(exists=True, failure=Failure(
+                    "worker", f"Azure ML refused the job: {refused}"))
+            return states.observe(job, None)
+        progress = None
+        if current.status in states.RUNNING or current.status in (
+                "Completed", states.NOT_RESPONDING):
+            metrics = await self._call(job, self._client(job).metrics, current,
+                                       quiet=True)
+            progress = states.progress_from_metrics(metrics) if metrics else None
+        return states.observe(job, current, progress)
+
+    async def launch(self, job: FineTuneJob) -> None:
+        await self._submit_next(job)
+
+    async def resume(self, job: FineTuneJob) -> None:
+        await self._submit_next(job)
+
+    async def suspend(self, job: FineTuneJob) -> None:
+        """Azure ML jobs cannot pause: the attempt is cancelled (workers get SIGTERM and
+        checkpoint if they can) and resume submits the next one."""
+        await self._cancel_newest(job)
+
+    async def restart(self, job: FineTuneJob) -> None:
+        self._refused.pop(job.metadata.uid or job.name, None)
+        await self._cancel_newest(job)
+
+    async def cancel(self, job: FineTuneJob) -> None:
+        """The FineTuneJob is being deleted: cancel what runs; outputs stay in the datastore.
+        A job never launched is let go even when Azure cannot be asked (no identity yet)."""
+        self._refused.pop(job.metadata.uid or job.name, None)
+        try:
+            await self._cancel_newest(job)
+        except BackendError:
+            status = job.status
+            if status is not None and (status.launched_spec or status.backend_ref):
+                raise  # something may run in Azure: keep the finalizer until it is stopped
+            logger.warning("%s/%s was never submitted to Azure ML; deleting without asking it",
+                           job.namespace, job.name)
+
+    # --- the steps, run in a worker thread ---
+
+    def _newest_attempt(self, job: FineTuneJob) -> AzureJob | None:
+        """The attempt the status points at, or a later one submitted since (a resume or
+        restart whose result was not recorded yet)."""
+        client = self._client(job)
+        attempt = states.current_attempt(job)
+        found = client.get(jobspec.attempt_name(job, attempt))
+        while found is not None and found.ended and found.status != "Completed":
+            successor = client.get(jobspec.attempt_name(job, attempt + 1))
+            if successor is None:
+                break
+            found, attempt = successor, attempt + 1
+        return found
+
+    def _submit(self, job: FineTuneJob) -> None:
+        current = self._newest_attempt(job)
+        if current is not None and not current.ended:
+            logger.info("found Azure ML job %s (%s)", current.name, current.status)
+            return  # submitted before: nothing to do
+        attempt = states.current_attempt(job)
+        if current is not None:
+            attempt = jobspec.attempt_of(job, current.name) or attempt
+            attempt += 1
+        command_job = jobspec.build_command_job(job, self.settings, attempt)
+        try:
+            created = self._client(job).create(command_job)
+        except Refused as error:
+            self._refused[job.metadata.uid or job.name] = str(error)
+            logger.warning("Azure ML refused %s: %s", command_job.name, error)
+            return
+        self._refused.pop(job.metadata.uid or job.name, None)
+        logger.info("submitted Azure ML job %s (%s)", created.name, created.status)
+
+    def _cancel(self, job: FineTuneJob) -> None:
+        current = self._newest_attempt(job)
+        if current is not None and not current.ended and current.status not in states.CANCELING:
+            self._client(job).cancel(current.name)
+            logger.info("cancelling Azure ML job %s", current.name)
+
+    async def _submit_next(self, job: FineTuneJob) -> None:
+        await self._call(job, self._submit, job)
+
+    async def _cancel_newest(self, job: FineTuneJob) -> None:
+        await self._call(job, self._cancel, job)
+
+    # --- plumbing ---
+
+    def _client(self, job: FineTuneJob) -> AzureMLClient:
+        workspace = workspace_of(job)
+        if workspace not in self._clients:
+            self._clients[workspace] = AzureMLClient(workspace, self._credential_or_default(),
+                                                     self._transport, self.retry)
+        return self._clients[workspace]
+
+    def _credential_or_default(self) -> Any:
+        if self._credential is None:
+            from azure.identity import DefaultAzureCredential
+
+            self._credential = DefaultAzureCredential()
+        return self._credential
+
+    async def _call(self, job: FineTuneJob, step: Callable[..., T], *args: Any,
+                    quiet: bool = False) -> T | None:
+        """Run one blocking step in a thread, unless Azure asked for quiet; `quiet` steps
+        (progress) give None instead of an error."""
+        workspace = workspace_of(job)
+        wait = self.gate.wait_left(workspace)
+        if wait > 0:
+            if quiet:
+                return None
+            raise BackendError(f"Azure ML is throttling calls to workspace {workspace}; the "
+                               "operator waits as asked", retry_after=wait)
+        try:
+            return await asyncio.to_thread(step, *args)
+        except Throttled as error:
+            self.gate.close_for(workspace, error.retry_after)
+            if quiet:
+                return None
+            raise
+        except Refused as error:  # a read refused: say so, and ask again later
+            raise BackendError(f"Azure ML refused a call: {error}", retry_after=60) from error
+        except jobspec.AzureSdkMissing as error:
+            raise BackendError(str(error), retry_after=600) from error

@@ -1,0 +1,118 @@
+"""Azure ML's answers → what the reconciler needs. Pure: the client fetches, this reads.
+
+Job states (Azure ML): NotStarted, Starting, Provisioning, Preparing, Queued, Running,
+Finalizing, CancelRequested, Completed, Failed, Canceled, NotResponding, Paused.
+NotResponding can recover, so it is a Degraded condition, not an end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from finetune_operator.api import BackendRef, FineTuneJob, Progress
+from finetune_operator.backends.azureml.jobspec import attempt_of
+from finetune_operator.reconcile import Failure, Observation
+from finetune_trainer.tracking import METRICS
+
+BACKEND_KIND = "AzureMLJob"
+STARTING = frozenset({"NotStarted", "Starting", "Provisioning", "Preparing"})
+QUEUED = frozenset({"Queued", "Paused"})
+RUNNING = frozenset({"Running", "Finalizing"})
+CANCELING = frozenset({"CancelRequested"})
+ENDED = frozenset({"Completed", "Failed", "Canceled"})
+NOT_RESPONDING = "NotResponding"
+
+
+@dataclass(frozen=True)
+class AzureJob:
+    """What the operator reads of one Azure ML job."""
+
+    name: str
+    status: str
+    studio_url: str | None = None
+    tracking_uri: str | None = None
+    """The workspace's MLflow endpoint (azureml://<region>.api.azureml.ms/mlflow/...)."""
+    compute: str | None = None
+
+    @property
+    def ended(self) -> bool:
+        return self.status in ENDED
+
+
+def current_attempt(job: FineTuneJob) -> int:
+    """The attempt the status last pointed at (1 before any was seen)."""
+    ref = job.status.backend_ref if job.status else None
+    if ref is not None and ref.kind == BACKEND_KIND:
+        return attempt_of(job, ref.name) or 1
+    return 1
+
+
+def backend_ref(azure: AzureJob) -> BackendRef:
+    return BackendRef(kind=BACKEND_KIND, name=azure.name, url=azure.studio_url)
+
+
+def observe(job: FineTuneJob, azure: AzureJob | None, progress: Progress | None = None
+            ) -> Observation:
+    """The newest attempt of `job` (None: none exists) as the reconciler sees it."""
+    if azure is None:
+        return Observation()
+    ref, state, phase = backend_ref(azure), azure.status, (job.status.phase if job.status
+                                                              else None)
+    where = f"Azure ML job {azure.name}"
+    if state == "Completed":
+        return Observation(exists=True, succeeded=True, progress=progress, backend_ref=ref)
+    if job.spec.run_policy.suspend or phase == "Suspended":
+        # we cancelled it to suspend: cancelled (or cancelling) is what suspended looks like
+        suspended = state in CANCELING or azure.ended
+        return Observation(exists=True, suspended=suspended, backend_ref=ref)
+    if phase == "Restarting" and azure.ended:
+        return Observation(backend_ref=ref)  # gone: the next attempt can be submitted
+    if state in CANCELING:
+        return Observation(exists=True, deleting=True, backend_ref=ref)
+    if state == "Failed":
+        return Observation(exists=True, backend_ref=ref, progress=progress, failure=Failure(
+            "worker", f"{where} failed; its logs are in Azure ML Studio"
+            + (f": {azure.studio_url}" if azure.studio_url else "")))
+    if state == "Canceled":
+        return Observation(exists=True, backend_ref=ref, failure=Failure(
+            "worker", f"{where} was cancelled outside the operator (Studio or the CLI); set "
+            "spec.runPolicy.suspend to stop a job instead"))
+    if state in QUEUED:
+        on = f" on compute {azure.compute}" if azure.compute else ""
+        return Observation(exists=True, backend_ref=ref,
+                           queued=f"{where} is {state}: waiting for capacity{on}")
+    if state in RUNNING:
+        return Observation(exists=True, running=True, progress=progress, backend_ref=ref)
+    if state == NOT_RESPONDING:
+        return Observation(exists=True, running=True, progress=progress, backend_ref=ref,
+                           degraded=f"{where} is NotResponding: Azure ML lost contact with "
+                           "its workers; it may recover by itself")
+    # NotStarted, Starting, Provisioning, Preparing (image build, node setup), or a state
+    # newer than this code: still on its way
+    return Observation(exists=True, waiting=f"{where} is {state}", backend_ref=ref)
+
+
+def progress_from_metrics(metrics: list[dict[str, Any]]) -> Progress | None:
+    """status.progress from the MLflow run's latest metrics (`runs/get` → data.metrics),
+    logged by the trainer under the names in finetune_trainer.tracking.METRICS."""
+    latest: dict[str, dict[str, Any]] = {}
+    for metric in metrics:
+        key = metric.get("key")
+        if key and (key not in latest or (metric.get("step") or 0) >= (
+                latest[key].get("step") or 0)):
+            latest[key] = metric
+    if METRICS["loss"] not in latest and METRICS["totalSteps"] not in latest:
+        return None
+    steps = [int(m.get("step") or 0) for m in latest.values()]
+
+    def value(field: str) -> float | None:
+        metric = latest.get(METRICS[field])
+        return None if metric is None else float(metric["value"])
+
+    total, eta = value("totalSteps"), value("etaSeconds")
+    return Progress(step=max(steps) if steps else None,
+                    total_steps=int(total) if total is not None else None,
+                    epoch=value("epoch"), loss=value("loss"),
+                    tokens_per_second=value("tokensPerSecond"),
+                    eta_seconds=int(eta) if eta is not None else None)

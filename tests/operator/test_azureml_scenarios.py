@@ -1,0 +1,209 @@
+"""`backend: azureml` end to end: the real kopf operator against KMock's Kubernetes emulator,
+its azureml backend driving the real azure-ai-ml client, whose HTTP goes to a fake Azure ML
+(tests/azureml_fake.py) that the test moves through Azure ML's job states."""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from finetune_operator import controller
+from finetune_operator.backends import BackendContext, load_backends
+from finetune_operator.kube import Kube, connect
+from finetune_operator.settings import OperatorSettings
+from tests.azureml_fake import (
+    RESOURCE_GROUP,
+    SUBSCRIPTION,
+    WORKSPACE,
+    FakeAzureML,
+    StaticCredential,
+)
+from tests.conftest import minimal_job
+from tests.operator.conftest import Operator
+from tests.operator.emulator import ApiServer
+from tests.operator.testbed import eventually
+
+pytestmark = [pytest.mark.kmock(cls=ApiServer), pytest.mark.asyncio, pytest.mark.timeout(120),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning:azure"),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning:marshmallow")]
+JOBS = "/apis/finetune.dev/v1alpha1/namespaces/default/finetunejobs"
+FTJ = "finetune.dev/v1alpha1/finetunejobs"
+
+
+def azureml_job(name: str = "aml") -> dict:
+    doc = minimal_job(
+        backend="azureml",
+        model={"uri": "azureml://registries/azureml/models/mistralai-Mistral-7B-v01/versions/19"},
+        dataset={"uri": "azureml://datastores/workspaceblobstore/paths/data/train.jsonl"},
+        output={"uri": f"azureml://datastores/workspaceblobstore/paths/out/{name}"},
+        resources={"nodes": 2, "gpusPerNode": 8},
+        azureml={"subscriptionId": SUBSCRIPTION, "resourceGroup": RESOURCE_GROUP,
+                 "workspace": WORKSPACE, "compute": "gpu-cluster", "jobTier": "Spot"})
+    doc["metadata"] = {"name": name, "namespace": "default"}
+    return doc
+
+
+@pytest.fixture()
+def azure() -> FakeAzureML:
+    return FakeAzureML()
+
+
+@pytest_asyncio.fixture()
+async def aml_operator(cluster: ApiServer, rank0, azure: FakeAzureML):
+    """The operator, its azureml backend talking to the fake through the transport hook."""
+    running = Operator(cluster, rank0)
+    kube = Kube(connect(running.server))
+    context = BackendContext(settings=OperatorSettings(), kube=kube,
+                             azure_credential=StaticCredential(), azure_transport=azure)
+    running.runtime = controller.Runtime(backends=load_backends(context), kube=kube,
+                                         interval=0.3)
+    await running.start()
+    yield running
+    await running.stop()
+
+
+async def apply(cluster: ApiServer, doc: dict) -> None:
+    async with aiohttp.ClientSession(base_url=str(cluster.url)) as session:
+        async with session.post(JOBS, json=doc) as response:
+            assert response.status == 200, await response.text()
+
+
+async def patch_spec(cluster: ApiServer, name: str, spec: dict) -> None:
+    async with aiohttp.ClientSession(base_url=str(cluster.url)) as session:
+        async with session.patch(f"{JOBS}/{name}", json={"spec": spec},
+                                 headers={"Content-Type": "application/merge-patch+json"}) as r:
+            assert r.status == 200, await r.text()
+
+
+async def delete(cluster: ApiServer, name: str) -> None:
+    async with aiohttp.ClientSession(base_url=str(cluster.url)) as session:
+        async with session.delete(f"{JOBS}/{name}") as response:
+            assert response.status == 200, await response.text()
+
+
+def status(cluster: ApiServer, name: str = "aml") -> dict:
+    return (cluster.get(FTJ, "default", name) or {}).get("status", {})
+
+
+def condition(cluster: ApiServer, type_: str, name: str = "aml") -> dict:
+    return next(c for c in status(cluster, name).get("conditions", []) if c["type"] == type_)
+
+
+def phase_is(cluster: ApiServer, phase: str, name: str = "aml"):
+    return lambda: status(cluster, name).get("phase") == phase
+
+
+async def submitted(cluster: ApiServer, azure: FakeAzureML, name: str = "aml") -> str:
+    """The Azure ML job name the operator submitted for FineTuneJob `name` (first attempt)."""
+    await eventually(lambda: azure.jobs, what="a job PUT to Azure ML")
+    uid = cluster.get(FTJ, "default", name)["metadata"]["uid"].replace("-", "")
+    return f"{name}-{uid[:12]}"
+
+
+async def test_launching_queued_running_succeeded(cluster, aml_operator, azure):
+    await apply(cluster, azureml_job())
+    await eventually(phase_is(cluster, "Launching"), what="Launching")
+    name = await submitted(cluster, azure)
+    assert list(azure.jobs) == [name]
+    sent = azure.jobs[name]["properties"]
+    assert sent["jobType"] == "Command" and sent["distribution"] == {
+        "distributionType": "PyTorch", "processCountPerInstance": 8}
+    assert sent["resources"]["instanceCount"] == 2
+    assert sent["queueSettings"]["jobTier"] == "Spot"
+    assert sent["inputs"]["model"]["uri"].startswith("azureml://registries/azureml/models/")
+    assert sent["outputs"]["output"]["uri"] == (
+        "azureml://datastores/workspaceblobstore/paths/out/aml")
+    assert all(c.authorization == "Bearer fake-token" for c in azure.calls)
+    await eventually(lambda: status(cluster).get("backendRef", {}).get("name") == name,
+                     what="backendRef")
+    ref = status(cluster)["backendRef"]
+    assert ref["kind"] == "AzureMLJob" and ref["url"].startswith(f"https://ml.azure.com/runs/{name}")
+
+    azure.set_state(name, "Queued")
+    await eventually(phase_is(cluster, "Queued"), what="Queued")
+    assert condition(cluster, "Admitted")["status"] == "False"
+    assert "waiting for capacity" in condition(cluster, "Admitted")["message"]
+
+    azure.set_state(name, "Running")
+    azure.log_metrics(name, 40, loss=1.25, total_steps=100, tokens_per_second=52000.0,
+                      epoch=0.4, eta_seconds=600)
+    await eventually(phase_is(cluster, "Running"), what="Running")
+    await eventually(lambda: status(cluster).get("progress", {}).get("step") == 40,
+                     what="progress from the job's MLflow metrics")
+    progress = status(cluster)["progress"]
+    assert progress["totalSteps"] == 100 and progress["loss"] == 1.25
+    assert progress["tokensPerSecond"] == 52000.0 and progress["etaSeconds"] == 600
+
+    azure.set_state(name, "NotResponding")
+    await eventually(lambda: condition(cluster, "Degraded")["status"] == "True",
+                     what="Degraded")
+    assert "NotResponding" in condition(cluster, "Degraded")["message"]
+    assert status(cluster)["phase"] == "Running"  # not an end: it may recover
+    azure.set_state(name, "Running")
+    await eventually(lambda: condition(cluster, "Degraded")["status"] == "False",
+                     what="recovered")
+
+    azure.set_state(name, "Completed")
+    await eventually(phase_is(cluster, "Succeeded"), what="Succeeded")
+    assert azure.requests_to("PUT", "/jobs/") and len(azure.jobs) == 1  # submitted once
+    assert not azure.requests_to("POST", "/cancel")
+
+
+async def test_deleting_a_running_job_cancels_it_then_releases_the_finalizer(
+        cluster, aml_operator, azure):
+    await apply(cluster, azureml_job())
+    name = await submitted(cluster, azure)
+    azure.set_state(name, "Running")
+    await eventually(phase_is(cluster, "Running"), what="Running")
+    assert "finetune.dev/finalizer" in cluster.get(FTJ, "default", "aml")["metadata"][
+        "finalizers"]
+
+    await delete(cluster, "aml")
+    await eventually(lambda: cluster.get(FTJ, "default", "aml") is None,
+                     what="FineTuneJob gone")
+    cancels = azure.requests_to("POST", "/cancel")
+    assert [c.path.rsplit("/", 2)[-2] for c in cancels] == [name]
+    assert azure.state(name) == "CancelRequested"
+
+
+async def test_suspend_cancels_and_resume_submits_the_next_attempt(cluster, aml_operator, azure):
+    await apply(cluster, azureml_job())
+    first = await submitted(cluster, azure)
+    azure.set_state(first, "Running")
+    await eventually(phase_is(cluster, "Running"), what="Running")
+
+    await patch_spec(cluster, "aml", {"runPolicy": {"suspend": True}})
+    await eventually(lambda: azure.state(first) == "CancelRequested", what="cancel requested")
+    await eventually(phase_is(cluster, "Suspended"), what="Suspended")
+    azure.set_state(first, "Canceled")
+
+    await patch_spec(cluster, "aml", {"runPolicy": {"suspend": False}})
+    second = f"{first}-2"
+    await eventually(lambda: second in azure.jobs, what="the next attempt submitted")
+    # same output folder: the trainer resumes from the newest checkpoint it holds
+    assert azure.jobs[second]["properties"]["outputs"] == azure.jobs[first]["properties"][
+        "outputs"]
+    azure.set_state(second, "Running")
+    await eventually(lambda: status(cluster).get("backendRef", {}).get("name") == second,
+                     what="backendRef on the new attempt")
+    await eventually(phase_is(cluster, "Running"), what="Running again")
+    assert sorted(azure.jobs) == [first, second]
+
+
+async def test_a_refused_identity_is_a_condition_not_a_crash(cluster, aml_operator, azure):
+    azure.fail("GET", "/jobs/", 401, "InvalidAuthenticationToken",
+               "The access token is invalid.", times=10_000)
+    await apply(cluster, azureml_job())
+    await eventually(lambda: condition(cluster, "Degraded")["status"] == "True",
+                     what="Degraded")
+    degraded = condition(cluster, "Degraded")
+    assert degraded["reason"] == "BackendUnreachable"
+    assert "azureWorkloadIdentity.clientId" in degraded["message"]
+    assert "AzureML Data Scientist" in degraded["message"]
+    assert status(cluster)["phase"] == "Pending" and not azure.jobs
+
+    azure.failures.clear()  # the identity is fixed
+    await submitted(cluster, azure)
+    await eventually(lambda: condition(cluster, "Degraded")["status"] == "False",
+                     what="Degraded cleared")

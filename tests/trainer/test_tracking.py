@@ -1,0 +1,112 @@
+"""The trainer's metrics into Azure ML's MLflow tracking, and the rank env Azure ML sets."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+from finetune_trainer import tracking
+from finetune_trainer.progress import Progress, Reporter
+
+AZUREML_ENV = {"MLFLOW_TRACKING_URI": "azureml://westeurope.api.azureml.ms/mlflow/v1.0/x",
+               "MLFLOW_RUN_ID": "demo-0b5e6c7e1234", "AZUREML_RUN_ID": "demo-0b5e6c7e1234"}
+
+
+class FakeMlflow(types.SimpleNamespace):
+    """Records what the tracker sends, as mlflow's fluent API would receive it."""
+
+    def __init__(self, fail: bool = False):
+        super().__init__(logged=[], tags={}, fail=fail)
+
+    def log_metrics(self, metrics, step=None):
+        if self.fail:
+            raise ConnectionError("tracking service unreachable")
+        self.logged.append((step, metrics))
+
+    def set_tag(self, key, value):
+        self.tags[key] = value
+
+
+def record(step: int, loss: float | None = 1.25) -> Progress:
+    return Progress(step=step, totalSteps=100, epoch=0.4, loss=loss, learningRate=1e-4,
+                    tokensPerSecond=52000.0, etaSeconds=600)
+
+
+def test_metric_names_and_values():
+    assert tracking.metrics_of(record(40)) == {
+        "loss": 1.25, "learning_rate": 1e-4, "tokens_per_second": 52000.0, "epoch": 0.4,
+        "total_steps": 100.0, "eta_seconds": 600.0}
+    assert "loss" not in tracking.metrics_of(record(40, loss=None))
+    assert "loss" not in tracking.metrics_of(record(40, loss=float("nan")))
+
+
+def test_only_inside_azure_ml():
+    assert tracking.in_azureml(AZUREML_ENV)
+    assert not tracking.in_azureml({"MLFLOW_TRACKING_URI": "http://my-mlflow:5000"})
+    assert tracking.from_environment({}) is None
+
+
+def test_without_mlflow_it_says_so_and_trains_on(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "mlflow", None)
+    assert tracking.from_environment(AZUREML_ENV) is None
+    assert "pip install azureml-mlflow" in capsys.readouterr().out
+
+
+def test_reporter_logs_each_record_at_its_step(tmp_path):
+    mlflow = FakeMlflow()
+    reporter = Reporter(tmp_path, total_steps=100, start_step=0, enabled=True,
+                        tracker=tracking.MlflowTracker(mlflow))
+    reporter.step_done(1000)
+    reporter.report(10, 0.1, 2.5, 1e-4)
+    reporter.report(20, 0.2, 2.0, 9e-5)
+    reporter.finish("Succeeded")
+    assert [step for step, _ in mlflow.logged] == [10, 20]
+    assert mlflow.logged[1][1]["loss"] == 2.0 and mlflow.logged[1][1]["total_steps"] == 100
+    assert mlflow.tags == {"finetune.phase": "Succeeded"}
+
+
+def test_a_tracking_failure_is_reported_once_and_never_stops_training(tmp_path, capsys):
+    mlflow = FakeMlflow(fail=True)
+    reporter = Reporter(tmp_path, total_steps=100, start_step=0, enabled=True,
+                        tracker=tracking.MlflowTracker(mlflow))
+    reporter.report(10, 0.1, 2.5, 1e-4)
+    reporter.report(20, 0.2, 2.0, 1e-4)
+    out = capsys.readouterr().out
+    assert out.count("no longer sent to Azure ML tracking") == 1
+    assert (tmp_path / "progress.json").is_file()
+
+
+WORKER = """
+import torch, torch.distributed as dist
+from finetune_trainer.parallel import init_distributed
+device = init_distributed()
+value = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(value)
+print(f"rank {dist.get_rank()} of {dist.get_world_size()}: {value.item()}")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_trainer_joins_with_the_rank_env_azure_ml_sets(tmp_path):
+    """Azure ML's PyTorch distribution starts every process itself with these variables
+    (no torchrun): init_distributed must form the world from them alone."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    workers = []
+    for rank in range(2):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0",
+               "LOCAL_WORLD_SIZE": "2", "CUDA_VISIBLE_DEVICES": ""}
+        workers.append(subprocess.Popen([sys.executable, "-c", WORKER], env=env, text=True,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    outputs = [w.communicate(timeout=100) for w in workers]
+    assert [w.returncode for w in workers] == [0, 0], outputs
+    assert sorted(out.strip() for out, _ in outputs) == ["rank 0 of 2: 3.0", "rank 1 of 2: 3.0"]

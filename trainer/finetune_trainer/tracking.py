@@ -1,0 +1,91 @@
+"""Rank 0's progress into Azure ML's own tracking (MLflow), so the Studio charts of the job
+show loss, learning rate and throughput, and the operator can mirror them into the
+FineTuneJob status (it reads the same metric names back: `METRICS`).
+
+Azure ML starts a job's processes with MLFLOW_TRACKING_URI and MLFLOW_RUN_ID pointing at
+the job's own run; `mlflow.log_metrics` then lands there (the `azureml-mlflow` plugin
+understands the azureml:// tracking URI). Anywhere else nothing is sent. Importable
+without torch or mlflow: mlflow is imported only inside Azure ML.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+# Progress record field → MLflow metric name (also read back by the operator).
+METRICS: dict[str, str] = {
+    "loss": "loss",
+    "learningRate": "learning_rate",
+    "tokensPerSecond": "tokens_per_second",
+    "epoch": "epoch",
+    "totalSteps": "total_steps",
+    "etaSeconds": "eta_seconds",
+}
+
+
+class ProgressRecord(Protocol):
+    step: int
+
+
+def metrics_of(record: Any) -> dict[str, float]:
+    """The record's numbers under their MLflow names; unknown or non-finite values are left
+    out (MLflow refuses NaN, and a missing loss is not a zero loss)."""
+    out = {}
+    for field, metric in METRICS.items():
+        value = getattr(record, field, None)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if math.isfinite(value):
+            out[metric] = float(value)
+    return out
+
+
+def in_azureml(environ: Mapping[str, str]) -> bool:
+    """Azure ML sets both for every job; a plain MLFLOW_TRACKING_URI elsewhere is the
+    user's own server, which this module leaves alone."""
+    return bool(environ.get("MLFLOW_TRACKING_URI")) and bool(
+        environ.get("AZUREML_RUN_ID") or environ.get("MLFLOW_RUN_ID"))
+
+
+class MlflowTracker:
+    """Logs each published progress record as MLflow metrics at its step. A tracking
+    failure costs the charts, never the training run: it is reported once, then muted."""
+
+    def __init__(self, mlflow: Any):
+        self.mlflow = mlflow
+        self.broken = False
+
+    def log(self, record: ProgressRecord) -> None:
+        if self.broken:
+            return
+        try:
+            self.mlflow.log_metrics(metrics_of(record), step=int(record.step))
+        except Exception as error:  # the tracking service, the network, the plugin
+            self.broken = True
+            print(f"metrics are no longer sent to Azure ML tracking: {error}", flush=True)
+
+    def finish(self, phase: str) -> None:
+        if self.broken:
+            return
+        try:
+            self.mlflow.set_tag("finetune.phase", phase)
+        except Exception as error:
+            print(f"final phase not sent to Azure ML tracking: {error}", flush=True)
+
+
+def from_environment(environ: Mapping[str, str] | None = None) -> MlflowTracker | None:
+    """A tracker when running inside Azure ML with mlflow installed, else None."""
+    environ = os.environ if environ is None else environ
+    if not in_azureml(environ):
+        return None
+    try:
+        import mlflow
+    except ImportError:
+        print("metrics are not sent to Azure ML tracking: mlflow is not installed in this "
+              "environment (pip install azureml-mlflow); Studio charts and the operator's "
+              "status.progress stay empty", flush=True)
+        return None
+    return MlflowTracker(mlflow)

@@ -71,6 +71,10 @@ class Resources(ApiModel):
     gpu_type: str | None = Field(default=None, max_length=128)
     """GPU model or Azure VM size the job expects (e.g. `A100-80GB`,
     `Standard_ND96asr_v4`), used to check the job fits before launch."""
+    skip_feasibility_check: bool = False
+    """Launch even when the planner predicts the job does not fit in the memory of
+    `gpuType` (the Feasible condition still says so). For setups the planner cannot see,
+    such as custom kernels or chunked losses."""
     cpu: Quantity | None = None
     """CPU request per node (e.g. `8`, `7500m`)."""
     memory: Quantity | None = None
@@ -256,6 +260,9 @@ class AzureMLSpec(ApiModel):
     to an environment built from the trainer image."""
     job_tier: Literal["Spot", "Basic", "Standard", "Premium"] | None = None
     """`Spot` for low-priority capacity; Azure ML's default otherwise."""
+    shm_size: Quantity | None = None
+    """Size of /dev/shm in every container (e.g. `64Gi`), which NCCL uses between the GPUs
+    of a node. Azure ML's default (2g) when left out."""
     experiment_name: str | None = Field(default=None, max_length=255)
     """Azure ML experiment; defaults to the FineTuneJob's namespace."""
 

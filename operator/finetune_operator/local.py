@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 
 from finetune_operator.api import FineTuneJob
+from finetune_operator.planner import ModelConfig, ModelConfigs, fetch_from_hub
+from finetune_operator.planner.render import plan_with_notes
 from finetune_operator.trainer_config import build_trainer_config
 from finetune_operator.validation import InvalidJobError, Problem
 from finetune_trainer.config import TrainerConfig
@@ -23,8 +25,27 @@ CONFIG_DIR = ".finetune"
 EXIT_STOPPED = 143
 
 
-def local_config(job: FineTuneJob, base_dir: Path) -> TrainerConfig:
-    """The trainer config with every location usable here (relative paths resolved)."""
+def model_config(job: FineTuneJob, base_dir: Path) -> ModelConfig | None:
+    """The model's config.json, for the planner: the folder itself, or only that file from
+    the hub (the run downloads the model next anyway)."""
+    configs = ModelConfigs(fetch=fetch_from_hub, base_dir=base_dir)
+    return configs.resolve(job.spec.model.uri, job.spec.model.revision)
+
+
+def feasibility_warning(job: FineTuneJob, model: ModelConfig | None) -> str | None:
+    """What the operator's Feasible=False would say; here it only warns, since the GPUs
+    of this machine may not be the spec's gpuType."""
+    plan = plan_with_notes(job, model)
+    if plan.fits is not False or job.spec.resources.skip_feasibility_check:
+        return None
+    return (f"warning: spec.resources.gpuType: predicted not to fit — {plan.reason} "
+            "(`finetune plan` shows the breakdown; the operator would not launch this job)")
+
+
+def local_config(job: FineTuneJob, base_dir: Path,
+                 model: ModelConfig | None = None) -> TrainerConfig:
+    """The trainer config with every location usable here (relative paths resolved);
+    `model` (its config.json) lets `strategy: auto` go through the planner."""
     problems: list[Problem] = []
 
     def locate(section: str, uri: str, schemes: tuple) -> str:
@@ -37,7 +58,7 @@ def local_config(job: FineTuneJob, base_dir: Path) -> TrainerConfig:
                                     "./relative) with `finetune run`"))
         return uri
 
-    config = build_trainer_config(job, locate)
+    config = build_trainer_config(job, locate, model)
     if problems:
         raise InvalidJobError(problems)
     return config

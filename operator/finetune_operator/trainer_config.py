@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from finetune_operator import planner
 from finetune_operator.api import FineTuneJob
+from finetune_operator.planner import ModelConfig
 from finetune_trainer.config import (
     ConcreteStrategy,
     JobIdentity,
@@ -24,21 +26,12 @@ def keep_location(section: str, uri: str, schemes: tuple) -> str:
     return uri
 
 
-def resolve_strategy(job: FineTuneJob) -> ConcreteStrategy:
-    """The strategy `auto` stands for.
-
-    Adapters are small, so LoRA/QLoRA replicate the frozen base (ddp); full fine-tuning
-    shards once there is more than one device (fsdp); offload needs DeepSpeed ZeRO-3.
-    """
-    strategy = job.spec.strategy
-    if strategy.type != "auto":
-        return strategy.type
-    if strategy.offload != "none":
-        return "zero3"
-    devices = job.spec.resources.nodes * job.spec.resources.processes()
-    if job.spec.method.type == "full" and devices > 1:
-        return "fsdp"
-    return "ddp"
+def resolve_strategy(job: FineTuneJob, model: ModelConfig | None = None) -> ConcreteStrategy:
+    """The strategy `auto` stands for: the fastest that fits the job's GPUs with headroom,
+    when the planner knows the model (`model`, else its built-in table) and `gpuType`;
+    otherwise the simple rules (adapters → ddp, full on several devices → fsdp, offload →
+    zero3). See `finetune_operator.planner.plan.resolve_strategy`."""
+    return planner.resolve_strategy(job, model)
 
 
 def _explicit_lora(method: MethodConfig) -> MethodConfig:
@@ -48,9 +41,13 @@ def _explicit_lora(method: MethodConfig) -> MethodConfig:
     return method.model_copy(update={"lora": LoraConfig()})
 
 
-def build_trainer_config(job: FineTuneJob, locate: Locate = keep_location) -> TrainerConfig:
+def build_trainer_config(job: FineTuneJob, locate: Locate = keep_location,
+                         model: ModelConfig | None = None) -> TrainerConfig:
+    """`model`: the model's config.json where the caller has read it (`finetune run`),
+    for resolving `strategy: auto`."""
     spec = job.spec
-    strategy: StrategyConfig = spec.strategy.model_copy(update={"type": resolve_strategy(job)})
+    strategy: StrategyConfig = spec.strategy.model_copy(
+        update={"type": resolve_strategy(job, model)})
     return TrainerConfig(
         job=JobIdentity(name=job.name, namespace=job.namespace, uid=job.metadata.uid),
         model=spec.model.model_copy(

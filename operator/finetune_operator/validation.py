@@ -29,6 +29,7 @@ from finetune_operator.api import (
     QUANTITY_PATTERN,
     FineTuneJob,
 )
+from finetune_operator.planner import catalog
 from finetune_trainer.uris import (
     DATASET_SCHEMES,
     MODEL_SCHEMES,
@@ -254,6 +255,18 @@ def backend_section_present(job: FineTuneJob) -> Iterator[Problem]:
     if spec.backend == "kubernetes" and spec.azureml is not None:
         yield Problem("spec.azureml", "is ignored by backend kubernetes",
                       "remove it, or set `backend: azureml`", "warning")
+
+
+def gpu_type_is_known(job: FineTuneJob) -> Iterator[Problem]:
+    gpu_type = job.spec.resources.gpu_type
+    if gpu_type and catalog.find(gpu_type) is None:
+        yield Problem("spec.resources.gpuType", f"{gpu_type!r} is not in the planner's GPU "
+                      "catalog, so the memory check before launch is skipped",
+                      "use an Azure VM size (e.g. Standard_ND96amsr_A100_v4) or a GPU model "
+                      "(T4, V100-32GB, A100-80GB, H100, H200)", "warning")
+
+
+RULES.append(Rule("gpu_type_is_known", gpu_type_is_known))
 
 
 def backend_installed(job: FineTuneJob) -> Iterator[Problem]:

@@ -1,0 +1,37 @@
+"""The resource planner: per-GPU memory, step time and the cheapest fitting setup.
+
+Pure functions over a model's config.json (`architecture`, `memory`, `compute`,
+`plan`), a GPU catalog kept as data (`catalog`), and the one module that reads files or
+the network to find a config (`sources`).
+"""
+
+from finetune_operator.planner.architecture import ModelShape, from_hf_config
+from finetune_operator.planner.catalog import VM_SIZES, VmSize, find
+from finetune_operator.planner.memory import MemoryEstimate, TrainingSetup, estimate_memory
+from finetune_operator.planner.plan import (
+    JobPlan,
+    Recommendation,
+    plan_job,
+    recommend,
+    resolve_strategy,
+)
+from finetune_operator.planner.sources import ModelConfig, ModelConfigs, fetch_from_hub
+
+__all__ = [
+    "VM_SIZES",
+    "JobPlan",
+    "MemoryEstimate",
+    "ModelConfig",
+    "ModelConfigs",
+    "ModelShape",
+    "Recommendation",
+    "TrainingSetup",
+    "VmSize",
+    "estimate_memory",
+    "fetch_from_hub",
+    "find",
+    "from_hf_config",
+    "plan_job",
+    "recommend",
+    "resolve_strategy",
+]

@@ -1,0 +1,150 @@
+"""The Azure GPU VM sizes users pick from, as data.
+
+Sources: Azure's VM size pages (learn.microsoft.com/azure/virtual-machines/sizes/gpu-
+accelerated/*) for GPUs per VM, GPU memory and interconnect; NVIDIA's data sheets for
+dense (non-sparse) tensor-core peaks; memory per GPU is what `nvidia-smi` reports as
+total (MiB), not the marketing gigabytes. Prices are indicative Linux pay-as-you-go
+list prices in USD per VM-hour (East US, 2025) and are only used to rank options:
+check the Azure pricing calculator before budgeting.
+"""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import BaseModel, ConfigDict
+
+MiB = 1024**2
+GiB = 1024**3
+
+
+class Gpu(BaseModel):
+    """One GPU model."""
+
+    model_config = ConfigDict(frozen=True)
+    name: str
+    memory_bytes: int
+    peak_flops_16bit: float
+    """Dense bf16 (fp16 where the GPU has no bf16) tensor-core FLOP/s."""
+    bf16: bool
+    """Whether the GPU computes in bf16 (Ampere and newer); V100 and T4 need fp16."""
+    nvlink_busbw: float | None
+    """All-reduce bus bandwidth inside a VM over NVLink, bytes/s; None for PCIe only."""
+
+
+class VmSize(BaseModel):
+    """One Azure VM size with GPUs."""
+
+    model_config = ConfigDict(frozen=True)
+    name: str
+    series: str
+    gpu: Gpu
+    gpus: int
+    infiniband_gbps: int = 0
+    """InfiniBand bandwidth per VM in Gbit/s (0: none, Ethernet only)."""
+    price_per_hour: float
+    """Indicative pay-as-you-go USD per VM-hour; for ranking only."""
+
+    @property
+    def inter_node_busbw(self) -> float:
+        """Collective bus bandwidth between VMs, bytes/s: NCCL runs one ring per NIC, so
+        it is about 90% of the VM's InfiniBand line rate (ANCHORS: ~46-48 GB/s per 400 Gb/s
+        NIC); ~25 Gbit/s effective over Ethernet."""
+        gbps = self.infiniband_gbps * 0.9 if self.infiniband_gbps else 25
+        return gbps / 8 * 1e9
+
+    @property
+    def interconnect(self) -> str:
+        inside = "NVLink" if self.gpu.nvlink_busbw and self.gpus > 1 else "PCIe"
+        between = f"InfiniBand {self.infiniband_gbps} Gb/s" if self.infiniband_gbps else (
+            "Ethernet")
+        return f"{inside}; {between}"
+
+
+T4 = Gpu(name="T4-16GB", memory_bytes=15360 * MiB, peak_flops_16bit=65e12, bf16=False,
+         nvlink_busbw=None)
+V100_16 = Gpu(name="V100-16GB", memory_bytes=16384 * MiB, peak_flops_16bit=112e12, bf16=False,
+              nvlink_busbw=None)
+V100_32 = Gpu(name="V100-32GB", memory_bytes=32768 * MiB, peak_flops_16bit=125e12, bf16=False,
+              nvlink_busbw=130e9)
+A100_40 = Gpu(name="A100-40GB", memory_bytes=40960 * MiB, peak_flops_16bit=312e12, bf16=True,
+              nvlink_busbw=230e9)
+A100_80_PCIE = Gpu(name="A100-80GB-PCIe", memory_bytes=81920 * MiB, peak_flops_16bit=312e12,
+                   bf16=True, nvlink_busbw=None)
+A100_80 = Gpu(name="A100-80GB", memory_bytes=81920 * MiB, peak_flops_16bit=312e12, bf16=True,
+              nvlink_busbw=230e9)
+H100_NVL = Gpu(name="H100-NVL-94GB", memory_bytes=95830 * MiB, peak_flops_16bit=835e12,
+               bf16=True, nvlink_busbw=None)
+H100_80 = Gpu(name="H100-80GB", memory_bytes=81559 * MiB, peak_flops_16bit=989e12, bf16=True,
+              nvlink_busbw=400e9)
+H200 = Gpu(name="H200-141GB", memory_bytes=143771 * MiB, peak_flops_16bit=989e12, bf16=True,
+           nvlink_busbw=400e9)
+
+VM_SIZES: tuple[VmSize, ...] = (
+    VmSize(name="Standard_NC4as_T4_v3", series="NCasT4_v3", gpu=T4, gpus=1, price_per_hour=0.526),
+    VmSize(name="Standard_NC8as_T4_v3", series="NCasT4_v3", gpu=T4, gpus=1, price_per_hour=0.752),
+    VmSize(name="Standard_NC16as_T4_v3", series="NCasT4_v3", gpu=T4, gpus=1,
+           price_per_hour=1.204),
+    VmSize(name="Standard_NC64as_T4_v3", series="NCasT4_v3", gpu=T4, gpus=4,
+           price_per_hour=4.352),
+    VmSize(name="Standard_NC6s_v3", series="NCv3", gpu=V100_16, gpus=1, price_per_hour=3.06),
+    VmSize(name="Standard_NC12s_v3", series="NCv3", gpu=V100_16, gpus=2, price_per_hour=6.12),
+    VmSize(name="Standard_NC24s_v3", series="NCv3", gpu=V100_16, gpus=4, price_per_hour=12.24),
+    VmSize(name="Standard_NC24rs_v3", series="NCv3", gpu=V100_16, gpus=4, infiniband_gbps=100,
+           price_per_hour=13.46),
+    VmSize(name="Standard_ND40rs_v2", series="NDv2", gpu=V100_32, gpus=8, infiniband_gbps=100,
+           price_per_hour=22.03),
+    VmSize(name="Standard_NC24ads_A100_v4", series="NC_A100_v4", gpu=A100_80_PCIE, gpus=1,
+           price_per_hour=3.673),
+    VmSize(name="Standard_NC48ads_A100_v4", series="NC_A100_v4", gpu=A100_80_PCIE, gpus=2,
+           price_per_hour=7.346),
+    VmSize(name="Standard_NC96ads_A100_v4", series="NC_A100_v4", gpu=A100_80_PCIE, gpus=4,
+           price_per_hour=14.692),
+    VmSize(name="Standard_ND96asr_v4", series="NDasrA100_v4", gpu=A100_40, gpus=8,
+           infiniband_gbps=1600, price_per_hour=27.197),
+    VmSize(name="Standard_ND96amsr_A100_v4", series="NDm_A100_v4", gpu=A100_80, gpus=8,
+           infiniband_gbps=1600, price_per_hour=32.77),
+    VmSize(name="Standard_NC40ads_H100_v5", series="NCads_H100_v5", gpu=H100_NVL, gpus=1,
+           price_per_hour=6.98),
+    VmSize(name="Standard_NC80adis_H100_v5", series="NCads_H100_v5", gpu=H100_NVL, gpus=2,
+           price_per_hour=13.96),
+    VmSize(name="Standard_ND96isr_H100_v5", series="ND_H100_v5", gpu=H100_80, gpus=8,
+           infiniband_gbps=3200, price_per_hour=98.32),
+    VmSize(name="Standard_ND96isr_H200_v5", series="ND_H200_v5", gpu=H200, gpus=8,
+           infiniband_gbps=3200, price_per_hour=110.24),
+)
+GPUS: tuple[Gpu, ...] = (T4, V100_16, V100_32, A100_40, A100_80_PCIE, A100_80, H100_NVL,
+                         H100_80, H200)
+
+# what users write for a bare GPU model → the VM size that has it
+_GPU_ALIASES = {
+    "t4": "Standard_NC4as_T4_v3", "v100": "Standard_NC6s_v3", "v10016gb": "Standard_NC6s_v3",
+    "v10032gb": "Standard_ND40rs_v2", "a10040gb": "Standard_ND96asr_v4",
+    "a100": "Standard_NC24ads_A100_v4", "a10080gb": "Standard_NC24ads_A100_v4",
+    "a10080gbpcie": "Standard_NC24ads_A100_v4", "a10080gbsxm": "Standard_ND96amsr_A100_v4",
+    "h100": "Standard_ND96isr_H100_v5", "h10080gb": "Standard_ND96isr_H100_v5",
+    "h100nvl": "Standard_NC40ads_H100_v5", "h100nvl94gb": "Standard_NC40ads_H100_v5",
+    "h200": "Standard_ND96isr_H200_v5", "h200141gb": "Standard_ND96isr_H200_v5",
+}
+
+
+def _key(name: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", name.lower().removeprefix("standard_"))
+
+
+_BY_KEY = {_key(vm.name): vm for vm in VM_SIZES}
+
+
+def find(name: str) -> VmSize | None:
+    """A VM size by its Azure name (with or without `Standard_`, any case) or by a GPU
+    model (`A100-80GB`, `H100`, `T4`); None when the catalog does not know it."""
+    key = _key(name)
+    if key in _BY_KEY:
+        return _BY_KEY[key]
+    alias = _GPU_ALIASES.get(key)
+    return _BY_KEY[_key(alias)] if alias else None
+
+
+def known_names() -> list[str]:
+    return [vm.name for vm in VM_SIZES] + ["T4", "V100-16GB", "V100-32GB", "A100-40GB",
+                                           "A100-80GB", "H100", "H100-NVL", "H200"]

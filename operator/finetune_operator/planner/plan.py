@@ -1,0 +1,341 @@
+"""From a FineTuneJob to a plan: per-GPU memory on the GPU it asks for, a verdict, and the
+cheapest configuration that fits. Pure: the model's config is handed in."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from finetune_operator.api import FineTuneJob
+from finetune_operator.planner import catalog
+from finetune_operator.planner.architecture import ConfigError, ModelShape, from_hf_config
+from finetune_operator.planner.catalog import VmSize
+from finetune_operator.planner.compute import Throughput, estimate_throughput
+from finetune_operator.planner.memory import (
+    MemoryEstimate,
+    Precision,
+    Strategy,
+    TrainingSetup,
+    estimate_memory,
+)
+from finetune_operator.planner.sources import ModelConfig, from_table
+
+HEADROOM = 0.10
+"""A recommendation leaves this fraction of GPU memory free (allocator fragmentation,
+longer-than-average batches, the estimate's own error of about ±15%)."""
+AUTO_ORDER: tuple[Strategy, ...] = ("ddp", "zero1", "zero2", "fsdp", "zero3")
+"""Fastest first: replicas need no parameter traffic; full sharding the most."""
+NODE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+Verdict = Literal["fits", "tight", "does-not-fit", "unknown"]
+
+
+class PlanModel(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, frozen=True)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, mode="json")
+
+
+class Option(PlanModel):
+    """One configuration that fits with headroom."""
+
+    vm_size: str
+    gpu: str
+    nodes: int
+    gpus_per_node: int
+    strategy: Strategy
+    precision: Precision
+    per_gpu_bytes: int
+    gpu_memory_bytes: int
+    tokens_per_second: float
+    price_per_hour: float
+    cost_per_million_tokens: float
+
+
+class Recommendation(PlanModel):
+    """The cheapest option per trained token, and why."""
+
+    best: Option | None
+    on_requested_gpu: Option | None = None
+    """The cheapest option on the VM size the job asks for (other strategy or nodes)."""
+    why: str
+    alternatives: list[Option] = Field(default_factory=list)
+
+
+class JobPlan(PlanModel):
+    """What `finetune plan` prints and the operator's Feasible condition says."""
+
+    fits: bool | None
+    verdict: Verdict
+    reason: str
+    model_source: str | None = None
+    total_params: int | None = None
+    trainable_params: int | None = None
+    strategy: Strategy | None = None
+    precision: Precision | None = None
+    world_size: int = 1
+    gpu_type: str | None = None
+    gpu_memory_bytes: int | None = None
+    per_gpu_bytes: int | None = None
+    breakdown: dict[str, int] = Field(default_factory=dict)
+    temporary_buffers: dict[str, int] = Field(default_factory=dict)
+    peak_phase: str | None = None
+    throughput: Throughput | None = None
+    recommendation: Recommendation | None = None
+    notes: list[str] = Field(default_factory=list)
+
+
+def gib(value: float) -> str:
+    """Bytes for people: GiB, or MiB below one GiB."""
+    if abs(value) < 1024**3:
+        return f"{value / 1024**2:.0f} MiB"
+    return f"{value / 1024**3:.1f} GiB"
+
+
+def setup_for(job: FineTuneJob, strategy: Strategy, world_size: int | None = None,
+              precision: Precision | None = None) -> TrainingSetup:
+    """The planner's view of the job with one strategy and world size."""
+    spec = job.spec
+    lora = spec.method.lora
+    resources = spec.resources
+    world = world_size or resources.nodes * resources.processes()
+    return TrainingSetup(
+        method=spec.method.type,
+        lora_rank=lora.r if lora else 16,
+        lora_targets=list(lora.target_modules) if lora else ["all-linear"],
+        lora_dropout=lora.dropout if lora else 0.05,
+        strategy=strategy, offload=spec.strategy.offload,
+        precision=precision or spec.strategy.precision,
+        micro_batch=spec.hyperparameters.batch_size_per_device,
+        seq_len=spec.dataset.max_seq_length,
+        gradient_checkpointing=spec.strategy.gradient_checkpointing,
+        gradient_accumulation=spec.hyperparameters.gradient_accumulation_steps,
+        world_size=world, device="cuda" if resources.gpus_per_node else "cpu")
+
+
+def allowed_strategies(job: FineTuneJob) -> list[Strategy]:
+    """What `auto` may pick for this job without breaking a validation rule."""
+    spec = job.spec
+    if spec.strategy.offload == "nvme":
+        return ["zero3"]
+    out: list[Strategy] = list(AUTO_ORDER)
+    if spec.strategy.offload == "cpu":
+        out = ["zero2", "fsdp", "zero3"]
+    if spec.method.type == "qlora":
+        out = [s for s in out if s in ("ddp", "fsdp")]  # bitsandbytes + DeepSpeed: untested
+    if spec.method.type == "full" and spec.strategy.precision == "fp16":
+        out = [s for s in out if s != "fsdp"]  # refused by validation (unstable)
+    return out
+
+
+def shape_of(model: ModelConfig | None) -> tuple[ModelShape | None, str | None]:
+    if model is None:
+        return None, None
+    try:
+        return from_hf_config(model.config), None
+    except ConfigError as error:
+        return None, str(error)
+
+
+def _precision_on(gpu_bf16: bool, precision: Precision) -> Precision:
+    return "fp16" if precision == "bf16" and not gpu_bf16 else precision
+
+
+def _fits(estimate: MemoryEstimate, vm: VmSize, headroom: float) -> bool:
+    return estimate.total <= vm.gpu.memory_bytes * (1 - headroom)
+
+
+def _option(shape: ModelShape, job: FineTuneJob, vm: VmSize, nodes: int, strategy: Strategy,
+            headroom: float) -> Option | None:
+    precision = _precision_on(vm.gpu.bf16, job.spec.strategy.precision)
+    setup = setup_for(job, strategy, vm.gpus * nodes, precision)
+    setup = setup.model_copy(update={"device": "cuda"})
+    estimate = estimate_memory(shape, setup)
+    if not _fits(estimate, vm, headroom):
+        return None
+    speed = estimate_throughput(shape, setup, vm, nodes)
+    cost = vm.price_per_hour * nodes / (speed.tokens_per_second * 3600) * 1e6
+    return Option(vm_size=vm.name, gpu=vm.gpu.name, nodes=nodes, gpus_per_node=vm.gpus,
+                  strategy=strategy, precision=precision, per_gpu_bytes=estimate.total,
+                  gpu_memory_bytes=vm.gpu.memory_bytes,
+                  tokens_per_second=round(speed.tokens_per_second, 1),
+                  price_per_hour=vm.price_per_hour,
+                  cost_per_million_tokens=round(cost, 4))
+
+
+def options_on(shape: ModelShape, job: FineTuneJob, vm: VmSize,
+               headroom: float = HEADROOM) -> list[Option]:
+    """For each strategy, the fewest nodes of `vm` on which the job fits."""
+    found = []
+    for strategy in allowed_strategies(job):
+        for nodes in NODE_COUNTS:
+            option = _option(shape, job, vm, nodes, strategy, headroom)
+            if option is not None:
+                found.append(option)
+                break
+    return found
+
+
+def recommend(shape: ModelShape, job: FineTuneJob, requested: VmSize | None = None,
+              headroom: float = HEADROOM) -> Recommendation:
+    """The cheapest option per trained token over the catalog, and on the requested VM."""
+    options = [o for vm in catalog.VM_SIZES for o in options_on(shape, job, vm, headroom)]
+    options.sort(key=lambda o: (o.cost_per_million_tokens, o.nodes * o.gpus_per_node))
+    mine = None
+    if requested is not None:
+        on_requested = sorted(options_on(shape, job, requested, headroom),
+                              key=lambda o: (o.nodes, o.cost_per_million_tokens))
+        mine = on_requested[0] if on_requested else None
+    if not options:
+        return Recommendation(best=None, on_requested_gpu=mine, why=(
+            f"nothing in the catalog fits up to {NODE_COUNTS[-1]} nodes with "
+            f"{int(headroom * 100)}% headroom: shorten maxSeqLength, lower "
+            "batchSizePerDevice, enable gradientCheckpointing, or use lora/qlora"))
+    best = options[0]
+    why = (f"cheapest per trained token of {len(options)} fitting options: {best.strategy} on "
+           f"{best.nodes} x {best.vm_size} ({best.gpus_per_node} x {best.gpu}), "
+           f"{gib(best.per_gpu_bytes)} of {gib(best.gpu_memory_bytes)} per GPU, "
+           f"~{best.tokens_per_second:,.0f} tokens/s, ~${best.cost_per_million_tokens:.2f} "
+           "per million tokens at list price")
+    if len(options) > 1:
+        runner = options[1]
+        ratio = runner.cost_per_million_tokens / max(best.cost_per_million_tokens, 1e-12)
+        why += (f"; next: {runner.strategy} on {runner.nodes} x {runner.vm_size} "
+                f"({ratio:.1f}x the cost)")
+    return Recommendation(best=best, on_requested_gpu=mine, why=why, alternatives=options[1:6])
+
+
+def auto_strategy(job: FineTuneJob, model: ModelConfig | None) -> Strategy | None:
+    """The first strategy (fastest first) that fits the job's own GPUs with headroom, or
+    the least memory-hungry one when none does; None when the planner cannot tell (no
+    model config, no known gpuType, CPU workers)."""
+    shape, _ = shape_of(model)
+    resources = job.spec.resources
+    vm = catalog.find(resources.gpu_type) if resources.gpu_type else None
+    if shape is None or vm is None or resources.gpus_per_node == 0:
+        return None
+    world = resources.nodes * resources.gpus_per_node
+    precision = _precision_on(vm.gpu.bf16, job.spec.strategy.precision)
+    estimates = {s: estimate_memory(shape, setup_for(job, s, world, precision))
+                 for s in allowed_strategies(job)}
+    for strategy, estimate in estimates.items():
+        if _fits(estimate, vm, HEADROOM):
+            return strategy
+    return min(estimates, key=lambda s: estimates[s].total)
+
+
+def fallback_strategy(job: FineTuneJob) -> Strategy:
+    """The rules `auto` follows without a plan: adapters are small, so LoRA/QLoRA replicate
+    the frozen base (ddp); full fine-tuning shards once there is more than one device
+    (fsdp); offload needs DeepSpeed ZeRO-3."""
+    spec = job.spec
+    if spec.strategy.offload != "none":
+        return "zero3"
+    devices = spec.resources.nodes * spec.resources.processes()
+    if spec.method.type == "full" and devices > 1:
+        return "fsdp"
+    return "ddp"
+
+
+def resolve_strategy(job: FineTuneJob, model: ModelConfig | None = None) -> Strategy:
+    """The concrete strategy of a job: its own, or `auto` resolved through the planner
+    (with `model`, else the built-in table), else the fallback rules."""
+    if job.spec.strategy.type != "auto":
+        return job.spec.strategy.type
+    if job.spec.strategy.offload != "none":
+        return "zero3"
+    return auto_strategy(job, model or from_table(job.spec.model.uri)) or (
+        fallback_strategy(job))
+
+
+def plan_job(job: FineTuneJob, model: ModelConfig | None, strategy: Strategy,
+             gpu_type: str | None = None, search_catalog: bool = True) -> JobPlan:
+    """The plan for `job` run with `strategy` (already resolved) on `gpu_type` (default:
+    the spec's), given the model's config (None: unknown). `search_catalog=False` (the
+    operator's admission) only looks for alternatives on the requested VM size, and only
+    when the job does not fit: ~1 ms instead of ~100."""
+    spec, resources = job.spec, job.spec.resources
+    gpu_type = gpu_type or resources.gpu_type
+    shape, config_error = shape_of(model)
+    world = resources.nodes * resources.processes()
+    if shape is None:
+        why = config_error or (f"no config.json for {spec.model.uri}: "
+                               + _where_configs_come_from(spec.model.uri))
+        return JobPlan(fits=None, verdict="unknown", reason=why, strategy=strategy,
+                       world_size=world, gpu_type=gpu_type,
+                       model_source=model.source if model else None)
+    vm = catalog.find(gpu_type) if gpu_type else None
+    precision = _precision_on(vm.gpu.bf16, spec.strategy.precision) if vm else (
+        spec.strategy.precision)
+    setup = setup_for(job, strategy, world, precision)
+    estimate = estimate_memory(shape, setup)
+    notes = list(estimate.notes)
+    if precision != spec.strategy.precision:
+        notes.append(f"{vm.gpu.name} has no bf16: planned in fp16; set "
+                     "spec.strategy.precision: fp16")
+    common = dict(model_source=model.source, total_params=estimate.total_params,
+                  trainable_params=estimate.trainable_params, strategy=strategy,
+                  precision=precision, world_size=world, per_gpu_bytes=estimate.total,
+                  breakdown=estimate.breakdown, temporary_buffers=estimate.temporary_buffers,
+                  peak_phase=estimate.peak_phase, notes=notes)
+    if resources.gpus_per_node == 0:
+        return JobPlan(fits=None, verdict="unknown", gpu_type=None, reason=(
+            f"CPU workers: about {gib(estimate.total)} of memory per process "
+            "(the planner checks GPU memory)"), **common)
+    if search_catalog:
+        recommendation = recommend(shape, job, vm)
+    else:
+        recommendation = Recommendation(best=None, why="catalog not searched")
+    if vm is None:
+        why = ("spec.resources.gpuType is not set" if not gpu_type else
+               f"gpuType {gpu_type!r} is not in the planner's catalog (known: "
+               f"{', '.join(catalog.known_names())})")
+        return JobPlan(fits=None, verdict="unknown", gpu_type=gpu_type, recommendation=(
+            recommendation), reason=f"{gib(estimate.total)} per GPU; {why}", **common)
+    memory = vm.gpu.memory_bytes
+    fits = estimate.total <= memory
+    if not fits and not search_catalog:
+        on_requested = sorted(options_on(shape, job, vm),
+                              key=lambda o: (o.nodes, o.cost_per_million_tokens))
+        recommendation = Recommendation(
+            best=None, on_requested_gpu=on_requested[0] if on_requested else None,
+            why="only the requested VM size was searched")
+    verdict: Verdict = ("does-not-fit" if not fits else
+                        "tight" if estimate.total > memory * (1 - HEADROOM) else "fits")
+    lines = ", ".join(f"{_LABELS[k]} {gib(v)}" for k, v in estimate.breakdown.items() if v)
+    where = f"{vm.name} ({vm.gpu.name}, {gib(memory)})"
+    if verdict == "does-not-fit":
+        reason = (f"needs {gib(estimate.total)} per GPU with {strategy} on {world} GPU"
+                  f"{'s' if world > 1 else ''}, more than {where}: {lines}")
+        mine = recommendation.on_requested_gpu
+        if mine is not None:
+            reason += (f" — fits as strategy {mine.strategy} on {mine.nodes} node"
+                       f"{'s' if mine.nodes > 1 else ''} ({gib(mine.per_gpu_bytes)} per GPU)")
+        elif recommendation.best is not None:
+            b = recommendation.best
+            reason += f" — fits on {b.nodes} x {b.vm_size} with {b.strategy}"
+    else:
+        reason = (f"{gib(estimate.total)} of {gib(memory)} per GPU on {where} with {strategy}"
+                  + (" (less than 10% headroom)" if verdict == "tight" else "") + f": {lines}")
+    throughput = estimate_throughput(shape, setup, vm, resources.nodes)
+    return JobPlan(fits=fits, verdict=verdict, reason=reason, gpu_type=vm.name,
+                   gpu_memory_bytes=memory, throughput=throughput,
+                   recommendation=recommendation, **common)
+
+
+_LABELS = {"weights": "weights", "gradients": "gradients", "optimizerStates": "optimizer states",
+           "activations": "activations", "temporaryBuffers": "temporary buffers",
+           "cudaContext": "CUDA context"}
+
+
+def _where_configs_come_from(uri: str) -> str:
+    if uri.startswith("pvc://"):
+        return ("the operator cannot read inside a claim; run `finetune plan` where the "
+                "model is, or use a model the built-in table knows")
+    if uri.startswith("hf://"):
+        return ("the hub could not be reached (or the repo is gated) and the built-in "
+                "table does not know it")
+    return "the path holds no config.json here"

@@ -1,0 +1,79 @@
+"""A plan as people read it (`finetune plan`), and the plan the CLI and `finetune run`
+show: the job's own strategy, with a note where the operator would resolve `auto`
+differently (it never reads the hub for that)."""
+
+from __future__ import annotations
+
+from finetune_operator.api import FineTuneJob
+from finetune_operator.planner.plan import JobPlan, gib, plan_job, resolve_strategy
+from finetune_operator.planner.sources import ModelConfig
+
+LABELS = {"weights": "weights", "gradients": "gradients", "optimizerStates": "optimizer states",
+          "activations": "activations", "temporaryBuffers": "temporary buffers",
+          "cudaContext": "CUDA context"}
+VERDICTS = {"fits": "fits", "tight": "fits, with less than 10% headroom",
+            "does-not-fit": "DOES NOT FIT", "unknown": "unknown"}
+
+
+def plan_with_notes(job: FineTuneJob, model: ModelConfig | None) -> JobPlan:
+    strategy = resolve_strategy(job, model)
+    plan = plan_job(job, model, strategy)
+    if job.spec.strategy.type == "auto":
+        operator_choice = resolve_strategy(job)
+        note = f"strategy auto → {strategy}"
+        if operator_choice != strategy:
+            note += (f"; the operator resolves auto without the hub (built-in table, else the "
+                     f"simple rules) → {operator_choice}: set strategy.type: {strategy} to "
+                     "get this plan")
+        plan = plan.model_copy(update={"notes": [note, *plan.notes]})
+    return plan
+
+
+def _count(n: int | None) -> str:
+    if n is None:
+        return "?"
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def table(job: FineTuneJob, plan: JobPlan) -> str:
+    spec, r = job.spec, job.spec.resources
+    lines = [f"{job.namespace}/{job.name}: {spec.method.type}, {plan.strategy}, "
+             f"{plan.precision or spec.strategy.precision}, {r.nodes} node"
+             f"{'s' if r.nodes > 1 else ''} x {r.processes()} {'GPU' if r.gpus_per_node else 'CPU'}"
+             f" process{'es' if r.processes() > 1 else ''}, micro-batch "
+             f"{spec.hyperparameters.batch_size_per_device} x {spec.dataset.max_seq_length} "
+             f"tokens, checkpointing {'on' if spec.strategy.gradient_checkpointing else 'off'}"]
+    if plan.model_source:
+        lines.append(f"model: {plan.model_source}: {_count(plan.total_params)} parameters, "
+                     f"{_count(plan.trainable_params)} trainable")
+    if plan.breakdown:
+        lines.append("")
+        moment = ("forward/backward" if plan.peak_phase == "forwardBackward"
+                  else "the optimizer step")
+        lines.append(f"per {'GPU' if r.gpus_per_node else 'process'} (peak during {moment}):")
+        for key, value in plan.breakdown.items():
+            extra = ""
+            if key == "temporaryBuffers" and plan.temporary_buffers:
+                parts = sorted(plan.temporary_buffers.items(), key=lambda kv: -kv[1])
+                extra = "  (" + ", ".join(f"{k} {gib(v)}" for k, v in parts if v) + ")"
+            lines.append(f"  {LABELS[key]:<18} {gib(value):>10}{extra}")
+        capacity = f" of {gib(plan.gpu_memory_bytes)}" if plan.gpu_memory_bytes else ""
+        lines.append(f"  {'total':<18} {gib(plan.per_gpu_bytes or 0):>10}{capacity}")
+    lines.append("")
+    lines.append(f"verdict: {VERDICTS[plan.verdict]} — {plan.reason}")
+    if plan.throughput:
+        t = plan.throughput
+        lines.append(f"speed: ~{t.step_seconds:.2f} s per step, ~{t.tokens_per_second:,.0f} "
+                     f"tokens/s on {plan.world_size} GPU{'s' if plan.world_size > 1 else ''} "
+                     f"(assumed {t.assumed_mfu:.0%} utilisation; "
+                     f"{t.model_flops_per_token:.3g} model FLOPs per token)")
+    rec = plan.recommendation
+    if rec is not None:
+        lines.append(f"recommendation: {rec.why}")
+        if rec.on_requested_gpu and plan.verdict == "does-not-fit":
+            o = rec.on_requested_gpu
+            lines.append(f"on {o.vm_size}: strategy {o.strategy}, {o.nodes} node"
+                         f"{'s' if o.nodes > 1 else ''} ({gib(o.per_gpu_bytes)} per GPU)")
+    for note in plan.notes:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)

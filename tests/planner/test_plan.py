@@ -1,0 +1,217 @@
+"""The planner's pure parts and its one edge (finding a config): catalog lookups, config
+sources (never the network: a fake fetch stands in for the hub), `strategy: auto`,
+verdicts and the recommendation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from finetune_operator.planner import catalog, plan_job, recommend, resolve_strategy
+from finetune_operator.planner.architecture import from_hf_config
+from finetune_operator.planner.known_models import KNOWN_MODELS
+from finetune_operator.planner.memory import TrainingSetup, estimate_memory
+from finetune_operator.planner.plan import HEADROOM, fallback_strategy
+from finetune_operator.planner.sources import ModelConfig, ModelConfigs, fetch_from_hub
+from finetune_operator.validation import check_document, parse_job
+from tests.conftest import minimal_job
+
+LLAMA_8B = ModelConfig(config=KNOWN_MODELS["meta-llama/Llama-3.1-8B"], source="test")
+
+
+def job(**spec):
+    return parse_job(minimal_job(**spec))
+
+
+# --- catalog -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("name", "vm", "gpus"), [
+    ("Standard_ND96asr_v4", "Standard_ND96asr_v4", 8),
+    ("nd96amsr_a100_v4", "Standard_ND96amsr_A100_v4", 8),
+    ("A100-80GB", "Standard_NC24ads_A100_v4", 1),
+    ("H100", "Standard_ND96isr_H100_v5", 8),
+    ("h200", "Standard_ND96isr_H200_v5", 8),
+    ("T4", "Standard_NC4as_T4_v3", 1),
+    ("V100-32GB", "Standard_ND40rs_v2", 8),
+])
+def test_catalog_finds_vm_sizes_and_gpu_models(name, vm, gpus):
+    found = catalog.find(name)
+    assert found is not None and found.name == vm and found.gpus == gpus
+
+
+def test_catalog_covers_the_series_users_pick_from():
+    series = {vm.series for vm in catalog.VM_SIZES}
+    assert series >= {"NCasT4_v3", "NCv3", "NDv2", "NC_A100_v4", "NDasrA100_v4",
+                      "NDm_A100_v4", "NCads_H100_v5", "ND_H100_v5", "ND_H200_v5"}
+    assert catalog.find("Standard_ND96asr_v4").gpu.memory_bytes == 40 * 1024**3
+    assert catalog.find("Standard_ND96isr_H100_v5").interconnect == (
+        "NVLink; InfiniBand 3200 Gb/s")
+    assert catalog.find("MI300X") is None
+
+
+# --- where configs come from -------------------------------------------------------------
+
+def test_a_local_folder_or_file_is_read(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    configs = ModelConfigs(base_dir=tmp_path)
+    assert configs.resolve(str(tmp_path)).source == f"path:{tmp_path / 'config.json'}"
+    assert configs.resolve("./config.json").config == {"model_type": "llama"}
+    assert configs.resolve(str(tmp_path / "missing")) is None
+
+
+def test_hub_models_are_fetched_once_and_fall_back_to_the_table():
+    calls = []
+
+    def fetch(repo, revision):
+        calls.append((repo, revision))
+        return {"model_type": "llama", "vocab_size": 1} if repo == "me/custom" else None
+
+    configs = ModelConfigs(fetch=fetch)
+    custom = configs.resolve("hf://me/custom", "abc123")
+    assert custom.source == "hub:me/custom@abc123"
+    assert configs.resolve("hf://me/custom", "abc123") == custom
+    assert calls == [("me/custom", "abc123")]  # remembered
+    gated = configs.resolve("hf://meta-llama/Llama-3.1-8B")
+    assert gated.source == "built-in table: meta-llama/Llama-3.1-8B"
+    assert configs.resolve("hf://nobody/knows") is None
+
+
+def test_offline_lookups_never_call_out():
+    configs = ModelConfigs()  # no fetch
+    assert configs.resolve("hf://Qwen/Qwen2.5-7B-Instruct").source.startswith("built-in")
+    registry = "azureml://registries/azureml/models/mistralai-Mistral-7B-v01/versions/19"
+    assert configs.resolve(registry).source == "built-in table: mistralai/Mistral-7B-v0.1"
+    assert configs.resolve("pvc://models/llama") is None
+
+
+def test_hub_offline_switch_skips_the_request(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_ENDPOINT", "http://192.0.2.1:9")  # TEST-NET: would hang if used
+    assert fetch_from_hub("meta-llama/Llama-3.1-8B", None, timeout=0.01) is None
+
+
+def test_a_failing_hub_answers_none_quickly(monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:1")  # refused at once, no network
+    assert fetch_from_hub("org/name", "main", timeout=1.0) is None
+
+
+# --- strategy auto -----------------------------------------------------------------------
+
+def test_auto_goes_through_the_planner_when_model_and_gpu_are_known():
+    small = job(model={"uri": "hf://meta-llama/Llama-3.2-1B"}, method={"type": "full"},
+                resources={"gpusPerNode": 8, "gpuType": "Standard_ND96amsr_A100_v4"})
+    assert fallback_strategy(small) == "fsdp"
+    assert resolve_strategy(small) == "ddp"  # 1B full fits replicated: no sharding traffic
+    big = job(model={"uri": "hf://meta-llama/Llama-3.1-70B"}, method={"type": "full"},
+              resources={"gpusPerNode": 8, "nodes": 4, "gpuType": "Standard_ND96amsr_A100_v4"})
+    assert resolve_strategy(big) in ("fsdp", "zero3")
+    mid = job(model={"uri": "hf://meta-llama/Llama-3.1-8B"}, method={"type": "full"},
+              resources={"gpusPerNode": 8, "gpuType": "Standard_ND96amsr_A100_v4"})
+    chosen = resolve_strategy(mid)
+    assert chosen in ("zero1", "zero2", "fsdp", "zero3")
+    setup = TrainingSetup(method="full", strategy=chosen, world_size=8,
+                          micro_batch=4, seq_len=2048)
+    used = estimate_memory(from_hf_config(KNOWN_MODELS["meta-llama/Llama-3.1-8B"]), setup)
+    assert used.total <= catalog.find("A100-80GB").gpu.memory_bytes * (1 - HEADROOM)
+
+
+def test_auto_keeps_the_simple_rules_without_a_config_or_gpu_type():
+    unknown = job(model={"uri": "hf://someone/unknown"}, method={"type": "full"},
+                  resources={"gpusPerNode": 8, "gpuType": "H100"})
+    assert resolve_strategy(unknown) == "fsdp"
+    no_gpu_type = job(model={"uri": "hf://meta-llama/Llama-3.2-1B"}, method={"type": "full"},
+                      resources={"gpusPerNode": 8})
+    assert resolve_strategy(no_gpu_type) == "fsdp"
+    assert resolve_strategy(job(strategy={"type": "zero2"})) == "zero2"
+    assert resolve_strategy(job(strategy={"offload": "cpu"})) == "zero3"
+
+
+# --- verdicts ----------------------------------------------------------------------------
+
+def test_a_job_that_fits_says_how_much_it_uses():
+    j = job(model={"uri": "hf://meta-llama/Llama-3.1-8B"},
+            resources={"gpusPerNode": 1, "gpuType": "A100-80GB"})
+    result = plan_job(j, LLAMA_8B, "ddp")
+    assert result.fits is True and result.verdict == "fits"
+    assert result.per_gpu_bytes == sum(result.breakdown.values())
+    assert set(result.breakdown) == {"weights", "gradients", "optimizerStates", "activations",
+                                     "temporaryBuffers", "cudaContext"}
+    assert "of 80.0 GiB per GPU" in result.reason
+    data = result.to_dict()
+    assert {"fits", "perGpuBytes", "breakdown", "recommendation"} <= set(data)
+
+
+def test_a_job_that_does_not_fit_names_a_setup_that_does():
+    j = job(model={"uri": "hf://meta-llama/Llama-3.1-8B"}, method={"type": "full"},
+            strategy={"type": "ddp"},
+            resources={"gpusPerNode": 8, "gpuType": "Standard_ND96amsr_A100_v4"})
+    result = plan_job(j, LLAMA_8B, "ddp")
+    assert result.fits is False and result.verdict == "does-not-fit"
+    mine = result.recommendation.on_requested_gpu
+    assert mine is not None and mine.strategy != "ddp"
+    assert f"fits as strategy {mine.strategy}" in result.reason
+
+
+@pytest.mark.parametrize(("spec", "model", "why"), [
+    ({"model": {"uri": "hf://someone/unknown"}}, None, "no config.json for hf://someone/unknown"),
+    ({"resources": {"gpusPerNode": 1}}, LLAMA_8B, "gpuType is not set"),
+    ({"resources": {"gpusPerNode": 1, "gpuType": "MI300X"}}, LLAMA_8B, "not in the planner"),
+    ({"resources": {"gpusPerNode": 0}}, LLAMA_8B, "CPU workers"),
+    ({}, ModelConfig(config={"model_type": "bert"}, source="x"), "no vocab_size"),
+])
+def test_unknown_verdicts_say_why(spec, model, why):
+    result = plan_job(job(**spec), model, "ddp")
+    assert result.fits is None and result.verdict == "unknown"
+    assert why in result.reason
+
+
+def test_bf16_on_a_gpu_without_it_is_planned_in_fp16_with_a_note():
+    j = job(model={"uri": "hf://meta-llama/Llama-3.1-8B"}, method={"type": "qlora"},
+            resources={"gpusPerNode": 1, "gpuType": "T4"})
+    result = plan_job(j, LLAMA_8B, "ddp")
+    assert result.precision == "fp16"
+    assert any("no bf16" in note for note in result.notes)
+
+
+def test_the_recommendation_is_the_cheapest_fit_per_token():
+    shape = from_hf_config(KNOWN_MODELS["meta-llama/Llama-3.1-70B"])
+    j = job(model={"uri": "hf://meta-llama/Llama-3.1-70B"}, method={"type": "full"},
+            resources={"gpusPerNode": 8, "gpuType": "H100"})
+    rec = recommend(shape, j)
+    best = rec.best
+    assert best is not None and best.per_gpu_bytes <= best.gpu_memory_bytes * (1 - HEADROOM)
+    assert all(best.cost_per_million_tokens <= o.cost_per_million_tokens
+               for o in rec.alternatives)
+    assert best.vm_size in rec.why and "cheapest" in rec.why
+
+
+def test_nothing_fits_is_said_plainly():
+    shape = from_hf_config({**KNOWN_MODELS["meta-llama/Llama-3.1-70B"], "vocab_size": 10**8})
+    j = job(method={"type": "full"}, resources={"gpusPerNode": 8, "gpuType": "H100"},
+            dataset={"uri": "pvc://d/x.jsonl", "maxSeqLength": 131072})
+    rec = recommend(shape, j)
+    assert rec.best is None and "nothing in the catalog fits" in rec.why
+
+
+def test_validate_warns_about_a_gpu_type_the_planner_does_not_know():
+    _, problems = check_document(minimal_job(resources={"gpuType": "MI300X"}))
+    assert [(p.path, p.severity) for p in problems] == [("spec.resources.gpuType", "warning")]
+    assert "memory check before launch is skipped" in problems[0].message
+
+
+def test_finetune_run_warns_where_the_operator_would_refuse():
+    from finetune_operator import local
+    from finetune_operator.planner.sources import from_table
+
+    spec = {"model": {"uri": "hf://meta-llama/Llama-3.1-70B"}, "method": {"type": "full"},
+            "strategy": {"type": "ddp"}, "resources": {"gpusPerNode": 1, "gpuType": "A100-80GB"}}
+    model = from_table(spec["model"]["uri"])
+    warning = local.feasibility_warning(job(**spec), model)
+    assert warning.startswith("warning: spec.resources.gpuType: predicted not to fit")
+    assert "the operator would not launch this job" in warning
+    skipped = {**spec, "resources": {**spec["resources"], "skipFeasibilityCheck": True}}
+    assert local.feasibility_warning(job(**skipped), model) is None
+    small = {**spec, "model": {"uri": "hf://Qwen/Qwen2.5-0.5B"}}
+    assert local.feasibility_warning(job(**small), from_table(small["model"]["uri"])) is None

@@ -2,7 +2,8 @@
 # `make kind-e2e`: a real cluster end to end. Creates a kind cluster, builds and loads the
 # operator and CPU trainer images, installs the chart, applies examples/06-kind-e2e.yaml
 # (2 worker pods), waits for Succeeded, checks the exported adapter and the events,
-# deletes the job and removes the cluster. Needs Docker, kind, kubectl and helm.
+# runs the operator scenarios against the cluster, deletes the job and removes the cluster.
+# Needs Docker, kind, kubectl and helm.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${1:-.venv/bin}
@@ -51,6 +52,11 @@ kubectl run e2e-reader --image=finetune-trainer:e2e --image-pull-policy=Never --
   "command":["ls","/out/kind-e2e/final/adapter_model.safetensors"],
   "volumeMounts":[{"name":"out","mountPath":"/out"}]}]}}'
 kubectl wait pod/e2e-reader --for=jsonpath='{.status.phase}'=Succeeded --timeout=5m
+
+# the operator scenarios of tests/operator, now on this real cluster: real worker pods,
+# faults made through the exec and eviction APIs, the operator's pod deleted mid-job
+KUBECONFIG=${KUBECONFIG:-$HOME/.kube/config} FINETUNE_E2E_NAMESPACE=default \
+  "$BIN/pytest" tests/operator/test_scenarios.py -k kubeconfig -q -p no:cacheprovider
 
 kubectl delete ftj kind-e2e --wait --timeout=5m
 if kubectl get job kind-e2e >/dev/null 2>&1; then echo "the worker Job outlived its FineTuneJob"; exit 1; fi

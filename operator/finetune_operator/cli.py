@@ -18,10 +18,11 @@ from finetune_operator.validation import check_document
 EXIT_INVALID = 2
 
 
-def _jobs_in(paths: tuple[str, ...], local: bool = False
+def _jobs_in(paths: tuple[str, ...], local: bool = False, backend: str | None = None
              ) -> tuple[list[tuple[Document, FineTuneJob]], int]:
     """Check every FineTuneJob in `paths`, printing problems; returns the valid jobs and
-    the number of invalid documents. `local`: for `finetune run`, not a cluster."""
+    the number of invalid documents. `local`: for `finetune run`, not a cluster.
+    `backend`: check them as if `spec.backend` said so (`render --backend`)."""
     valid: list[tuple[Document, FineTuneJob]] = []
     invalid = 0
     for path in paths:
@@ -38,6 +39,8 @@ def _jobs_in(paths: tuple[str, ...], local: bool = False
                            err=True)
                 continue
             jobs_here += 1
+            if backend and isinstance(doc.data, dict) and isinstance(doc.data.get("spec"), dict):
+                doc.data["spec"]["backend"] = backend
             job, problems = check_document(doc.data)
             problems = [p for p in problems if not (local and p.cluster_only)]
             errors = [p for p in problems if p.severity == "error"]
@@ -73,6 +76,7 @@ def main() -> None:
     \b
       finetune validate job.yaml      check a manifest, every problem at once
       finetune render job.yaml        print the objects the operator would create
+      finetune plan job.yaml          per-GPU memory, step time, the cheapest GPUs that fit
       finetune run job.yaml           train it on this machine (CPU or local GPUs)
       finetune operator               run the controller (in-cluster, or via KUBECONFIG)
     """
@@ -97,11 +101,18 @@ def validate(files: tuple[str, ...]) -> None:
 @click.argument("file", metavar="FILE")
 @click.option("-o", "--output", type=click.Choice(["yaml", "json"]), default="yaml",
               show_default=True, help="Output format.")
-def render_command(file: str, output: str) -> None:
-    """Print the objects the operator would create for a FineTuneJob, without a cluster."""
+@click.option("--backend", default=None, metavar="NAME",
+              help="Render for this backend instead of the manifest's spec.backend.")
+def render_command(file: str, output: str, backend: str | None) -> None:
+    """Print the objects the operator would create for a FineTuneJob, without a cluster.
+
+    \b
+    kubernetes: the ConfigMap, headless Service and Indexed Job
+    azureml:    the command job YAML, for `az ml job create --file`
+    """
     from finetune_operator.render import backend_problems
 
-    valid, invalid = _jobs_in((file,))
+    valid, invalid = _jobs_in((file,), backend=backend)
     refused = [(doc, p) for doc, job in valid for p in backend_problems(job)]
     for doc, problem in refused:
         click.echo(f"{doc.source}: {problem}", err=True)
@@ -113,6 +124,47 @@ def render_command(file: str, output: str) -> None:
                               {"apiVersion": "v1", "kind": "List", "items": objects}, indent=2))
     else:
         click.echo(yamlio.dump_all(objects).rstrip())
+
+
+@main.command(name="plan")
+@click.argument("file", metavar="FILE")
+@click.option("--gpu-type", default=None, metavar="T",
+              help="Plan for this GPU or Azure VM size instead of spec.resources.gpuType.")
+@click.option("-o", "--output", type=click.Choice(["table", "json"]), default="table",
+              show_default=True, help="Output format.")
+@click.option("--offline", is_flag=True,
+              help="Do not fetch config.json from the hub; use local paths and the "
+                   "built-in table only.")
+def plan_command(file: str, gpu_type: str | None, output: str, offline: bool) -> None:
+    """Predict per-GPU memory and step time of a FineTuneJob, and the cheapest fit.
+
+    Reads only the model's config.json (a local folder, the hub, or a built-in table of
+    well-known models). Exits 0 when the job fits or the planner cannot tell, 1 when it
+    is predicted not to fit, 2 when the manifest is invalid.
+    """
+    from finetune_operator import planner
+    from finetune_operator.planner import render as plan_render
+
+    valid, invalid = _jobs_in((file,), local=True)
+    if invalid or len(valid) != 1:
+        if not invalid:
+            click.echo(f"{file}: holds {len(valid)} FineTuneJobs — `finetune plan` takes one",
+                       err=True)
+        sys.exit(EXIT_INVALID)
+    _, job = valid[0]
+    if gpu_type:
+        job = job.model_copy(deep=True)
+        job.spec.resources.gpu_type = gpu_type
+    base_dir = Path.cwd() if file == "-" else Path(file).resolve().parent
+    configs = planner.ModelConfigs(fetch=None if offline else planner.fetch_from_hub,
+                                   base_dir=base_dir)
+    model = configs.resolve(job.spec.model.uri, job.spec.model.revision)
+    result = plan_render.plan_with_notes(job, model)
+    if output == "json":
+        click.echo(json.dumps(result.to_dict(), indent=2))
+    else:
+        click.echo(plan_render.table(job, result))
+    sys.exit(1 if result.fits is False else 0)
 
 
 @main.command(name="run")
@@ -139,8 +191,9 @@ def run_command(file: str, nproc: int | None) -> None:
         sys.exit(EXIT_INVALID)
     doc, job = valid[0]
     base_dir = Path.cwd() if file == "-" else Path(file).resolve().parent
+    model = local.model_config(job, base_dir)
     try:
-        config = local.local_config(job, base_dir)
+        config = local.local_config(job, base_dir, model)
     except InvalidJobError as error:
         for problem in error.problems:
             click.echo(f"{doc.source}: {problem}", err=True)
@@ -149,6 +202,8 @@ def run_command(file: str, nproc: int | None) -> None:
     config_path = local.write_config(config, output_dir)
     processes = nproc or local.default_processes(job)
     click.echo(f"{doc.source}: {_summary(job)}")
+    if warning := local.feasibility_warning(job, model):
+        click.echo(f"{doc.source}: {warning}", err=True)
     click.echo(f"trainer config: {config_path}")
     if subprocess.run(local.preflight_command(config_path), check=False).returncode != 0:
         sys.exit(EXIT_INVALID)
@@ -173,12 +228,19 @@ def run_command(file: str, nproc: int | None) -> None:
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
 @click.option("--metrics-port", type=int, default=8080, show_default=True,
-              help="Port of /healthz (and, later, /metrics).")
+              help="Port of the operator's Prometheus /metrics.")
+@click.option("--health-port", type=int, default=8081, show_default=True,
+              help="Port of /healthz (the liveness probe).")
 @click.option("--interval", type=float, default=10.0, show_default=True,
               help="Seconds between looks at each job's workers.")
+@click.option("--peering", metavar="NAME", default=None,
+              help="Run as one of several replicas: the kopf peering object NAME elects the "
+                   "one that acts; the others stand by (the chart sets this when replicas > 1).")
 @click.option("--server", default=None, hidden=True, help="API server URL (tests).")
 def operator_command(all_namespaces: bool, namespaces: tuple[str, ...], log_level: str,
-                     metrics_port: int, interval: float, server: str | None) -> None:
+                     metrics_port: int, health_port: int, interval: float,
+                     peering: str | None,
+                     server: str | None) -> None:
     """Run the controller: watches FineTuneJobs and runs them on their backend.
 
     Connects as kubectl does: the in-cluster service account, else KUBECONFIG. Worker
@@ -187,7 +249,7 @@ def operator_command(all_namespaces: bool, namespaces: tuple[str, ...], log_leve
     import asyncio
     import logging
 
-    from finetune_operator import controller, kube
+    from finetune_operator import controller, kube, planner
     from finetune_operator.settings import OperatorSettings
 
     if all_namespaces and namespaces:
@@ -196,8 +258,12 @@ def operator_command(all_namespaces: bool, namespaces: tuple[str, ...], log_leve
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     runtime = controller.Runtime.build(kube.Kube(kube.connect(server)),
                                        OperatorSettings.from_env(), interval=interval)
-    asyncio.run(controller.run(runtime, namespaces=namespaces, liveness_port=metrics_port,
-                               server=server))
+    # the planner reads config.json from the hub (HF_HUB_OFFLINE=1 turns that off)
+    runtime.model_configs = planner.ModelConfigs(fetch=planner.fetch_from_hub)
+    runtime.metrics.serve(metrics_port)
+    asyncio.run(controller.run(runtime, namespaces=namespaces, liveness_port=health_port,
+                               server=server,
+                               peering=controller.Peering(peering) if peering else None))
 
 
 if __name__ == "__main__":

@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 import kopf
 
 from finetune_operator.api import API_GROUP, PLURAL, VERSION, FineTuneJob
-from finetune_operator.backends import Backend, BackendContext, load_backends
+from finetune_operator.backends import Backend, BackendContext, BackendError, load_backends
 from finetune_operator.kube import Kube, KubeError
-from finetune_operator.reconcile import Action, Observation, reconcile
+from finetune_operator.metrics import RESTART_CAUSES, OperatorMetrics
+from finetune_operator.planner import ModelConfigs, plan_job, resolve_strategy
+from finetune_operator.reconcile import Action, Feasibility, Observation, reconcile
 from finetune_operator.settings import OperatorSettings
 from finetune_operator.validation import check_document
 
@@ -35,12 +38,17 @@ class Runtime:
     kube: Kube
     interval: float = 10.0
     """Seconds between looks at a job's workers (status, progress, deadlines, stalls)."""
+    metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
+    model_configs: ModelConfigs = field(default_factory=ModelConfigs)
+    """Where the planner finds a model's config.json (offline unless given a hub fetch)."""
 
     @classmethod
     def build(cls, kube: Kube, settings: OperatorSettings, interval: float = 10.0,
               progress_port: int | None = None) -> Runtime:
         context = BackendContext(settings=settings, kube=kube, progress_port=progress_port)
-        return cls(backends=load_backends(context), kube=kube, interval=interval)
+        backends = load_backends(context)
+        return cls(backends=backends, kube=kube, interval=interval,
+                   metrics=OperatorMetrics(backends=set(backends)))
 
 
 async def act(runtime: Runtime, backend: Backend, job: FineTuneJob, action: Action) -> None:
@@ -72,6 +80,20 @@ def _problems(runtime: Runtime, body: dict[str, Any]
     return job, backend, errors
 
 
+async def feasibility(runtime: Runtime, job: FineTuneJob, problems: list[str]
+                      ) -> Feasibility | None:
+    """The planner's verdict before the first launch (None after it, or for invalid jobs).
+    Reading the model's config may touch the network, so it runs off the event loop."""
+    if problems or (job.status is not None and job.status.launched_spec):
+        return None
+    def plan() -> Feasibility:
+        model = runtime.model_configs.resolve(job.spec.model.uri, job.spec.model.revision)
+        verdict = plan_job(job, model, resolve_strategy(job), search_catalog=False)
+        return Feasibility(fits=verdict.fits, message=verdict.reason)
+
+    return await asyncio.to_thread(plan)
+
+
 def _status_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """A merge patch from `old` to `new` (None removes a field)."""
     patch: dict[str, Any] = {k: v for k, v in new.items() if old.get(k) != v}
@@ -85,25 +107,53 @@ async def reconcile_body(runtime: Runtime, body: kopf.Body, patch: kopf.Patch) -
     if job is None:  # the CRD's schema should have stopped this; say why and do nothing
         patch.status.update({"phase": "Failed", "message": "; ".join(problems)})
         return
-    seen = Observation() if problems or backend is None else await backend.observe(job)
-    decision = reconcile(job, seen, now, problems)
-    for action in decision.actions:
-        logger.info("%s/%s: %s %s", job.namespace, job.name, action.kind, action.reason)
-        assert backend is not None  # no action is decided for a job without one
-        await act(runtime, backend, job, action)
+    metrics, operation = runtime.metrics, "observe"
+    try:
+        seen = Observation() if problems or backend is None else await backend.observe(job)
+        decision = reconcile(job, seen, now, problems, await feasibility(runtime, job, problems))
+        for action in decision.actions:
+            logger.info("%s/%s: %s %s", job.namespace, job.name, action.kind, action.reason)
+            assert backend is not None  # no action is decided for a job without one
+            operation = action.kind
+            await act(runtime, backend, job, action)
+            if action.kind == "delete-workload" and action.reason in RESTART_CAUSES:
+                metrics.restarted(job.spec.backend, action.reason)
+    except (KubeError, BackendError):
+        metrics.backend_errors.labels(job.spec.backend, operation).inc()
+        raise
     for event in decision.events:
         kopf.event(body, type=event.type, reason=event.reason, message=event.message)
-    changes = _status_patch(dict(body.get("status") or {}), decision.status.to_dict())
+    old, new = dict(body.get("status") or {}), decision.status.to_dict()
+    changes = _status_patch(old, new)
     if changes:
         patch.status.update(changes)
+    created = (body.get("metadata") or {}).get("creationTimestamp")
+    metrics.job_seen(job.namespace, job.name, job.spec.backend, old, new,
+                     datetime.fromisoformat(created) if created else None, now)
 
 
 # --- registration --------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class Peering:
+    """Several operator replicas, one acting: kopf's peering object elects the replica with
+    the highest priority; the others stand by and take over when its record expires."""
+
+    name: str
+    priority: int = 0
+    """0 draws one at random: kopf freezes every replica when two share a priority."""
+    lifetime: int = 60
+    """Seconds a replica's record lasts without a refresh: how long a takeover can take."""
+    identity: str | None = None
+    """Who this replica is in the peering object (kopf derives it from the pod by default)."""
+
+
 async def run(runtime: Runtime, *, namespaces: tuple[str, ...] = (),
               liveness_port: int | None = None, stop_flag: Any = None, ready_flag: Any = None,
-              server: str | None = None, spare: Collection[asyncio.Task] | None = None) -> None:
-    """Run the operator until `stop_flag` (or a signal): every namespace when none is given.
+              server: str | None = None, spare: Collection[asyncio.Task] | None = None,
+              peering: Peering | None = None) -> None:
+    """Run the operator until `stop_flag` (or a signal): every namespace when none is given;
+    standalone unless `peering` is given.
 
     When it stops, kopf cancels the tasks that appeared while it ran, except `spare`
     (by default: the tasks that existed before it started).
@@ -114,9 +164,29 @@ async def run(runtime: Runtime, *, namespaces: tuple[str, ...] = (),
         @kopf.on.login(registry=registry)
         def login(**_: Any) -> kopf.ConnectionInfo:
             return kopf.ConnectionInfo(server=server)
+    if peering is not None:
+        priority = peering.priority or random.SystemRandom().randint(1, 2**31 - 1)
+        logger.info("peering through %r with priority %d", peering.name, priority)
+
+        @kopf.on.startup(registry=registry)
+        async def peer(settings: kopf.OperatorSettings, **_: Any) -> None:
+            settings.peering.mandatory = True
+            settings.peering.lifetime = peering.lifetime
+            # kopf would wait, idle and silent, for an object nobody creates: say so instead
+            missing = await runtime.kube.peering_missing(peering.name, namespaces)
+            if missing:
+                kind = "KopfPeering" if namespaces else "ClusterKopfPeering"
+                raise kopf.PermanentError(
+                    f"--peering {peering.name}: no {kind} {peering.name!r} "
+                    f"({', '.join(missing)}); create it (the Helm chart does when replicas > "
+                    "1), or run a single replica without --peering")
     spare = set(asyncio.all_tasks()) if spare is None else spare
     tasks = await kopf.spawn_tasks(
-        registry=registry, standalone=True, clusterwide=not namespaces, namespaces=namespaces,
+        registry=registry, standalone=peering is None, clusterwide=not namespaces,
+        namespaces=namespaces,
+        peering_name=peering.name if peering else None,
+        priority=priority if peering else None,
+        identity=peering.identity if peering else None,  # a NewType of str in kopf
         liveness_endpoint=f"http://0.0.0.0:{liveness_port}/healthz" if liveness_port else None,
         stop_flag=stop_flag, ready_flag=ready_flag)
     await kopf.run_tasks(tasks, ignored=spare)
@@ -136,10 +206,14 @@ def register(registry: kopf.OperatorRegistry, runtime: Runtime) -> None:
 
     async def handle(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
         try:
-            await reconcile_body(runtime, body, patch)
+            backend = (body.get("spec") or {}).get("backend", "kubernetes")
+            with runtime.metrics.reconcile_seconds.labels(backend).time():
+                await reconcile_body(runtime, body, patch)
         except KubeError as error:
             raise kopf.TemporaryError(f"the API server refused a call ({error}); retrying",
                                       delay=10) from error
+        except BackendError as error:
+            raise kopf.TemporaryError(str(error), delay=error.retry_after) from error
 
     kopf.on.resume(**on, id="reconcile-resumed")(handle)
     kopf.on.create(**on, id="reconcile-created")(handle)
@@ -156,3 +230,7 @@ def register(registry: kopf.OperatorRegistry, runtime: Runtime) -> None:
         except KubeError as error:
             raise kopf.TemporaryError(f"deleting the workers failed ({error}); retrying",
                                       delay=10) from error
+        except BackendError as error:
+            raise kopf.TemporaryError(f"stopping the workers failed: {error}",
+                                      delay=error.retry_after) from error
+        runtime.metrics.job_gone(job.namespace, job.name)

@@ -109,3 +109,19 @@ class Kube:
         except ApiException as error:
             if error.status != 404:
                 raise KubeError(f"delete FineTuneJob {name}", error) from error
+
+    async def peering_missing(self, name: str, namespaces: tuple[str, ...]) -> list[str]:
+        """Where kopf's peering object `name` does not exist: "cluster-wide" or namespaces."""
+        lookups = ([("cluster-wide", self.custom.get_cluster_custom_object,
+                     ("kopf.dev", "v1", "clusterkopfpeerings", name))] if not namespaces else
+                   [(ns, self.custom.get_namespaced_custom_object,
+                     ("kopf.dev", "v1", ns, "kopfpeerings", name)) for ns in namespaces])
+        missing = []
+        for where, read, args in lookups:
+            try:
+                await asyncio.to_thread(read, *args)
+            except ApiException as error:
+                if error.status != 404:
+                    raise KubeError(f"get the peering object {name} ({where})", error) from error
+                missing.append(where)
+        return missing

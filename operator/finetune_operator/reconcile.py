@@ -16,6 +16,7 @@ from typing import Literal
 
 from finetune_operator.api import (
     TERMINAL_PHASES,
+    BackendRef,
     Condition,
     FineTuneJob,
     FineTuneJobStatus,
@@ -55,6 +56,27 @@ class Observation:
     """Why workers are not running yet, in the pod's own words (ImagePullBackOff: ...)."""
     progress: Progress | None = None
     """Rank 0's latest progress record, if it could be read."""
+    queued: str | None = None
+    """The backend holds the workload in its own queue, waiting for capacity (Azure ML
+    `Queued`): phase Queued; the startup deadline counts from when it leaves."""
+    degraded: str | None = None
+    """The backend reports trouble that may pass (Azure ML `NotResponding`): a `Degraded`
+    condition, nothing else changes."""
+    unreachable: str | None = None
+    """The backend could not be asked (identity refused, throttled, outage), so nothing is
+    known: a `Degraded` condition saying what to fix, and no decision until it answers."""
+    backend_ref: BackendRef | None = None
+    """The backend's own object for the current attempt (name, UI link), for the status."""
+
+
+@dataclass(frozen=True)
+class Feasibility:
+    """The planner's verdict on the GPUs the job asks for (see finetune_operator.planner)."""
+
+    fits: bool | None
+    """None: unknown (no model config, no known gpuType): the job launches."""
+    message: str
+    """The per-GPU breakdown and, when it does not fit, what would."""
 
 
 ActionKind = Literal["launch", "delete-workload", "suspend", "resume", "delete-job"]
@@ -91,10 +113,11 @@ def spec_fingerprint(job: FineTuneJob) -> dict[str, str]:
     return out
 
 
-def set_condition(status: FineTuneJobStatus, type_: str, value: bool, reason: str,
+def set_condition(status: FineTuneJobStatus, type_: str, value: bool | None, reason: str,
                   message: str, now: datetime, generation: int | None) -> None:
-    """Add or update a condition; its transition time moves only when its status does."""
-    text = "True" if value else "False"
+    """Add or update a condition (None: Unknown); its transition time moves only when its
+    status does."""
+    text = "Unknown" if value is None else "True" if value else "False"
     for condition in status.conditions:
         if condition.type == type_:
             if condition.status != text:
@@ -127,7 +150,7 @@ class _Builder:
         self.status.phase = phase  # type: ignore[assignment]
         self.status.message = message
 
-    def cond(self, type_: str, value: bool, reason: str, message: str = "") -> None:
+    def cond(self, type_: str, value: bool | None, reason: str, message: str = "") -> None:
         set_condition(self.status, type_, value, reason, message, self.now, self.generation)
 
     def act(self, kind: ActionKind, reason: str = "") -> None:
@@ -164,9 +187,11 @@ def _merge_progress(b: _Builder, seen: Progress | None) -> None:
 
 
 def reconcile(job: FineTuneJob, seen: Observation, now: datetime,
-              problems: list[str] | None = None) -> Decision:
+              problems: list[str] | None = None,
+              feasibility: Feasibility | None = None) -> Decision:
     """Decide what to do about `job`. `problems` are validation errors found by the caller
-    (the API's rules and the backend's own), each `path: what — fix`."""
+    (the API's rules and the backend's own), each `path: what — fix`. `feasibility` is the
+    planner's verdict, computed by the caller before the first launch."""
     b = _Builder(job, now)
     status, policy = b.status, job.spec.run_policy
     status.observed_generation = b.generation
@@ -189,6 +214,8 @@ def reconcile(job: FineTuneJob, seen: Observation, now: datetime,
                           stop_workload=False)
         return b.decision  # keep running what was launched; the condition says why
     b.cond("Validated", True, "Valid", "")
+    if feasibility is not None and not status.launched_spec and not _feasible(b, feasibility):
+        return b.decision
     fingerprint = spec_fingerprint(job)
     if status.launched_spec:
         changed = sorted(k for k in set(fingerprint) | set(status.launched_spec)
@@ -201,6 +228,20 @@ def reconcile(job: FineTuneJob, seen: Observation, now: datetime,
                    "delete and re-create the job to start over")
         elif condition(status, "SpecChangeRefused"):
             b.cond("SpecChangeRefused", False, "SpecMatchesLaunch", "")
+
+    # what the backend says about itself: its object, and whether it can be trusted now
+    if seen.backend_ref is not None:
+        status.backend_ref = seen.backend_ref
+    if seen.unreachable:
+        _degraded(b, "BackendUnreachable", seen.unreachable)
+        status.phase = status.phase or "Pending"
+        status.message = f"cannot reach the backend: {seen.unreachable}"
+        b.requeue(60)
+        return b.decision
+    if seen.degraded:
+        _degraded(b, "BackendDegraded", seen.degraded)
+    elif (degraded := condition(status, "Degraded")) and degraded.status == "True":
+        b.cond("Degraded", False, "Recovered", "")
 
     # 2. deadlines that end the job whatever the workers do
     if policy.active_deadline_seconds and status.start_time and _seconds_since(
@@ -260,6 +301,12 @@ def reconcile(job: FineTuneJob, seen: Observation, now: datetime,
     if seen.failure is not None:
         return _restart_or_fail(b, seen.failure)
 
+    if seen.queued:  # the backend's own queue (Azure ML waiting for compute)
+        b.cond("Admitted", False, "WaitingForCapacity", seen.queued)
+        b.phase("Queued", seen.queued)
+        status.launch_time = now  # the startup deadline counts from leaving the queue
+        b.requeue(15)
+        return b.decision
     if seen.suspended:  # created suspended for Kueue, not yet admitted
         b.cond("Admitted", False, "WaitingForQueue",
                f"waiting for Kueue to admit the job from queue {job.spec.kubernetes.queue_name}"
@@ -268,7 +315,7 @@ def reconcile(job: FineTuneJob, seen: Observation, now: datetime,
         status.launch_time = now  # the startup deadline counts from admission
         b.requeue(15)
         return b.decision
-    if _queued(job):
+    if _queued(job) or condition(status, "Admitted"):
         b.cond("Admitted", True, "Admitted", "")
 
     if seen.running or seen.progress is not None:
@@ -289,6 +336,36 @@ def reconcile(job: FineTuneJob, seen: Observation, now: datetime,
         status.message = f"waiting for workers: {seen.waiting}"
     b.requeue(min(10.0, max(1.0, deadline - waited)) if deadline else 10.0)
     return b.decision
+
+
+def _degraded(b: _Builder, reason: str, message: str) -> None:
+    before = condition(b.status, "Degraded")
+    if before is None or before.status != "True" or before.message != message:
+        b.event("Warning", "Degraded", message)
+    b.cond("Degraded", True, reason, message)
+
+
+def _feasible(b: _Builder, plan: Feasibility) -> bool:
+    """Record the planner's verdict; False when the job must not launch."""
+    if plan.fits is None:
+        b.cond("Feasible", None, "Unknown", plan.message)
+        return True
+    if plan.fits:
+        b.cond("Feasible", True, "Fits", plan.message)
+        return True
+    if b.job.spec.resources.skip_feasibility_check:
+        b.cond("Feasible", False, "CheckSkipped", f"{plan.message}; launched anyway because "
+               "spec.resources.skipFeasibilityCheck is true")
+        return True
+    before = condition(b.status, "Feasible")
+    message = (f"{plan.message}. Change the spec as suggested (or another gpuType), or set "
+               "spec.resources.skipFeasibilityCheck: true to launch anyway")
+    if before is None or before.status != "False" or before.message != message:
+        b.event("Warning", "Infeasible", message)
+    b.cond("Feasible", False, "DoesNotFit", message)
+    b.status.phase = "Pending"
+    b.status.message = "not launched: predicted not to fit in GPU memory (see Feasible)"
+    return False
 
 
 def _queued(job: FineTuneJob) -> bool:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 
 import pytest
 import pytest_asyncio
@@ -15,6 +14,14 @@ from finetune_operator.kube import Kube, connect
 from finetune_operator.settings import OperatorSettings
 from finetune_trainer.progress import ProgressServer
 from tests.operator.emulator import ApiServer, Kubelet
+from tests.operator.testbed import (
+    REAL_CLUSTER_ENV,
+    REAL_CLUSTER_SKIP,
+    EmulatedTestbed,
+    RealTestbed,
+    Testbed,
+)
+from tests.operator.testbed import eventually as eventually  # re-exported
 
 
 @pytest.fixture()
@@ -56,8 +63,10 @@ class NotKopfs(Collection):
 class Operator:
     """Starts and stops the real controller; a test may kill and restart it."""
 
-    def __init__(self, cluster: ApiServer, rank0: ProgressServer):
+    def __init__(self, cluster: ApiServer, rank0: ProgressServer,
+                 peering: controller.Peering | None = None):
         self.server = str(cluster.url).rstrip("/")
+        self.peering = peering
         self.runtime = controller.Runtime.build(Kube(connect(self.server)), OperatorSettings(),
                                                 interval=0.3, progress_port=rank0.port)
         self.task: asyncio.Task | None = None
@@ -67,7 +76,7 @@ class Operator:
         self.stop_flag, ready = asyncio.Event(), asyncio.Event()
         self.task = asyncio.create_task(controller.run(
             self.runtime, server=self.server, stop_flag=self.stop_flag, ready_flag=ready,
-            spare=NotKopfs()))
+            spare=NotKopfs(), peering=self.peering))
         await asyncio.wait_for(ready.wait(), timeout=20)
 
     async def stop(self) -> None:
@@ -93,14 +102,24 @@ async def operator(cluster: ApiServer, kubelet: Kubelet, rank0: ProgressServer):
     await running.stop()
 
 
-async def eventually(check: Callable[[], object], timeout: float = 20.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    last_error: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            if check():
-                return
-        except (KeyError, StopIteration, TypeError, AssertionError) as error:
-            last_error = error
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"not within {timeout}s: {what or check}; last error: {last_error!r}")
+@pytest_asyncio.fixture()
+async def emulated_testbed(cluster: ApiServer, kubelet: Kubelet, operator: Operator,
+                           rank0: ProgressServer) -> EmulatedTestbed:
+    return EmulatedTestbed(cluster, kubelet, operator, rank0)
+
+
+@pytest_asyncio.fixture()
+async def real_testbed():
+    if not all(os.environ.get(name) for name in REAL_CLUSTER_ENV):
+        pytest.skip(REAL_CLUSTER_SKIP)
+    real = await RealTestbed.connect()
+    await real.start()
+    yield real
+    await real.clean()
+
+
+@pytest.fixture(params=["emulator", "kubeconfig"])
+def testbed(request: pytest.FixtureRequest) -> Testbed:
+    """The scenarios' world: the emulator always; a real cluster when one is chosen."""
+    name = "emulated_testbed" if request.param == "emulator" else "real_testbed"
+    return request.getfixturevalue(name)

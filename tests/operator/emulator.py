@@ -34,7 +34,11 @@ RESOURCES = [  # (group/version/plural, kind, namespaced, subresources)
     ("v1/namespaces", "Namespace", False, set()),
     ("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", False,
      {"status"}),
+    ("kopf.dev/v1/clusterkopfpeerings", "ClusterKopfPeering", False, set()),
+    ("kopf.dev/v1/kopfpeerings", "KopfPeering", True, set()),
 ]
+
+KINDS = {path: kind for path, kind, _namespaced, _subresources in RESOURCES}
 
 
 class _Revisions:
@@ -123,6 +127,11 @@ class ApiServer(kmock.KubernetesEmulator):
         version = str(_Revisions.last)
         result = await super()._serve_list(request)
         result["metadata"]["resourceVersion"] = version
+        resource = request.resource  # kind and apiVersion, as clients that type lists expect
+        group_version = f"{resource.group}/{resource.version}" if resource.group else \
+            resource.version
+        result["apiVersion"] = group_version
+        result["kind"] = KINDS[f"{group_version}/{resource.plural}"] + "List"
         return result
 
     async def _serve_watch(self, request: kmock.Request) -> Any:

@@ -44,18 +44,25 @@ def test_lint_is_clean():
     assert [m for m in report["messages"] if m["severity"] >= 2] == []
 
 
-@pytest.mark.parametrize("values", [None, NON_DEFAULT], ids=["defaults", "non-default"])
+@pytest.mark.parametrize("values", [None, NON_DEFAULT, {**NON_DEFAULT, "replicas": 2}],
+                         ids=["defaults", "non-default", "peering"])
 @pytest.mark.parametrize("version", ["1.30", "1.37"])
 def test_every_object_is_valid_kubernetes(values, version):
     for obj in render(values):
-        if obj["apiVersion"].startswith("monitoring.coreos.com"):
+        if obj["apiVersion"].startswith(("monitoring.coreos.com", "kopf.dev")):
             continue  # a CRD kind the validator has no schema for
         kubernetes_validate.validate(obj, version, strict=True)
 
 
-def test_the_chart_ships_the_generated_crd():
+def test_the_chart_ships_the_generated_crd_and_kopfs_peering_crds():
     chart = helm.Chart.load(str(CHART))
-    assert [c["name"] for c in chart.crds] == ["crds/finetunejobs.finetune.dev.yaml"]
+    assert sorted(c["name"] for c in chart.crds) == [
+        "crds/finetunejobs.finetune.dev.yaml", "crds/kopf-peering.yaml"]
+    peering = list(yaml.safe_load_all((CHART / "crds/kopf-peering.yaml").read_text()))
+    assert sorted(d["spec"]["names"]["kind"] for d in peering) == [
+        "ClusterKopfPeering", "KopfPeering"]
+    for crd in peering:
+        kubernetes_validate.validate(crd, "1.30", strict=True)
 
 
 def _rules(objects):
@@ -116,7 +123,7 @@ def test_values_reach_the_operator_as_its_settings(values, expected):
 
 
 @pytest.mark.parametrize(("values", "message"), [
-    ({"replicas": 2}, "replicas"),
+    ({"replicas": 9}, "replicas"),
     ({"logLevel": "loud"}, "logLevel"),
     ({"imagePullPolicy": "Always"}, "imagePullPolicy"),
     ({"azureWorkloadIdentity": {"clientId": "not-a-guid"}}, "clientId"),
@@ -126,3 +133,33 @@ def test_the_schema_refuses_bad_values(values, message):
     chart = helm.Chart.load(str(CHART))
     with pytest.raises(helm.HelmError, match=message):
         chart.validate_schema(values)
+
+
+@pytest.mark.parametrize("values", [{"replicas": 3}, {**NON_DEFAULT, "replicas": 3}],
+                         ids=["cluster-wide", "namespaced"])
+def test_several_replicas_peer_through_a_peering_object_they_may_patch(values):
+    objects = render(values)
+    deployment = by_kind(objects, "Deployment")[0]
+    assert deployment["spec"]["replicas"] == 3
+    assert deployment["spec"]["strategy"]["type"] == "RollingUpdate"
+    assert "--peering=ft-finetune-operator" in (
+        deployment["spec"]["template"]["spec"]["containers"][0]["args"])
+    namespaced = "watchNamespaces" in values
+    kind, plural = (("KopfPeering", "kopfpeerings") if namespaced else
+                    ("ClusterKopfPeering", "clusterkopfpeerings"))
+    peerings = by_kind(objects, kind)
+    assert {p["metadata"]["name"] for p in peerings} == {"ft-finetune-operator"}
+    assert len(peerings) == (2 if namespaced else 1)  # one per watched namespace
+    patchable = [rule for rule in _rules(objects) if plural in rule["resources"]
+                 and "patch" in rule["verbs"]]
+    assert patchable and all(r["resourceNames"] == ["ft-finetune-operator"] for r in patchable)
+
+
+def test_one_replica_runs_standalone():
+    objects = render()
+    deployment = by_kind(objects, "Deployment")[0]
+    assert deployment["spec"]["strategy"]["type"] == "Recreate"
+    assert not any(a.startswith("--peering") for a in
+                   deployment["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert not by_kind(objects, "ClusterKopfPeering")
+    assert not [r for r in _rules(objects) if r["apiGroups"] == ["kopf.dev"]]

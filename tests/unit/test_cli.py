@@ -102,7 +102,8 @@ def test_render_kubernetes_job_yaml():
 def test_render_json_and_invalid_input():
     result = finetune("render", "-o", "json", str(REPO / "examples/04-azureml-zero3.yaml"))
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout)["model"]["uri"].startswith("azureml://registries/")
+    model = json.loads(result.stdout)["inputs"]["model"]  # the Azure ML command job
+    assert model["path"].startswith("azureml://registries/") and model["type"] == "uri_folder"
     bad = finetune("render", "-", stdin=yaml.safe_dump(minimal_job(backend="slurm")))
     assert bad.returncode == 2
     assert "spec.backend: 'slurm' is not an installed backend" in bad.stderr

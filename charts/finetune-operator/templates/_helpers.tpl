@@ -52,4 +52,13 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
+{{- if and (gt (int .Values.replicas) 1) .Values.watchNamespaces }}
+- apiGroups: ["kopf.dev"]
+  resources: ["kopfpeerings"]
+  verbs: ["list", "watch"]          # kopf watches them all and reads only its own
+- apiGroups: ["kopf.dev"]
+  resources: ["kopfpeerings"]
+  resourceNames: [{{ include "finetune-operator.fullname" . | quote }}]
+  verbs: ["get", "patch"]
+{{- end }}
 {{- end -}}

@@ -1,0 +1,63 @@
+"""Several operator replicas (the chart's `replicas > 1`): kopf peering lets one act, and a
+standby takes over when the acting replica's record expires (its pod died, no goodbye).
+
+The acting replica is played by its record in the peering object: the standby is the real
+operator, and what is tested is that it stays idle while a higher-priority peer lives and
+takes the jobs over once that peer is gone."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+
+import aiohttp
+import pytest
+
+from finetune_operator import controller
+from finetune_operator.controller import Peering
+from tests.operator.conftest import NotKopfs, Operator
+from tests.operator.emulator import ApiServer
+from tests.operator.testbed import EmulatedTestbed
+
+pytestmark = [pytest.mark.kmock(cls=ApiServer), pytest.mark.asyncio, pytest.mark.timeout(120)]
+PEERINGS = "/apis/kopf.dev/v1/clusterkopfpeerings"
+LIFETIME = 4
+
+
+async def test_a_standby_replica_takes_over_when_the_acting_one_dies(cluster, kubelet, rank0):
+    lastseen = datetime.datetime.now(datetime.UTC).isoformat()
+    async with aiohttp.ClientSession(base_url=str(cluster.url)) as session:
+        async with session.post(PEERINGS, json={
+                "apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering",
+                "metadata": {"name": "finetune-operator"},
+                "status": {"replica-a": {"priority": 200, "lifetime": LIFETIME,
+                                         "lastseen": lastseen}}}) as response:
+            assert response.status == 200, await response.text()
+    standby = Operator(cluster, rank0, Peering("finetune-operator", priority=100,
+                                               lifetime=60, identity="replica-b"))
+    await standby.start()
+    testbed = EmulatedTestbed(cluster, kubelet, standby, rank0)
+    try:
+        await testbed.apply(testbed.manifest())
+        await asyncio.sleep(LIFETIME / 2)
+        assert testbed.status() == {}, "the standby acted while a higher-priority peer lived"
+        peers = cluster.get("kopf.dev/v1/clusterkopfpeerings", None, "finetune-operator")
+        assert {"replica-a", "replica-b"} <= set(peers["status"])
+
+        # replica-a sends no keep-alive: once its record expires, replica-b takes over
+        await testbed.until_phase("Running", timeout=LIFETIME * 4)
+        assert testbed.jobs_created("demo") == 1
+    finally:
+        await standby.stop()
+
+
+async def test_without_the_peering_object_a_replica_stops_and_says_why(cluster, rank0):
+    """Otherwise kopf waits, idle and silent, for an object nobody creates."""
+    replica = Operator(cluster, rank0, Peering("finetune-operator", identity="replica-b"))
+    with pytest.raises(Exception, match="handlers failed") as failure:  # kopf's ActivityError
+        await asyncio.wait_for(controller.run(
+            replica.runtime, server=replica.server, spare=NotKopfs(), peering=replica.peering),
+            timeout=20)
+    message = " ".join(str(o.exception) for o in failure.value.outcomes.values())
+    assert "no ClusterKopfPeering 'finetune-operator' (cluster-wide)" in message
+    assert "the Helm chart does when replicas > 1" in message

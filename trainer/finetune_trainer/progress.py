@@ -121,12 +121,15 @@ class Reporter:
 
 
 class ProgressServer:
-    """Rank 0's latest progress record over HTTP (`GET /progress`, `GET /healthz`), on the
-    metrics port: the operator reads it into the FineTuneJob status. A port that cannot
-    be bound costs only this endpoint, never the training run."""
+    """A rank's HTTP endpoint on the metrics port: `GET /metrics` (Prometheus, every rank),
+    `GET /progress` (rank 0's latest record, which the operator reads into the FineTuneJob
+    status) and `GET /healthz`. A port that cannot be bound costs only this endpoint, never
+    the training run."""
 
-    def __init__(self, port: int, host: str = "0.0.0.0"):
+    def __init__(self, port: int, host: str = "0.0.0.0", registry=None):
         self.record: dict | None = None
+        self.registry = registry
+        """Prometheus registry served on /metrics (every rank has one)."""
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -137,6 +140,10 @@ class ProgressServer:
                     self._send(200, json.dumps(server.record).encode(), "application/json")
                 elif self.path == "/progress":
                     self._send(204, b"", "application/json")
+                elif self.path == "/metrics" and server.registry is not None:
+                    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+                    self._send(200, generate_latest(server.registry), CONTENT_TYPE_LATEST)
                 else:
                     self._send(404, b"not found\n", "text/plain")
 

@@ -11,7 +11,9 @@ accumulation, and padding or uneven packing never reweights tokens.
 from __future__ import annotations
 
 import math
+import os
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +30,7 @@ from finetune_trainer.data import (
     resolve_format,
     tokenize_records,
 )
+from finetune_trainer.metrics import TrainerMetrics
 from finetune_trainer.model import inspect_architecture, load_model, load_tokenizer
 from finetune_trainer.progress import ProgressServer, Reporter
 
@@ -216,10 +219,16 @@ def run(config: TrainerConfig, base_dir: Path) -> int:
 
     state = checkpoint.TrainerState(step=0, epoch=0, step_in_epoch=0, tokens_seen=0,
                                     total_steps=steps)
+    metrics = TrainerMetrics(config.job.name, config.job.namespace or "", rank)
+    metrics.total_steps.set(steps)
     if (latest := checkpoint.latest_checkpoint(output_dir)) is not None:
+        started = time.perf_counter()
         state = checkpoint.load(strategy, scheduler, latest)
+        metrics.checkpoint_load.set(time.perf_counter() - started)
         _say(f"resuming from {latest} (step {state.step}/{steps})")
-    server = ProgressServer(config.metrics.port) if rank == 0 and config.metrics.enabled else None
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # one port per process on a node
+    server = (ProgressServer(config.metrics.port + local_rank, registry=metrics.registry)
+              if config.metrics.enabled else None)
     tracker = tracking.from_environment() if rank == 0 else None  # Azure ML Studio charts
     reporter = Reporter(output_dir, steps, state.step, enabled=rank == 0, server=server,
                         tracker=tracker)
@@ -251,12 +260,16 @@ def run(config: TrainerConfig, base_dir: Path) -> int:
             tokens_seen=state.tokens_seen + int(step_tokens), total_steps=steps)
         tokens_window += int(step_tokens)
         reporter.step_done(int(step_tokens))
+        metrics.tokens.inc(local_tokens)
 
         done = state.step == steps
         if state.step % hp.log_every_steps == 0 or done or stopping:
             window_loss = _all_ranks_sum([float(loss_window)], control)[0]
-            reporter.report(state.step, state.step / batches.steps_per_epoch,
-                            window_loss / max(tokens_window, 1), scheduler.get_last_lr()[0])
+            record = reporter.report(state.step, state.step / batches.steps_per_epoch,
+                                     window_loss / max(tokens_window, 1),
+                                     scheduler.get_last_lr()[0])
+            metrics.logged(record.step, steps, record.epoch, record.loss, record.learningRate,
+                           record.tokensPerSecond, device)
             loss_window.zero_()
             tokens_window = 0
         if hp.eval_every_steps and state.step % hp.eval_every_steps == 0 and not done:
@@ -265,8 +278,10 @@ def run(config: TrainerConfig, base_dir: Path) -> int:
             _say(f"eval at step {state.step}: loss {eval_loss:.4f}")
         every = config.output.checkpoint_every_steps
         if done or stopping or (every and state.step % every == 0):
+            started = time.perf_counter()
             where = checkpoint.save(strategy, scheduler, state, output_dir,
                                     config.output.keep_last)
+            metrics.checkpoint_save.observe(time.perf_counter() - started)
             _say(f"checkpoint {where}")
         if stopping:
             _say(f"stopped by SIGTERM after step {state.step}; a restart resumes from the "

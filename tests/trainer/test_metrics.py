@@ -1,0 +1,71 @@
+"""Every rank's /metrics: the series a Prometheus scrape reads from a real 2-process run."""
+
+from __future__ import annotations
+
+import signal
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from finetune_trainer.metrics import TrainerMetrics
+from finetune_trainer.progress import ProgressServer
+from tests.trainer.test_training import finetune_run, manifest
+
+PORT = 9108  # the trainer's default metrics port; local rank k serves on PORT + k
+
+
+def scrape(port: int) -> dict[str, dict]:
+    """name → {rank: (labels, value)} for each sample; {} while nothing listens."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
+            text = response.read().decode()
+    except OSError:
+        return {}
+    return {sample.name: {"labels": sample.labels, "value": sample.value}
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def test_the_series_carry_job_rank_and_node_and_follow_the_log_step():
+    metrics = TrainerMetrics("demo", "ml-team", rank=1, node="aks-gpu-0")
+    server = ProgressServer(0, host="127.0.0.1", registry=metrics.registry)
+    try:
+        metrics.tokens.inc(1200)
+        metrics.logged(step=5, total=100, epoch=0.05, loss=1.5, lr=2e-4,
+                       tokens_per_second=3100.0, device=None)
+        got = scrape(server.port)
+    finally:
+        server.close()
+    assert got["finetune_step"]["labels"] == {"job": "demo", "namespace": "ml-team",
+                                              "rank": "1", "node": "aks-gpu-0"}
+    assert got["finetune_step"]["value"] == 5 and got["finetune_total_steps"]["value"] == 100
+    assert got["finetune_loss"]["value"] == 1.5
+    assert got["finetune_tokens_total"]["value"] == 1200
+    assert got["finetune_peak_memory_bytes"]["value"] > 10 * 2**20  # this process's RSS
+
+
+@pytest.mark.slow
+def test_both_ranks_of_a_real_run_serve_their_series(tiny_model_dir, tmp_path):
+    job = manifest(tiny_model_dir, tmp_path / "out", steps=400, checkpoint_every=1000)
+    process = finetune_run(job, tmp_path, wait=False)
+    try:
+        deadline, seen = time.monotonic() + 300, {}
+        while time.monotonic() < deadline and process.poll() is None:
+            seen = {rank: scrape(PORT + rank) for rank in (0, 1)}
+            if all(s.get("finetune_step", {}).get("value", 0) >= 2 for s in seen.values()):
+                break
+            time.sleep(0.2)
+        assert process.poll() is None, process.communicate()[0][-3000:]
+        for rank in (0, 1):
+            series = seen[rank]
+            assert series, f"rank {rank} serves no metrics on {PORT + rank}"
+            assert series["finetune_step"]["labels"]["rank"] == str(rank)
+            assert series["finetune_step"]["labels"]["job"] == job["metadata"]["name"]
+            assert series["finetune_step"]["value"] >= 2
+            assert series["finetune_tokens_total"]["value"] > 0
+            assert series["finetune_loss"]["value"] > 0
+            assert series["finetune_tokens_per_second"]["value"] > 0
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=300)

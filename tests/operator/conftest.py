@@ -21,7 +21,6 @@ from tests.operator.testbed import (
     RealTestbed,
     Testbed,
 )
-from tests.operator.testbed import eventually as eventually  # re-exported
 
 
 @pytest.fixture()

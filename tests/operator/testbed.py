@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import yaml
 
 from finetune_trainer.progress import Progress, ProgressServer
@@ -146,7 +147,6 @@ class EmulatedTestbed(Testbed):
     def __init__(self, server: ApiServer, kubelet: Kubelet, operator: Any,
                  rank0: ProgressServer):
         self.server, self.kubelet, self.operator, self.rank0 = server, kubelet, operator, rank0
-        self.session = None
 
     def _url(self, name: str | None = None) -> str:
         url = f"{str(self.server.url).rstrip('/')}/apis/{API.rsplit('/', 1)[0]}/namespaces/" \
@@ -154,8 +154,6 @@ class EmulatedTestbed(Testbed):
         return f"{url}/{name}" if name else url
 
     async def _send(self, method: str, url: str, **kwargs: Any) -> None:
-        import aiohttp
-
         async with aiohttp.ClientSession() as session:
             async with session.request(method, url, **kwargs) as response:
                 assert response.status == 200, await response.text()

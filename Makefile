@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: venv test lint crds demo clean kind-e2e
+.PHONY: venv tools test lint crds demo clean kind-e2e bench bench-gpu bench-metrics
 
 venv: $(VENV)/.installed
 
@@ -18,10 +18,36 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -e ".[trainer,azure,dev]" torch==$(TORCH_VERSION)
 	touch $@
 
-test: venv
+# Debian's prometheus + promtool: the alert rule tests and the real-Prometheus dashboard
+# test use them (skipped, saying so, where they cannot be installed).
+tools:
+	@command -v promtool >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing Debian's prometheus (prometheus, promtool) for the metrics tests"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends prometheus >/dev/null; \
+	  else \
+	    echo "promtool missing and apt-get unavailable: Prometheus tests will be skipped"; \
+	  fi; }
+
+test: venv tools
 	$(BIN)/ruff check operator trainer tests
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
+
+# Our trainer against transformers.Trainer on the same model and data, side by side
+# (CPU configurations, ~10 minutes; bench-gpu for the 1B/3B/QLoRA ones on a GPU), then
+# the instrumentation's cost. Tables on stdout, JSON under benchmarks/.
+bench: venv
+	$(BIN)/python benchmarks/throughput.py --suite cpu
+	$(BIN)/python benchmarks/metrics_overhead.py
+
+bench-gpu: venv
+	$(BIN)/python benchmarks/throughput.py --suite gpu --out benchmarks/throughput-gpu.json
+
+# The trainer's instrumentation on vs off, side by side (prints the ratio; CPU, minutes).
+bench-metrics: venv
+	$(BIN)/python benchmarks/metrics_overhead.py
 
 crds: venv
 	$(BIN)/python -m finetune_operator.crd --write

@@ -22,6 +22,7 @@ from finetune_trainer.config import (
     MethodConfig,
     ModelSource,
     OutputConfig,
+    PreflightConfig,
     StrategyConfig,
     section,
 )
@@ -281,6 +282,7 @@ class FineTuneJobSpec(ApiModel):
     resources: Resources = section(Resources)
     output: OutputConfig
     run_policy: RunPolicy = section(RunPolicy)
+    preflight: PreflightConfig = section(PreflightConfig)
     kubernetes: KubernetesSpec | None = None
     """Only read by the `kubernetes` backend."""
     azureml: AzureMLSpec | None = None
@@ -302,7 +304,8 @@ class Condition(StatusModel):
     """A Kubernetes-style condition."""
 
     type: str
-    """Validated, Feasible, Admitted, Running, Stalled, Degraded, Suspended, Complete or Failed."""
+    """Validated, Feasible, Admitted, Running, CollectivePreflight, Stalled, Degraded,
+    Suspended, Complete or Failed."""
     status: Literal["True", "False", "Unknown"]
     """Whether the condition holds."""
     reason: str = ""
@@ -334,6 +337,9 @@ class Progress(StatusModel):
     """Estimated seconds until the last step, from the recent step rate."""
     last_step_time: datetime | None = None
     """When `step` last advanced (what stallTimeoutSeconds is measured from)."""
+    preflight: dict[str, Any] | None = Field(default=None, exclude=True)
+    """The trainer's collective preflight record (not stored: it becomes the
+    `CollectivePreflight` condition)."""
 
 
 class CheckpointRef(StatusModel):

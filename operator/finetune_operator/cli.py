@@ -13,7 +13,7 @@ from finetune_operator import yamlio
 from finetune_operator.api import KIND, FineTuneJob
 from finetune_operator.manifests import Document, ManifestError, read_documents
 from finetune_operator.render import render
-from finetune_operator.validation import check_document
+from finetune_operator.validation import check_document, short_repr
 
 EXIT_INVALID = 2
 
@@ -35,8 +35,9 @@ def _jobs_in(paths: tuple[str, ...], local: bool = False, backend: str | None = 
         jobs_here = 0
         for doc in documents:
             if isinstance(doc.data, dict) and doc.data.get("kind") not in (None, KIND):
-                click.echo(f"{doc.source}: skipped {doc.data.get('kind')} (not a {KIND})",
-                           err=True)
+                kind = doc.data.get("kind")
+                shown = kind[:80] if isinstance(kind, str) else short_repr(kind)
+                click.echo(f"{doc.source}: skipped {shown} (not a {KIND})", err=True)
                 continue
             jobs_here += 1
             if backend and isinstance(doc.data, dict) and isinstance(doc.data.get("spec"), dict):
@@ -178,7 +179,9 @@ def run_command(file: str, nproc: int | None) -> None:
     Validates first, checks the model and data before any process starts, then trains
     and prints where the outputs went. Relative paths start at the manifest's folder.
     Ctrl-C (or SIGTERM) checkpoints at the next step and exits 143; running the same
-    command again resumes from that checkpoint.
+    command again resumes from that checkpoint. A worker that fails (an exception, an OOM
+    kill, kill -9) restarts all of them from the newest complete checkpoint, up to
+    spec.runPolicy.backoffLimit times.
     """
     from finetune_operator import local
     from finetune_operator.validation import InvalidJobError
@@ -207,8 +210,11 @@ def run_command(file: str, nproc: int | None) -> None:
     click.echo(f"trainer config: {config_path}")
     if subprocess.run(local.preflight_command(config_path), check=False).returncode != 0:
         sys.exit(EXIT_INVALID)
-    click.echo(f"starting {processes} training process{'es' if processes > 1 else ''}")
-    code = local.run_trainer(config_path, processes)
+    restarts = job.spec.run_policy.backoff_limit
+    click.echo(f"starting {processes} training process{'es' if processes > 1 else ''} "
+               f"(a failed worker restarts them all from the newest checkpoint, up to "
+               f"{restarts} time{'' if restarts == 1 else 's'}: spec.runPolicy.backoffLimit)")
+    code = local.run_trainer(config_path, processes, max_restarts=restarts)
     if code == 0:
         click.echo(f"done: model in {output_dir / 'final'}, checkpoints in "
                    f"{output_dir / 'checkpoints'}, progress in {output_dir / 'progress.json'}")

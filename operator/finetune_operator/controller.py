@@ -41,6 +41,16 @@ class Runtime:
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
     model_configs: ModelConfigs = field(default_factory=ModelConfigs)
     """Where the planner finds a model's config.json (offline unless given a hub fetch)."""
+    retry_delay: float = 1.0
+    """Seconds before the first retry of a failed API call; doubled on each failure after."""
+    max_retry_delay: float = 60.0
+
+    def backoff(self, retry: int, asked: float | None = None) -> float:
+        """How long to wait after the `retry`-th consecutive failure (0: the first): what the
+        API server asked for (Retry-After), else an exponential backoff."""
+        if asked is not None:
+            return asked
+        return min(self.max_retry_delay, self.retry_delay * 2 ** min(retry, 32))
 
     @classmethod
     def build(cls, kube: Kube, settings: OperatorSettings, interval: float = 10.0,
@@ -101,12 +111,15 @@ def _status_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     return patch
 
 
-async def reconcile_body(runtime: Runtime, body: kopf.Body, patch: kopf.Patch) -> None:
+async def reconcile_body(runtime: Runtime, body: kopf.Body) -> dict[str, Any]:
+    """Observe, decide and act for one FineTuneJob; returns the status changes as a merge
+    patch (empty when nothing changed) for the caller to apply."""
     job, backend, problems = _problems(runtime, dict(body))
     now = datetime.now(UTC)
     if job is None:  # the CRD's schema should have stopped this; say why and do nothing
-        patch.status.update({"phase": "Failed", "message": "; ".join(problems)})
-        return
+        return _status_patch(dict(body.get("status") or {}),
+                             {**(body.get("status") or {}), "phase": "Failed",
+                              "message": "; ".join(problems)})
     metrics, operation = runtime.metrics, "observe"
     try:
         seen = Observation() if problems or backend is None else await backend.observe(job)
@@ -124,12 +137,10 @@ async def reconcile_body(runtime: Runtime, body: kopf.Body, patch: kopf.Patch) -
     for event in decision.events:
         kopf.event(body, type=event.type, reason=event.reason, message=event.message)
     old, new = dict(body.get("status") or {}), decision.status.to_dict()
-    changes = _status_patch(old, new)
-    if changes:
-        patch.status.update(changes)
     created = (body.get("metadata") or {}).get("creationTimestamp")
     metrics.job_seen(job.namespace, job.name, job.spec.backend, old, new,
                      datetime.fromisoformat(created) if created else None, now)
+    return _status_patch(old, new)
 
 
 # --- registration --------------------------------------------------------------------------
@@ -202,34 +213,63 @@ def register(registry: kopf.OperatorRegistry, runtime: Runtime) -> None:
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
             prefix=API_GROUP, key="last-handled-configuration")
-        settings.posting.level = logging.WARNING  # our own events are posted explicitly
+        # our own events are posted explicitly; kopf's warnings and errors about an object
+        # (a call the API server refused, and the retry) become its Warning / Error events
+        settings.posting.level = logging.WARNING
+        settings.posting.loggers = True
+        # kopf's own calls (status patches, events) give up on a hung API server as ours do,
+        # and retry; its default waits five minutes
+        settings.networking.request_timeout = runtime.kube.timeout
 
-    async def handle(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+    async def reconciled(body: kopf.Body, retry: int) -> dict[str, Any]:
+        """The status changes of one reconcile; an API failure is retried with a backoff."""
         try:
             backend = (body.get("spec") or {}).get("backend", "kubernetes")
             with runtime.metrics.reconcile_seconds.labels(backend).time():
-                await reconcile_body(runtime, body, patch)
+                return await reconcile_body(runtime, body)
         except KubeError as error:
-            raise kopf.TemporaryError(f"the API server refused a call ({error}); retrying",
-                                      delay=10) from error
+            delay = runtime.backoff(retry, error.retry_after)
+            raise kopf.TemporaryError(f"the API server refused a call ({error}); retrying in "
+                                      f"{delay:g}s", delay=delay) from error
         except BackendError as error:
             raise kopf.TemporaryError(str(error), delay=error.retry_after) from error
+
+    async def handle(body: kopf.Body, patch: kopf.Patch, retry: int, **_: Any) -> None:
+        patch.status.update(await reconciled(body, retry))
+
+    async def observe(body: kopf.Body, retry: int, **_: Any) -> None:
+        """The timer patches the status itself: kopf stops a timer for good when the patch it
+        applies for one fails (a 409, a 422, an outage longer than its retries), and nothing
+        would look at the job again until the operator restarts."""
+        changes = await reconciled(body, retry)
+        if not changes:
+            return
+        meta = body.get("metadata") or {}
+        try:
+            await runtime.kube.patch_finetunejob_status(meta["namespace"], meta["name"], changes)
+        except KubeError as error:
+            runtime.metrics.backend_errors.labels(
+                (body.get("spec") or {}).get("backend", "kubernetes"), "status").inc()
+            delay = runtime.backoff(retry, error.retry_after)
+            raise kopf.TemporaryError(f"the API server refused the status update ({error}); "
+                                      f"retrying in {delay:g}s", delay=delay) from error
 
     kopf.on.resume(**on, id="reconcile-resumed")(handle)
     kopf.on.create(**on, id="reconcile-created")(handle)
     kopf.on.update(**on, id="reconcile-updated")(handle)
-    kopf.timer(**on, id="observe", interval=runtime.interval)(handle)
+    kopf.timer(**on, id="observe", interval=runtime.interval)(observe)
 
     @kopf.on.delete(**on, id="cleanup")
-    async def cleanup(body: kopf.Body, **_: Any) -> None:
+    async def cleanup(body: kopf.Body, retry: int, **_: Any) -> None:
         job, backend, _problems_found = _problems(runtime, dict(body))
         if job is None or backend is None:
             return  # nothing was launched for it
         try:
             await backend.cancel(job)
         except KubeError as error:
-            raise kopf.TemporaryError(f"deleting the workers failed ({error}); retrying",
-                                      delay=10) from error
+            delay = runtime.backoff(retry, error.retry_after)
+            raise kopf.TemporaryError(f"deleting the workers failed ({error}); retrying in "
+                                      f"{delay:g}s", delay=delay) from error
         except BackendError as error:
             raise kopf.TemporaryError(f"stopping the workers failed: {error}",
                                       delay=error.retry_after) from error

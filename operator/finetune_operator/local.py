@@ -90,20 +90,31 @@ def write_config(config: TrainerConfig, output_dir: Path) -> Path:
     return path
 
 
-def trainer_command(config_path: Path, processes: int) -> list[str]:
+def trainer_command(config_path: Path, processes: int, max_restarts: int = 0) -> list[str]:
+    """torchrun on this machine. `max_restarts` (the job's runPolicy.backoffLimit): when a
+    worker fails (an exception, an OOM kill, `kill -9`), torchrun stops the others and starts
+    them all again, up to that many times; they resume from the newest complete checkpoint
+    (each rank sees TORCHELASTIC_RESTART_COUNT and says so in the log)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={processes}", "-m", "finetune_trainer",
-            "--config", str(config_path)]
+            f"--nproc-per-node={processes}", f"--max-restarts={max_restarts}",
+            "-m", "finetune_trainer", "--config", str(config_path)]
 
 
 def preflight_command(config_path: Path) -> list[str]:
     return [sys.executable, "-m", "finetune_trainer", "--config", str(config_path), "--preflight"]
 
 
-def run_trainer(config_path: Path, processes: int) -> int:
+def run_trainer(config_path: Path, processes: int, max_restarts: int = 0) -> int:
     """Run torchrun in its own session; Ctrl-C or SIGTERM here becomes a SIGTERM there, so
-    the workers checkpoint at the next step boundary and exit (143)."""
-    child = subprocess.Popen(trainer_command(config_path, processes), start_new_session=True)
+    the workers checkpoint at the next step boundary and exit (143). A signal to torchrun
+    itself never restarts the workers; a failed worker does, up to `max_restarts` times."""
+    # torchrun's agent hosts one TCPStore for every attempt by default, and the process
+    # group's keys (each rank's address) survive a restart there: a restarted rank can read
+    # its peer's from the failed attempt and fail to connect (pytorch/pytorch#135712). With
+    # sharing off, every attempt's rank 0 hosts a fresh store on a fresh port.
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    child = subprocess.Popen(trainer_command(config_path, processes, max_restarts),
+                             start_new_session=True, env=env)
     stopped = False
 
     def forward(signum, frame) -> None:

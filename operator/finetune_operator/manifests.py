@@ -21,12 +21,25 @@ class ManifestError(ValueError):
     """A file that cannot be read or is not YAML."""
 
 
+def _read_bytes(path: str) -> bytes:
+    if path != "-":
+        return Path(path).read_bytes()
+    stdin = getattr(sys.stdin, "buffer", None)
+    return stdin.read() if stdin is not None else sys.stdin.read().encode("utf-8")
+
+
 def read_documents(path: str) -> list[Document]:
     """The non-empty YAML documents in `path` (`-` reads stdin)."""
     try:
-        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+        data = _read_bytes(path)
     except OSError as error:
         raise ManifestError(f"{path}: cannot read: {error.strerror}") from error
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data[:error.start].count(b"\n") + 1
+        raise ManifestError(f"{path}:{line}: not UTF-8 text (byte 0x{data[error.start]:02x}) "
+                            "— save the manifest as UTF-8") from None
     try:
         docs = [d for d in yaml.safe_load_all(text) if d is not None]
     except yaml.YAMLError as error:
@@ -35,6 +48,12 @@ def read_documents(path: str) -> list[Document]:
         problem = getattr(error, "problem", None) or str(error)
         raise ManifestError(f"{path}{where}: not valid YAML: {problem} — fix the syntax "
                             "(indentation, quoting, colons)") from error
+    except RecursionError:
+        raise ManifestError(f"{path}: nests YAML too deeply to read — a manifest needs a "
+                            "few levels; check the brackets and indentation") from None
+    except ValueError as error:  # a value YAML parses but Python refuses (a 5000-digit int)
+        raise ManifestError(f"{path}: holds a value that cannot be read ({error}) — "
+                            "write it shorter") from error
     source = "<stdin>" if path == "-" else path
     if len(docs) == 1:
         return [Document(source, docs[0])]

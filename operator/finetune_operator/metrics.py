@@ -38,11 +38,25 @@ class _JobsByPhase(Collector):
                                    labels=["phase", "backend"])
         with self.metrics.lock:
             counts = Tally(self.metrics.phases.values())
+            jobs = sorted(self.metrics.phases.items())
             backends = {backend for _phase, backend in counts} | self.metrics.backends
         for backend in sorted(backends):
             for phase in get_args(Phase):
                 family.add_metric([phase, backend], counts.get((phase, backend), 0))
         yield family
+        # per job, like kube-state-metrics: alerts can name the job that failed or restarts
+        current = GaugeMetricFamily("finetune_operator_job_phase", "1 for each FineTuneJob's "
+                                    "current phase", labels=["namespace", "finetunejob",
+                                                             "backend", "phase"])
+        restarts = GaugeMetricFamily("finetune_operator_job_restarts", "Gang restarts of "
+                                     "each FineTuneJob so far (status.restarts)",
+                                     labels=["namespace", "finetunejob", "backend"])
+        for (namespace, name), (phase, backend) in jobs:
+            current.add_metric([namespace, name, backend, phase], 1)
+            restarts.add_metric([namespace, name, backend], self.metrics.restart_counts.get(
+                (namespace, name), 0))
+        yield current
+        yield restarts
 
 
 class OperatorMetrics:
@@ -53,6 +67,7 @@ class OperatorMetrics:
         self.backends = set(backends or ())
         self.phases: dict[tuple[str, str], tuple[str, str]] = {}
         """(namespace, name) → (phase, backend)"""
+        self.restart_counts: dict[tuple[str, str], int] = {}
         self.restarts = Counter(
             "finetune_operator_restarts", "Gang restarts, by cause (worker failures use the "
             "restart budget; preemptions and stops do not)", ["backend", "cause"],
@@ -78,6 +93,7 @@ class OperatorMetrics:
         phase = new.get("phase") or "Pending"
         with self.lock:
             self.phases[(namespace, name)] = (phase, backend)
+            self.restart_counts[(namespace, name)] = int(new.get("restarts") or 0)
         if phase == "Running" and old.get("phase") != "Running" and created is not None \
                 and _first_run(old):
             self.time_to_running.labels(backend).observe((now - created).total_seconds())
@@ -88,6 +104,7 @@ class OperatorMetrics:
     def job_gone(self, namespace: str, name: str) -> None:
         with self.lock:
             self.phases.pop((namespace, name), None)
+            self.restart_counts.pop((namespace, name), None)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
         """Serve /metrics from a thread; returns the port (0 picks a free one)."""

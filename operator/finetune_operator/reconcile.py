@@ -67,6 +67,9 @@ class Observation:
     known: a `Degraded` condition saying what to fix, and no decision until it answers."""
     backend_ref: BackendRef | None = None
     """The backend's own object for the current attempt (name, UI link), for the status."""
+    missing: tuple[str, ...] = ()
+    """Parts of the workload that are gone while it exists (a Service or ConfigMap deleted by
+    hand), as `Kind name`: launching again puts them back (launch is idempotent)."""
 
 
 @dataclass(frozen=True)
@@ -180,10 +183,31 @@ def _seconds_since(then: datetime | None, now: datetime) -> float:
 def _merge_progress(b: _Builder, seen: Progress | None) -> None:
     if seen is None:
         return
+    if seen.preflight:
+        _preflight_condition(b, seen.preflight)
     before = b.status.progress
     advanced = before is None or (seen.step or 0) > (before.step or 0)
     last = b.now if advanced else (before.last_step_time if before else b.now)
     b.status.progress = seen.model_copy(update={"last_step_time": last})
+
+
+def _preflight_condition(b: _Builder, record: dict) -> None:
+    """The trainer's all-reduce sweep before step 0: True when no node lagged its peers."""
+    busbw = record.get("busBandwidthGBps")
+    nodes: dict = record.get("nodes") or {}
+    slow = [n for n in record.get("slowNodes") or [] if n in nodes]
+    figures = ", ".join(f"{n} {v:g}" for n, v in sorted(nodes.items()))
+    summary = f"all-reduce bus bandwidth {busbw:g} GB/s" + (f" (per node GB/s: {figures})"
+                                                            if figures else "")
+    if record.get("transport"):
+        summary += f"; NCCL transport {record['transport']}"
+    if slow:
+        b.cond("CollectivePreflight", False, "SlowNodes",
+               f"{', '.join(slow)} below 0.8x the median of the other nodes: {summary}. "
+               "Cordon the node and delete the job's pods to restart elsewhere, or check its "
+               "network card and NVLink")
+    else:
+        b.cond("CollectivePreflight", True, "Measured", summary)
 
 
 def reconcile(job: FineTuneJob, seen: Observation, now: datetime,
@@ -281,13 +305,27 @@ def reconcile(job: FineTuneJob, seen: Observation, now: datetime,
         status.launch_time = now
         status.start_time = status.start_time or now
         first = status.phase in (None, "Pending")
-        b.phase("Launching", "creating workers" if first else
-                f"restarting the gang (restart {status.restarts}); it resumes from the last "
-                "checkpoint")
+        if first:
+            b.phase("Launching", "creating workers")
+        elif status.phase == "Restarting":
+            b.phase("Launching", f"restarting the gang (restart {status.restarts}); it resumes "
+                    "from the last checkpoint")
+        else:  # launched, not finished, and nothing there: removed outside the operator
+            message = ("the workers were deleted outside the operator; launching them again "
+                       "(not counted against backoffLimit); they resume from the last checkpoint")
+            b.event("Warning", "WorkersMissing", message)
+            b.phase("Launching", message)
         b.requeue(5)
         return b.decision
 
-    # 5. the workload exists: read its state
+    # 5. the workload exists: adopt it if need be, put back what it lost, read its state
+    if not status.launched_spec:
+        # launched by an operator that stopped before it could record the launch
+        status.launched_spec = fingerprint
+        status.launch_time = status.launch_time or now
+        status.start_time = status.start_time or now
+        if status.phase in (None, "Pending"):
+            b.phase("Launching", "adopted workers launched before an operator restart")
     if seen.succeeded:
         b.cond("Running", False, "Completed", "")
         b.cond("Complete", True, "TrainingFinished", "the export is in spec.output.uri/final")
@@ -300,6 +338,10 @@ def reconcile(job: FineTuneJob, seen: Observation, now: datetime,
 
     if seen.failure is not None:
         return _restart_or_fail(b, seen.failure)
+    if seen.missing:  # the workers need them to start (after a restart, a resume, admission)
+        what = ", ".join(seen.missing)
+        b.event("Warning", "ChildRecreated", f"{what} deleted outside the operator; recreating it")
+        b.act("launch", f"recreate {what}")
 
     if seen.queued:  # the backend's own queue (Azure ML waiting for compute)
         b.cond("Admitted", False, "WaitingForCapacity", seen.queued)

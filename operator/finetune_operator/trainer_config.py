@@ -14,6 +14,7 @@ from finetune_trainer.config import (
     MethodConfig,
     StrategyConfig,
     TrainerConfig,
+    TrainerPreflight,
 )
 from finetune_trainer.uris import DATASET_SCHEMES, MODEL_SCHEMES, OUTPUT_SCHEMES
 
@@ -60,5 +61,9 @@ def build_trainer_config(job: FineTuneJob, locate: Locate = keep_location,
             "learning_rate": spec.hyperparameters.resolved_learning_rate(spec.method.type)}),
         output=spec.output.model_copy(
             update={"uri": locate("output", spec.output.uri, OUTPUT_SCHEMES)}),
+        preflight=TrainerPreflight(
+            **spec.preflight.model_dump(),
+            require_infiniband=bool(spec.kubernetes and spec.kubernetes.infiniband
+                                    and spec.backend == "kubernetes")),
     )
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import reprlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -42,6 +43,7 @@ from finetune_trainer.uris import (
 # backend for every worker, so a user value would silently split or hang the gang.
 RESERVED_ENV_NAMES = (
     "MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+    "FINETUNE_RESTARTS", "NODE_NAME",
     "GROUP_RANK", "NODE_RANK", "NNODES", "NPROC_PER_NODE", "TORCHELASTIC_RUN_ID",
     "FINETUNE_CONFIG",
 )
@@ -392,6 +394,17 @@ def _inner_model(annotation: Any) -> Any:
     return None
 
 
+_SHORT = reprlib.Repr()  # keyword arguments only from Python 3.12
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxlong, _SHORT.maxother = 2, 80, 40, 80
+_SHORT.maxdict = _SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxset = 4
+
+
+def short_repr(value: Any) -> str:
+    """A value quoted in a message, cut short: the input may be megabytes (a list built
+    with YAML aliases), and messages end up in the status and in events."""
+    return _SHORT.repr(value)
+
+
 def _structural_problem(error: Any, root: type[BaseModel]) -> Problem:
     loc = tuple(error["loc"])
     path = _path(loc)
@@ -409,23 +422,25 @@ def _structural_problem(error: Any, root: type[BaseModel]) -> Problem:
                else "remove it; known fields: " + ", ".join(known))
         return Problem(path, "is not a known field", fix)
     if kind == "literal_error":
-        return Problem(path, f"{given!r} is not allowed", f"use one of {ctx.get('expected')}")
+        return Problem(path, f"{short_repr(given)} is not allowed",
+                       f"use one of {ctx.get('expected')}")
     if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
         bound = next(iter(ctx.values()))
         word = {"greater_than_equal": "at least", "greater_than": "greater than",
                 "less_than_equal": "at most", "less_than": "less than"}[kind]
-        return Problem(path, f"is {given}, must be {word} {bound}", f"set a value {word} {bound}")
+        return Problem(path, f"is {short_repr(given)}, must be {word} {bound}",
+                       f"set a value {word} {bound}")
     if kind == "string_pattern_mismatch":
         what, fix = _PATTERN_HINTS.get(ctx.get("pattern"), ("has the wrong form",
                                                            f"match {ctx.get('pattern')}"))
-        return Problem(path, f"{given!r} {what}", fix)
+        return Problem(path, f"{short_repr(given)} {what}", fix)
     if kind in ("string_too_long", "too_long"):
         return Problem(path, f"is longer than {ctx.get('max_length')}", "shorten it")
     if kind in ("string_too_short", "too_short"):
         return Problem(path, "is empty", f"set a value; {explain}")
     base = kind.split("_")[0]
     if base in _TYPE_NAMES:
-        return Problem(path, f"must be {_TYPE_NAMES[base]}, got {given!r}", explain)
+        return Problem(path, f"must be {_TYPE_NAMES[base]}, got {short_repr(given)}", explain)
     return Problem(path, error["msg"], explain)
 
 
@@ -438,10 +453,10 @@ def check_document(doc: Any) -> tuple[FineTuneJob | None, list[Problem]]:
                               "write a FineTuneJob manifest (apiVersion, kind, metadata, spec)")]
     problems: list[Problem] = []
     if doc.get("apiVersion") != API_VERSION:
-        problems.append(Problem("apiVersion", f"{doc.get('apiVersion')!r} is not served by "
-                                "this operator", f"use `apiVersion: {API_VERSION}`"))
+        problems.append(Problem("apiVersion", f"{short_repr(doc.get('apiVersion'))} is not "
+                                "served by this operator", f"use `apiVersion: {API_VERSION}`"))
     if doc.get("kind") != KIND:
-        problems.append(Problem("kind", f"{doc.get('kind')!r} is not {KIND}",
+        problems.append(Problem("kind", f"{short_repr(doc.get('kind'))} is not {KIND}",
                                 f"use `kind: {KIND}`"))
     if problems:
         return None, problems

@@ -34,3 +34,31 @@ def test_bf16_over_nccl_matches_fp32_closely(tiny_model_dir, tmp_path):
         progress = json.loads((tmp_path / precision / "out/progress.json").read_text())
         assert progress["phase"] == "Succeeded"
     assert runs["bf16"] == pytest.approx(runs["fp32"], rel=2e-2)
+
+
+def test_a_gpu_run_reports_mfu_and_nvml_series(tiny_model_dir, tmp_path):
+    """On a GPU the MFU and the NVML series appear (absent on CPU, tested there)."""
+    import signal
+    import time
+
+    from tests.trainer.test_metrics import PORT, scrape
+
+    job = manifest(tiny_model_dir, tmp_path / "out", method="full", precision="bf16",
+                   processes=1, steps=400, checkpoint_every=1000)
+    job["spec"]["resources"] = {"gpusPerNode": 1}
+    process = finetune_run(job, tmp_path, "--nproc", "1", wait=False)
+    try:
+        deadline, seen = time.monotonic() + 300, {}
+        while time.monotonic() < deadline and process.poll() is None:
+            seen = scrape(PORT)
+            if "finetune_mfu" in seen and "finetune_gpu_utilization_ratio" in seen:
+                break
+            time.sleep(0.5)
+        assert process.poll() is None, process.communicate()[0][-3000:]
+        assert 0 < seen["finetune_mfu"]["value"] < 1
+        assert seen["finetune_gpu_memory_total_bytes"]["value"] > 2**30
+        assert seen["finetune_gpu_power_watts"]["value"] > 0
+        assert seen["finetune_step_phase_seconds"]["value"] >= 0
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=300)

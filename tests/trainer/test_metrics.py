@@ -45,6 +45,16 @@ def test_the_series_carry_job_rank_and_node_and_follow_the_log_step():
     assert got["finetune_peak_memory_bytes"]["value"] > 10 * 2**20  # this process's RSS
 
 
+def samples(port: int, name: str) -> dict[str, float]:
+    """The samples of one labelled series, keyed by their one extra label's value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
+        text = response.read().decode()
+    common = {"job", "namespace", "rank", "node"}
+    return {next(v for k, v in s.labels.items() if k not in common): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name == name}
+
+
 @pytest.mark.slow
 def test_both_ranks_of_a_real_run_serve_their_series(tiny_model_dir, tmp_path):
     job = manifest(tiny_model_dir, tmp_path / "out", steps=400, checkpoint_every=1000)
@@ -66,6 +76,57 @@ def test_both_ranks_of_a_real_run_serve_their_series(tiny_model_dir, tmp_path):
             assert series["finetune_tokens_total"]["value"] > 0
             assert series["finetune_loss"]["value"] > 0
             assert series["finetune_tokens_per_second"]["value"] > 0
+            assert series["finetune_samples_per_second"]["value"] > 0
+            assert series["finetune_samples_total"]["value"] > 0
+            assert series["finetune_grad_norm"]["value"] > 0
+            assert series["finetune_restarts"]["value"] == 0
+            # the step-time split and the DDP hook's all-reduce timings
+            phases = samples(PORT + rank, "finetune_step_phase_seconds")
+            assert set(phases) == {"data", "forward_backward", "optimizer", "collective_wait"}
+            assert all(v >= 0 for v in phases.values()) and phases["forward_backward"] > 0
+            busbw = samples(PORT + rank, "finetune_collective_bus_bandwidth_bytes_per_second")
+            assert busbw["all_reduce"] > 0
+            assert samples(PORT + rank, "finetune_collective_bytes_total")["all_reduce"] > 0
+            # CPU: no GPU series and no MFU (no peak to measure against)
+            assert not any(name.startswith("finetune_gpu_") for name in series)
+            assert "finetune_mfu" not in series
+        preflight = samples(PORT, "finetune_preflight_bus_bandwidth_bytes_per_second")
+        assert len(preflight) >= 4 and all(v > 0 for v in preflight.values())
+        assert samples(PORT, "finetune_preflight_slow_node") == {"localhost": 0.0} or \
+            len(samples(PORT, "finetune_preflight_slow_node")) == 1  # one node: nothing to compare
+        assert "finetune_preflight_bus_bandwidth_bytes_per_second" not in seen[1]  # rank 0 only
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("strategy", "ops"), [
+    ("fsdp", {"all_gather", "reduce_scatter"}),  # FSDP2's own collectives, timed every step
+    ("zero2", None),  # DeepSpeed's comms logger on sampled steps (ops are DeepSpeed's choice)
+])
+def test_sharded_strategies_time_their_collectives(tiny_model_dir, tmp_path, strategy, ops):
+    job = manifest(tiny_model_dir, tmp_path / "out", strategy=strategy, method="full",
+                   steps=400, checkpoint_every=1000)
+    process = finetune_run(job, tmp_path, wait=False)
+    try:
+        deadline, busbw, phases = time.monotonic() + 300, {}, {}
+        while time.monotonic() < deadline and process.poll() is None:
+            try:
+                busbw = samples(PORT + 1, "finetune_collective_bus_bandwidth_bytes_per_second")
+                phases = samples(PORT + 1, "finetune_step_phase_seconds")
+            except OSError:
+                pass
+            if busbw and "collective_wait" in phases:
+                break
+            time.sleep(0.2)
+        assert process.poll() is None, process.communicate()[0][-3000:]
+        assert busbw and all(v > 0 for v in busbw.values()), busbw
+        if ops is not None:
+            assert set(busbw) == ops
+        assert phases["collective_wait"] > 0
+        calls = samples(PORT + 1, "finetune_collective_calls_total")
+        assert all(calls[op] >= 1 for op in busbw)
     finally:
         process.send_signal(signal.SIGTERM)
         process.communicate(timeout=300)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import kubernetes_validate
 import pytest
 
+from finetune_operator.api import FineTuneJobStatus
 from finetune_operator.backends import kubernetes as backend
 from finetune_operator.settings import OperatorSettings, Taint
 from finetune_operator.validation import parse_job
@@ -195,3 +196,25 @@ def test_settings_from_the_environment():
         "FINETUNE_RENDEZVOUS_PORT": "23456"})
     assert settings.trainer_image == "acr.io/trainer:2"
     assert settings.gpu_taint is None and settings.rendezvous_port == 23456
+
+
+def test_every_local_rank_has_a_named_metrics_port_and_the_node_and_attempt():
+    ports = pod(minimal_job(resources={"gpusPerNode": 4}))["containers"][0]["ports"]
+    assert [(p["name"], p["containerPort"]) for p in ports if p["name"] != "rendezvous"] == [
+        ("metrics", 9108), ("metrics-1", 9109), ("metrics-2", 9110), ("metrics-3", 9111)]
+    doc = minimal_job()
+    assert env(doc)["NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert env(doc)["FINETUNE_RESTARTS"] == "0"
+    job = parse_job(doc)
+    job.status = FineTuneJobStatus(restarts=2)
+    rendered = {o["kind"]: o for o in backend.render(job, SETTINGS)}
+    container = rendered["Job"]["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "FINETUNE_RESTARTS", "value": "2"} in container["env"]
+
+
+def test_the_trainers_mfu_and_preflight_reach_the_observation():
+    record = {"step": 5, "totalSteps": 10, "mfu": 0.43, "tokensPerSecond": 5e4,
+              "preflight": {"busBandwidthGBps": 180.5, "slowNodes": []}}
+    progress = backend.progress_from_record(record)
+    assert progress.mfu == 0.43 and progress.preflight["busBandwidthGBps"] == 180.5
+    assert "preflight" not in progress.to_dict()  # a condition, not status.progress

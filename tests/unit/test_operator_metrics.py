@@ -58,3 +58,21 @@ def test_restarts_have_a_series_per_cause_from_the_start():
                 (("backend", "kubernetes"), ("cause", "preempted")))] == 1
     assert got[("finetune_operator_restarts_total",
                 (("backend", "kubernetes"), ("cause", "worker")))] == 0
+
+
+def test_each_job_has_its_phase_and_restarts_so_alerts_can_name_it():
+    metrics = OperatorMetrics(backends={"kubernetes"})
+    metrics.job_seen("ml", "llama", "kubernetes", {}, {"phase": "Restarting", "restarts": 2},
+                     T0, T0)
+    metrics.job_seen("ml", "qwen", "azureml", {}, {"phase": "Failed", "restarts": 3}, T0, T0)
+    got = samples(metrics)
+    llama = (("backend", "kubernetes"), ("finetunejob", "llama"), ("namespace", "ml"))
+    qwen = (("backend", "azureml"), ("finetunejob", "qwen"), ("namespace", "ml"))
+    assert got[("finetune_operator_job_phase", (*llama[:2], llama[2], ("phase", "Restarting")))] \
+        == 1
+    assert got[("finetune_operator_job_phase", (*qwen, ("phase", "Failed")))] == 1
+    assert got[("finetune_operator_job_restarts", llama)] == 2
+    assert not any(name == "finetune_operator_job_phase" and ("phase", "Running") in labels
+                   for name, labels in got)  # only the current phase is exported
+    metrics.job_gone("ml", "qwen")
+    assert ("finetune_operator_job_restarts", qwen) not in samples(metrics)

@@ -191,3 +191,54 @@ def test_condition_transition_time_moves_only_with_its_status():
     assert status.conditions[0].observed_generation == 2
     set_condition(status, "Running", False, "Restarting", "", at(120), 2)
     assert status.conditions[0].last_transition_time == at(120)
+
+
+def test_the_trainers_preflight_becomes_a_condition_naming_slow_nodes():
+    running = launched(phase="Running")
+    good = {"busBandwidthGBps": 182.4, "nodes": {"aks-gpu-0": 180.1, "aks-gpu-1": 184.0},
+            "slowNodes": [], "transport": "IB"}
+    d = reconcile(job(running), Observation(exists=True, running=True,
+                                            progress=Progress(step=1, preflight=good)), at(60))
+    ok = condition(d.status, "CollectivePreflight")
+    assert ok.status == "True" and "182.4 GB/s" in ok.message and "aks-gpu-1 184" in ok.message
+    assert "NCCL transport IB" in ok.message
+    slow = {**good, "nodes": {"aks-gpu-0": 180.1, "aks-gpu-1": 61.0, "aks-gpu-2": 179.0},
+            "slowNodes": ["aks-gpu-1"]}
+    d = reconcile(job(running), Observation(exists=True, running=True,
+                                            progress=Progress(step=1, preflight=slow)), at(60))
+    lagging = condition(d.status, "CollectivePreflight")
+    assert lagging.status == "False" and lagging.reason == "SlowNodes"
+    assert lagging.message.startswith("aks-gpu-1 below 0.8x the median")
+    assert "Cordon" in lagging.message
+    assert d.status.phase == "Running"  # a report, not a failure (the floor fails the job)
+    assert "preflight" not in d.status.to_dict()["progress"]
+
+
+def test_workers_found_without_a_recorded_launch_are_adopted():
+    # the operator died after creating them, before its status patch landed
+    d = reconcile(job(), Observation(exists=True, running=True), at(30))
+    assert kinds(d) == [] and d.status.phase == "Running"
+    assert d.status.launched_spec == spec_fingerprint(job())
+    assert d.status.launch_time == at(30) and d.status.start_time == at(30)
+    changed = reconcile(job(d.status, generation=2, method={"type": "full"}),
+                        Observation(exists=True, running=True), at(40))
+    assert condition(changed.status, "SpecChangeRefused").status == "True"
+
+
+def test_workers_deleted_by_hand_are_launched_again_with_a_warning():
+    d = reconcile(job(launched("Running", restarts=1)), Observation(), at(60))
+    assert kinds(d) == ["launch"] and d.status.phase == "Launching"
+    assert d.status.restarts == 1  # not the workers' failure: not counted
+    assert [(e.type, e.reason) for e in d.events] == [("Warning", "WorkersMissing"),
+                                                      ("Normal", "Launching")]
+    # a restart the operator asked for is not "missing"
+    restart = reconcile(job(launched("Restarting", restarts=1)), Observation(), at(60))
+    assert "WorkersMissing" not in [e.reason for e in restart.events]
+
+
+def test_a_child_deleted_by_hand_is_recreated_and_the_workers_keep_running():
+    seen = Observation(exists=True, running=True, missing=("Service demo",))
+    d = reconcile(job(launched("Running")), seen, at(60))
+    assert kinds(d) == ["launch"] and d.status.phase == "Running"
+    assert [(e.type, e.reason) for e in d.events] == [("Warning", "ChildRecreated")]
+    assert "Service demo" in d.events[0].message

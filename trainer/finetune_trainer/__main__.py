@@ -2,19 +2,36 @@
 
 Started by torchrun (Kubernetes pods, `finetune run`) or by Azure ML's launcher; reads
 the standard RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT environment.
-Exit codes: 0 done, 2 bad input (nothing was started), 143 stopped by SIGTERM after a
-checkpoint, 1 anything else.
+Exit codes: 0 done, 2 bad input (nothing was started), 3 the network failed the
+collective preflight (below spec.preflight.minBusBandwidthGBps, or no InfiniBand where
+it was required), 143 stopped by SIGTERM after a checkpoint, 1 anything else (a full
+output volume among them: said in one line naming the folder, not a traceback).
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import errno
 import os
 import sys
 from pathlib import Path
 
 EXIT_BAD_INPUT = 2
+EXIT_NETWORK = 3
+EXIT_FAILED = 1
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def restart_note(environ) -> str | None:
+    """The line rank 0 prints when torchrun restarted the workers after one failed."""
+    count = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if environ.get("RANK", "0") != "0" or not count.isdigit() or int(count) == 0:
+        return None
+    limit = environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
+    return (f"finetune-train: restart {count} of at most {limit} (spec.runPolicy."
+            "backoffLimit): a worker failed, so torchrun restarted every worker; training "
+            "resumes from the newest complete checkpoint")
 
 
 def bind_locations(config, pairs: list[str]):
@@ -77,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     base_dir = args.base_dir or (Path.cwd() if args.config_base64
                                  else Path(args.config).resolve().parent)
 
-    from finetune_trainer.train import preflight, run
+    from finetune_trainer.checkpoint import CheckpointError
+    from finetune_trainer.network_preflight import PreflightError
+    from finetune_trainer.train import preflight, resolve_path, run
 
     try:
         if args.preflight:
@@ -85,10 +104,28 @@ def main(argv: list[str] | None = None) -> int:
             print(f"preflight: {len(prepared.train)} training sequences, "
                   f"{len(prepared.eval)} eval sequences; model and data look usable")
             return 0
+        if note := restart_note(os.environ):
+            print(note, flush=True)
         return run(config, base_dir)
     except (DataError, ModelError) as error:
         print(f"finetune-train: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except PreflightError as error:
+        print(f"finetune-train: collective preflight: {error}", file=sys.stderr, flush=True)
+        return EXIT_NETWORK
+    except CheckpointError as error:
+        print(f"finetune-train: {error}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    except OSError as error:
+        if error.errno not in DISK_FULL:
+            raise
+        output = resolve_path(config.output.uri, base_dir)
+        where = f" ({error.filename})" if error.filename else ""
+        print(f"finetune-train: {output}: {error.strerror}{where} — free space on the output "
+              "volume or point spec.output.uri at a larger one, "
+              "then run the job again: it resumes from the newest complete checkpoint in "
+              f"{output / 'checkpoints'}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

@@ -5,6 +5,11 @@ A checkpoint is written by every rank into `step-NNNNNNNN.partial/`, then rank 0
 filesystem). A folder without that name or that file is never loaded, so a crash or a
 SIGKILL mid-write leaves the previous checkpoint as the newest. The output folder must
 be shared by all nodes (a ReadWriteMany PVC or a datastore mount).
+
+Older checkpoints are deleted (`keepLast`) only after the new one is renamed complete, so
+a write that fails (a full volume) leaves every earlier checkpoint as it was; the failure
+is a `CheckpointError` naming the folder, the free space and the checkpoint a rerun
+resumes from. Leftover `.partial` folders are removed when the next checkpoint starts.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ class TrainerState:
 
 
 class CheckpointError(RuntimeError):
-    pass
+    """A checkpoint could not be written; the message names the folder and the fix."""
 
 
 def checkpoint_root(output_dir: Path) -> Path:
@@ -64,37 +69,94 @@ def save(strategy, scheduler, state: TrainerState, output_dir: Path, keep_last: 
     """Write a checkpoint taken after `state.step` steps; collective: every rank calls it."""
     import torch
     import torch.distributed as dist
+    from torch.distributed.checkpoint.api import CheckpointException
 
     rank = dist.get_rank()
     root = checkpoint_root(output_dir)
     final = root / f"step-{state.step:08d}"
     partial = root / f"step-{state.step:08d}.partial"
+
+    def writing(write) -> None:
+        try:
+            write()
+        # torch reports a full disk as a RuntimeError ("unexpected pos"), DCP as a
+        # CheckpointException (a BaseException) carrying each rank's error
+        except (OSError, RuntimeError, CheckpointException) as error:
+            raise CheckpointError(write_failure(output_dir, partial, error)) from error
+
     if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
+        writing(lambda: _start(root, partial))
     dist.barrier()
-    try:
-        strategy.save(partial / MODEL_DIR)
-        torch.save(rng_state(), partial / f"rng-{rank}.pt")
-        if rank == 0:
-            torch.save(scheduler.state_dict(), partial / SCHEDULER_FILE)
-    except (OSError, RuntimeError) as error:  # torch reports a full disk as RuntimeError
-        raise CheckpointError(f"{partial}: writing the checkpoint failed ({error}) — free "
-                              "space on the output volume; earlier checkpoints are intact"
-                              ) from error
+    writing(lambda: strategy.save(partial / MODEL_DIR))
+    writing(lambda: torch.save(rng_state(), partial / f"rng-{rank}.pt"))
+    if rank == 0:
+        writing(lambda: torch.save(scheduler.state_dict(), partial / SCHEDULER_FILE))
     dist.barrier()
     if rank == 0:
-        tmp = partial / (STATE_FILE + ".tmp")
-        tmp.write_text(json.dumps(asdict(state), indent=2))
-        os.replace(tmp, partial / STATE_FILE)
+        writing(lambda: _write_state(partial, state))
         if final.exists():  # a rerun of the same step: the new one replaces it whole
             shutil.rmtree(final)
         os.rename(partial, final)
         _fsync_dir(root)
+        # only now, with a newer checkpoint complete, may the oldest go
         for old in complete_checkpoints(output_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
+
+
+def _start(root: Path, partial: Path) -> None:
+    for stale in root.glob("step-*.partial"):  # left by a failed write or a killed run
+        shutil.rmtree(stale, ignore_errors=True)
+    partial.mkdir(parents=True)
+
+
+def _write_state(partial: Path, state: TrainerState) -> None:
+    tmp = partial / (STATE_FILE + ".tmp")
+    tmp.write_text(json.dumps(asdict(state), indent=2))
+    os.replace(tmp, partial / STATE_FILE)
+
+
+def write_failure(output_dir: Path, partial: Path, error: BaseException) -> str:
+    """What to tell a user whose checkpoint could not be written: where, why (the first
+    rank's error), how much space is left, the fix, and where a rerun resumes from."""
+    failures = getattr(error, "_failures", None)  # DCP: {rank: (exception, traceback)}
+    if failures:
+        rank, (cause, _trace) = sorted(failures.items(), key=lambda item: item[0])[0]
+        reason = f"rank {rank}: {cause}"
+    else:
+        reason = str(error) or type(error).__name__
+    latest = latest_checkpoint(output_dir)
+    resume = (f"it resumes from {latest.name}, which is complete and untouched" if latest
+              else "it starts from step 0 (no checkpoint is complete yet)")
+    try:
+        free = shutil.disk_usage(output_dir).free
+    except OSError:
+        free = None
+    needed = _folder_size(latest) if latest else 0
+    if free is not None and free <= max(needed, 1 << 20):
+        problem = (f"the output volume is full ({_size(free)} free; a checkpoint takes "
+                   f"{_size(needed)})" if needed else
+                   f"the output volume is full ({_size(free)} free)")
+        fix = "free space there or point spec.output.uri at a larger volume"
+    else:
+        problem = ("the output folder refused the write" if free is None else
+                   f"the output folder refused the write ({_size(free)} free)")
+        fix = "check that every worker can write there and that its volume has room"
+    return (f"{output_dir}: writing checkpoint {partial.name} failed ({reason}); {problem} — "
+            f"{fix}, then run the job again: {resume}")
+
+
+def _folder_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _size(count: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024:
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} TiB"
 
 
 def load(strategy, scheduler, checkpoint: Path) -> TrainerState:

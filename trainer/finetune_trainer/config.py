@@ -224,6 +224,26 @@ class MetricsConfig(ApiModel):
     """Port of local rank 0; local rank k serves on port + k."""
 
 
+class PreflightConfig(ApiModel):
+    """An all-reduce bandwidth check across every rank before step 0."""
+
+    enabled: bool = True
+    """Measure the all-reduce bus bandwidth (as nccl-tests defines it) of all ranks, of
+    each node's ranks and of node pairs; nodes below 0.8x the median are named in the
+    log, the metrics and the job's `CollectivePreflight` condition. A few seconds."""
+    min_bus_bandwidth_gbps: float | None = Field(default=None, gt=0, alias="minBusBandwidthGBps")
+    """Fail the job before training when the all-ranks bus bandwidth at the largest size
+    is below this many GB/s. Unset: measure and report only."""
+
+
+class TrainerPreflight(PreflightConfig):
+    """The preflight a worker runs: the job's settings plus what the operator knows."""
+
+    require_infiniband: bool = False
+    """Fail unless NCCL picked the InfiniBand transport between nodes
+    (`spec.kubernetes.infiniband`)."""
+
+
 class TrainerConfig(ApiModel):
     """Everything a worker needs, resolved by the operator (or `finetune run`)."""
 
@@ -237,6 +257,7 @@ class TrainerConfig(ApiModel):
     hyperparameters: Hyperparameters
     output: OutputConfig
     metrics: MetricsConfig = section(MetricsConfig)
+    preflight: TrainerPreflight = section(TrainerPreflight)
 
     @model_validator(mode="after")
     def _strategy_is_resolved(self) -> TrainerConfig:

@@ -65,20 +65,58 @@ def local_data_files(uri: str, base_dir: Path | None = None) -> list[Path]:
     return files
 
 
-def check_jsonl(path: Path) -> None:
-    """Refuse a malformed JSON Lines file, naming the first bad line."""
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
+def _text_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of a UTF-8 file; a line that is not UTF-8 is named."""
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
             try:
-                value = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise DataError(f"{path}:{number}", f"is not valid JSON ({error.msg}, column "
-                                f"{error.colno})", "fix or remove that line") from error
-            if not isinstance(value, dict):
-                raise DataError(f"{path}:{number}", f"is a JSON {type(value).__name__}, not an "
-                                "object", "write one JSON object per line")
+                yield number, raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise DataError(f"{path}:{number}", f"is not UTF-8 text (byte "
+                                f"0x{raw[error.start]:02x} at column {error.start + 1})",
+                                "save the file as UTF-8, or fix or remove that line") from None
+
+
+def check_text(path: Path) -> None:
+    """Refuse a text data file (csv, json) that is not UTF-8, naming the first bad line."""
+    for _ in _text_lines(path):
+        pass
+
+
+def check_jsonl(path: Path) -> list[int]:
+    """Refuse a malformed JSON Lines file, naming the first bad line; returns the line
+    number of every record (blank lines hold none)."""
+    records = []
+    for number, line in _text_lines(path):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise DataError(f"{path}:{number}", f"is not valid JSON ({error.msg}, column "
+                            f"{error.colno})", "fix or remove that line") from error
+        except RecursionError:
+            raise DataError(f"{path}:{number}", "nests JSON too deeply to read",
+                            "flatten that record, or remove it") from None
+        if not isinstance(value, dict):
+            raise DataError(f"{path}:{number}", f"is a JSON {type(value).__name__}, not an "
+                            "object", "write one JSON object per line")
+        records.append(number)
+    if not records:
+        raise DataError(str(path), "holds no records (only blank lines)",
+                        "write one JSON object per line, or remove the file")
+    return records
+
+
+def _root_cause(error: BaseException) -> str:
+    """The innermost error's type and first line: what a loader really tripped on."""
+    for _ in range(20):
+        inner = error.__cause__ or error.__context__
+        if inner is None:
+            break
+        error = inner
+    text = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def read_records(source: DatasetSource, base_dir: Path | None = None):
@@ -88,27 +126,67 @@ def read_records(source: DatasetSource, base_dir: Path | None = None):
     uri = source.uri
     if uri.startswith("hf://"):
         try:
-            return datasets.load_dataset(uri.removeprefix("hf://"), split=source.split)
+            records = datasets.load_dataset(uri.removeprefix("hf://"), split=source.split)
         except Exception as error:  # network, auth, missing split: all end the run here
             raise DataError(uri, f"cannot be loaded from the hub ({error})",
                             "check the name, the split, network access and HF_TOKEN; or copy "
                             "the data to a PVC") from error
+        check_records(records, _format_of(source, records, uri),
+                      lambda index: f"{uri} record {index + 1}")
+        return records
     if uri.startswith("https://"):
         builder = FILE_BUILDERS.get(Path(uri.split("?")[0]).suffix)
         if builder is None:
             raise DataError(uri, "does not end in .jsonl, .json, .parquet or .csv",
                             "link to a data file of one of those kinds")
-        return datasets.load_dataset(builder, data_files=uri, split="train")
+        try:
+            records = datasets.load_dataset(builder, data_files=uri, split="train")
+        except Exception as error:
+            raise DataError(uri, f"cannot be read as {builder} ({_root_cause(error)})",
+                            "check the link and that it serves a valid data file") from error
+        check_records(records, _format_of(source, records, uri),
+                      lambda index: f"{uri} record {index + 1}")
+        return records
     files = local_data_files(uri, base_dir)
     builder = FILE_BUILDERS[files[0].suffix]
-    if builder == "json" and files[0].suffix == ".jsonl":
-        for path in files:
-            check_jsonl(path)
+    lines: list[tuple[Path, list[int]]] = []  # where each record of a jsonl file starts
+    for path in files:
+        if path.stat().st_size == 0:
+            raise DataError(str(path), "is empty", "write at least one record, or remove "
+                            "the file")
+        if path.suffix == ".jsonl":
+            lines.append((path, check_jsonl(path)))
+        elif builder != "parquet":
+            check_text(path)
     try:
-        return datasets.load_dataset(builder, data_files=[str(p) for p in files], split="train")
+        records = datasets.load_dataset(builder, data_files=[str(p) for p in files],
+                                        split="train")
     except Exception as error:
-        raise DataError(str(files[0]), f"cannot be read as {builder} ({error})",
-                        "check the file's format") from error
+        if "corresponds to no data" in str(error):  # datasets' words for zero records
+            raise DataError(str(files[0]) if len(files) == 1 else str(uri), "holds no "
+                            "records", "write at least one record") from error
+        raise DataError(str(files[0]), f"cannot be read as {builder} ({_root_cause(error)})",
+                        f"check that it is a valid {files[0].suffix.lstrip('.')} file") from error
+    where = uri if len(files) > 1 else str(files[0])
+    check_records(records, _format_of(source, records, where),
+                  _locator(where, lines, len(records)))
+    return records
+
+
+def _format_of(source: DatasetSource, records, where: str) -> str:
+    try:
+        return resolve_format(source.format, records.column_names)
+    except DataError as error:
+        raise DataError(where, error.what, error.fix) from None
+
+
+def _locator(where: str, lines: list[tuple[Path, list[int]]], count: int):
+    """Record index → `file:line` for JSON Lines (records in file order), else `where`
+    with the record's number."""
+    starts = [(path, number) for path, numbers in lines for number in numbers]
+    if len(starts) == count:
+        return lambda index: f"{starts[index][0]}:{starts[index][1]}"
+    return lambda index: f"{where} record {index + 1}"
 
 
 # --- formats -----------------------------------------------------------------------------
@@ -137,12 +215,85 @@ def resolve_format(requested: DatasetFormat, columns: Sequence[str]) -> str:
     return requested
 
 
+CHAT_FIX = ('write each conversation as "messages": [{"role": "user", "content": "..."}, '
+            '{"role": "assistant", "content": "..."}], or remove that record')
+
+
+def _describe(value: Any) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "null"
+    kind = ("text" if isinstance(value, str) else "true/false" if isinstance(value, bool)
+            else "a number" if isinstance(value, (int, float)) else "a list"
+            if isinstance(value, (list, tuple)) else "an object" if isinstance(value, dict)
+            else "binary data" if isinstance(value, bytes) else type(value).__name__)
+    preview = json.dumps(value, default=str, ensure_ascii=False)
+    return f"{kind} {preview[:40]}{'...' if len(preview) > 40 else ''}"
+
+
+def _is_text(value: Any) -> bool:
+    """Text, or a number or boolean (CSV columns of digits are read as numbers)."""
+    if isinstance(value, float):
+        return not math.isnan(value)
+    return isinstance(value, (str, int))
+
+
+def record_problem(record: dict[str, Any], fmt: str) -> tuple[str, str] | None:
+    """What is wrong with one record for `fmt` (and the fix), or None."""
+    if fmt == "text":
+        if not _is_text(record.get("text")):
+            return (f"`text` is {_describe(record.get('text'))}, not text",
+                    "write the sample as a string, or remove that record")
+        return None
+    if fmt == "instruction":
+        pairs = [p for p in (("prompt", "response"), ("instruction", "output"))
+                 if all(_is_text(record.get(field)) for field in p)]
+        if not pairs:
+            found = ", ".join(f"{k}: {_describe(v)}" for k, v in record.items())
+            return ("has neither `prompt`+`response` nor `instruction`+`output` as text "
+                    f"({found})", "fill in both fields of one pair, or remove that record")
+        extra = record.get("input")
+        if pairs[0][0] == "instruction" and extra is not None and not _is_text(extra):
+            return (f"`input` is {_describe(extra)}, not text",
+                    "write `input` as a string (or leave it out), or remove that record")
+        return None
+    messages = record.get("messages")
+    if not isinstance(messages, list):
+        return f"`messages` is {_describe(messages)}, not a list of messages", CHAT_FIX
+    if not messages:
+        return "`messages` is an empty conversation", CHAT_FIX
+    for number, message in enumerate(messages, start=1):
+        if not isinstance(message, dict):
+            return f"message {number} is {_describe(message)}, not a {{role, content}} object", \
+                CHAT_FIX
+        if not isinstance(message.get("role"), str):
+            return f"message {number} has role {_describe(message.get('role'))}", CHAT_FIX
+        content = message.get("content")
+        if not isinstance(content, str):
+            parts = (" (content parts, as multimodal chats have, are not supported)"
+                     if isinstance(content, list) else "")
+            return (f"message {number} ({message['role']}) has content "
+                    f"{_describe(content)}, not text{parts}", CHAT_FIX)
+    return None
+
+
+def check_records(records, fmt: str, locate) -> None:
+    """Refuse the first record `fmt` cannot use; `locate(index)` says where it is."""
+    wanted = {"chat": ["messages"], "text": ["text"],
+              "instruction": ["prompt", "response", "instruction", "input", "output"]}[fmt]
+    columns = [c for c in wanted if c in records.column_names]
+    for index, record in enumerate(records.select_columns(columns)):
+        if (problem := record_problem(record, fmt)) is not None:
+            raise DataError(locate(index), *problem)
+
+
 def _chat_tokens(messages: list[dict[str, Any]], tokenizer) -> tuple[list[int], list[int]]:
     """Token ids of a conversation, labelled only on the assistant turns.
 
     Each assistant turn's tokens are those the template adds when the turn is appended
     to the conversation so far (rendered with the generation prompt), so the role header
-    is not trained on but the end-of-turn marker is.
+    is not trained on but the end-of-turn marker is. An assistant turn that opens the
+    conversation answers nothing and is not trained on (templates cannot render the empty
+    conversation before it).
     """
     def render(turns: list[dict[str, Any]], prompt: bool) -> list[int]:
         return list(tokenizer.apply_chat_template(turns, tokenize=True, return_dict=False,
@@ -151,7 +302,7 @@ def _chat_tokens(messages: list[dict[str, Any]], tokenizer) -> tuple[list[int], 
     ids = render(messages, prompt=False)
     labels = [IGNORE] * len(ids)
     for i, message in enumerate(messages):
-        if message.get("role") != "assistant":
+        if message.get("role") != "assistant" or i == 0:
             continue
         before, through = render(messages[:i], prompt=True), render(messages[: i + 1], False)
         start, end = len(before), len(through)
@@ -189,15 +340,31 @@ def tokenize_record(record: dict[str, Any], fmt: str, tokenizer, max_length: int
         ids = bos + tokenizer.encode(str(record["text"]), add_special_tokens=False) + eos
         labels = list(ids)
     ids, labels = ids[:max_length], labels[:max_length]
-    labels[0] = IGNORE  # nothing predicts a sample's first token
+    if labels:
+        labels[0] = IGNORE  # nothing predicts a sample's first token
     return {"input_ids": ids, "labels": labels}
 
 
 def tokenize_records(records, fmt: str, tokenizer, max_length: int) -> list[dict[str, list[int]]]:
-    """Tokenise every record, dropping those truncation left without a trained token."""
+    """Tokenise every record, dropping those truncation left without a trained token.
+
+    A record the tokenizer or its chat template refuses (jinja's `raise_exception`, e.g.
+    roles that do not alternate) is a DataError quoting the record."""
+    from jinja2.exceptions import TemplateError
+
     out = []
     for record in records:
-        sample = tokenize_record(record, fmt, tokenizer, max_length)
+        problem = record_problem(record, fmt)
+        try:
+            if problem is not None:
+                raise DataError("dataset record", *problem)
+            sample = tokenize_record(record, fmt, tokenizer, max_length)
+        except DataError:
+            raise
+        except (TemplateError, ValueError, TypeError, KeyError, IndexError) as error:
+            raise DataError("dataset record", f"cannot be tokenized ({_root_cause(error)}): "
+                            f"{_describe(dict(record))}", "fix the record so the tokenizer's "
+                            "chat template accepts it, or remove it") from error
         if any(label != IGNORE for label in sample["labels"]):
             out.append(sample)
     return out
@@ -270,9 +437,21 @@ class GlobalBatches:
         random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
         return order
 
+    def _order(self, epoch: int) -> list[int]:
+        """`order`, shuffled once per epoch rather than once per step."""
+        cached = self.__dict__.get("_cached_order")
+        if cached is None or cached[0] != epoch:
+            cached = (epoch, self.order(epoch))
+            object.__setattr__(self, "_cached_order", cached)
+        return cached[1]
+
+    def step_indices(self, epoch: int, step: int) -> list[int]:
+        """Every sequence of the global batch at `step` (0-based) of `epoch`, all ranks."""
+        return self._order(epoch)[step * self.global_batch:(step + 1) * self.global_batch]
+
     def micro_batches(self, epoch: int, step: int, rank: int) -> list[list[int]]:
         """Sequence indices of each micro-step of `rank` at `step` (0-based) of `epoch`."""
-        window = self.order(epoch)[step * self.global_batch:(step + 1) * self.global_batch]
+        window = self.step_indices(epoch, step)
         out = []
         for micro in range(self.accumulation):
             slot = micro * self.world_size + rank

@@ -132,6 +132,11 @@ class Strategy:
         return get_model_state_dict(self.model, options=StateDictOptions(
             full_state_dict=True, cpu_offload=True))
 
+    def time_collectives(self, log) -> Any:
+        """Time this strategy's gradient collectives into `log` (a CollectiveLog); returns
+        a sampler where timing every step would cost a sync (ZeRO), else None."""
+        return None
+
     def unwrapped(self):
         """The Hugging Face (or peft) model inside the wrappers."""
         return getattr(self.model, "module", self.model)
@@ -155,6 +160,12 @@ class DDPStrategy(Strategy):
         ids = [self.device.index] if self.device.type == "cuda" else None
         self.model = DistributedDataParallel(model, device_ids=ids)
         self.optimizer = self.base_optimizer = make_optimizer(self.model)
+
+    def time_collectives(self, log) -> Any:
+        from finetune_trainer.collectives import ddp_hook
+
+        self.model.register_comm_hook(state=None, hook=ddp_hook(log))
+        return None
 
     def backward(self, loss, boundary: bool) -> None:
         context = contextlib.nullcontext() if boundary else self.model.no_sync()
@@ -193,6 +204,12 @@ class FSDPStrategy(Strategy):
     def autocast(self):
         return contextlib.nullcontext()  # the mixed-precision policy casts per layer
 
+    def time_collectives(self, log) -> Any:
+        from finetune_trainer.collectives import time_fsdp
+
+        time_fsdp(self.model, log)
+        return None
+
     def backward(self, loss, boundary: bool) -> None:
         self.model.set_requires_gradient_sync(boundary)
         self.scaler.scale(loss).backward()
@@ -226,6 +243,11 @@ class DeepSpeedStrategy(Strategy):
 
     def step(self) -> Any:
         return self.model.get_global_grad_norm()
+
+    def time_collectives(self, log) -> Any:
+        from finetune_trainer.collectives import DeepSpeedSampler
+
+        return DeepSpeedSampler()
 
     def save(self, path: Path) -> None:
         self.model.save_checkpoint(str(path), tag="deepspeed", save_latest=False,

@@ -31,8 +31,15 @@ class Progress:
     learningRate: float
     tokensPerSecond: float
     etaSeconds: int | None
+    mfu: float | None = None
+    stepSeconds: float | None = None
+    """Mean wall time of the window's steps."""
+    peakMemoryBytes: int | None = None
+    """Rank 0's peak memory (the CUDA allocator's on a GPU, resident set on CPU)."""
     phase: str = "Running"
     updateTime: str = ""
+    preflight: dict | None = None
+    """The collective preflight's figures (busBandwidthGBps, nodes, slowNodes, ...)."""
 
 
 def format_duration(seconds: float | None) -> str:
@@ -60,6 +67,7 @@ class Reporter:
         self.window_steps = 0
         self.bar = None
         self.last: Progress | None = None
+        self.preflight: dict | None = None  # published with every record
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
@@ -71,7 +79,8 @@ class Reporter:
         if self.bar is not None:
             self.bar.update(1)
 
-    def report(self, step: int, epoch: float, loss: float | None, lr: float) -> Progress:
+    def report(self, step: int, epoch: float, loss: float | None, lr: float,
+               mfu: float | None = None, peak_memory: int | None = None) -> Progress:
         """Close the current window and publish it (`step` counts completed steps)."""
         elapsed = max(time.perf_counter() - self.window_start, 1e-9)
         tokens_per_second = self.window_tokens / elapsed
@@ -79,19 +88,24 @@ class Reporter:
         eta = None if step_seconds is None else int(step_seconds * (self.total_steps - step))
         record = Progress(step=step, totalSteps=self.total_steps, epoch=round(epoch, 4),
                           loss=loss, learningRate=lr, tokensPerSecond=round(tokens_per_second, 1),
-                          etaSeconds=eta,
+                          etaSeconds=eta, mfu=None if mfu is None else round(mfu, 4),
+                          stepSeconds=None if step_seconds is None else round(step_seconds, 6),
+                          peakMemoryBytes=peak_memory,
+                          preflight=self.preflight,
                           updateTime=datetime.now(timezone.utc).isoformat(timespec="seconds"))
         if self.enabled:
             loss_text = "n/a" if loss is None else f"{loss:.4f}"
             line = (f"step {step}/{self.total_steps} | epoch {epoch:.2f} | loss {loss_text} | "
-                    f"lr {lr:.2e} | {tokens_per_second:,.0f} tok/s | eta {format_duration(eta)}")
+                    f"lr {lr:.2e} | {tokens_per_second:,.0f} tok/s | eta {format_duration(eta)}"
+                    + ("" if mfu is None else f" | MFU {mfu:.1%}"))
             if self.bar is not None:
                 self.bar.write(line)
             else:
                 print(line, flush=True)
             self._write(record)
             with self.history.open("a", encoding="utf-8") as handle:
-                handle.write(json.dumps(asdict(record)) + "\n")
+                line = {k: v for k, v in asdict(record).items() if k != "preflight"}
+                handle.write(json.dumps(line) + "\n")
             if self.tracker is not None:
                 self.tracker.log(record)
         self.window_start, self.window_tokens, self.window_steps = time.perf_counter(), 0, 0

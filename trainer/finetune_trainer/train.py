@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from finetune_trainer import checkpoint, tracking
+from finetune_trainer import checkpoint, flops, network_preflight, tracking
+from finetune_trainer.collectives import CollectiveLog, merge
 from finetune_trainer.config import TrainerConfig
 from finetune_trainer.data import (
     IGNORE,
@@ -30,9 +31,10 @@ from finetune_trainer.data import (
     resolve_format,
     tokenize_records,
 )
-from finetune_trainer.metrics import TrainerMetrics
+from finetune_trainer.metrics import TrainerMetrics, peak_memory_bytes
 from finetune_trainer.model import inspect_architecture, load_model, load_tokenizer
 from finetune_trainer.progress import ProgressServer, Reporter
+from finetune_trainer.timing import StepPhases
 
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: what Kubernetes and torchrun expect after SIGTERM
 FINAL_DIR = "final"
@@ -88,6 +90,43 @@ class StopRequest:
     def _handle(self, signum, frame) -> None:
         self.requested = True
 
+    def agree(self, group) -> _Agreement:
+        """Start agreeing (all ranks, asynchronously) on whether any rank was told to
+        stop; every rank stops after the same step."""
+        return _Agreement(self.requested, group)
+
+
+class _Agreement:
+    def __init__(self, requested: bool, group) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.flag = torch.tensor([1.0 if requested else 0.0])
+        self.work = dist.all_reduce(self.flag, group=group, async_op=True)
+
+    def wait(self) -> bool:
+        self.work.wait()
+        return bool(self.flag.item() > 0)
+
+
+class StepCounts:
+    """Label tokens, input tokens and sequences of any step's global batch, from per-
+    sequence counts taken once: identical on every rank without communicating."""
+
+    def __init__(self, sequences, batches: GlobalBatches) -> None:
+        self.batches = batches
+        # as the loss counts them: the label of each row's first token is never predicted
+        self.labels = [sum(label != IGNORE for label in s["labels"][1:]) for s in sequences]
+        self.inputs = [len(s["input_ids"]) for s in sequences]
+
+    def of_indices(self, micro_batches: list[list[int]]) -> int:
+        return sum(self.labels[i] for indices in micro_batches for i in indices)
+
+    def of_step(self, epoch: int, step: int) -> tuple[int, int, int]:
+        window = self.batches.step_indices(epoch, step)
+        return (sum(self.labels[i] for i in window), sum(self.inputs[i] for i in window),
+                len(window))
+
 
 def _label_tokens(batch) -> int:
     return int((batch["labels"][:, 1:] != IGNORE).sum())
@@ -102,6 +141,80 @@ def _all_ranks_sum(values: list[float], group) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(tensor, group=group)
     return tensor.tolist()
+
+
+class LogWindow:
+    """Work done since the last log step (every rank sees the all-ranks sums)."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.steps = 0
+        self.inputs = 0.0  # tokens through the model (prompts included), for MFU
+        self.sequences = 0.0
+
+    def add(self, inputs: float, sequences: float) -> None:
+        self.steps += 1
+        self.inputs += inputs
+        self.sequences += sequences
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.started
+
+
+def _model_flops_per_token(model, sequences) -> float:
+    """Model FLOPs per token at this data's mean sequence length (packed sequences count
+    whole: attention within a packed sequence is slightly over-counted)."""
+    params, frozen, layers, width = flops.model_shape(model)
+    mean_length = sum(len(s["input_ids"]) for s in sequences) / max(len(sequences), 1)
+    return flops.model_flops_per_token(params, layers, width, mean_length, frozen_params=frozen)
+
+
+def _as_float(value) -> float | None:
+    """A gradient norm as the strategies return it (tensor, DTensor, float or None)."""
+    if value is None:
+        return None
+    if hasattr(value, "full_tensor"):
+        value = value.full_tensor()
+    return float(value)
+
+
+def check_network(config: TrainerConfig, device, output_dir: Path, scratch: Path | None,
+                  metrics: TrainerMetrics):
+    """The collective preflight; rank 0 logs the table. Raises PreflightError below the
+    floor or when InfiniBand was asked for and not used."""
+    import torch.distributed as dist
+
+    result = network_preflight.measure(device)
+    if scratch is not None:
+        result.transport = network_preflight.read_transport(scratch)
+    if device.type == "cuda":
+        result.flight_recorder = str(output_dir / network_preflight.FLIGHT_RECORDER_DIR)
+    if dist.get_rank() == 0:
+        print(result.table(), flush=True)
+        metrics.preflight(result)
+    nodes = len(result.node_bandwidth()) or 1
+    network_preflight.check_floor(result, config.preflight.min_bus_bandwidth_gbps)
+    network_preflight.check_transport(result, config.preflight.require_infiniband, nodes)
+    return result
+
+
+def _network_env(config: TrainerConfig, output_dir: Path) -> Path | None:
+    """Before the process group exists: the NCCL flight recorder, and NCCL's transport log
+    where InfiniBand must be checked. Returns the folder of that log."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    for name, value in network_preflight.flight_recorder_env(output_dir).items():
+        os.environ.setdefault(name, value)
+    (output_dir / network_preflight.FLIGHT_RECORDER_DIR).mkdir(parents=True, exist_ok=True)
+    if not (config.preflight.enabled and config.preflight.require_infiniband):
+        return None
+    import tempfile
+
+    scratch = Path(tempfile.mkdtemp(prefix="nccl-log-"))
+    os.environ.update(network_preflight.nccl_debug_env(scratch))
+    return scratch
 
 
 def _summed_loss(model, batch):
@@ -197,21 +310,32 @@ def run(config: TrainerConfig, base_dir: Path) -> int:
     hp, method = config.hyperparameters, config.method
     prepared = preflight(config, base_dir)
     stop = StopRequest()
+    output_dir = resolve_path(config.output.uri, base_dir)
+    nccl_log = _network_env(config, output_dir)
     device = init_distributed()
     world, rank = dist.get_world_size(), dist.get_rank()
     if rank != 0:
         transformers.logging.set_verbosity_error()
     control = dist.new_group(backend="gloo")  # CPU-side agreement, no device sync
+    metrics = TrainerMetrics(config.job.name, config.job.namespace or "", rank, device=device)
+    network = None
+    if config.preflight.enabled and world > 1:
+        network = check_network(config, device, output_dir, nccl_log, metrics)
     transformers.set_seed(hp.seed)
-    output_dir = resolve_path(config.output.uri, base_dir)
     pad_id = prepared.tokenizer.pad_token_id
 
     strategy = build_strategy(config.strategy, hp, device, prepared.wrap_classes)
     model = load_model(config.model, method, config.strategy.precision,
                        config.strategy.gradient_checkpointing, base_dir,
                        sharded=strategy.name != "ddp")
+    flops_per_token = _model_flops_per_token(model, prepared.train)
+    peak = flops.peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     learning_rate = hp.resolved_learning_rate(method.type)
     strategy.setup(model, lambda m: build_optimizer(m, hp, learning_rate))
+    instrumented = config.metrics.enabled
+    collective_log = CollectiveLog(device, world) if instrumented else None
+    sampler = strategy.time_collectives(collective_log) if instrumented and world > 1 else None
+    phases = StepPhases(device) if instrumented else None
     batches = GlobalBatches(len(prepared.train), hp.batch_size_per_device,
                             hp.gradient_accumulation_steps, world, hp.seed)
     steps = total_steps(config, batches)
@@ -219,12 +343,11 @@ def run(config: TrainerConfig, base_dir: Path) -> int:
 
     state = checkpoint.TrainerState(step=0, epoch=0, step_in_epoch=0, tokens_seen=0,
                                     total_steps=steps)
-    metrics = TrainerMetrics(config.job.name, config.job.namespace or "", rank)
     metrics.total_steps.set(steps)
     if (latest := checkpoint.latest_checkpoint(output_dir)) is not None:
         started = time.perf_counter()
         state = checkpoint.load(strategy, scheduler, latest)
-        metrics.checkpoint_load.set(time.perf_counter() - started)
+        metrics.resumed(time.perf_counter() - started)
         _say(f"resuming from {latest} (step {state.step}/{steps})")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # one port per process on a node
     server = (ProgressServer(config.metrics.port + local_rank, registry=metrics.registry)
@@ -232,46 +355,87 @@ def run(config: TrainerConfig, base_dir: Path) -> int:
     tracker = tracking.from_environment() if rank == 0 else None  # Azure ML Studio charts
     reporter = Reporter(output_dir, steps, state.step, enabled=rank == 0, server=server,
                         tracker=tracker)
+    reporter.preflight = network.record() if network is not None else None
     _say(f"training {len(prepared.train)} sequences on {world} "
          f"{'process' if world == 1 else 'processes'} ({strategy.name}, "
          f"{config.strategy.precision}): {steps} steps of {batches.global_batch} sequences")
 
+    counts = StepCounts(prepared.train, batches)
     schedule = batches.schedule(state.step)
     loss_window = torch.zeros((), device=device, dtype=torch.float64)
     tokens_window = 0
+    window = LogWindow()
+    sampled: list = []  # ZeRO's timed steps since the last log step
+    grad_norm = None
     strategy.model.train()
     while state.step < steps:
+        if phases is not None:
+            phases.begin()
         epoch, step_in_epoch = next(schedule)
+        agreement = stop.agree(control)  # overlaps the step; waited for at its end
+        mine = batches.micro_batches(epoch, step_in_epoch, rank)
         micro_batches = [collate([prepared.train[i] for i in indices], pad_id)
-                         for indices in batches.micro_batches(epoch, step_in_epoch, rank)]
-        local_tokens = sum(_label_tokens(b) for b in micro_batches)
-        step_tokens, stopping = _all_ranks_sum([local_tokens, float(stop.requested)], control)
+                         for indices in mine]
+        # every rank knows the whole global batch, so the token count the loss is
+        # normalised by needs no collective
+        step_tokens, step_inputs, step_sequences = counts.of_step(epoch, step_in_epoch)
+        local_tokens = counts.of_indices(mine)
         scale = world / max(step_tokens, 1)
+        if phases is not None:
+            phases.mark()
+        sampling = sampler is not None and sampler.wants(state.step + 1)
+        if sampling:
+            sampler.begin()
         for index, batch in enumerate(micro_batches):
             with strategy.autocast():
                 loss = _summed_loss(strategy.model, _to(batch, device))
             strategy.backward(loss * scale, boundary=index == len(micro_batches) - 1)
             loss_window += loss.detach()
-        strategy.step()
+        if phases is not None:
+            phases.mark()
+        grad_norm = strategy.step()
         scheduler.step()
+        if phases is not None:
+            phases.mark()
+        if sampling:
+            sampled.append(sampler.end())
+        stopping = agreement.wait()
+        if collective_log is not None:
+            collective_log.step_boundary()
         state = checkpoint.TrainerState(
             step=state.step + 1, epoch=epoch + (step_in_epoch + 1) // batches.steps_per_epoch,
             step_in_epoch=(step_in_epoch + 1) % batches.steps_per_epoch,
             tokens_seen=state.tokens_seen + int(step_tokens), total_steps=steps)
         tokens_window += int(step_tokens)
+        window.add(step_inputs, step_sequences)
         reporter.step_done(int(step_tokens))
         metrics.tokens.inc(local_tokens)
+        metrics.samples.inc(sum(len(indices) for indices in mine))
 
         done = state.step == steps
         if state.step % hp.log_every_steps == 0 or done or stopping:
             window_loss = _all_ranks_sum([float(loss_window)], control)[0]
+            seconds = window.seconds()
+            mfu = (flops_per_token * window.inputs / seconds / (peak * world)
+                   if peak and seconds > 0 else None)
             record = reporter.report(state.step, state.step / batches.steps_per_epoch,
                                      window_loss / max(tokens_window, 1),
-                                     scheduler.get_last_lr()[0])
+                                     scheduler.get_last_lr()[0], mfu=mfu,
+                                     peak_memory=peak_memory_bytes(device))
+            split = phases.drain() if phases is not None else {}
+            if collective_log is not None:
+                timed = merge([collective_log.drain(), *sampled])
+                sampled.clear()
+                metrics.collectives(timed, world)
+                if timed.totals:
+                    split["collective_wait"] = timed.exposed_seconds / max(window.steps, 1)
             metrics.logged(record.step, steps, record.epoch, record.loss, record.learningRate,
-                           record.tokensPerSecond, device)
+                           record.tokensPerSecond, device, grad_norm=_as_float(grad_norm),
+                           samples_per_second=window.sequences / seconds if seconds else None,
+                           mfu=mfu, phases=split)
             loss_window.zero_()
             tokens_window = 0
+            window = LogWindow()
         if hp.eval_every_steps and state.step % hp.eval_every_steps == 0 and not done:
             eval_loss = evaluate(strategy, prepared.eval, hp.batch_size_per_device, pad_id,
                                  control)

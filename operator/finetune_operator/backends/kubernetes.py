@@ -8,7 +8,9 @@ operator settings; the kopf handlers create what it returns.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -115,6 +117,21 @@ def _toleration(taint: Taint) -> dict[str, Any]:
     return toleration
 
 
+def progress_from_record(record: dict[str, Any]) -> Progress:
+    """Rank 0's /progress JSON (finetune_trainer.progress.Progress) as the status model."""
+    return Progress(step=record.get("step"), total_steps=record.get("totalSteps"),
+                    epoch=record.get("epoch"), loss=record.get("loss"),
+                    tokens_per_second=record.get("tokensPerSecond"), mfu=record.get("mfu"),
+                    eta_seconds=record.get("etaSeconds"), preflight=record.get("preflight"))
+
+
+def _metrics_ports(processes: int, first: int) -> list[dict[str, Any]]:
+    """Local rank k serves /metrics on first + k: ports `metrics`, `metrics-1`, ... so the
+    chart's PodMonitor finds every rank of a node (it lists metrics-1 to metrics-7)."""
+    return [{"name": "metrics" if k == 0 else f"metrics-{k}", "containerPort": first + k}
+            for k in range(max(processes, 1))]
+
+
 def _env(job: FineTuneJob, settings: OperatorSettings) -> list[dict[str, Any]]:
     spec = job.spec
     resources = spec.resources
@@ -134,6 +151,10 @@ def _env(job: FineTuneJob, settings: OperatorSettings) -> list[dict[str, Any]]:
         {"name": "TORCH_EXTENSIONS_DIR", "value": f"{CACHE_DIR}/torch_extensions"},
         {"name": "TORCH_NCCL_ASYNC_ERROR_HANDLING", "value": "1"},
         {"name": "NCCL_DEBUG", "value": "WARN"},
+        # the trainer's finetune_restarts series: which attempt this is
+        {"name": "FINETUNE_RESTARTS", "value": str(job.status.restarts if job.status else 0)},
+        # the node in every metric's `node` label and the preflight's per-node figures
+        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
     ]
     if spec.model.token_secret_ref is not None:
         ref = spec.model.token_secret_ref
@@ -223,7 +244,7 @@ def worker_pod_template(job: FineTuneJob, settings: OperatorSettings) -> dict[st
                  "--config=$(FINETUNE_CONFIG)"],
         "env": _env(job, settings),
         "ports": [{"name": "rendezvous", "containerPort": settings.rendezvous_port},
-                  {"name": "metrics", "containerPort": settings.metrics_port}],
+                  *_metrics_ports(resources.processes(), settings.metrics_port)],
         "resources": {k: v for k, v in (("requests", requests), ("limits", limits)) if v},
         # a failed worker's last log lines land in its status, and so in our message
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -407,13 +428,20 @@ class KubernetesBackend:
                         job.namespace, obj["metadata"]["name"])
 
     async def observe(self, job: FineTuneJob) -> Observation:
-        workload = await self.kube.get("Job", job.namespace, naming.worker_job(job.name))
+        children = (("Job", naming.worker_job(job.name)),
+                    ("Service", naming.headless_service(job.name)),
+                    ("ConfigMap", naming.trainer_config_map(job.name)))
+        workload, *others = await asyncio.gather(
+            *(self.kube.get(kind, job.namespace, name) for kind, name in children))
         if workload is None:
             return Observation()
         selector = f"{naming.LABEL_JOB}={job.name}"
         pods = [p for p in await self.kube.pods(job.namespace, selector)
                 if p["metadata"].get("labels", {}).get(naming.LABEL_JOB) == job.name]
-        return observe(workload, pods, job.spec.resources.nodes, await self.progress(pods))
+        seen = observe(workload, pods, job.spec.resources.nodes, await self.progress(pods))
+        missing = tuple(f"{kind} {name}" for (kind, name), found
+                        in zip(children[1:], others, strict=True) if found is None)
+        return replace(seen, missing=missing) if missing and not seen.deleting else seen
 
     async def progress(self, pods: list[dict[str, Any]]) -> Progress | None:
         """Rank 0's latest progress record, or None when it cannot be read right now."""
@@ -433,10 +461,7 @@ class KubernetesBackend:
         except (aiohttp.ClientError, TimeoutError, ValueError) as error:
             logger.debug("progress of %s not readable: %s", rank0["metadata"]["name"], error)
             return None
-        return Progress(step=record.get("step"), total_steps=record.get("totalSteps"),
-                        epoch=record.get("epoch"), loss=record.get("loss"),
-                        tokens_per_second=record.get("tokensPerSecond"),
-                        eta_seconds=record.get("etaSeconds"))
+        return progress_from_record(record)
 
     async def suspend(self, job: FineTuneJob) -> None:
         await self.kube.suspend_job(job.namespace, naming.worker_job(job.name), True)

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict
 from finetune_operator.planner.architecture import ModelShape
 from finetune_operator.planner.catalog import VmSize
 from finetune_operator.planner.memory import TrainingSetup, trainable_params
+from finetune_trainer import flops
 
 EXPECTED_MFU = {"H100-80GB": 0.40, "H200-141GB": 0.40, "H100-NVL-94GB": 0.40,
                 "A100-40GB": 0.50, "A100-80GB": 0.50, "A100-80GB-PCIe": 0.50,
@@ -41,8 +42,11 @@ class Throughput(BaseModel):
 
 
 def model_flops_per_token(shape: ModelShape, seq_len: int) -> float:
+    """What published MFU figures use: every weight trained (the trainer's MFU series
+    counts frozen LoRA bases at 4 instead of 6 FLOPs per parameter)."""
     n = shape.active_non_embedding_params + (shape.vocab_size * shape.hidden_size)
-    return 6.0 * n + 12.0 * shape.num_layers * shape.num_heads * shape.head_dim * seq_len
+    return flops.model_flops_per_token(n, shape.num_layers, shape.num_heads * shape.head_dim,
+                                       seq_len)
 
 
 def hardware_flops_per_token(shape: ModelShape, setup: TrainingSetup) -> float:

@@ -1,0 +1,163 @@
+"""The peer: Hugging Face `transformers.Trainer` on the same model, data and settings.
+
+Started under torchrun by benchmarks/throughput.py (`--config FILE`, the same trainer
+config our trainer reads). The samples are tokenised by our own data module, so both sides
+train on identical token sequences; Trainer then does what its users do: one sample per
+row, padded to the longest in the batch (DataCollatorForSeq2Seq), labels -100 on padding.
+Writes a JSON result (label tokens/s over the timed steps, step time, peak memory) on
+rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", type=Path, required=True)
+    parser.add_argument("--result", type=Path, required=True)
+    parser.add_argument("--warmup-steps", type=int, default=3)
+    args = parser.parse_args()
+
+    import torch
+    import torch.distributed as dist
+    from transformers import (
+        AutoModelForCausalLM,
+        DataCollatorForSeq2Seq,
+        Trainer,
+        TrainingArguments,
+    )
+
+    from finetune_trainer import flops
+    from finetune_trainer.config import TrainerConfig
+    from finetune_trainer.data import IGNORE, read_records, resolve_format, tokenize_records
+    from finetune_trainer.model import load_tokenizer
+
+    config = TrainerConfig.load(args.config)
+    base = args.config.parent
+    hp, strategy = config.hyperparameters, config.strategy
+    tokenizer = load_tokenizer(config.model, base)
+    records = read_records(config.dataset, base)
+    fmt = resolve_format(config.dataset.format, records.column_names)
+    samples = tokenize_records(records, fmt, tokenizer, config.dataset.max_seq_length)
+    train = [{"input_ids": s["input_ids"], "labels": s["labels"]} for s in samples]
+
+    gpu = torch.cuda.is_available()
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
+        strategy.precision]
+    # as ours: full fine-tunes keep fp32 master weights under autocast; adapters train on
+    # a base held in the compute dtype; QLoRA's base is 4-bit NF4 (the same settings)
+    kwargs = {"attn_implementation": "sdpa",
+              "dtype": compute if gpu and config.method.type != "full" else torch.float32}
+    if config.method.type == "qlora":
+        from finetune_trainer.model import _four_bit
+
+        kwargs["quantization_config"] = _four_bit(compute)
+    model = AutoModelForCausalLM.from_pretrained(config.model.uri, **kwargs)
+    if config.method.type == "qlora":
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=strategy.gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    if config.method.type in ("lora", "qlora"):
+        from peft import LoraConfig, get_peft_model
+
+        lora = config.method.lora
+        model = get_peft_model(model, LoraConfig(
+            r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+            target_modules=lora.target_modules if lora.target_modules != ["all-linear"]
+            else "all-linear", task_type="CAUSAL_LM"))
+
+    timing = StepTiming(args.warmup_steps)
+    model.register_forward_pre_hook(timing.count, with_kwargs=True)
+    collator = DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=IGNORE)
+    training_args = TrainingArguments(
+        output_dir=str(args.result.parent / "hf-output"),
+        per_device_train_batch_size=hp.batch_size_per_device,
+        gradient_accumulation_steps=hp.gradient_accumulation_steps,
+        max_steps=hp.max_steps, learning_rate=hp.resolved_learning_rate(config.method.type),
+        warmup_steps=int(hp.warmup_ratio * hp.max_steps), lr_scheduler_type=hp.scheduler,
+        weight_decay=hp.weight_decay, max_grad_norm=hp.max_grad_norm, seed=hp.seed,
+        bf16=gpu and strategy.precision == "bf16", fp16=gpu and strategy.precision == "fp16",
+        gradient_checkpointing=strategy.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        use_cpu=not gpu, ddp_backend=None if gpu else "gloo",
+        dataloader_num_workers=0, report_to=[], save_strategy="no", logging_steps=10**9,
+        disable_tqdm=True, remove_unused_columns=False, optim="adamw_torch_fused" if gpu
+        else "adamw_torch")
+    trainer = Trainer(model=model, args=training_args, train_dataset=train,
+                      data_collator=collator, callbacks=[timing])
+    trainer.train()
+
+    tokens = torch.tensor([timing.timed_tokens, timing.timed_inputs], dtype=torch.float64)
+    world = 1
+    if dist.is_initialized():
+        dist.all_reduce(tokens)
+        world = dist.get_world_size()
+    label_tokens, input_tokens = tokens.tolist()
+    peak = (torch.cuda.max_memory_allocated() if gpu
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        seconds = timing.timed_seconds
+        mfu = None
+        peak_flops = gpu and flops.peak_flops(torch.cuda.get_device_name())
+        if peak_flops and seconds:
+            params, frozen, layers, width = flops.model_shape(model)
+            mean = sum(len(s["input_ids"]) for s in train) / len(train)
+            per_token = flops.model_flops_per_token(params, layers, width, mean, frozen)
+            mfu = per_token * input_tokens / seconds / (peak_flops * world)
+        args.result.write_text(json.dumps({
+            "tokens_per_second": label_tokens / seconds if seconds else 0.0, "mfu": mfu,
+            "step_seconds": seconds / max(timing.timed_steps, 1),
+            "timed_steps": timing.timed_steps, "peak_memory_bytes": int(peak)}))
+
+
+class StepTiming(TrainerCallback):
+    """Wall time of the steps after the warm-up, and the label tokens the model saw in
+    them (counted in a forward pre-hook, so the dataloader's read-ahead does not matter)."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup, self.step = warmup, 0
+        self.timed_tokens = self.timed_inputs = self.timed_steps = 0
+        self.timed_seconds, self.started = 0.0, None
+
+    def count(self, module, args, kwargs) -> None:
+        labels, mask = kwargs.get("labels"), kwargs.get("attention_mask")
+        if self.started is not None and labels is not None:
+            self.timed_tokens += int((labels[:, 1:] != -100).sum())
+            self.timed_inputs += int(mask.sum()) if mask is not None else labels.numel()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.step == self.warmup and self.started is None:
+            _sync()
+            self.started = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.step += 1
+        if self.started is not None:
+            self.timed_steps += 1
+
+    def on_train_end(self, args, state, control, **kwargs):
+        _sync()
+        if self.started is not None:
+            self.timed_seconds = time.perf_counter() - self.started
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,306 @@
+"""Our trainer against Hugging Face `transformers.Trainer`, side by side.
+
+Same model (built from a config, random weights, saved with save_pretrained), same
+token sequences (tokenised once by our data module), sequence length, global batch,
+precision and strategy; one run after the other in this script. Prints a table and writes
+benchmarks/throughput.json (ratios under `*ratio*` keys).
+
+    .venv/bin/python benchmarks/throughput.py                 # the CPU configurations
+    .venv/bin/python benchmarks/throughput.py --suite gpu     # 1B full, 1B/3B LoRA, QLoRA
+    .venv/bin/python benchmarks/throughput.py --only cpu-variable
+
+Tokens/s counts label tokens only (what the loss trains on), over the steps after a
+warm-up. Peak memory: the CUDA allocator's peak on a GPU, else the largest worker's
+resident set. MFU on GPUs only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+WORDS = ["the", "model", "learns", "a", "short", "answer", "from", "each", "prompt", "while",
+         "gradients", "flow", "through", "every", "layer", "of", "network", "and",
+         "optimizer", "updates", "weights", "on", "rank", "in", "step", "with", "its",
+         "peers", "tokens", "batches", "sequences", "packing", "padding", "attention"]
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int = 0
+    """0: the tokenizer's size."""
+
+
+@dataclass(frozen=True)
+class Bench:
+    name: str
+    shape: Shape
+    method: str
+    data: str
+    """`variable`: lengths from a long-tailed distribution; `fixed`: every sample the
+    sequence length."""
+    seq_len: int
+    batch: int
+    steps: int
+    processes: int
+    precision: str = "fp32"
+    strategy: str = "ddp"
+    accumulation: int = 1
+    checkpointing: bool = False
+    packing: bool = True
+    warmup: int = 3
+    samples: int = 600
+    gpu: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+TINY = Shape(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=688)
+LLAMA_1B = Shape(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, vocab=128256)
+LLAMA_3B = Shape(hidden=3072, layers=28, heads=24, kv_heads=8, intermediate=8192, vocab=128256)
+
+SUITES = {
+    "cpu": [
+        Bench("cpu-variable", TINY, "full", "variable", seq_len=512, batch=4, steps=30,
+              processes=2),
+        Bench("cpu-fixed", TINY, "full", "fixed", seq_len=256, batch=4, steps=30,
+              processes=2, packing=False),
+    ],
+    "gpu": [
+        Bench("gpu-1b-full", LLAMA_1B, "full", "variable", seq_len=4096, batch=4, steps=40,
+              processes=1, precision="bf16", gpu=True, checkpointing=True, samples=2000),
+        Bench("gpu-1b-lora", LLAMA_1B, "lora", "variable", seq_len=4096, batch=4, steps=40,
+              processes=1, precision="bf16", gpu=True, checkpointing=True, samples=2000),
+        Bench("gpu-3b-lora", LLAMA_3B, "lora", "variable", seq_len=4096, batch=2, steps=40,
+              processes=1, precision="bf16", gpu=True, checkpointing=True, samples=2000),
+        Bench("gpu-1b-qlora", LLAMA_1B, "qlora", "variable", seq_len=4096, batch=4,
+              steps=40, processes=1, precision="bf16", gpu=True, checkpointing=True,
+              samples=2000),
+    ],
+}
+
+
+# --- inputs --------------------------------------------------------------------------------
+
+def sentence(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(max(words, 1)))
+
+
+def write_data(path: Path, bench: Bench, seed: int = 0) -> None:
+    """Chat samples; `variable` lengths are log-normal (many short, a long tail), as
+    instruction data is; `fixed` ones all overflow the sequence length (truncated)."""
+    rng = random.Random(seed)
+    with path.open("w", encoding="utf-8") as out:
+        for _ in range(bench.samples):
+            if bench.data == "fixed":
+                prompt, answer = bench.seq_len // 4, bench.seq_len
+            else:
+                total = min(int(rng.lognormvariate(4.0, 0.9)) + 8, bench.seq_len)
+                prompt = max(total // 3, 2)
+                answer = max(total - prompt, 2)
+            messages = [{"role": "user", "content": sentence(rng, prompt)},
+                        {"role": "assistant", "content": sentence(rng, answer)}]
+            out.write(json.dumps({"messages": messages}) + "\n")
+
+
+def build_model(where: Path, shape: Shape, corpus_file: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from finetune_trainer.tiny import build_tokenizer, corpus_from_jsonl
+
+    tokenizer = build_tokenizer(corpus_from_jsonl(corpus_file)[:2000], vocab_size=1024)
+    config = LlamaConfig(
+        vocab_size=shape.vocab or len(tokenizer), hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=8192, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False)
+    import torch
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    if shape.vocab:  # GPU sizes: stored in bf16 (what the hub ships)
+        model = model.to(torch.bfloat16)
+    model.save_pretrained(where, safe_serialization=True)
+    tokenizer.save_pretrained(where)
+    return where
+
+
+def trainer_config(bench: Bench, model: Path, data: Path, output: Path) -> dict:
+    method: dict = {"type": bench.method}
+    if bench.method != "full":
+        method["lora"] = {"r": 16, "alpha": 32, "dropout": 0.0, "targetModules": ["all-linear"]}
+    return {
+        "job": {"name": f"bench-{bench.name}", "namespace": "bench"},
+        "model": {"uri": str(model)},
+        "dataset": {"uri": str(data), "format": "chat", "maxSeqLength": bench.seq_len,
+                    "packing": bench.packing},
+        "method": method,
+        "strategy": {"type": bench.strategy, "precision": bench.precision,
+                     "gradientCheckpointing": bench.checkpointing},
+        "hyperparameters": {"maxSteps": bench.steps, "batchSizePerDevice": bench.batch,
+                            "gradientAccumulationSteps": bench.accumulation,
+                            "learningRate": 1e-4, "logEverySteps": bench.warmup,
+                            "warmupRatio": 0.0, "scheduler": "constant"},
+        "output": {"uri": str(output), "checkpointEverySteps": 10**6},
+        "metrics": {"port": 19208},
+        "preflight": {"enabled": False},
+    }
+
+
+# --- running -------------------------------------------------------------------------------
+
+RSS_WRAPPER = ("import resource, subprocess, sys\n"
+               "code = subprocess.run(sys.argv[1:]).returncode\n"
+               "print('MAXRSS', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)\n"
+               "sys.exit(code)\n")
+
+
+def torchrun(processes: int, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={processes}", *args]
+
+
+def run(command: list[str], log: Path) -> int:
+    """Run under a wrapper that reports the largest descendant's resident set."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", RSS_WRAPPER, *command], env=env,
+                            capture_output=True, text=True)
+    log.write_text(result.stdout + result.stderr)
+    if result.returncode != 0:
+        raise RuntimeError(f"{command[:6]} failed; see {log}:\n{result.stderr[-3000:]}")
+    return int(next(line.split()[1] for line in result.stdout.splitlines()
+                    if line.startswith("MAXRSS")))
+
+
+def run_ours(bench: Bench, config: Path, output: Path) -> dict:
+    maxrss = run(torchrun(bench.processes, "-m", "finetune_trainer", f"--config={config}"),
+                 config.with_suffix(".ours.log"))
+    records = [json.loads(line) for line in (output / "progress.jsonl").read_text().splitlines()]
+    timed = [r for r in records if r["step"] > bench.warmup]  # the first window is warm-up
+    seconds = sum(r["stepSeconds"] * bench.warmup for r in timed)
+    tokens = sum(r["tokensPerSecond"] * r["stepSeconds"] * bench.warmup for r in timed)
+    peak = max(r["peakMemoryBytes"] for r in records) if bench.gpu else maxrss
+    mfu = [r["mfu"] for r in timed if r.get("mfu") is not None]
+    return {"tokens_per_second": tokens / seconds, "step_seconds": seconds / (len(timed)
+            * bench.warmup), "peak_memory_bytes": peak,
+            "mfu": sum(mfu) / len(mfu) if mfu else None}
+
+
+def run_peer(bench: Bench, config: Path) -> dict:
+    result = config.with_suffix(".hf.json")
+    maxrss = run(torchrun(bench.processes, str(REPO / "benchmarks/hf_worker.py"),
+                          f"--config={config}", f"--result={result}",
+                          f"--warmup-steps={bench.warmup}"), config.with_suffix(".hf.log"))
+    figures = json.loads(result.read_text())
+    if not bench.gpu:
+        figures["peak_memory_bytes"] = maxrss
+    return figures
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median tokens/s (its other figures with it), plus every rate."""
+    ranked = sorted(runs, key=lambda r: r["tokens_per_second"])
+    return {**ranked[len(ranked) // 2], "all_tokens_per_second": [
+        round(r["tokens_per_second"], 1) for r in runs]}
+
+
+def compare(bench: Bench, work: Path, repeats: int) -> dict:
+    data = work / f"{bench.name}.jsonl"
+    write_data(data, bench)
+    model = build_model(work / f"model-{bench.shape.hidden}-{bench.shape.layers}",
+                        bench.shape, data)
+    config = work / f"{bench.name}.yaml"
+    output = work / f"out-{bench.name}"
+    config.write_text(yaml.safe_dump(trainer_config(bench, model, data, output)))
+    ours_runs, peer_runs = [], []
+    for repeat in range(repeats):
+        # alternate who goes first, so a slow spell of a shared machine hits both alike
+        order = (True, False) if repeat % 2 == 0 else (False, True)
+        for mine in order:
+            if mine:
+                shutil.rmtree(output, ignore_errors=True)
+                ours_runs.append(run_ours(bench, config, output))
+            else:
+                peer_runs.append(run_peer(bench, config))
+    ours, peer = median_run(ours_runs), median_run(peer_runs)
+    # each repeat ran both sides back to back: the median of those pairs' ratios is what
+    # a noisy shared machine (another tenant, a frequency change) disturbs least
+    pairs = sorted(o["tokens_per_second"] / p["tokens_per_second"]
+                   for o, p in zip(ours_runs, peer_runs, strict=True))
+    row = {"config": asdict(bench), "ours": ours, "hf_trainer": peer,
+           "tokens_per_second_ratio": pairs[len(pairs) // 2],
+           "tokens_per_second_pair_ratios": [round(r, 3) for r in pairs],
+           "step_time_ratio": ours["step_seconds"] / peer["step_seconds"],
+           "peak_memory_ratio": ours["peak_memory_bytes"] / peer["peak_memory_bytes"]}
+    if ours.get("mfu") and peer.get("mfu"):
+        row["mfu_ratio"] = ours["mfu"] / peer["mfu"]
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'config':<14} {'side':<11} {'tokens/s':>10} {'step s':>8} {'peak MiB':>9} "
+             f"{'MFU':>6}"]
+    for row in rows:
+        for side in ("ours", "hf_trainer"):
+            f = row[side]
+            mfu = f"{f['mfu']:.1%}" if f.get("mfu") else "-"
+            lines.append(f"{row['config']['name']:<14} {side:<11} "
+                         f"{f['tokens_per_second']:>10,.0f} {f['step_seconds']:>8.3f} "
+                         f"{f['peak_memory_bytes'] / 2**20:>9,.0f} {mfu:>6}")
+        lines.append(f"{'':<14} {'ours/HF':<11} {row['tokens_per_second_ratio']:>9.2f}x "
+                     f"{row['step_time_ratio']:>7.2f}x {row['peak_memory_ratio']:>8.2f}x")
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    import platform
+
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}"
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, CPU only"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--suite", choices=sorted(SUITES), default="cpu")
+    parser.add_argument("--only", default=None, help="run one configuration by name")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of each side, alternating; the median is reported")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks/throughput.json")
+    args = parser.parse_args()
+    benches = [b for suite in SUITES.values() for b in suite if b.name == args.only] \
+        if args.only else SUITES[args.suite]
+    if not benches:
+        parser.error(f"--only {args.only}: no such configuration")
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="finetune-bench-") as tmp:
+        for bench in benches:
+            print(f"running {bench.name} ...", flush=True)
+            rows.append(compare(bench, Path(tmp), args.repeats))
+    print(f"\n{machine()}\n{table(rows)}")
+    args.out.write_text(json.dumps({"machine": machine(), "results": rows}, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""Whatever data a user points the trainer at, the preflight answers with a DataError that
+says where, what and how to fix it, or with valid training sequences — never a traceback.
+
+The inputs are corrupt on purpose: truncated JSON Lines, bytes that are not UTF-8, columns
+of the wrong type (nulls, numbers, lists, objects where text belongs), empty files, binary
+garbage under every extension, parquet files with odd schemas or cut short, CSV junk. They
+go through `train.preflight`, the code every worker and `finetune run` run before training
+(read_records → resolve_format → the eval split → tokenize_records → packing).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from finetune_trainer.config import TrainerConfig
+from finetune_trainer.data import IGNORE, DataError
+from finetune_trainer.train import preflight
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+_SHIPPED = (REPO / "examples/data/tiny-chat.jsonl").read_bytes()
+GOOD_JSONL = _SHIPPED[:_SHIPPED.index(b"\n", 3000) + 1]  # a few whole conversations
+COLUMNS = ["messages", "text", "prompt", "response", "instruction", "input", "output", "id"]
+MAX_LENGTH = 48
+
+json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
+                         st.floats(allow_nan=False), st.text(max_size=20))
+json_values = st.recursive(json_scalars, lambda inner: st.one_of(
+    st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8), inner, max_size=3)),
+    max_leaves=8)
+messages = st.lists(st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
+                           "content": st.text(max_size=30)}),
+    st.fixed_dictionaries({}, optional={"role": json_values, "content": json_values}),
+    json_values), max_size=4)
+records = st.dictionaries(st.sampled_from(COLUMNS),
+                          st.one_of(st.text(max_size=30), json_values, messages),
+                          min_size=1, max_size=4)
+words = st.text(st.characters(codec="utf-8"), max_size=40)
+turn = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
+                              "content": words})
+usable = st.one_of(  # records of every format as a user would write them
+    st.fixed_dictionaries({"messages": st.lists(turn, min_size=1, max_size=4)}),
+    st.fixed_dictionaries({"prompt": words, "response": words}),
+    st.fixed_dictionaries({"instruction": words, "output": words}, optional={"input": words}),
+    st.fixed_dictionaries({"text": words}, optional={"id": st.integers()}))
+
+
+@st.composite
+def mostly_usable(draw) -> list[dict]:
+    """Usable records, one of them perhaps spoiled: a field set to any JSON value."""
+    rows = draw(st.lists(usable, min_size=1, max_size=5))
+    if draw(st.booleans()):
+        row = draw(st.sampled_from(rows))
+        row[draw(st.sampled_from(sorted(row) + COLUMNS))] = draw(json_values)
+    return rows
+
+
+@st.composite
+def mutated(draw, data: bytes) -> bytes:
+    """`data` truncated, with bytes flipped or inserted, or replaced by garbage."""
+    how = draw(st.sampled_from(["truncate", "flip", "insert", "garbage", "empty", "keep"]))
+    if how == "truncate":
+        return data[:draw(st.integers(0, len(data)))]
+    if how == "flip" and data:
+        at = draw(st.integers(0, len(data) - 1))
+        return data[:at] + bytes([draw(st.integers(0, 255))]) + data[at + 1:]
+    if how == "insert":
+        at = draw(st.integers(0, len(data)))
+        return data[:at] + draw(st.binary(min_size=1, max_size=8)) + data[at:]
+    if how == "garbage":
+        return draw(st.binary(max_size=300))
+    return b"" if how == "empty" else data
+
+
+def jsonl(rows: list[dict]) -> bytes:
+    return "".join(json.dumps(row) + "\n" for row in rows).encode()
+
+
+@st.composite
+def parquet_file(draw) -> bytes:
+    """A real parquet file whose columns hold one arbitrary type each."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = draw(st.integers(0, 4))
+    kinds = {
+        "string": st.text(max_size=20), "int": st.integers(-1000, 1000),
+        "null": st.none(), "binary": st.binary(max_size=10),
+        "strings": st.lists(st.text(max_size=5), max_size=3),
+        "message": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user",
+                                                                            "assistant"]),
+                                                   "content": st.one_of(st.none(),
+                                                                        st.text(max_size=9))}),
+                            max_size=3),
+    }
+    columns = {}
+    for name in draw(st.lists(st.sampled_from(COLUMNS), min_size=1, max_size=3, unique=True)):
+        kind = draw(st.sampled_from(sorted(kinds)))
+        columns[name] = pa.array([draw(kinds[kind]) for _ in range(rows)],
+                                 type=pa.null() if kind == "null" else None)
+    buffer = io.BytesIO()
+    pq.write_table(pa.table(columns), buffer)
+    return buffer.getvalue()
+
+
+@st.composite
+def csv_file(draw) -> bytes:
+    header = draw(st.lists(st.sampled_from(COLUMNS), min_size=1, max_size=3, unique=True))
+    cell = st.text(alphabet=st.sampled_from('ab ,"\n\r;\\x1'), max_size=8)
+    lines = [",".join(header)] + [",".join(draw(st.lists(cell, max_size=4)))
+                                  for _ in range(draw(st.integers(0, 4)))]
+    return "\n".join(lines).encode()
+
+
+data_files = st.one_of(
+    st.tuples(st.just(".jsonl"), mutated(GOOD_JSONL)),
+    st.tuples(st.just(".jsonl"), mostly_usable().map(jsonl)),
+    st.tuples(st.just(".json"), mostly_usable().map(lambda rows: json.dumps(rows).encode())),
+    st.tuples(st.just(".jsonl"), st.lists(records, max_size=4).map(jsonl).flatmap(mutated)),
+    st.tuples(st.just(".jsonl"), st.lists(records, min_size=1, max_size=4).map(jsonl)),
+    st.tuples(st.just(".json"), st.lists(records, max_size=4).map(
+        lambda rows: json.dumps(rows).encode()).flatmap(mutated)),
+    st.tuples(st.just(".parquet"), parquet_file().flatmap(mutated)),
+    st.tuples(st.just(".csv"), csv_file().flatmap(mutated)),
+    st.tuples(st.sampled_from([".jsonl", ".json", ".csv", ".parquet"]), st.binary(max_size=200)),
+)
+
+
+def config(data: Path, model: Path, out: Path, fmt: str, eval_fraction: float,
+           packing: bool) -> TrainerConfig:
+    return TrainerConfig.model_validate({
+        "job": {"name": "fuzz"}, "model": {"uri": str(model)},
+        "dataset": {"uri": str(data), "format": fmt, "maxSeqLength": MAX_LENGTH,
+                    "evalFraction": eval_fraction, "packing": packing},
+        "method": {"type": "lora"}, "strategy": {"type": "ddp"},
+        "hyperparameters": {"maxSteps": 1}, "output": {"uri": str(out)}})
+
+
+@pytest.fixture(scope="module")
+def datasets_cache(tmp_path_factory):
+    """The datasets cache of this module's many loads, thrown away with it."""
+    import datasets
+
+    before = datasets.config.HF_DATASETS_CACHE
+    datasets.config.HF_DATASETS_CACHE = str(tmp_path_factory.mktemp("datasets-cache"))
+    yield
+    datasets.config.HF_DATASETS_CACHE = before
+
+
+@settings(max_examples=120, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(file=data_files, fmt=st.sampled_from(["auto", "auto", "chat", "instruction", "text"]),
+       eval_fraction=st.sampled_from([0.0, 0.0, 0.5]), packing=st.booleans())
+def test_any_data_file_gives_a_clear_error_or_valid_sequences(
+        tiny_model_dir, datasets_cache, file, fmt, eval_fraction, packing):
+    suffix, content = file
+    with tempfile.TemporaryDirectory() as where:
+        path = Path(where) / f"train{suffix}"
+        path.write_bytes(content)
+        try:
+            prepared = preflight(config(path, tiny_model_dir, Path(where) / "out", fmt,
+                                        eval_fraction, packing), Path(where))
+        except DataError as error:
+            assert error.what and error.fix, str(error)
+            assert str(path) in error.where or error.where.startswith("dataset"), str(error)
+            return
+    assert prepared.train  # the preflight refuses data with nothing to train on
+    for sequence in prepared.train + prepared.eval:
+        ids, labels, positions = (sequence[k] for k in ("input_ids", "labels",
+                                                        "position_ids"))
+        assert 0 < len(ids) == len(labels) == len(positions) <= MAX_LENGTH
+        assert all(isinstance(t, int) and 0 <= t < len(prepared.tokenizer) for t in ids)
+        assert all(label in (IGNORE, token) for label, token in zip(labels, ids, strict=True))
+    assert any(label != IGNORE for s in prepared.train for label in s["labels"])
+
+
+@pytest.mark.parametrize(("name", "content", "expected"), [
+    ("latin1.jsonl", b'{"text": "caf\xe9"}\n', ":1: is not UTF-8 text (byte 0xe9 at column 14)"),
+    ("nulls.jsonl", b'{"text": "fine"}\n{"text": null}\n', ":2: `text` is null, not text"),
+    ("no-turns.jsonl", b'{"messages": []}\n', ":1: `messages` is an empty conversation"),
+    ("cut.parquet", b"PAR1\x15\x04", ": cannot be read as parquet (ArrowInvalid: "),
+])
+def test_the_worker_preflight_names_the_file_and_exits_2(tiny_model_dir, tmp_path, name,
+                                                         content, expected):
+    """As `finetune-train --preflight` reports it: one line, exit 2, no traceback."""
+    data = tmp_path / name
+    data.write_bytes(content)
+    path = tmp_path / "trainer.json"
+    path.write_text(config(data, tiny_model_dir, tmp_path / "out", "auto", 0.0,
+                           True).model_dump_json(by_alias=True))
+    result = subprocess.run([sys.executable, "-m", "finetune_trainer", "--config", str(path),
+                             "--preflight"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert f"finetune-train: {data}{expected}" in result.stderr
+    assert "Traceback" not in result.stderr

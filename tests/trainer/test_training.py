@@ -234,3 +234,22 @@ def test_cluster_locations_are_refused_locally(tmp_path):
     result = finetune_run(job, tmp_path)
     assert result.returncode == 2
     assert "spec.model.uri: pvc:// locations exist only on the cluster" in result.stderr
+
+
+def test_sigterm_while_starting_stops_at_once_without_a_checkpoint(tiny_model_dir, tmp_path):
+    """A gang told to stop before its first step (a pod deleted during start-up) exits 143
+    right away instead of waiting for torchrun's kill timeout."""
+    job = manifest(tiny_model_dir, tmp_path / "out", method="full", steps=6)
+    process = finetune_run(job, tmp_path, wait=False)
+    seen = []
+    for line in process.stdout:  # the preflight table comes after the handler is in place
+        seen.append(line)
+        if line.startswith("all-reduce preflight"):
+            break
+    signalled = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    output = "".join(seen) + process.communicate(timeout=120)[0]
+    assert process.returncode == 143, output
+    assert "stopped by SIGTERM before the first step" in output
+    assert time.monotonic() - signalled < 25  # torchrun would wait 30 s before killing
+    assert not (tmp_path / "out" / "checkpoints").exists()

@@ -158,7 +158,8 @@ class DDPStrategy(Strategy):
 
         model.to(self.device)
         ids = [self.device.index] if self.device.type == "cuda" else None
-        self.model = DistributedDataParallel(model, device_ids=ids)
+        # gradients live in the all-reduce buckets: no copy in and out of them each step
+        self.model = DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
         self.optimizer = self.base_optimizer = make_optimizer(self.model)
 
     def time_collectives(self, log) -> Any:

@@ -222,9 +222,11 @@ def _summed_loss(model, batch):
 
     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                    use_cache=False).logits
+    # shift the labels, not the logits: slicing the logits would copy the largest tensor
+    # of the step (batch x length x vocabulary) and its gradient
+    targets = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE)
     return torch.nn.functional.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(),
-        ignore_index=IGNORE, reduction="sum")
+        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
 def evaluate(strategy, sequences, micro_batch: int, pad_id: int, group) -> float | None:
@@ -368,6 +370,11 @@ def run(config: TrainerConfig, base_dir: Path) -> int:
     sampled: list = []  # ZeRO's timed steps since the last log step
     grad_norm = None
     strategy.model.train()
+    if stop.agree(control).wait():  # told to stop while loading: nothing new to save
+        _say("stopped by SIGTERM before the first step; a restart resumes from "
+             f"{'step ' + str(state.step) if state.step else 'the start'}")
+        reporter.finish("Stopped")
+        return EXIT_PREEMPTED
     while state.step < steps:
         if phases is not None:
             phases.begin()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import signal
 import time
 import urllib.request
@@ -17,11 +18,12 @@ PORT = 9108  # the trainer's default metrics port; local rank k serves on PORT +
 
 
 def scrape(port: int) -> dict[str, dict]:
-    """name → {rank: (labels, value)} for each sample; {} while nothing listens."""
+    """name → {rank: (labels, value)} for each sample; {} while nothing listens (or the
+    process serving it exits mid-answer)."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
             text = response.read().decode()
-    except OSError:
+    except (OSError, http.client.HTTPException):
         return {}
     return {sample.name: {"labels": sample.labels, "value": sample.value}
             for family in text_string_to_metric_families(text) for sample in family.samples}
@@ -115,7 +117,7 @@ def test_sharded_strategies_time_their_collectives(tiny_model_dir, tmp_path, str
             try:
                 busbw = samples(PORT + 1, "finetune_collective_bus_bandwidth_bytes_per_second")
                 phases = samples(PORT + 1, "finetune_step_phase_seconds")
-            except OSError:
+            except (OSError, http.client.HTTPException):  # not serving yet
                 pass
             if busbw and "collective_wait" in phases:
                 break

@@ -183,7 +183,6 @@ class DeepSpeedSampler:
 
     def __init__(self, every: int = SAMPLE_EVERY) -> None:
         self.every = every
-        self.latest: Window | None = None
 
     def wants(self, step: int) -> bool:
         return step == 2 or (step > 2 and step % self.every == 0)
@@ -212,7 +211,6 @@ class DeepSpeedSampler:
         # overlap_comm is off in our ZeRO config: every collective is waited for
         window.exposed_seconds = sum(t.seconds for t in window.totals.values())
         ds_comm.comms_logger.comms_dict.clear()
-        self.latest = window
         return window
 
 

@@ -45,6 +45,8 @@ class Shape:
     intermediate: int
     vocab: int = 0
     """0: the tokenizer's size."""
+    bf16: bool = False
+    """Stored in bf16, as the hub ships large models."""
 
 
 @dataclass(frozen=True)
@@ -71,8 +73,10 @@ class Bench:
 
 
 TINY = Shape(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=688)
-LLAMA_1B = Shape(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, vocab=128256)
-LLAMA_3B = Shape(hidden=3072, layers=28, heads=24, kv_heads=8, intermediate=8192, vocab=128256)
+LLAMA_1B = Shape(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, vocab=128256,
+                 bf16=True)
+LLAMA_3B = Shape(hidden=3072, layers=28, heads=24, kv_heads=8, intermediate=8192, vocab=128256,
+                 bf16=True)
 
 SUITES = {
     "cpu": [
@@ -135,11 +139,15 @@ def build_model(where: Path, shape: Shape, corpus_file: Path) -> Path:
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
-    if shape.vocab:  # GPU sizes: stored in bf16 (what the hub ships)
+    if shape.bf16:
         model = model.to(torch.bfloat16)
     model.save_pretrained(where, safe_serialization=True)
     tokenizer.save_pretrained(where)
     return where
+
+
+def model_name(shape: Shape) -> str:
+    return f"model-{shape.hidden}-{shape.layers}-{shape.vocab}"
 
 
 def trainer_config(bench: Bench, model: Path, data: Path, output: Path) -> dict:
@@ -224,8 +232,7 @@ def median_run(runs: list[dict]) -> dict:
 def compare(bench: Bench, work: Path, repeats: int) -> dict:
     data = work / f"{bench.name}.jsonl"
     write_data(data, bench)
-    model = build_model(work / f"model-{bench.shape.hidden}-{bench.shape.layers}",
-                        bench.shape, data)
+    model = build_model(work / model_name(bench.shape), bench.shape, data)
     config = work / f"{bench.name}.yaml"
     output = work / f"out-{bench.name}"
     config.write_text(yaml.safe_dump(trainer_config(bench, model, data, output)))

@@ -41,7 +41,8 @@ def main() -> None:
     parser.add_argument("--method", default="full")
     parser.add_argument("--strategy", default="ddp")
     parser.add_argument("--precision", default="fp32")
-    parser.add_argument("--checkpointing", type=int, default=0)
+    parser.add_argument("--checkpointing", choices=["off", "full", "selective"], default="off")
+    parser.add_argument("--fused-loss", type=int, default=1)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=3)
@@ -50,6 +51,7 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
+    from finetune_trainer import loss as fused
     from finetune_trainer.config import (
         Hyperparameters,
         LoraConfig,
@@ -60,13 +62,12 @@ def main() -> None:
     from finetune_trainer.model import inspect_architecture, load_model
     from finetune_trainer.optim import build_optimizer
     from finetune_trainer.parallel import build_strategy, init_distributed
-    from finetune_trainer.train import _summed_loss
 
     torch.manual_seed(0)
     source = ModelSource(uri=str(args.model_dir))
     method = MethodConfig(type=args.method, lora=None if args.method == "full" else LoraConfig())
     strategy_config = StrategyConfig(type=args.strategy, precision=args.precision,
-                                     gradient_checkpointing=bool(args.checkpointing))
+                                     gradient_checkpointing=args.checkpointing != "off")
     hp = Hyperparameters(max_steps=args.steps, batch_size_per_device=args.micro_batch)
     wrap = inspect_architecture(source, method)
     device = init_distributed()
@@ -79,8 +80,13 @@ def main() -> None:
         import deepspeed  # noqa: F401  (imported before the baseline: its import is large)
     dist.barrier()
     baseline = _status("VmRSS")
-    model = load_model(source, method, args.precision, bool(args.checkpointing),
-                       sharded=strategy.name != "ddp")
+    model = load_model(source, method, args.precision, args.checkpointing != "off",
+                       sharded=strategy.name != "ddp",
+                       checkpoint_policy="selective" if args.checkpointing == "selective"
+                       else "full")
+    head = fused.install(model) if args.fused_loss else None
+    if head is not None:
+        batch.update(fused.loss_targets(batch["labels"]))
     strategy.setup(model, lambda m: build_optimizer(m, hp, 1e-4))
     strategy.model.train()
     peaks = []
@@ -88,7 +94,7 @@ def main() -> None:
         if step == 1:
             _reset_peak()
         with strategy.autocast():
-            loss = _summed_loss(strategy.model, batch)
+            loss = fused.summed_loss(strategy.model, batch, head)
         strategy.backward(loss / (args.micro_batch * args.seq_len), boundary=True)
         strategy.step()
         if step >= 1:

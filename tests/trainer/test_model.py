@@ -84,3 +84,57 @@ def test_hub_model_without_network_says_so():
     assert result.stdout.startswith("hf://finetune-operator-tests/no-such-model: cannot be "
                                     "loaded from the hub"), result.stdout + result.stderr
     assert "reach the hub" in result.stdout
+
+
+
+def _train_step(model, ids):
+    position_ids = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+    model(input_ids=ids, position_ids=position_ids).logits.float().logsumexp(-1).sum().backward()
+
+
+def _matmuls_in_backward(model, ids) -> int:
+    """aten matmuls run during backward: the gradients' own, plus any recomputed forward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+                        torch.ops.aten.bmm.default):
+                Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    position_ids = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+    out = model(input_ids=ids, position_ids=position_ids).logits.float().logsumexp(-1).sum()
+    with Count():
+        out.backward()
+    return Count.calls
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_checkpointing_policies_give_the_gradients_of_no_checkpointing(tiny_model_dir, policy):
+    source, method = ModelSource(uri=str(tiny_model_dir)), MethodConfig(type="full")
+    ids = torch.randint(3, 100, (2, 24))
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = load_model(source, method, "fp32", checkpointing, checkpoint_policy=policy)
+        model.train()
+        _train_step(model, ids)
+        grads.append(model.model.layers[0].mlp.down_proj.weight.grad)
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
+def test_selective_checkpointing_recomputes_no_matmul(tiny_model_dir):
+    """Full checkpointing reruns each layer's matmuls in backward; selective keeps their
+    outputs, so backward runs exactly the matmuls of an uncheckpointed model."""
+    source, method = ModelSource(uri=str(tiny_model_dir)), MethodConfig(type="full")
+    ids = torch.randint(3, 100, (2, 24))
+    counts = {}
+    for name, checkpointing, policy in (("none", False, "full"), ("full", True, "full"),
+                                        ("selective", True, "selective")):
+        model = load_model(source, method, "fp32", checkpointing, checkpoint_policy=policy)
+        model.train()
+        counts[name] = _matmuls_in_backward(model, ids)
+    assert counts["selective"] == counts["none"] < counts["full"]

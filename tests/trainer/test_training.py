@@ -26,13 +26,15 @@ DATA = REPO / "examples/data/tiny-chat.jsonl"
 def manifest(model_dir: Path, output: Path, *, strategy: str = "ddp", method: str = "lora",
              steps: int = 6, batch: int = 2, accumulation: int = 1, processes: int = 2,
              checkpoint_every: int = 3, precision: str = "fp32", offload: str = "none",
-             checkpointing: bool = False, merge: bool = False) -> dict:
+             checkpointing: bool = False, merge: bool = False, fused_loss: bool = True,
+             compile: bool = False) -> dict:
     spec = {
         "model": {"uri": str(model_dir)},
         "dataset": {"uri": str(DATA), "format": "chat", "maxSeqLength": 96},
         "method": {"type": method},
         "strategy": {"type": strategy, "precision": precision, "offload": offload,
-                     "gradientCheckpointing": checkpointing},
+                     "gradientCheckpointing": checkpointing, "fusedLoss": fused_loss,
+                     "compile": compile},
         "hyperparameters": {"maxSteps": steps, "batchSizePerDevice": batch,
                             "gradientAccumulationSteps": accumulation, "learningRate": 5e-3,
                             "logEverySteps": 1, "warmupRatio": 0.0},
@@ -91,6 +93,21 @@ def test_strategies_train_the_same_numbers_as_ddp(runs, strategy, method):
     assert len(reference) == 6
     assert reference[-1] < reference[0]  # it learns
     assert losses(runs(strategy, method)) == pytest.approx(reference, rel=1e-3)
+
+
+@pytest.mark.parametrize(("strategy", "method", "precision"), [
+    ("ddp", "full", "fp32"), ("ddp", "lora", "bf16"), ("zero3", "full", "fp32")])
+def test_fused_loss_trains_the_same_numbers_as_whole_logits(runs, strategy, method, precision):
+    """The chunked output layer + cross-entropy (the default) against logits computed
+    whole: the same losses, so the same gradients reached the weights."""
+    whole = losses(runs(strategy, method, precision=precision, fused_loss=False))
+    assert losses(runs(strategy, method, precision=precision)) == pytest.approx(
+        whole, rel=1e-3 if precision == "fp32" else 1e-2)
+
+
+def test_compiled_layers_train_the_same_numbers(runs):
+    assert losses(runs("ddp", "full", compile=True)) == pytest.approx(
+        losses(runs("ddp", "full")), rel=1e-4)
 
 
 @pytest.mark.parametrize("strategy", ["zero3", "fsdp"])

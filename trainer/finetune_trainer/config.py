@@ -29,6 +29,7 @@ StrategyType = Literal["auto", "ddp", "fsdp", "zero1", "zero2", "zero3"]
 ConcreteStrategy = Literal["ddp", "fsdp", "zero1", "zero2", "zero3"]
 Offload = Literal["none", "cpu", "nvme"]
 Precision = Literal["bf16", "fp16", "fp32"]
+CheckpointPolicy = Literal["full", "selective"]
 DatasetFormat = Literal["auto", "chat", "instruction", "text"]
 Scheduler = Literal["cosine", "linear", "constant"]
 
@@ -157,6 +158,21 @@ class StrategyConfig(ApiModel):
     """`bf16` (Ampere GPUs and newer), `fp16` (with loss scaling; for V100/T4), or `fp32`."""
     gradient_checkpointing: bool = True
     """Recompute activations in the backward pass: much less memory, about 20-30% slower."""
+    gradient_checkpointing_policy: CheckpointPolicy = "full"
+    """What gradient checkpointing recomputes. `full`: whole decoder layers (least
+    memory). `selective`: keeps the outputs of matmuls and attention and recomputes only
+    the element-wise ops (norms, activations, rotary): no matmul is run twice, and the
+    memory kept lies between `full` and no checkpointing."""
+    compile: bool = False
+    """Compile each decoder layer with `torch.compile` (torchtitan's per-block
+    compilation): element-wise ops fused into fewer kernels. Costs a compile of a minute or
+    more at start (and one recompile when sequence lengths vary); meant for long GPU runs."""
+    fused_loss: bool = True
+    """Compute the output layer and the cross-entropy together, a chunk of tokens at a
+    time and over trained tokens only, never holding the whole batch x length x vocabulary
+    logits. Less memory (GiBs for large vocabularies) and no work on prompt or padding
+    positions. Models that change the logits after the output layer (Gemma 2/3, Cohere,
+    Granite) use the plain path whatever this says."""
 
 
 class Hyperparameters(ApiModel):

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import json
 import math
+import queue
 import random
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -464,6 +466,34 @@ class GlobalBatches:
         while True:
             yield divmod(step, self.steps_per_epoch)
             step += 1
+
+
+class Prefetched:
+    """(key, make(key)) for each key, made `ahead` items in advance on a daemon thread: the
+    next steps' batches are collated (and pinned) while this step computes. An error in
+    `make` is raised where its item is read."""
+
+    def __init__(self, keys: Iterable, make: Callable, ahead: int = 2) -> None:
+        self._made: queue.Queue = queue.Queue(maxsize=max(ahead, 1))
+        threading.Thread(target=self._fill, args=(iter(keys), make), daemon=True,
+                         name="prefetch-batches").start()
+
+    def _fill(self, keys: Iterator, make: Callable) -> None:
+        for key in keys:
+            try:
+                self._made.put((key, make(key), None))
+            except BaseException as error:  # handed to the reader, not lost in a thread
+                self._made.put((key, None, error))
+                return
+
+    def __iter__(self) -> Prefetched:
+        return self
+
+    def __next__(self):
+        key, value, error = self._made.get()
+        if error is not None:
+            raise error
+        return key, value
 
 
 def collate(sequences: list[dict[str, list[int]]], pad_id: int):

@@ -12,7 +12,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-from finetune_trainer.config import LoraConfig, MethodConfig, ModelSource, Precision
+from finetune_trainer.config import (
+    CheckpointPolicy,
+    LoraConfig,
+    MethodConfig,
+    ModelSource,
+    Precision,
+)
 
 COMPUTE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -84,7 +90,7 @@ def load_tokenizer(source: ModelSource, base_dir: Path | None = None):
 
 def load_model(source: ModelSource, method: MethodConfig, precision: Precision,
                gradient_checkpointing: bool, base_dir: Path | None = None,
-               sharded: bool = False):
+               sharded: bool = False, checkpoint_policy: CheckpointPolicy = "full"):
     """The model ready for training: adapters applied, cache off, checkpointing set.
 
     `sharded` (fsdp, zero): every weight stays fp32, since FSDP2 shards one dtype per
@@ -111,25 +117,69 @@ def load_model(source: ModelSource, method: MethodConfig, precision: Precision,
     # A KV cache disables transformers' packed-sequence masking (see data.py).
     model.config.use_cache = False
     if gradient_checkpointing:
-        enable_activation_checkpointing(model)
+        enable_activation_checkpointing(model, checkpoint_policy)
     if method.type == "qlora":
         from peft import prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(
             model, use_gradient_checkpointing=gradient_checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False})
+            gradient_checkpointing_kwargs=checkpointing_options(checkpoint_policy))
     if method.type in ("lora", "qlora"):
         model = apply_lora(model, method.lora or LoraConfig())
     return model
 
 
-def enable_activation_checkpointing(model) -> None:
-    """Recompute each decoder layer in backward (non-reentrant: works with frozen inputs)."""
-    options = {"use_reentrant": False}
+def enable_activation_checkpointing(model, policy: CheckpointPolicy = "full") -> None:
+    """Recompute each decoder layer (or its cheap ops) in backward."""
+    options = checkpointing_options(policy)
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+
+
+def checkpointing_options(policy: CheckpointPolicy) -> dict[str, Any]:
+    """torch.utils.checkpoint arguments (non-reentrant: works with frozen inputs)."""
+    options: dict[str, Any] = {"use_reentrant": False}
+    if policy == "selective":
+        options["context_fn"] = _keep_matmul_outputs
+    return options
+
+
+def _saved_ops() -> set:
+    import torch
+
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+             "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward",
+             "_efficient_attention_forward")
+    return {getattr(aten, name).default for name in names if hasattr(aten, name)}
+
+
+def _keep_matmul_outputs():
+    """Selective checkpointing (torchtitan's op-level policy): save what is expensive to
+    recompute (matmuls, attention), recompute the element-wise rest."""
+    from torch.utils.checkpoint import CheckpointPolicy as Policy
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    saved = _saved_ops()
+
+    def policy(ctx, op, *args, **kwargs):
+        return Policy.MUST_SAVE if op in saved else Policy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def compile_layers(model, layer_classes: list[str]) -> int:
+    """torch.compile each decoder layer in place (before FSDP wraps them, after
+    checkpointing is set); returns how many were compiled."""
+    compiled = 0
+    for module in model.modules():
+        if type(module).__name__ in layer_classes:
+            module.compile(dynamic=None)  # static first; dynamic after a length changes
+            compiled += 1
+    return compiled
 
 
 def _four_bit(compute):

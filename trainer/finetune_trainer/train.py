@@ -24,6 +24,7 @@ from finetune_trainer.data import (
     IGNORE,
     DataError,
     GlobalBatches,
+    Prefetched,
     collate,
     one_per_sequence,
     pack,
@@ -32,7 +33,12 @@ from finetune_trainer.data import (
     tokenize_records,
 )
 from finetune_trainer.metrics import TrainerMetrics, peak_memory_bytes
-from finetune_trainer.model import inspect_architecture, load_model, load_tokenizer
+from finetune_trainer.model import (
+    compile_layers,
+    inspect_architecture,
+    load_model,
+    load_tokenizer,
+)
 from finetune_trainer.progress import ProgressServer, Reporter
 from finetune_trainer.timing import StepPhases
 
@@ -217,22 +223,13 @@ def _network_env(config: TrainerConfig, output_dir: Path) -> Path | None:
     return scratch
 
 
-def _summed_loss(model, batch):
-    import torch
-
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                   use_cache=False).logits
-    # shift the labels, not the logits: slicing the logits would copy the largest tensor
-    # of the step (batch x length x vocabulary) and its gradient
-    targets = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE)
-    return torch.nn.functional.cross_entropy(
-        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
-
-
-def evaluate(strategy, sequences, micro_batch: int, pad_id: int, group) -> float | None:
+def evaluate(strategy, sequences, micro_batch: int, pad_id: int, group,
+             head=None) -> float | None:
     """Mean token loss over the eval split; every rank runs the same number of batches."""
     import torch
     import torch.distributed as dist
+
+    from finetune_trainer.loss import summed_loss
 
     if not sequences:
         return None
@@ -242,9 +239,9 @@ def evaluate(strategy, sequences, micro_batch: int, pad_id: int, group) -> float
     with torch.no_grad():
         for start in range(0, len(sequences), micro_batch * world):
             mine = sequences[start + rank * micro_batch: start + (rank + 1) * micro_batch]
-            batch = _to(collate(mine, pad_id), strategy.device)
+            batch = micro_batch_tensors(mine, pad_id, head)
             with strategy.autocast():
-                total += float(_summed_loss(strategy.model, batch))
+                total += float(summed_loss(strategy.model, _to(batch, strategy.device), head))
             tokens += _label_tokens(batch)
     strategy.model.train()
     total, tokens = _all_ranks_sum([total, tokens], group)
@@ -289,6 +286,16 @@ def total_steps(config: TrainerConfig, batches: GlobalBatches) -> int:
     return max(1, math.ceil((hp.epochs or 1) * batches.steps_per_epoch))
 
 
+def micro_batch_tensors(sequences, pad_id: int, head) -> dict:
+    """A micro-batch's CPU tensors, with the trained positions when the loss is fused."""
+    from finetune_trainer import loss
+
+    batch = collate(sequences, pad_id)
+    if head is not None:
+        batch.update(loss.loss_targets(batch["labels"]))
+    return batch
+
+
 def _to(batch, device):
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
@@ -306,6 +313,7 @@ def run(config: TrainerConfig, base_dir: Path) -> int:
     import torch.distributed as dist
     import transformers
 
+    from finetune_trainer import loss
     from finetune_trainer.optim import build_optimizer, build_scheduler
     from finetune_trainer.parallel import build_strategy, init_distributed
 
@@ -329,7 +337,17 @@ def run(config: TrainerConfig, base_dir: Path) -> int:
     strategy = build_strategy(config.strategy, hp, device, prepared.wrap_classes)
     model = load_model(config.model, method, config.strategy.precision,
                        config.strategy.gradient_checkpointing, base_dir,
-                       sharded=strategy.name != "ddp")
+                       sharded=strategy.name != "ddp",
+                       checkpoint_policy=config.strategy.gradient_checkpointing_policy)
+    if config.strategy.compile:
+        layers = compile_layers(model, prepared.wrap_classes)
+        _say(f"compiling {layers} decoder layers with torch.compile (the first steps are slow)")
+    head = None
+    if config.strategy.fused_loss:
+        if (why_not := loss.fusable(model)) is None:
+            head = loss.install(model)
+        else:
+            _say(f"fused loss off: {why_not}; the logits are computed whole")
     flops_per_token = _model_flops_per_token(model, prepared.train)
     peak = flops.peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     learning_rate = hp.resolved_learning_rate(method.type)
@@ -363,7 +381,22 @@ def run(config: TrainerConfig, base_dir: Path) -> int:
          f"{config.strategy.precision}): {steps} steps of {batches.global_batch} sequences")
 
     counts = StepCounts(prepared.train, batches)
+    pin = device.type == "cuda"
+
+    def load_step(key: tuple[int, int]):
+        """This rank's micro-batches of one step, as CPU tensors (pinned on a GPU host)."""
+        mine = batches.micro_batches(*key, rank)
+        tensors = [micro_batch_tensors([prepared.train[i] for i in indices], pad_id, head)
+                   for indices in mine]
+        if pin:
+            tensors = [{k: v.pin_memory() for k, v in batch.items()} for batch in tensors]
+        return mine, tensors
+
     schedule = batches.schedule(state.step)
+    if os.environ.get("FINETUNE_PREFETCH", "1") != "0":
+        steps_ahead = Prefetched(schedule, load_step)
+    else:  # the benchmark's "off" side
+        steps_ahead = ((key, load_step(key)) for key in schedule)
     loss_window = torch.zeros((), device=device, dtype=torch.float64)
     tokens_window = 0
     window = LogWindow()
@@ -378,11 +411,8 @@ def run(config: TrainerConfig, base_dir: Path) -> int:
     while state.step < steps:
         if phases is not None:
             phases.begin()
-        epoch, step_in_epoch = next(schedule)
+        (epoch, step_in_epoch), (mine, micro_batches) = next(steps_ahead)
         agreement = stop.agree(control)  # overlaps the step; waited for at its end
-        mine = batches.micro_batches(epoch, step_in_epoch, rank)
-        micro_batches = [collate([prepared.train[i] for i in indices], pad_id)
-                         for indices in mine]
         # every rank knows the whole global batch, so the token count the loss is
         # normalised by needs no collective
         step_tokens, step_inputs, step_sequences = counts.of_step(epoch, step_in_epoch)
@@ -395,9 +425,9 @@ def run(config: TrainerConfig, base_dir: Path) -> int:
             sampler.begin()
         for index, batch in enumerate(micro_batches):
             with strategy.autocast():
-                loss = _summed_loss(strategy.model, _to(batch, device))
-            strategy.backward(loss * scale, boundary=index == len(micro_batches) - 1)
-            loss_window += loss.detach()
+                summed = loss.summed_loss(strategy.model, _to(batch, device), head)
+            strategy.backward(summed * scale, boundary=index == len(micro_batches) - 1)
+            loss_window += summed.detach()
         if phases is not None:
             phases.mark()
         grad_norm = strategy.step()
@@ -445,7 +475,7 @@ def run(config: TrainerConfig, base_dir: Path) -> int:
             window = LogWindow()
         if hp.eval_every_steps and state.step % hp.eval_every_steps == 0 and not done:
             eval_loss = evaluate(strategy, prepared.eval, hp.batch_size_per_device, pad_id,
-                                 control)
+                                 control, head)
             _say(f"eval at step {state.step}: loss {eval_loss:.4f}")
         every = config.output.checkpoint_every_steps
         if done or stopping or (every and state.step % every == 0):
@@ -460,7 +490,8 @@ def run(config: TrainerConfig, base_dir: Path) -> int:
             reporter.finish("Stopped")
             return EXIT_PREEMPTED
 
-    eval_loss = evaluate(strategy, prepared.eval, hp.batch_size_per_device, pad_id, control)
+    eval_loss = evaluate(strategy, prepared.eval, hp.batch_size_per_device, pad_id, control,
+                         head)
     if eval_loss is not None:
         _say(f"eval loss {eval_loss:.4f}")
     final = export(strategy, prepared.tokenizer, config, output_dir, base_dir)

@@ -54,7 +54,9 @@ def hardware_flops_per_token(shape: ModelShape, setup: TrainingSetup) -> float:
     attention = 4.0 * shape.num_layers * shape.q_dim * setup.seq_len  # forward QK^T and AV
     forward = 2.0 * n + attention
     backward = (2.0 if setup.method == "full" else 1.0) * forward
-    recompute = forward if setup.gradient_checkpointing else 0.0
+    # selective checkpointing recomputes element-wise ops only: no matmul FLOPs
+    full = setup.gradient_checkpointing and setup.checkpoint_policy == "full"
+    recompute = forward if full else 0.0
     return forward + backward + recompute
 
 

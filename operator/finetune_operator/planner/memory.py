@@ -11,13 +11,16 @@ estimators count them (2Ψ + 18Ψ/N for ZeRO-2, 18Ψ/N + 4·largest layer for Ze
 
 Memory peaks at one of two moments, and the total is the larger:
 - `forwardBackward`: the end of the forward pass — every saved activation, the
-  loss buffers (logits, their fp32 copy, log-softmax), weights and optimizer states;
+  loss buffers, weights and optimizer states;
 - `optimizerStep`: gradients, weights, optimizer states and the optimizer's own
   temporaries, with activations gone.
 Activations per decoder layer are counted from the tensors autograd saves for a
 Llama-style block (RMSNorm, q/k/v/o, SwiGLU) with memory-efficient attention (no s²
 term), and LoRA dropout masks; with gradient checkpointing, one layer input per layer
-plus one layer's activations recomputed in backward.
+plus one layer's activations recomputed in backward; with selective checkpointing, the
+layer input and the matmul and attention outputs. The loss buffers are one chunk of fp32
+logits with the fused loss (finetune_trainer.loss: the hidden-state and head gradients are
+made in the forward pass), or every token's logits, fp32 copy and log-softmax without it.
 """
 
 from __future__ import annotations
@@ -40,8 +43,11 @@ DEEPSPEED_REDUCE_BUCKET = 500_000_000
 DEEPSPEED_MAX_LIVE_PARAMETERS = 1_000_000_000
 """DeepSpeed's default stage3_max_live_parameters."""
 LOSS_BYTES_PER_LOGIT = 12
-"""Logits, their shifted copy, the fp32 copy and log-softmax output, per vocab entry and
-token (2+2+4+4 in bf16/fp16; 4+4+4 in fp32, where `.float()` is a no-op)."""
+"""Without the fused loss: logits, their fp32 copy and log-softmax output per vocab entry
+and token (4+4+4; bf16/fp16 logits are counted as fp32, 2 bytes over)."""
+FUSED_LOSS_CHUNK_BYTES = 256 * 2**20
+"""finetune_trainer.loss.CHUNK_BYTES: the fp32 logits of at most this many bytes at once."""
+FUSED_LOSS_MIN_ROWS = 256
 
 Method = Literal["full", "lora", "qlora"]
 Strategy = Literal["ddp", "fsdp", "zero1", "zero2", "zero3"]
@@ -67,6 +73,8 @@ class TrainingSetup(BaseModel):
     micro_batch: int = 1
     seq_len: int = 2048
     gradient_checkpointing: bool = True
+    checkpoint_policy: Literal["full", "selective"] = "full"
+    fused_loss: bool = True
     gradient_accumulation: int = 1
     world_size: int = 1
     device: Device = "cuda"
@@ -131,6 +139,38 @@ def activation_bytes_per_layer_token(shape: ModelShape, setup: TrainingSetup,
                      if targets == ["all-linear"] or x.name in targets)
         lora = per_element * inputs
     return norms + attention + mlp + lora
+
+
+def selective_bytes_per_layer_token(shape: ModelShape, setup: TrainingSetup,
+                                    residual: int) -> float:
+    """Bytes selective checkpointing keeps for one layer and token: the layer input and
+    the outputs of q/k/v/o, attention, and the MLP's matmuls."""
+    p = _bytes(setup.precision)
+    h = shape.hidden_size
+    attention = p * (2 * shape.q_dim + 2 * shape.kv_dim + h) + 4 * shape.num_heads
+    if shape.is_moe:
+        mlp = p * (3 * (shape.experts_per_token * shape.expert_intermediate_size
+                        + shape.shared_expert_intermediate_size) + h) + 4 * shape.num_experts
+    else:
+        mlp = p * (2 * shape.intermediate_size + h)
+    return residual * h + attention + mlp
+
+
+def loss_buffer_bytes(shape: ModelShape, setup: TrainingSetup, tokens: int,
+                      residual: int) -> tuple[float, float]:
+    """Bytes alive for the loss at the end of the forward pass: (freed before the first
+    layer's backward, kept until the head's backward)."""
+    vocab = shape.vocab_size
+    if not setup.fused_loss:
+        return tokens * LOSS_BYTES_PER_LOGIT * vocab, 0.0
+    # one chunk of fp32 logits (and the 16-bit matmul output it is cast from) while the
+    # forward pass ends; the hidden-state and head gradients it made wait for backward
+    rows = min(tokens, max(FUSED_LOSS_MIN_ROWS, FUSED_LOSS_CHUNK_BYTES // (4 * vocab)))
+    mixed = setup.precision != "fp32"
+    chunk = rows * vocab * (4 + (_bytes(setup.precision) if mixed else 0))
+    hidden_grad = tokens * residual * shape.hidden_size
+    head_grad = 4 * shape.head_params if setup.method == "full" else 0
+    return chunk, hidden_grad + head_grad
 
 
 def estimate_memory(shape: ModelShape, setup: TrainingSetup) -> MemoryEstimate:
@@ -233,12 +273,16 @@ def estimate_memory(shape: ModelShape, setup: TrainingSetup) -> MemoryEstimate:
     # --- activations (one micro-batch) ---------------------------------------------
     per_layer = activation_bytes_per_layer_token(shape, setup, residual)
     outside = (residual + 4 + residual + p) * shape.hidden_size  # embeddings, final norm
-    loss_buffers = tokens * LOSS_BYTES_PER_LOGIT * shape.vocab_size
+    freed, held = loss_buffer_bytes(shape, setup, tokens, residual)
+    loss_buffers = freed + held
     if setup.gradient_checkpointing:
-        # each layer keeps its input; the layer recomputed in backward (after the loss
-        # buffers are freed) only adds where it is larger than they were
-        recomputed = max(0.0, tokens * per_layer - loss_buffers)
-        activations = tokens * (shape.num_layers * residual * shape.hidden_size + outside)
+        # each layer keeps its input (or, selective, its expensive outputs); the layer
+        # recomputed in backward (after the freed loss buffers are gone) only adds where it
+        # is larger than they were
+        kept = (selective_bytes_per_layer_token(shape, setup, residual)
+                if setup.checkpoint_policy == "selective" else residual * shape.hidden_size)
+        recomputed = max(0.0, tokens * per_layer - freed)
+        activations = tokens * (shape.num_layers * kept + outside)
         activations += recomputed
     else:
         activations = tokens * (shape.num_layers * per_layer + outside)

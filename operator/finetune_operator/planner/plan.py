@@ -112,6 +112,8 @@ def setup_for(job: FineTuneJob, strategy: Strategy, world_size: int | None = Non
         micro_batch=spec.hyperparameters.batch_size_per_device,
         seq_len=spec.dataset.max_seq_length,
         gradient_checkpointing=spec.strategy.gradient_checkpointing,
+        checkpoint_policy=spec.strategy.gradient_checkpointing_policy,
+        fused_loss=spec.strategy.fused_loss,
         gradient_accumulation=spec.hyperparameters.gradient_accumulation_steps,
         world_size=world, device="cuda" if resources.gpus_per_node else "cpu")
 

@@ -1,0 +1,142 @@
+"""Each speed-up of the trainer on and off, side by side: does it pay?
+
+One configuration per change; our trainer runs with the change and without it,
+alternating, on the same model and data (benchmarks/throughput.py builds them). Prints
+tokens/s and peak memory of both sides and their ratios (median of back-to-back pairs)
+and writes benchmarks/changes.json.
+
+    .venv/bin/python benchmarks/changes.py                  # every change (CPU, ~15 min)
+    .venv/bin/python benchmarks/changes.py --only fused-loss
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import throughput  # a sibling script, not a package
+from throughput import TINY, Bench
+
+
+@dataclass(frozen=True)
+class Change:
+    name: str
+    bench: Bench
+    on: dict
+    off: dict
+    why: str
+    env_off: dict | None = None
+    """Environment of the "off" side (for switches that are not API fields)."""
+
+
+CPU_BASE = Bench("change", TINY, "full", "variable", seq_len=512, batch=4, steps=21,
+                 processes=2)
+CHANGES = [
+    Change("fused-loss", replace(CPU_BASE, shape=replace(TINY, vocab=32000)),
+           on={"strategy": {"fusedLoss": True}}, off={"strategy": {"fusedLoss": False}},
+           why="output layer + cross-entropy in chunks over trained tokens (32k vocabulary)"),
+    Change("selective-checkpointing", replace(CPU_BASE, checkpointing=True),
+           on={"strategy": {"gradientCheckpointingPolicy": "selective"}},
+           off={"strategy": {"gradientCheckpointingPolicy": "full"}},
+           why="keep matmul outputs, recompute element-wise ops (vs whole layers)"),
+    Change("packing", CPU_BASE, on={"dataset": {"packing": True}},
+           off={"dataset": {"packing": False}},
+           why="several samples per sequence on variable-length data (vs padding)"),
+    Change("compile", replace(CPU_BASE, steps=30), on={"strategy": {"compile": True}},
+           off={"strategy": {"compile": False}},
+           why="torch.compile per decoder layer (after a warm-up that compiles)"),
+    Change("prefetch", CPU_BASE, on={}, off={}, env_off={"FINETUNE_PREFETCH": "0"},
+           why="next steps' batches collated on a thread during this step (vs in the loop)"),
+]
+
+
+def merged(base: dict, override: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        out[key] = merged(out.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
+def measure(change: Change, work: Path, repeats: int) -> dict:
+    bench = change.bench
+    data = work / f"{change.name}.jsonl"
+    throughput.write_data(data, bench)
+    model = work / throughput.model_name(bench.shape)
+    if not model.exists():
+        throughput.build_model(model, bench.shape, data)
+    output = work / f"out-{change.name}"
+    base = throughput.trainer_config(bench, model, data, output)
+    configs = {}
+    for side in ("on", "off"):
+        configs[side] = work / f"{change.name}-{side}.yaml"
+        configs[side].write_text(yaml.safe_dump(merged(base, getattr(change, side))))
+    runs: dict[str, list[dict]] = {"on": [], "off": []}
+    for repeat in range(repeats):
+        for side in ("on", "off") if repeat % 2 == 0 else ("off", "on"):
+            shutil.rmtree(output, ignore_errors=True)
+            env = (change.env_off or {}) if side == "off" else {}
+            saved = {name: os.environ.get(name) for name in env}
+            os.environ.update(env)
+            try:
+                runs[side].append(throughput.run_ours(bench, configs[side], output))
+            finally:
+                for name, value in saved.items():
+                    if value is None:
+                        os.environ.pop(name, None)
+                    else:
+                        os.environ[name] = value
+    pairs = sorted(on["tokens_per_second"] / off["tokens_per_second"]
+                   for on, off in zip(runs["on"], runs["off"], strict=True))
+    memory = sorted(on["peak_memory_bytes"] / off["peak_memory_bytes"]
+                    for on, off in zip(runs["on"], runs["off"], strict=True))
+    return {"change": change.name, "why": change.why, "config": asdict(bench),
+            "on": throughput.median_run(runs["on"]), "off": throughput.median_run(runs["off"]),
+            "tokens_per_second_ratio": pairs[len(pairs) // 2],
+            "tokens_per_second_pair_ratios": [round(r, 3) for r in pairs],
+            "peak_memory_ratio": memory[len(memory) // 2]}
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'change':<24} {'tokens/s on':>12} {'off':>10} {'ratio':>7} "
+             f"{'peak MiB on':>12} {'off':>8} {'ratio':>7}"]
+    for row in rows:
+        on, off = row["on"], row["off"]
+        lines.append(f"{row['change']:<24} {on['tokens_per_second']:>12,.0f} "
+                     f"{off['tokens_per_second']:>10,.0f} {row['tokens_per_second_ratio']:>6.2f}x "
+                     f"{on['peak_memory_bytes'] / 2**20:>12,.0f} "
+                     f"{off['peak_memory_bytes'] / 2**20:>8,.0f} {row['peak_memory_ratio']:>6.2f}x")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default=None, help="one change by name")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=throughput.REPO / "benchmarks/changes.json")
+    args = parser.parse_args()
+    changes = [c for c in CHANGES if args.only in (None, c.name)]
+    if not changes:
+        parser.error(f"--only {args.only}: one of {', '.join(c.name for c in CHANGES)}")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="finetune-changes-") as tmp:
+        for change in changes:
+            print(f"running {change.name} on/off ...", flush=True)
+            rows.append(measure(change, Path(tmp), args.repeats))
+    print(f"\n{throughput.machine()}\n{table(rows)}")
+    args.out.write_text(json.dumps({"machine": throughput.machine(), "results": rows},
+                                   indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -6,7 +6,7 @@ tokens/s and peak memory of both sides and their ratios (median of back-to-back 
 and writes benchmarks/changes.json.
 
     .venv/bin/python benchmarks/changes.py                  # every change (CPU, ~15 min)
-    .venv/bin/python benchmarks/changes.py --only fused-loss
+    .venv/bin/python benchmarks/changes.py --only fused-loss,prefetch
 """
 
 from __future__ import annotations
@@ -120,11 +120,12 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default=None, help="one change by name")
+    parser.add_argument("--only", default=None, help="changes by name, comma-separated")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=throughput.REPO / "benchmarks/changes.json")
     args = parser.parse_args()
-    changes = [c for c in CHANGES if args.only in (None, c.name)]
+    wanted = set(args.only.split(",")) if args.only else {c.name for c in CHANGES}
+    changes = [c for c in CHANGES if c.name in wanted]
     if not changes:
         parser.error(f"--only {args.only}: one of {', '.join(c.name for c in CHANGES)}")
     rows = []

@@ -35,8 +35,9 @@ class Change:
     on: dict
     off: dict
     why: str
+    env_on: dict | None = None
     env_off: dict | None = None
-    """Environment of the "off" side (for switches that are not API fields)."""
+    """Environment of each side (for switches that are not API fields)."""
 
 
 CPU_BASE = Bench("change", TINY, "full", "variable", seq_len=512, batch=4, steps=21,
@@ -55,7 +56,8 @@ CHANGES = [
     Change("compile", replace(CPU_BASE, steps=30), on={"strategy": {"compile": True}},
            off={"strategy": {"compile": False}},
            why="torch.compile per decoder layer (after a warm-up that compiles)"),
-    Change("prefetch", CPU_BASE, on={}, off={}, env_off={"FINETUNE_PREFETCH": "0"},
+    Change("prefetch", CPU_BASE, on={}, off={}, env_on={"FINETUNE_PREFETCH": "1"},
+           env_off={"FINETUNE_PREFETCH": "0"},
            why="next steps' batches collated on a thread during this step (vs in the loop)"),
 ]
 
@@ -84,7 +86,7 @@ def measure(change: Change, work: Path, repeats: int) -> dict:
     for repeat in range(repeats):
         for side in ("on", "off") if repeat % 2 == 0 else ("off", "on"):
             shutil.rmtree(output, ignore_errors=True)
-            env = (change.env_off or {}) if side == "off" else {}
+            env = (change.env_off if side == "off" else change.env_on) or {}
             saved = {name: os.environ.get(name) for name in env}
             os.environ.update(env)
             try:

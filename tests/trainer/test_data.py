@@ -206,3 +206,17 @@ def test_collate_pads_and_fills_empty_micro_batches():
     assert batch["position_ids"].tolist() == [[0, 1, 2], [0, 0, 1]]
     empty = collate([], pad_id=0)
     assert empty["labels"].tolist() == [[IGNORE]]
+
+
+def test_prefetched_keeps_order_and_raises_errors_where_read():
+    from finetune_trainer.data import Prefetched
+
+    def make(key):
+        if key == 3:
+            raise ValueError("bad step")
+        return key * 10
+
+    ahead = Prefetched(iter(range(5)), make)
+    assert [next(ahead) for _ in range(3)] == [(0, 0), (1, 10), (2, 20)]
+    with pytest.raises(ValueError, match="bad step"):
+        next(ahead)

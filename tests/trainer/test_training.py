@@ -110,6 +110,15 @@ def test_compiled_layers_train_the_same_numbers(runs):
         losses(runs("ddp", "full")), rel=1e-4)
 
 
+def test_batches_prefetched_on_a_thread_train_the_same_numbers(runs, tiny_model_dir, tmp_path,
+                                                               monkeypatch):
+    """The GPU default (a collating thread), forced on CPU workers."""
+    monkeypatch.setenv("FINETUNE_PREFETCH", "1")
+    result = finetune_run(manifest(tiny_model_dir, tmp_path / "out", method="full"), tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert losses(tmp_path / "out") == losses(runs("ddp", "full"))
+
+
 @pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
 def test_cpu_offload_trains_the_same_numbers(runs, strategy):
     assert losses(runs(strategy, offload="cpu")) == pytest.approx(losses(runs("ddp")), rel=1e-3)

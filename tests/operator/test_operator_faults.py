@@ -205,6 +205,26 @@ async def test_slow_api_server_times_out_and_retries(
             cluster.clear(fault)
 
 
+async def test_delete_during_a_slow_observe_is_not_held_back(
+        emulated_testbed: EmulatedTestbed, cluster: FaultyApiServer):
+    testbed = emulated_testbed
+    await testbed.apply(testbed.manifest())
+    await testbed.until_phase("Running")
+    # the timer's read of the pods takes most of a second: the deletion finds it mid-reconcile
+    slow = cluster.inject(Fault("GET", rf"/api/v1/namespaces/{NAMESPACE}/pods", delay=0.8))
+    try:
+        await testbed.until(lambda: slow.hits, "the timer reading the pods")
+        await testbed.delete("demo")
+        deleted = asyncio.get_running_loop().time()
+        # kopf waits for the timer, then looks again after its cancellation polling (60 s
+        # unless the operator sets it): seconds here, not a minute
+        await testbed.until(lambda: testbed.ftj() is None, "FineTuneJob gone", timeout=10)
+        assert asyncio.get_running_loop().time() - deleted < 10
+    finally:
+        cluster.clear(slow)
+    assert testbed.get("batch/v1/jobs", "demo") is None
+
+
 # --- children deleted by hand --------------------------------------------------------------
 
 async def _delete_child(testbed: EmulatedTestbed, url: str) -> None:

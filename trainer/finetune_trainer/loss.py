@@ -39,9 +39,9 @@ def _causal_lm(model):
 def fusable(model) -> str | None:
     """None when the loss can be taken from the output layer's input; else why not."""
     causal_lm = _causal_lm(model)
-    if causal_lm.get_output_embeddings() is None:
-        return f"{type(causal_lm).__name__} has no output layer"
     head = causal_lm.get_output_embeddings()
+    if head is None:
+        return f"{type(causal_lm).__name__} has no output layer"
     if type(head) is not torch.nn.Linear:
         return f"its output layer is a {type(head).__name__}, not a plain Linear"
     try:

@@ -35,15 +35,19 @@ test: venv tools
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
 
-# Our trainer against transformers.Trainer on the same model and data, side by side
-# (CPU configurations, ~10 minutes; bench-gpu for the 1B/3B/QLoRA ones on a GPU), then
-# the instrumentation's cost. Tables on stdout, JSON under benchmarks/.
-bench: venv
+# Our trainer against transformers.Trainer and TRL's SFTTrainer on the same model and
+# data, side by side (CPU configurations, ~15 minutes; bench-gpu for the 1B/3B/QLoRA ones
+# on a GPU), then the instrumentation's cost. Tables on stdout, JSON under benchmarks/.
+bench: $(VENV)/.bench
 	$(BIN)/python benchmarks/throughput.py --suite cpu
 	$(BIN)/python benchmarks/metrics_overhead.py
 
-bench-gpu: venv
+bench-gpu: $(VENV)/.bench
 	$(BIN)/python benchmarks/throughput.py --suite gpu --out benchmarks/throughput-gpu.json
+
+$(VENV)/.bench: $(VENV)/.installed
+	$(PIP) install -e ".[bench]" torch==$(TORCH_VERSION)
+	touch $@
 
 # The trainer's instrumentation on vs off, side by side (prints the ratio; CPU, minutes).
 bench-metrics: venv

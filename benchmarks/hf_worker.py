@@ -1,9 +1,18 @@
-"""The peer: Hugging Face `transformers.Trainer` on the same model, data and settings.
+"""The peers: Hugging Face `transformers.Trainer`, or TRL's `SFTTrainer`, on the same model,
+data and settings.
 
 Started under torchrun by benchmarks/throughput.py (`--config FILE`, the same trainer
-config our trainer reads). The samples are tokenised by our own data module, so both sides
-train on identical token sequences; Trainer then does what its users do: one sample per
-row, padded to the longest in the batch (DataCollatorForSeq2Seq), labels -100 on padding.
+config our trainer reads; `--peer trainer|sft`). The samples are tokenised by our own data
+module, so every side trains on identical token sequences. Each peer then does what its
+users do:
+
+- `Trainer`: one sample per row, padded to the longest in the batch
+  (DataCollatorForSeq2Seq), labels -100 on padding.
+- `SFTTrainer`: its own packing when the config packs (best-fit decreasing into
+  max-length rows, padding-free, position ids restarting per sample), its fused output
+  layer over the trained positions, LoRA through its `peft_config`; otherwise its padding
+  collator.
+
 Writes a JSON result (label tokens/s over the timed steps, step time, peak memory) on
 rank 0.
 """
@@ -25,6 +34,7 @@ def main() -> None:
     parser.add_argument("--config", type=Path, required=True)
     parser.add_argument("--result", type=Path, required=True)
     parser.add_argument("--warmup-steps", type=int, default=3)
+    parser.add_argument("--peer", choices=("trainer", "sft"), default="trainer")
     args = parser.parse_args()
 
     import torch
@@ -68,20 +78,21 @@ def main() -> None:
         model = prepare_model_for_kbit_training(
             model, use_gradient_checkpointing=strategy.gradient_checkpointing,
             gradient_checkpointing_kwargs={"use_reentrant": False})
+    adapters = None
     if config.method.type in ("lora", "qlora"):
         from peft import LoraConfig, get_peft_model
 
         lora = config.method.lora
-        model = get_peft_model(model, LoraConfig(
+        adapters = LoraConfig(
             r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
             target_modules=lora.target_modules if lora.target_modules != ["all-linear"]
-            else "all-linear", task_type="CAUSAL_LM"))
+            else "all-linear", task_type="CAUSAL_LM")
+        if args.peer == "trainer":
+            model = get_peft_model(model, adapters)
 
     timing = StepTiming(args.warmup_steps)
-    model.register_forward_pre_hook(timing.count, with_kwargs=True)
-    collator = DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=IGNORE)
-    training_args = TrainingArguments(
-        output_dir=str(args.result.parent / "hf-output"),
+    settings = dict(
+        output_dir=str(args.result.parent / f"{args.peer}-output"),
         per_device_train_batch_size=hp.batch_size_per_device,
         gradient_accumulation_steps=hp.gradient_accumulation_steps,
         max_steps=hp.max_steps, learning_rate=hp.resolved_learning_rate(config.method.type),
@@ -94,8 +105,22 @@ def main() -> None:
         dataloader_num_workers=0, report_to=[], save_strategy="no", logging_steps=10**9,
         disable_tqdm=True, remove_unused_columns=False, optim="adamw_torch_fused" if gpu
         else "adamw_torch")
-    trainer = Trainer(model=model, args=training_args, train_dataset=train,
-                      data_collator=collator, callbacks=[timing])
+    if args.peer == "sft":
+        from datasets import Dataset
+        from trl import SFTConfig, SFTTrainer
+
+        trainer = SFTTrainer(
+            model=model, train_dataset=Dataset.from_list(train), processing_class=tokenizer,
+            peft_config=adapters, callbacks=[timing], args=SFTConfig(
+                **settings, packing=config.dataset.packing,
+                max_length=config.dataset.max_seq_length))
+    else:
+        collator = DataCollatorForSeq2Seq(tokenizer, padding="longest",
+                                          label_pad_token_id=IGNORE)
+        trainer = Trainer(model=model, args=TrainingArguments(**settings),
+                          train_dataset=train, data_collator=collator, callbacks=[timing])
+    # on the model each peer calls (SFTTrainer wraps it in PEFT itself)
+    trainer.model.register_forward_pre_hook(timing.count, with_kwargs=True)
     trainer.train()
 
     tokens = torch.tensor([timing.timed_tokens, timing.timed_inputs], dtype=torch.float64)
@@ -111,7 +136,7 @@ def main() -> None:
         mfu = None
         peak_flops = gpu and flops.peak_flops(torch.cuda.get_device_name())
         if peak_flops and seconds:
-            params, frozen, layers, width = flops.model_shape(model)
+            params, frozen, layers, width = flops.model_shape(trainer.model)
             mean = sum(len(s["input_ids"]) for s in train) / len(train)
             per_token = flops.model_flops_per_token(params, layers, width, mean, frozen)
             mfu = per_token * input_tokens / seconds / (peak_flops * world)

@@ -1,9 +1,12 @@
-"""Our trainer against Hugging Face `transformers.Trainer`, side by side.
+"""Our trainer against Hugging Face `transformers.Trainer` and TRL's `SFTTrainer`, side by
+side.
 
 Same model (built from a config, random weights, saved with save_pretrained), same
 token sequences (tokenised once by our data module), sequence length, global batch,
 precision and strategy; one run after the other in this script. Prints a table and writes
-benchmarks/throughput.json (ratios under `*ratio*` keys).
+benchmarks/throughput.json (ratios under `*ratio*` keys: `tokens_per_second_ratio` is ours
+over Trainer, `trl_tokens_per_second_ratio` ours over SFTTrainer). The SFTTrainer side needs
+`trl` (`pip install -e ".[bench]"`, which `make bench` does).
 
     .venv/bin/python benchmarks/throughput.py                 # the CPU configurations
     .venv/bin/python benchmarks/throughput.py --suite gpu     # 1B full, 1B/3B LoRA, QLoRA
@@ -17,6 +20,7 @@ resident set. MFU on GPUs only.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -211,11 +215,18 @@ def run_ours(bench: Bench, config: Path, output: Path) -> dict:
             "mfu": sum(mfu) / len(mfu) if mfu else None}
 
 
-def run_peer(bench: Bench, config: Path) -> dict:
-    result = config.with_suffix(".hf.json")
+PEERS = {"hf_trainer": "trainer", "trl_sft": "sft"}
+"""A side's key in the results → the peer `hf_worker.py --peer` runs."""
+RATIO_PREFIX = {"hf_trainer": "", "trl_sft": "trl_"}
+LABELS = {"hf_trainer": "ours/HF", "trl_sft": "ours/TRL"}
+
+
+def run_peer(bench: Bench, config: Path, side: str) -> dict:
+    peer = PEERS[side]
+    result = config.with_suffix(f".{peer}.json")
     maxrss = run(torchrun(bench.processes, str(REPO / "benchmarks/hf_worker.py"),
-                          f"--config={config}", f"--result={result}",
-                          f"--warmup-steps={bench.warmup}"), config.with_suffix(".hf.log"))
+                          f"--config={config}", f"--result={result}", f"--peer={peer}",
+                          f"--warmup-steps={bench.warmup}"), config.with_suffix(f".{peer}.log"))
     figures = json.loads(result.read_text())
     if not bench.gpu:
         figures["peak_memory_bytes"] = maxrss
@@ -229,35 +240,39 @@ def median_run(runs: list[dict]) -> dict:
         round(r["tokens_per_second"], 1) for r in runs]}
 
 
-def compare(bench: Bench, work: Path, repeats: int) -> dict:
+def compare(bench: Bench, work: Path, repeats: int, peers: tuple[str, ...]) -> dict:
     data = work / f"{bench.name}.jsonl"
     write_data(data, bench)
     model = build_model(work / model_name(bench.shape), bench.shape, data)
     config = work / f"{bench.name}.yaml"
     output = work / f"out-{bench.name}"
     config.write_text(yaml.safe_dump(trainer_config(bench, model, data, output)))
-    ours_runs, peer_runs = [], []
+    sides = ("ours", *peers)
+    runs: dict[str, list[dict]] = {side: [] for side in sides}
     for repeat in range(repeats):
-        # alternate who goes first, so a slow spell of a shared machine hits both alike
-        order = (True, False) if repeat % 2 == 0 else (False, True)
-        for mine in order:
-            if mine:
+        # rotate who goes first, so a slow spell of a shared machine hits every side alike
+        for side in sides[repeat % len(sides):] + sides[:repeat % len(sides)]:
+            if side == "ours":
                 shutil.rmtree(output, ignore_errors=True)
-                ours_runs.append(run_ours(bench, config, output))
+                runs[side].append(run_ours(bench, config, output))
             else:
-                peer_runs.append(run_peer(bench, config))
-    ours, peer = median_run(ours_runs), median_run(peer_runs)
-    # each repeat ran both sides back to back: the median of those pairs' ratios is what
-    # a noisy shared machine (another tenant, a frequency change) disturbs least
-    pairs = sorted(o["tokens_per_second"] / p["tokens_per_second"]
-                   for o, p in zip(ours_runs, peer_runs, strict=True))
-    row = {"config": asdict(bench), "ours": ours, "hf_trainer": peer,
-           "tokens_per_second_ratio": pairs[len(pairs) // 2],
-           "tokens_per_second_pair_ratios": [round(r, 3) for r in pairs],
-           "step_time_ratio": ours["step_seconds"] / peer["step_seconds"],
-           "peak_memory_ratio": ours["peak_memory_bytes"] / peer["peak_memory_bytes"]}
-    if ours.get("mfu") and peer.get("mfu"):
-        row["mfu_ratio"] = ours["mfu"] / peer["mfu"]
+                runs[side].append(run_peer(bench, config, side))
+    ours = median_run(runs["ours"])
+    row = {"config": asdict(bench), "ours": ours}
+    for side in peers:
+        peer, prefix = median_run(runs[side]), RATIO_PREFIX[side]
+        # each repeat ran every side back to back: the median of those pairs' ratios is
+        # what a noisy shared machine (another tenant, a frequency change) disturbs least
+        pairs = sorted(o["tokens_per_second"] / p["tokens_per_second"]
+                       for o, p in zip(runs["ours"], runs[side], strict=True))
+        row[side] = peer
+        row[f"{prefix}tokens_per_second_ratio"] = pairs[len(pairs) // 2]
+        row[f"{prefix}tokens_per_second_pair_ratios"] = [round(r, 3) for r in pairs]
+        row[f"{prefix}step_time_ratio"] = ours["step_seconds"] / peer["step_seconds"]
+        row[f"{prefix}peak_memory_ratio"] = (ours["peak_memory_bytes"]
+                                             / peer["peak_memory_bytes"])
+        if ours.get("mfu") and peer.get("mfu"):
+            row[f"{prefix}mfu_ratio"] = ours["mfu"] / peer["mfu"]
     return row
 
 
@@ -265,14 +280,19 @@ def table(rows: list[dict]) -> str:
     lines = [f"{'config':<14} {'side':<11} {'tokens/s':>10} {'step s':>8} {'peak MiB':>9} "
              f"{'MFU':>6}"]
     for row in rows:
-        for side in ("ours", "hf_trainer"):
+        peers = [side for side in PEERS if side in row]
+        for side in ("ours", *peers):
             f = row[side]
             mfu = f"{f['mfu']:.1%}" if f.get("mfu") else "-"
             lines.append(f"{row['config']['name']:<14} {side:<11} "
                          f"{f['tokens_per_second']:>10,.0f} {f['step_seconds']:>8.3f} "
                          f"{f['peak_memory_bytes'] / 2**20:>9,.0f} {mfu:>6}")
-        lines.append(f"{'':<14} {'ours/HF':<11} {row['tokens_per_second_ratio']:>9.2f}x "
-                     f"{row['step_time_ratio']:>7.2f}x {row['peak_memory_ratio']:>8.2f}x")
+        for side in peers:
+            prefix = RATIO_PREFIX[side]
+            lines.append(f"{'':<14} {LABELS[side]:<11} "
+                         f"{row[prefix + 'tokens_per_second_ratio']:>9.2f}x "
+                         f"{row[prefix + 'step_time_ratio']:>7.2f}x "
+                         f"{row[prefix + 'peak_memory_ratio']:>8.2f}x")
     return "\n".join(lines)
 
 
@@ -292,8 +312,16 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="run one configuration by name")
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs of each side, alternating; the median is reported")
+    parser.add_argument("--peers", default=",".join(PEERS),
+                        help=f"comma-separated, among {', '.join(PEERS)}")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/throughput.json")
     args = parser.parse_args()
+    peers = tuple(p.strip() for p in args.peers.split(",") if p.strip())
+    if not peers or set(peers) - set(PEERS):
+        parser.error(f"--peers {args.peers}: choose among {', '.join(PEERS)}")
+    if "trl_sft" in peers and importlib.util.find_spec("trl") is None:
+        parser.error('the trl_sft peer needs trl: pip install -e ".[bench]" (make bench does), '
+                     "or leave it out with --peers hf_trainer")
     benches = [b for suite in SUITES.values() for b in suite if b.name == args.only] \
         if args.only else SUITES[args.suite]
     if not benches:
@@ -303,7 +331,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="finetune-bench-") as tmp:
         for bench in benches:
             print(f"running {bench.name} ...", flush=True)
-            rows.append(compare(bench, Path(tmp), args.repeats))
+            rows.append(compare(bench, Path(tmp), args.repeats, peers))
     print(f"\n{machine()}\n{table(rows)}")
     args.out.write_text(json.dumps({"machine": machine(), "results": rows}, indent=2) + "\n")
     print(f"\nwrote {args.out}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from collections import Counter
 
 import pytest
@@ -16,6 +17,7 @@ from finetune_trainer.data import (
     label_tokens,
     one_per_sequence,
     pack,
+    pack_in_order,
     read_records,
     resolve_format,
     tokenize_record,
@@ -134,12 +136,34 @@ def samples_of(lengths):
 def test_pack_keeps_every_token_and_restarts_positions():
     samples = samples_of([5, 3, 7, 2, 8])
     sequences = pack(samples, max_length=10)
-    assert [len(s["input_ids"]) for s in sequences] == [8, 9, 8]
+    # longest first, each into the open sequence with the least room: 8+2, 7+3, 5
+    assert [len(s["input_ids"]) for s in sequences] == [10, 10, 5]
     assert sum(label_tokens(s) for s in sequences) == sum(len(s["input_ids"]) - 1 for s in samples)
-    assert sequences[0]["position_ids"] == [0, 1, 2, 3, 4, 0, 1, 2]
+    assert sequences[0]["input_ids"] == [104] * 8 + [103] * 2
+    assert sequences[0]["position_ids"] == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1]
     # the first token of every packed sample carries no loss
     assert [lab for lab, pos in zip(sequences[1]["labels"], sequences[1]["position_ids"],
                                     strict=True) if pos == 0] == [IGNORE, IGNORE]
+
+
+def test_pack_in_order_joins_consecutive_samples():
+    sequences = pack_in_order(samples_of([5, 3, 7, 2, 8]), max_length=10)
+    assert [len(s["input_ids"]) for s in sequences] == [8, 9, 8]
+    assert sequences[0]["position_ids"] == [0, 1, 2, 3, 4, 0, 1, 2]
+
+
+def test_pack_fills_sequences_on_long_tailed_lengths():
+    """Instruction data: many short samples, a long tail. Every sample lands in exactly one
+    sequence, none overflows, and far fewer sequences (less padding) than in order."""
+    rng = random.Random(0)
+    lengths = [min(int(rng.lognormvariate(4.0, 0.9)) + 8, 512) for _ in range(3000)]
+    samples = samples_of(lengths)
+    best, in_order = pack(samples, 512), pack_in_order(samples, 512)
+    assert max(len(s["input_ids"]) for s in best) <= 512
+    assert Counter(t for s in best for t in s["input_ids"]) == Counter(
+        t for s in samples for t in s["input_ids"])
+    fill = sum(lengths) / (len(best) * 512)
+    assert fill > 0.99 and len(best) < 0.9 * len(in_order), (fill, len(best), len(in_order))
 
 
 def test_packed_loss_equals_unpacked_loss(tiny_model_dir, tiny_tokenizer):

@@ -28,6 +28,7 @@ from finetune_trainer.data import (
     collate,
     one_per_sequence,
     pack,
+    pack_in_order,
     read_records,
     resolve_format,
     tokenize_records,
@@ -62,6 +63,16 @@ def resolve_path(uri: str, base_dir: Path) -> Path:
     return path if path.is_absolute() else (base_dir / path).resolve()
 
 
+def packer():
+    """Best-fit-decreasing `pack`; FINETUNE_PACKING=next-fit joins consecutive samples
+    instead (the other side of benchmarks/changes.py)."""
+    chosen = os.environ.get("FINETUNE_PACKING", "best-fit")
+    packers = {"best-fit": pack, "next-fit": pack_in_order}
+    if chosen not in packers:
+        raise ValueError(f"FINETUNE_PACKING={chosen!r}: use one of {', '.join(packers)}")
+    return packers[chosen]
+
+
 def preflight(config: TrainerConfig, base_dir: Path) -> Prepared:
     """Read and check the model and the data; bad input fails here, before any rank joins."""
     wrap_classes = inspect_architecture(config.model, config.method, base_dir)
@@ -82,7 +93,7 @@ def preflight(config: TrainerConfig, base_dir: Path) -> Prepared:
         raise DataError(data.uri, "has no sample with a trained token after truncation",
                         "raise spec.dataset.maxSeqLength or check the response columns")
     evaluation = tokenize_records(eval_records, fmt, tokenizer, data.max_seq_length)
-    arrange = (lambda s: pack(s, data.max_seq_length)) if data.packing else one_per_sequence
+    arrange = (lambda s: packer()(s, data.max_seq_length)) if data.packing else one_per_sequence
     return Prepared(tokenizer, arrange(train), arrange(evaluation), wrap_classes)
 
 

@@ -215,11 +215,9 @@ async def test_delete_during_a_slow_observe_is_not_held_back(
     try:
         await testbed.until(lambda: slow.hits, "the timer reading the pods")
         await testbed.delete("demo")
-        deleted = asyncio.get_running_loop().time()
         # kopf waits for the timer, then looks again after its cancellation polling (60 s
         # unless the operator sets it): seconds here, not a minute
         await testbed.until(lambda: testbed.ftj() is None, "FineTuneJob gone", timeout=10)
-        assert asyncio.get_running_loop().time() - deleted < 10
     finally:
         cluster.clear(slow)
     assert testbed.get("batch/v1/jobs", "demo") is None

@@ -215,14 +215,21 @@ def run_ours(bench: Bench, config: Path, output: Path) -> dict:
             "mfu": sum(mfu) / len(mfu) if mfu else None}
 
 
-PEERS = {"hf_trainer": "trainer", "trl_sft": "sft"}
-"""A side's key in the results → the peer `hf_worker.py --peer` runs."""
-RATIO_PREFIX = {"hf_trainer": "", "trl_sft": "trl_"}
-LABELS = {"hf_trainer": "ours/HF", "trl_sft": "ours/TRL"}
+@dataclass(frozen=True)
+class Peer:
+    worker: str
+    """What `hf_worker.py --peer` runs."""
+    prefix: str
+    """Of its ratio keys in the results."""
+    label: str
+
+
+PEERS = {"hf_trainer": Peer("trainer", "", "ours/HF"), "trl_sft": Peer("sft", "trl_", "ours/TRL")}
+"""A side's key in the results → the peer."""
 
 
 def run_peer(bench: Bench, config: Path, side: str) -> dict:
-    peer = PEERS[side]
+    peer = PEERS[side].worker
     result = config.with_suffix(f".{peer}.json")
     maxrss = run(torchrun(bench.processes, str(REPO / "benchmarks/hf_worker.py"),
                           f"--config={config}", f"--result={result}", f"--peer={peer}",
@@ -260,7 +267,7 @@ def compare(bench: Bench, work: Path, repeats: int, peers: tuple[str, ...]) -> d
     ours = median_run(runs["ours"])
     row = {"config": asdict(bench), "ours": ours}
     for side in peers:
-        peer, prefix = median_run(runs[side]), RATIO_PREFIX[side]
+        peer, prefix = median_run(runs[side]), PEERS[side].prefix
         # each repeat ran every side back to back: the median of those pairs' ratios is
         # what a noisy shared machine (another tenant, a frequency change) disturbs least
         pairs = sorted(o["tokens_per_second"] / p["tokens_per_second"]
@@ -288,8 +295,8 @@ def table(rows: list[dict]) -> str:
                          f"{f['tokens_per_second']:>10,.0f} {f['step_seconds']:>8.3f} "
                          f"{f['peak_memory_bytes'] / 2**20:>9,.0f} {mfu:>6}")
         for side in peers:
-            prefix = RATIO_PREFIX[side]
-            lines.append(f"{'':<14} {LABELS[side]:<11} "
+            prefix = PEERS[side].prefix
+            lines.append(f"{'':<14} {PEERS[side].label:<11} "
                          f"{row[prefix + 'tokens_per_second_ratio']:>9.2f}x "
                          f"{row[prefix + 'step_time_ratio']:>7.2f}x "
                          f"{row[prefix + 'peak_memory_ratio']:>8.2f}x")

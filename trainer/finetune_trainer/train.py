@@ -10,6 +10,7 @@ accumulation, and padding or uneven packing never reweights tokens.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import signal
@@ -93,7 +94,8 @@ def preflight(config: TrainerConfig, base_dir: Path) -> Prepared:
         raise DataError(data.uri, "has no sample with a trained token after truncation",
                         "raise spec.dataset.maxSeqLength or check the response columns")
     evaluation = tokenize_records(eval_records, fmt, tokenizer, data.max_seq_length)
-    arrange = (lambda s: packer()(s, data.max_seq_length)) if data.packing else one_per_sequence
+    arrange = (functools.partial(packer(), max_length=data.max_seq_length) if data.packing
+               else one_per_sequence)
     return Prepared(tokenizer, arrange(train), arrange(evaluation), wrap_classes)
 
 

@@ -9,6 +9,9 @@ from typing import Any
 import pytest
 import yaml
 
+# the real control plane's fixtures (control_plane, installation, operator_process, ...)
+pytest_plugins = ["tests.controlplane.fixtures"]
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 

@@ -278,7 +278,7 @@ class FineTuneJobSpec(ApiModel):
     dataset: DatasetSource
     method: MethodConfig = section(MethodConfig)
     strategy: StrategyConfig = section(StrategyConfig)
-    hyperparameters: Hyperparameters = section(Hyperparameters)
+    hyperparameters: Hyperparameters
     resources: Resources = section(Resources)
     output: OutputConfig
     run_policy: RunPolicy = section(RunPolicy)

@@ -242,15 +242,14 @@ def run_command(file: str, nproc: int | None) -> None:
 @click.option("--peering", metavar="NAME", default=None,
               help="Run as one of several replicas: the kopf peering object NAME elects the "
                    "one that acts; the others stand by (the chart sets this when replicas > 1).")
-@click.option("--server", default=None, hidden=True, help="API server URL (tests).")
 def operator_command(all_namespaces: bool, namespaces: tuple[str, ...], log_level: str,
                      metrics_port: int, health_port: int, interval: float,
-                     peering: str | None,
-                     server: str | None) -> None:
+                     peering: str | None) -> None:
     """Run the controller: watches FineTuneJobs and runs them on their backend.
 
-    Connects as kubectl does: the in-cluster service account, else KUBECONFIG. Worker
-    settings (trainer image, GPU taint, ...) come from FINETUNE_* variables (Helm values).
+    Logs in as kubectl does: the pod's service account inside a cluster, else KUBECONFIG
+    (or ~/.kube/config). Worker settings (trainer image, GPU taint, ...) come from
+    FINETUNE_* variables (Helm values).
     """
     import asyncio
     import logging
@@ -262,13 +261,18 @@ def operator_command(all_namespaces: bool, namespaces: tuple[str, ...], log_leve
         raise click.UsageError("use either --all-namespaces or --namespace, not both")
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    runtime = controller.Runtime.build(kube.Kube(kube.connect(server)),
-                                       OperatorSettings.from_env(), interval=interval)
+    try:  # one clear line, not kopf's retry loop, when the cluster cannot be used at all
+        api = kube.connect()
+        kube.check_access(api, namespaces)
+    except kube.LoginError as error:
+        click.echo(f"finetune operator: {error}", err=True)
+        sys.exit(1)
+    runtime = controller.Runtime.build(kube.Kube(api), OperatorSettings.from_env(),
+                                       interval=interval)
     # the planner reads config.json from the hub (HF_HUB_OFFLINE=1 turns that off)
     runtime.model_configs = planner.ModelConfigs(fetch=planner.fetch_from_hub)
     runtime.metrics.serve(metrics_port)
     asyncio.run(controller.run(runtime, namespaces=namespaces, liveness_port=health_port,
-                               server=server,
                                peering=controller.Peering(peering) if peering else None))
 
 

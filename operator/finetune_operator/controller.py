@@ -17,6 +17,7 @@ from typing import Any
 
 import kopf
 
+from finetune_operator import kube
 from finetune_operator.api import API_GROUP, PLURAL, VERSION, FineTuneJob
 from finetune_operator.backends import Backend, BackendContext, BackendError, load_backends
 from finetune_operator.kube import Kube, KubeError
@@ -161,20 +162,26 @@ class Peering:
 
 async def run(runtime: Runtime, *, namespaces: tuple[str, ...] = (),
               liveness_port: int | None = None, stop_flag: Any = None, ready_flag: Any = None,
-              server: str | None = None, spare: Collection[asyncio.Task] | None = None,
+              kubeconfig: str | None = None, spare: Collection[asyncio.Task] | None = None,
               peering: Peering | None = None) -> None:
     """Run the operator until `stop_flag` (or a signal): every namespace when none is given;
-    standalone unless `peering` is given.
+    standalone unless `peering` is given. It logs in as `kube.configuration(kubeconfig)` says
+    (the service account in a pod, else KUBECONFIG), as `runtime.kube` does.
 
     When it stops, kopf cancels the tasks that appeared while it ran, except `spare`
     (by default: the tasks that existed before it started).
     """
     registry = kopf.OperatorRegistry()
     register(registry, runtime)
-    if server is not None:
-        @kopf.on.login(registry=registry)
-        def login(**_: Any) -> kopf.ConnectionInfo:
-            return kopf.ConnectionInfo(server=server)
+
+    @kopf.on.login(registry=registry)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        # called again whenever the API server answers 401: a rotated service-account
+        # token or an exec plugin's new token is read afresh
+        try:
+            return kube.connection_info(kube.configuration(kubeconfig))
+        except kube.LoginError as error:
+            raise kopf.LoginError(str(error)) from error
     if peering is not None:
         priority = peering.priority or random.SystemRandom().randint(1, 2**31 - 1)
         logger.info("peering through %r with priority %d", peering.name, priority)
@@ -225,12 +232,18 @@ def register(registry: kopf.OperatorRegistry, runtime: Runtime) -> None:
         # waiting a minute whenever the two met
         settings.background.cancellation_polling = 1.0
 
+    # one reconcile of a job at a time: the create handler and the timer's first tick would
+    # otherwise both see no workers and both launch them
+    busy: dict[str, asyncio.Lock] = {}
+
     async def reconciled(body: kopf.Body, retry: int) -> dict[str, Any]:
         """The status changes of one reconcile; an API failure is retried with a backoff."""
         try:
             backend = (body.get("spec") or {}).get("backend", "kubernetes")
-            with runtime.metrics.reconcile_seconds.labels(backend).time():
-                return await reconcile_body(runtime, body)
+            uid = (body.get("metadata") or {}).get("uid", "")
+            async with busy.setdefault(uid, asyncio.Lock()):
+                with runtime.metrics.reconcile_seconds.labels(backend).time():
+                    return await reconcile_body(runtime, body)
         except KubeError as error:
             delay = runtime.backoff(retry, error.retry_after)
             raise kopf.TemporaryError(f"the API server refused a call ({error}); retrying in "
@@ -261,7 +274,9 @@ def register(registry: kopf.OperatorRegistry, runtime: Runtime) -> None:
     kopf.on.resume(**on, id="reconcile-resumed")(handle)
     kopf.on.create(**on, id="reconcile-created")(handle)
     kopf.on.update(**on, id="reconcile-updated")(handle)
-    kopf.timer(**on, id="observe", interval=runtime.interval)(observe)
+    # the first look comes one interval after the create (or resume) handler's reconcile
+    kopf.timer(**on, id="observe", interval=runtime.interval,
+               initial_delay=runtime.interval)(observe)
 
     @kopf.on.delete(**on, id="cleanup")
     async def cleanup(body: kopf.Body, retry: int, **_: Any) -> None:
@@ -278,3 +293,4 @@ def register(registry: kopf.OperatorRegistry, runtime: Runtime) -> None:
             raise kopf.TemporaryError(f"stopping the workers failed: {error}",
                                       delay=error.retry_after) from error
         runtime.metrics.job_gone(job.namespace, job.name)
+        busy.pop((body.get("metadata") or {}).get("uid", ""), None)

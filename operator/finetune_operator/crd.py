@@ -89,6 +89,24 @@ def _schema_of(model: type, mode: str = "validation") -> dict[str, Any]:
     return _structural(raw, raw.get("$defs", {}))
 
 
+def _filled_defaults(node: dict[str, Any]) -> None:
+    """Write every `default: {}` out in full, nested defaults included.
+
+    The API server checks each default against the CEL rules of its object when the CRD is
+    applied, and does so on the default as written, before any nested default applies:
+    a rule reading `self.offload` meets `{}` and fails with "no such key", so the whole CRD
+    is refused. Written out, the default is what the server would store anyway."""
+    for child in node.get("properties", {}).values():
+        _filled_defaults(child)
+    for key in ("items", "additionalProperties"):
+        if isinstance(node.get(key), dict):
+            _filled_defaults(node[key])
+    if node.get("type") == "object" and node.get("default") == {}:
+        node["default"] = {name: child["default"]
+                           for name, child in node.get("properties", {}).items()
+                           if "default" in child}
+
+
 def _locate(schema: dict[str, Any], scope: str) -> dict[str, Any]:
     node = schema
     for part in filter(None, scope.split(".")):
@@ -131,6 +149,7 @@ def openapi_schema() -> dict[str, Any]:
         },
     }
     _attach(root, cel_rules())
+    _filled_defaults(root)
     return root
 
 

@@ -1,7 +1,8 @@
 """The few Kubernetes API calls the operator makes, async over the official client.
 
-Connects as kubectl does: the in-cluster service account, else KUBECONFIG / ~/.kube/config
-(which covers AKS's exec-based logins). Reads return plain dicts, exactly as the API
+Logs in as kubectl does (`configuration`): the in-cluster service account, else KUBECONFIG /
+~/.kube/config (which covers AKS's exec-based logins); kopf's watch streams use the same
+credentials (`connection_info`). Reads return plain dicts, exactly as the API
 serves them, so the pure code (render, observe) sees what `kubectl get -o json` shows.
 Every call has a timeout, and every failure (an error status, or no answer at all) is a
 `KubeError` carrying the status and any Retry-After, which the handlers turn into a retry.
@@ -11,11 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import os
 from typing import Any
 
+import kopf
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
-from urllib3.exceptions import HTTPError
+from urllib3.exceptions import HTTPError, SSLError
 
 from finetune_operator.api import API_GROUP, PLURAL, VERSION
 
@@ -47,17 +51,119 @@ def _retry_after(headers: Any) -> float | None:
         return None
 
 
-def connect(server: str | None = None) -> client.ApiClient:
-    """An API client: to `server` when given (tests), else as kubectl would connect."""
-    if server:
-        configuration = client.Configuration()
-        configuration.host = server
-        return client.ApiClient(configuration)
+class LoginError(RuntimeError):
+    """No way to reach or log in to the API server: one line that says what to fix."""
+
+
+def _in_cluster() -> bool:
+    """In a pod: the service's address in the environment, its token mounted."""
+    return bool(os.environ.get("KUBERNETES_SERVICE_HOST")) and os.path.exists(
+        config.incluster_config.SERVICE_TOKEN_FILENAME)
+
+
+def kubeconfig_path(kubeconfig: str | None = None) -> str:
+    """Where kubectl would read its kubeconfig: the argument, KUBECONFIG (several files
+    joined by ':' are merged), else ~/.kube/config."""
+    return kubeconfig or os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")
+
+
+def configuration(kubeconfig: str | None = None) -> client.Configuration:
+    """Credentials as kubectl finds them: the pod's service account inside a cluster, else
+    the kubeconfig's current context (tokens, client certificates, and exec plugins such
+    as kubelogin on AKS, whose tokens are fetched again when they expire). Read anew on
+    each call, so a rotated token is picked up."""
+    configured = client.Configuration()
+    if kubeconfig is None and _in_cluster():
+        try:
+            config.load_incluster_config(client_configuration=configured)
+            return configured
+        except config.ConfigException as error:
+            raise LoginError(f"the pod's service account cannot be used ({error}) — check "
+                             "automountServiceAccountToken on the operator's pod") from error
+    path = kubeconfig_path(kubeconfig)
     try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
-    return client.ApiClient()
+        config.load_kube_config(config_file=path, client_configuration=configured,
+                                persist_config=False)
+    except (config.ConfigException, OSError, ValueError, TypeError) as error:
+        raise LoginError(f"no usable Kubernetes credentials: not inside a cluster, and the "
+                         f"kubeconfig {path} cannot be used ({error}) — set KUBECONFIG to a "
+                         "kubeconfig that works with kubectl") from error
+    return configured
+
+
+def connect(kubeconfig: str | None = None) -> client.ApiClient:
+    """An API client logged in as `configuration` says."""
+    return client.ApiClient(configuration(kubeconfig))
+
+
+def connection_info(configured: client.Configuration) -> kopf.ConnectionInfo:
+    """The same credentials in kopf's terms, for its login handler: the operator's watch
+    streams and our own calls log in the same way."""
+    header = (configured.get_api_key_with_prefix("BearerToken")
+              or configured.get_api_key_with_prefix("authorization"))
+    scheme, _, token = (header or "").rpartition(" ")
+    return kopf.ConnectionInfo(
+        server=configured.host,
+        ca_path=configured.ssl_ca_cert,
+        insecure=not configured.verify_ssl,
+        username=configured.username or None,
+        password=configured.password or None,
+        scheme=scheme or ("Bearer" if token else None),
+        token=token or None,
+        certificate_path=configured.cert_file,
+        private_key_path=configured.key_file,
+    )
+
+
+def check_access(api: client.ApiClient, namespaces: tuple[str, ...] = ()) -> None:
+    """List FineTuneJobs once, where the operator will watch them, and turn every way that
+    can fail (no server, TLS, 401, 403, no CRD) into a LoginError naming the fix."""
+    host = api.configuration.host
+    custom = client.CustomObjectsApi(api)
+    # urllib3 logs each retry of a refused connection; the one line below says it all
+    quiet = logging.getLogger("urllib3.connectionpool")
+    level, quiet.level = quiet.level, logging.ERROR
+    try:
+        if namespaces:
+            for namespace in namespaces:
+                custom.list_namespaced_custom_object(API_GROUP, VERSION, namespace, PLURAL,
+                                                     limit=1, _request_timeout=15)
+        else:
+            custom.list_cluster_custom_object(API_GROUP, VERSION, PLURAL, limit=1,
+                                              _request_timeout=15)
+    except ApiException as error:
+        where = f"in namespace {', '.join(namespaces)}" if namespaces else "in all namespaces"
+        fixes = {
+            401: f"the API server at {host} refused the credentials (401 Unauthorized): the "
+                 "token is expired or wrong — get a new one (`kubectl create token <service "
+                 "account>`, or `az aks get-credentials` again)",
+            403: f"the credentials may not list finetunejobs {where} (403 Forbidden) — "
+                 "install the chart's RBAC, or bind its ClusterRole to this identity "
+                 f"({_reason(error)})",
+            404: f"the FineTuneJob CRD is not installed on {host} (404 for "
+                 f"{API_GROUP}/{VERSION} {PLURAL}) — `kubectl apply -f crds/`, or install "
+                 "the Helm chart",
+        }
+        raise LoginError(fixes.get(error.status, f"listing finetunejobs on {host} failed: "
+                                   f"{error.status} {error.reason} ({_reason(error)})")
+                         ) from error
+    except HTTPError as error:
+        # urllib3 gives up with MaxRetryError; what went wrong is its `reason`
+        cause = error.reason if isinstance(getattr(error, "reason", None), Exception) else error
+        fix = ("the server's certificate does not match the kubeconfig's certificate-authority"
+               if isinstance(cause, SSLError) else
+               "is the cluster up, and is KUBECONFIG the one you meant?")
+        raise LoginError(f"cannot reach the API server at {host} ({type(cause).__name__}: "
+                         f"{cause}) — {fix}") from error
+    finally:
+        quiet.setLevel(level)
+
+
+def _reason(error: ApiException) -> str:
+    try:
+        return json.loads(error.body).get("message", "") or str(error.reason)
+    except (TypeError, ValueError):
+        return str(error.reason)
 
 
 class Kube:
@@ -125,6 +231,17 @@ class Kube:
     async def pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
         response = await self._call("list pods", self.core.list_namespaced_pod, namespace,
                                     label_selector=selector, _preload_content=False)
+        return json.loads(response.data).get("items", [])
+
+    async def events(self, namespace: str, kind: str, name: str,
+                     uid: str | None = None) -> list[dict[str, Any]]:
+        """The events about one object (of this incarnation, when `uid` is given)."""
+        selector = f"involvedObject.kind={kind},involvedObject.name={name}"
+        if uid:
+            selector += f",involvedObject.uid={uid}"
+        response = await self._call(f"list the events of {kind} {name}",
+                                    self.core.list_namespaced_event, namespace,
+                                    field_selector=selector, _preload_content=False)
         return json.loads(response.data).get("items", [])
 
     async def suspend_job(self, namespace: str, name: str, suspend: bool) -> None:

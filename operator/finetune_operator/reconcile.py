@@ -48,6 +48,8 @@ class Observation:
     """The workload is being deleted (a restart in progress)."""
     suspended: bool = False
     """The workload exists but does not run (Kueue has not admitted it, or we suspended it)."""
+    stopping: bool = False
+    """Workers of a suspended workload are still shutting down (writing their checkpoint)."""
     running: bool = False
     """Every worker is running."""
     succeeded: bool = False
@@ -284,6 +286,12 @@ def reconcile(job: FineTuneJob, seen: Observation, now: datetime,
             b.phase("Suspended", "suspended by spec.runPolicy.suspend")
         return b.decision
     if status.phase == "Suspended":
+        if seen.exists and seen.suspended and seen.stopping:
+            # a new gang now would resume from an older checkpoint than the one being written
+            status.message = ("resuming once the suspended workers have stopped (they write "
+                              "a checkpoint first)")
+            b.requeue(2)
+            return b.decision
         b.cond("Suspended", False, "Resumed", "")
         if seen.exists and seen.suspended and not _queued(job):
             b.act("resume", "spec.runPolicy.suspend cleared")

@@ -222,8 +222,8 @@ def merge_needs_adapter(job: FineTuneJob) -> Iterator[Problem]:
                       "fine-tune", "remove `mergeAdapter` (the full weights are exported)")
 
 
-@rule(CelRule("spec", "!has(self.hyperparameters.evalEverySteps) || "
-              "self.dataset.evalFraction > 0.0",
+@rule(CelRule("spec", "!has(self.hyperparameters) || "
+              "!has(self.hyperparameters.evalEverySteps) || self.dataset.evalFraction > 0.0",
               "spec.hyperparameters.evalEverySteps needs an eval split — set "
               "spec.dataset.evalFraction, e.g. 0.05", ".hyperparameters.evalEverySteps"))
 def eval_needs_split(job: FineTuneJob) -> Iterator[Problem]:

@@ -13,6 +13,7 @@ from finetune_operator import controller
 from finetune_operator.kube import Kube, connect
 from finetune_operator.settings import OperatorSettings
 from finetune_trainer.progress import ProgressServer
+from tests.kubeconfig import write_kubeconfig
 from tests.operator.emulator import ApiServer, Kubelet
 from tests.operator.testbed import (
     REAL_CLUSTER_ENV,
@@ -24,8 +25,11 @@ from tests.operator.testbed import (
 
 
 @pytest.fixture()
-def cluster(kmock: ApiServer) -> ApiServer:
+def cluster(kmock: ApiServer, tmp_path) -> ApiServer:
+    """The emulator, reached through a kubeconfig file (`cluster.kubeconfig`) as users do."""
     kmock.declare_resources()
+    kmock.kubeconfig = str(write_kubeconfig(tmp_path / "emulator.kubeconfig",
+                                            str(kmock.url).rstrip("/")))
     return kmock
 
 
@@ -64,9 +68,9 @@ class Operator:
 
     def __init__(self, cluster: ApiServer, rank0: ProgressServer,
                  peering: controller.Peering | None = None):
-        self.server = str(cluster.url).rstrip("/")
+        self.kubeconfig = cluster.kubeconfig
         self.peering = peering
-        self.runtime = controller.Runtime.build(Kube(connect(self.server)), OperatorSettings(),
+        self.runtime = controller.Runtime.build(Kube(connect(self.kubeconfig)), OperatorSettings(),
                                                 interval=0.3, progress_port=rank0.port)
         self.task: asyncio.Task | None = None
         self.stop_flag: asyncio.Event | None = None
@@ -74,7 +78,7 @@ class Operator:
     async def start(self) -> None:
         self.stop_flag, ready = asyncio.Event(), asyncio.Event()
         self.task = asyncio.create_task(controller.run(
-            self.runtime, server=self.server, stop_flag=self.stop_flag, ready_flag=ready,
+            self.runtime, kubeconfig=self.kubeconfig, stop_flag=self.stop_flag, ready_flag=ready,
             spare=NotKopfs(), peering=self.peering))
         await asyncio.wait_for(ready.wait(), timeout=20)
 
@@ -117,8 +121,12 @@ async def real_testbed():
     await real.clean()
 
 
-@pytest.fixture(params=["emulator", "kubeconfig"])
+TESTBEDS = {"emulator": "emulated_testbed", "control-plane": "control_plane_testbed",
+            "kubeconfig": "real_testbed"}
+
+
+@pytest.fixture(params=list(TESTBEDS))
 def testbed(request: pytest.FixtureRequest) -> Testbed:
-    """The scenarios' world: the emulator always; a real cluster when one is chosen."""
-    name = "emulated_testbed" if request.param == "emulator" else "real_testbed"
-    return request.getfixturevalue(name)
+    """The scenarios' world: the emulator and the real control plane always (the latter
+    where Go is installed); a cluster of your own when one is chosen."""
+    return request.getfixturevalue(TESTBEDS[request.param])

@@ -107,6 +107,8 @@ class StampingObjects(kmock.ObjectsArray):
 @attrs.define(kw_only=True)
 class ApiServer(kmock.KubernetesEmulator):
     _objects: kmock.ObjectsArray = attrs.field(factory=StampingObjects, init=False)
+    kubeconfig: str | None = attrs.field(default=None, init=False)
+    """A kubeconfig file for this server: how the operator and the tests reach it."""
 
     async def _handle(self, request: kmock.Request) -> Any:
         if request.action == kmock.action.CREATE and isinstance(request.data, dict):

@@ -53,7 +53,7 @@ def azure() -> FakeAzureML:
 async def aml_operator(cluster: ApiServer, rank0, azure: FakeAzureML):
     """The operator, its azureml backend talking to the fake through the transport hook."""
     running = Operator(cluster, rank0)
-    kube = Kube(connect(running.server))
+    kube = Kube(connect(running.kubeconfig))
     context = BackendContext(settings=OperatorSettings(), kube=kube,
                              azure_credential=StaticCredential(), azure_transport=azure)
     running.runtime = controller.Runtime(backends=load_backends(context), kube=kube,

@@ -88,12 +88,13 @@ async def test_200_jobs_at_once_all_reach_running(cluster: ApiServer, kubelet: K
                                                   rank0, tmp_path):
     metrics_port, health_port = free_port(), free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1",  # the planner's built-in table, no network
-           "FINETUNE_METRICS_PORT": str(rank0.port)}  # where "rank 0" serves /progress
+           "FINETUNE_METRICS_PORT": str(rank0.port),  # where "rank 0" serves /progress
+           "KUBECONFIG": cluster.kubeconfig}
     log = tmp_path / "operator.log"  # a file: a pipe nobody reads could stall it
     with log.open("w") as out:
         operator = subprocess.Popen(
             [sys.executable, "-m", "finetune_operator.cli", "operator", "--log-level",
-             "warning", "--server", str(cluster.url).rstrip("/"), "--interval",
+             "warning", "--interval",
              str(INTERVAL), "--metrics-port", str(metrics_port), "--health-port",
              str(health_port)], env=env, stdout=out, stderr=subprocess.STDOUT)
     try:

@@ -117,7 +117,7 @@ class CanaryCredential(StaticCredential):
 @pytest_asyncio.fixture()
 async def aml_operator(cluster: ApiServer, rank0, azure: FakeAzureML):
     running = Operator(cluster, rank0)
-    kube = Kube(connect(running.server))
+    kube = Kube(connect(running.kubeconfig))
     context = BackendContext(settings=OperatorSettings(), kube=kube,
                              azure_credential=CanaryCredential(), azure_transport=azure)
     backends = load_backends(context)

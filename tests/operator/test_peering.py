@@ -56,7 +56,8 @@ async def test_without_the_peering_object_a_replica_stops_and_says_why(cluster, 
     replica = Operator(cluster, rank0, Peering("finetune-operator", identity="replica-b"))
     with pytest.raises(Exception, match="handlers failed") as failure:  # kopf's ActivityError
         await asyncio.wait_for(controller.run(
-            replica.runtime, server=replica.server, spare=NotKopfs(), peering=replica.peering),
+            replica.runtime, kubeconfig=replica.kubeconfig, spare=NotKopfs(),
+            peering=replica.peering),
             timeout=20)
     message = " ".join(str(o.exception) for o in failure.value.outcomes.values())
     assert "no ClusterKopfPeering 'finetune-operator' (cluster-wide)" in message

@@ -1,8 +1,11 @@
 """`kubectl apply` to `Succeeded`, and every way in between, with the real kopf operator.
 
 Each scenario runs on KMock's Kubernetes emulator (a simulated kubelet plays the Job
-controller) and, when KUBECONFIG and FINETUNE_E2E_NAMESPACE are set, on that real cluster
-with real trainer pods (see testbed.py): the `[emulator]` and `[kubeconfig]` variants.
+controller, fast), on a real control plane (kube-apiserver with RBAC, the real scheduler and
+Job controller, KWOK as the kubelets, the operator a process of its own logged in as the
+chart's ServiceAccount: tests/controlplane), and, when KUBECONFIG and FINETUNE_E2E_NAMESPACE
+are set, on that cluster with real trainer pods (see testbed.py): the `[emulator]`,
+`[control-plane]` and `[kubeconfig]` variants.
 """
 
 from __future__ import annotations
@@ -14,6 +17,15 @@ from tests.operator.testbed import Testbed
 
 pytestmark = [pytest.mark.kmock(cls=ApiServer), pytest.mark.asyncio, pytest.mark.timeout(900)]
 CHILDREN = (("batch/v1/jobs", "demo"), ("v1/services", "demo"), ("v1/configmaps", "demo-trainer"))
+
+
+def assert_launched_once(testbed: Testbed) -> None:
+    """One create of each child reached the API server (where its audit log can tell): the
+    create handler and the first timer tick both launched, once (the second answered 409)."""
+    for resource, name in (("jobs", "demo"), ("services", "demo"),
+                           ("configmaps", "demo-trainer")):
+        attempts = testbed.create_attempts(resource, name)
+        assert attempts in (None, 1), f"{attempts} creates of {resource}/{name}"
 
 
 async def test_apply_creates_the_workers_and_reports_progress(testbed: Testbed):
@@ -33,6 +45,7 @@ async def test_apply_creates_the_workers_and_reports_progress(testbed: Testbed):
         owner = testbed.get(kind, name)["metadata"]["ownerReferences"][0]
         assert owner["uid"] == uid and owner["controller"] is True
     assert "finetune.dev/finalizer" in testbed.ftj()["metadata"]["finalizers"]
+    assert_launched_once(testbed)
 
     published = await testbed.report_progress("demo")
     await testbed.until(lambda: testbed.status().get("progress", {}).get("step", 0) >= (
@@ -123,6 +136,7 @@ async def test_an_operator_restart_adopts_and_creates_nothing_twice(testbed: Tes
     await testbed.until_phase("Succeeded", timeout=40)
     assert testbed.jobs_created("demo") == 1
     assert testbed.status().get("restarts", 0) == 0
+    assert_launched_once(testbed)
 
 
 async def test_invalid_spec_is_refused_with_a_condition(testbed: Testbed):

@@ -45,11 +45,17 @@ async def eventually(check: Callable[[], object], timeout: float = 20.0, what: s
                      poll: float = 0.05, blocking: bool = False) -> None:
     """Wait for `check()` to be true; a `blocking` check (synchronous API calls) runs in a
     thread, so an API server in this event loop can answer it."""
+    def guarded() -> object:  # StopIteration cannot cross from a thread into a future
+        try:
+            return check()
+        except StopIteration as error:
+            raise KeyError("not there yet") from error
+
     deadline = time.monotonic() + timeout
     last_error: Exception | None = None
     while time.monotonic() < deadline:
         try:
-            if await asyncio.to_thread(check) if blocking else check():
+            if await asyncio.to_thread(guarded) if blocking else check():
                 return
         except (KeyError, StopIteration, TypeError, AssertionError) as error:
             last_error = error
@@ -94,6 +100,11 @@ class Testbed:
 
     def running_pods(self, name: str) -> list[dict[str, Any]]:
         raise NotImplementedError
+
+    def create_attempts(self, resource: str, name: str) -> int | None:
+        """How many creates of `resource` (plural) named `name` reached the API server,
+        refused ones (409) included; None where no audit log can tell."""
+        return None
 
     async def fail_worker(self, name: str, index: int, message: str) -> None:
         raise NotImplementedError
@@ -235,10 +246,10 @@ class RealTestbed(Testbed):
     poll = 1.0
     blocking = True
 
-    def __init__(self, dynamic_client: Any) -> None:
+    def __init__(self, dynamic_client: Any, namespace: str) -> None:
         from kubernetes import client
 
-        self.namespace = os.environ["FINETUNE_E2E_NAMESPACE"]
+        self.namespace = namespace
         self.operator_namespace = os.environ.get("FINETUNE_E2E_OPERATOR_NAMESPACE",
                                                  "finetune-system")
         self.dynamic = dynamic_client
@@ -247,12 +258,15 @@ class RealTestbed(Testbed):
         self._watcher: asyncio.Task | None = None
 
     @classmethod
-    async def connect(cls) -> RealTestbed:
-        """Connected as kubectl is (API discovery is a blocking call, so in a thread)."""
+    async def connect(cls, kubeconfig: str | None = None, namespace: str | None = None,
+                      **kwargs: Any) -> Any:
+        """Connected as kubectl is (API discovery is a blocking call, so in a thread); by
+        default to KUBECONFIG and FINETUNE_E2E_NAMESPACE."""
         from kubernetes import config, dynamic
 
-        api = config.new_client_from_config(os.environ["KUBECONFIG"])  # read now, not at import
-        return cls(await asyncio.to_thread(dynamic.DynamicClient, api))
+        api = config.new_client_from_config(kubeconfig or os.environ["KUBECONFIG"])
+        return cls(await asyncio.to_thread(dynamic.DynamicClient, api),
+                   namespace or os.environ["FINETUNE_E2E_NAMESPACE"], **kwargs)
 
     def _resource(self, resource: str):
         group_version, plural = resource.rsplit("/", 1)

@@ -6,6 +6,7 @@ import inspect
 from importlib.metadata import entry_points
 
 import pytest
+from kubernetes.client import ApiClient
 
 from finetune_operator.backends import (
     ENTRY_POINT_GROUP,
@@ -14,13 +15,13 @@ from finetune_operator.backends import (
     installed_names,
     load_backends,
 )
-from finetune_operator.kube import Kube, connect
+from finetune_operator.kube import Kube
 from finetune_operator.settings import OperatorSettings
 from finetune_operator.validation import parse_job
 from tests.conftest import minimal_job
 
 ASYNC_METHODS = ("launch", "observe", "suspend", "resume", "restart", "cancel")
-CONTEXT = BackendContext(settings=OperatorSettings(), kube=Kube(connect("http://127.0.0.1:9")))
+CONTEXT = BackendContext(settings=OperatorSettings(), kube=Kube(ApiClient()))
 BACKENDS = load_backends(CONTEXT)
 # What each backend needs beyond the minimal job to run it at all.
 RUNNABLE = {"azureml": {

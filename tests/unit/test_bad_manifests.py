@@ -97,6 +97,8 @@ CASES = [
          "use one of: azureml, kubernetes", None),
     Case("epochs-and-max-steps", {"spec.hyperparameters": {"epochs": 1, "maxSteps": 5}},
          "spec.hyperparameters.maxSteps", "remove `epochs` or `maxSteps`", "cel"),
+    Case("no-hyperparameters", {"spec.hyperparameters": DELETE}, "spec.hyperparameters",
+         "is required", "schema"),
     Case("no-length", {"spec.hyperparameters": {}}, "spec.hyperparameters",
          "set `epochs: 1`", "cel"),
     Case("zero-learning-rate", {"spec.hyperparameters.learningRate": 0},

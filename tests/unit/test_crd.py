@@ -7,6 +7,7 @@ import pytest
 
 from finetune_operator import crd
 from tests.conftest import REPO, load_yaml
+from tests.crd_schema import openapi
 
 KUBERNETES_VERSIONS = ["1.30", "1.37"]  # oldest we support, newest the validator knows
 
@@ -81,7 +82,11 @@ def test_defaults_and_enums_reach_the_crd(committed_crd):
         "spec"]["properties"]
     assert props["backend"]["default"] == "kubernetes"
     assert props["method"]["properties"]["type"]["enum"] == ["lora", "qlora", "full"]
-    assert props["method"]["default"] == {}
+    assert props["method"]["default"] == {"type": "lora"}  # written out in full, see below
+    assert props["strategy"]["default"]["offload"] == "none"
+    assert "default" not in props["hyperparameters"]  # required: epochs or maxSteps has no default
+    assert "hyperparameters" in committed_crd["spec"]["versions"][0]["schema"][
+        "openAPIV3Schema"]["properties"]["spec"]["required"]
     assert props["strategy"]["properties"]["precision"]["default"] == "bf16"
     assert props["resources"]["properties"]["nodes"]["minimum"] == 1
 
@@ -90,3 +95,32 @@ def test_chart_ships_the_same_crd():
     assert (REPO / "charts/finetune-operator/crds/finetunejobs.finetune.dev.yaml").read_text() == (
         REPO / "crds/finetunejobs.finetune.dev.yaml").read_text()
     assert load_yaml(REPO / "charts/finetune-operator/Chart.yaml")["name"] == "finetune-operator"
+
+
+def _with_defaults(node):
+    """(schema node, its default) for every default in the schema."""
+    if "default" in node:
+        yield node, node["default"]
+    for child in node.get("properties", {}).values():
+        yield from _with_defaults(child)
+    for key in ("items", "additionalProperties"):
+        if isinstance(node.get(key), dict):
+            yield from _with_defaults(node[key])
+
+
+def test_every_default_passes_the_rules_of_its_object(committed_crd):
+    """What the API server checks when the CRD is applied, before any nested default applies:
+    a rule reading a field the default lacks fails there ("no such key"), and the whole CRD
+    is refused (tests/controlplane applies it to a real one)."""
+    import celpy
+
+    env = celpy.Environment()
+    checked = 0
+    for node, default in _with_defaults(openapi(committed_crd)):
+        for rule in node.get("x-kubernetes-validations", []):
+            program = env.program(env.compile(rule["rule"]))
+            result = program.evaluate({"self": celpy.json_to_cel(default)})
+            assert result is True or result == celpy.celtypes.BoolType(True), (
+                f"{rule['rule']!r} on the default {default}: {result!r}")
+            checked += 1
+    assert checked >= 4  # method, strategy (3), resources ...

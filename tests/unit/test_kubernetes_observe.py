@@ -4,7 +4,13 @@ restart budget, waiting reasons in the pod's own words."""
 from __future__ import annotations
 
 from finetune_operator.api import Progress
-from finetune_operator.backends.kubernetes import observe, pod_failure, pod_waiting
+from finetune_operator.backends.kubernetes import (
+    creation_failure,
+    needs_creation_events,
+    observe,
+    pod_failure,
+    pod_waiting,
+)
 
 
 def job_object(*conditions: str, suspend: bool = False, deleting: bool = False) -> dict:
@@ -85,3 +91,63 @@ def test_waiting_reasons_in_the_pods_words():
     creating = pod("demo-1-c", "Pending", containerStatuses=[{"state": {"waiting": {
         "reason": "ContainerCreating"}}}])
     assert pod_waiting(creating) is None
+
+
+def failed_by_policy(message: str) -> dict:
+    job = job_object()
+    job["status"]["conditions"] = [{"type": "Failed", "status": "True",
+                                    "reason": "PodFailurePolicy", "message": message}]
+    return job
+
+
+def test_the_jobs_own_record_classifies_a_failure_whose_pod_is_gone():
+    """An evicted pod is deleted soon after it fails; the Job's pod failure policy names the
+    rule that matched (message as the Job controller of v1.36 writes it, seen on the real
+    control plane)."""
+    evicted = failed_by_policy("Pod t-1/demo-0-hjdl7 has condition DisruptionTarget matching "
+                               "FailJob rule at index 0")
+    assert observe(evicted, [], nodes=2).failure.kind == "preempted"
+    stopped = failed_by_policy("Container trainer for pod t-1/demo-0-x failed with exit code "
+                               "143 matching FailJob rule at index 1")
+    assert observe(stopped, [], nodes=2).failure.kind == "stopped"
+    assert observe(job_object("Failed"), [], nodes=2).failure.kind == "worker"
+
+
+def test_a_pod_being_deleted_counts_only_as_a_disruption():
+    evicted = pod("demo-0-a", "Failed", conditions=[{
+        "type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"}],
+        **terminated(143))
+    evicted["metadata"]["deletionTimestamp"] = "2026-11-22T12:00:00Z"
+    assert observe(job_object(), [evicted], nodes=2).failure.kind == "preempted"
+    stopped = pod("demo-1-b", "Failed", **terminated(143))
+    stopped["metadata"]["deletionTimestamp"] = "2026-11-22T12:00:00Z"
+    assert observe(job_object(), [stopped], nodes=2).failure is None
+
+
+def test_a_suspended_job_is_stopping_while_its_pods_remain():
+    going = pod("demo-0-a", "Failed", **terminated(143))
+    going["metadata"]["deletionTimestamp"] = "2026-11-22T12:00:00Z"
+    assert observe(job_object(suspend=True), [going], nodes=1).stopping
+    assert not observe(job_object(suspend=True), [], nodes=1).stopping
+
+
+def test_pods_the_job_controller_could_not_create_say_why():
+    events = [
+        {"metadata": {"creationTimestamp": "2026-11-22T12:00:00Z"}, "reason": "FailedCreate",
+         "message": 'Error creating: pods "demo-0-a" is forbidden: old'},
+        {"metadata": {"creationTimestamp": "2026-11-22T12:00:05Z"}, "reason": "FailedCreate",
+         "lastTimestamp": "2026-11-22T12:00:09Z",
+         "message": 'Error creating: pods "demo-0-b" is forbidden: no PriorityClass with name '
+                    'training-high was found'},
+        {"metadata": {"creationTimestamp": "2026-11-22T12:00:07Z"}, "reason": "SuccessfulCreate",
+         "message": "Created pod: demo-1-c"},
+    ]
+    why = creation_failure(events)
+    assert why == ('FailedCreate: Error creating: pods "demo-0-b" is forbidden: no '
+                   'PriorityClass with name training-high was found')
+    assert observe(job_object(), [], nodes=2, not_created=why).waiting == why
+    # a pod's own reason says more, and a Job with all its pods needs no events
+    assert needs_creation_events(job_object(), [], nodes=2)
+    assert not needs_creation_events(job_object(), [pod("a", "Running")] * 2, nodes=2)
+    assert not needs_creation_events(job_object(suspend=True), [], nodes=2)
+    assert creation_failure(events[2:]) is None

@@ -147,6 +147,20 @@ def test_suspend_and_resume():
     assert condition(resumed.status, "Suspended").status == "False"
 
 
+def test_resume_waits_until_the_suspended_workers_have_stopped():
+    """A gang started while the old one still writes its checkpoint would resume from an
+    older one (and the real Job controller counts the late exits as failures)."""
+    suspend = {"runPolicy": {"suspend": True}}
+    d = reconcile(job(launched("Running", **suspend), **suspend),
+                  Observation(exists=True, running=True), at(100))
+    waiting = reconcile(job(d.status), Observation(exists=True, suspended=True, stopping=True),
+                        at(101))
+    assert kinds(waiting) == [] and waiting.status.phase == "Suspended"
+    assert "once the suspended workers have stopped" in waiting.status.message
+    assert kinds(reconcile(job(waiting.status), Observation(exists=True, suspended=True),
+                           at(103))) == ["resume"]
+
+
 def test_a_job_created_suspended_launches_nothing():
     d = reconcile(job(runPolicy={"suspend": True}), Observation(), T0)
     assert kinds(d) == [] and d.status.phase == "Suspended"

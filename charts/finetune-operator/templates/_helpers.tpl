@@ -51,7 +51,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   verbs: ["get", "list", "watch"]
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
-  verbs: ["create", "patch"]
+  verbs: ["create", "patch", "list"]   # list: the Job controller's FailedCreate events
 {{- if and (gt (int .Values.replicas) 1) .Values.watchNamespaces }}
 - apiGroups: ["kopf.dev"]
   resources: ["kopfpeerings"]

@@ -235,7 +235,7 @@ def worker_pod_template(job: FineTuneJob, settings: OperatorSettings) -> dict[st
         *pvc_mounts, *user_mounts,
     ]
     container: dict[str, Any] = {
-        "name": "trainer",
+        "name": TRAINER_CONTAINER,
         "image": (k8s.image if k8s and k8s.image else settings.trainer_image),
         "command": ["torchrun"],
         "args": ["--nnodes=$(PET_NNODES)", "--nproc-per-node=$(PET_NPROC_PER_NODE)",
@@ -308,6 +308,16 @@ def worker_job(job: FineTuneJob, settings: OperatorSettings) -> dict[str, Any]:
             "completions": nodes,
             "parallelism": nodes,
             "backoffLimit": 0,
+            # the Job records why it failed, which outlives the pods: a disrupted pod
+            # (eviction, preemption, spot reclaim) is gone soon after, and without this its
+            # failure reads like any other, and would be charged to the restart budget
+            "podFailurePolicy": {"rules": [
+                {"action": "FailJob",
+                 "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+                {"action": "FailJob", "onExitCodes": {
+                    "containerName": TRAINER_CONTAINER, "operator": "In",
+                    "values": [STOPPED_EXIT_CODE]}},
+            ]},
             # Kueue admits a suspended Job by unsuspending it; a suspended FineTuneJob too
             "suspend": bool(queue) or job.spec.run_policy.suspend,
             "template": worker_pod_template(job, settings),
@@ -323,6 +333,10 @@ def render(job: FineTuneJob, settings: OperatorSettings) -> list[dict[str, Any]]
 
 
 # --- observation: the Job and its pods → what the reconciler needs ------------------------
+
+TRAINER_CONTAINER = "trainer"
+STOPPED_EXIT_CODE = 143
+"""The trainer's exit after SIGTERM, once it has written a checkpoint."""
 
 # Pod conditions and reasons that mean the pod was taken away, not that training failed.
 DISRUPTION_REASONS = frozenset({"Evicted", "NodeLost", "Preempting", "Shutdown", "Terminated",
@@ -355,8 +369,8 @@ def pod_failure(pod: dict[str, Any]) -> Failure | None:
         return Failure("preempted", f"{name} was {why}: {detail}".rstrip(": "))
     terminated = _terminated(pod) or {}
     code = terminated.get("exitCode")
-    if code == 143:
-        return Failure("stopped", f"{name} stopped after SIGTERM (exit 143)")
+    if code == STOPPED_EXIT_CODE:
+        return Failure("stopped", f"{name} stopped after SIGTERM (exit {code})")
     reason = terminated.get("reason") or status.get("reason") or "Error"
     tail = (terminated.get("message") or "").strip().splitlines()[-1:] or [""]
     detail = f": {tail[0][:300]}" if tail[0] else ""
@@ -377,15 +391,53 @@ def pod_waiting(pod: dict[str, Any]) -> str | None:
     return None
 
 
+def job_failure(failed: dict[str, Any]) -> Failure:
+    """Why the Job failed, when its pods no longer say: the rule of its pod failure policy
+    that matched (the Job controller names it in the message), else a worker failure."""
+    reason, message = failed.get("reason", ""), failed.get("message", "")
+    text = f"{reason}: {message}".rstrip(": ")
+    if reason == "PodFailurePolicy" and "DisruptionTarget" in message:
+        return Failure("preempted", text)
+    if reason == "PodFailurePolicy" and f"exit code {STOPPED_EXIT_CODE}" in message:
+        return Failure("stopped", text)
+    return Failure("worker", text)
+
+
+def creation_failure(events: list[dict[str, Any]]) -> str | None:
+    """The Job controller's newest `FailedCreate` event: why it could not create the pods
+    (a missing PriorityClass, a quota, a policy), which no pod can say, as none exists."""
+    failed = [e for e in events if e.get("reason") == "FailedCreate"]
+    if not failed:
+        return None
+    newest = max(failed, key=lambda e: e.get("lastTimestamp") or e.get("eventTime")
+                 or e["metadata"].get("creationTimestamp") or "")
+    return f"FailedCreate: {newest.get('message') or newest.get('note') or ''}".rstrip(": ")
+
+
+def needs_creation_events(workload: dict[str, Any] | None, pods: list[dict[str, Any]],
+                          nodes: int) -> bool:
+    """Pods are missing from a Job that should have them: worth asking the events why."""
+    if workload is None or workload["metadata"].get("deletionTimestamp"):
+        return False
+    if workload.get("spec", {}).get("suspend") or _condition(workload, "Complete"):
+        return False
+    return sum(not p["metadata"].get("deletionTimestamp") for p in pods) < nodes
+
+
 def observe(workload: dict[str, Any] | None, pods: list[dict[str, Any]], nodes: int,
-            progress: Progress | None = None) -> Observation:
-    """What the reconciler needs from the Job and its pods (pure: the caller fetches them)."""
+            progress: Progress | None = None, not_created: str | None = None) -> Observation:
+    """What the reconciler needs from the Job and its pods (pure: the caller fetches them).
+    `not_created`: why the Job controller could not create pods (`creation_failure`)."""
     if workload is None:
         return Observation()
     if workload["metadata"].get("deletionTimestamp"):
         return Observation(exists=True, deleting=True)
     current = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
     failures = [f for f in map(pod_failure, current) if f is not None]
+    # an evicted pod fails and goes: seen while it goes, it says it was preempted (other
+    # pods being deleted were stopped by the Job controller, on suspend or a restart)
+    failures += [f for f in map(pod_failure, (p for p in pods if p not in current))
+                 if f is not None and f.kind == "preempted"]
     # a worker failure outranks a preemption seen at the same time: it must be counted
     failures.sort(key=lambda f: {"worker": 0, "preempted": 1, "stopped": 2}[f.kind])
     if _condition(workload, "Complete") is not None:
@@ -393,13 +445,13 @@ def observe(workload: dict[str, Any] | None, pods: list[dict[str, Any]], nodes: 
     if failures:
         return Observation(exists=True, failure=failures[0], progress=progress)
     if _condition(workload, "Failed") is not None:
-        cause = _condition(workload, "Failed")
-        return Observation(exists=True, failure=Failure(
-            "worker", f"{cause.get('reason')}: {cause.get('message', '')}".rstrip(": ")))
+        return Observation(exists=True, failure=job_failure(_condition(workload, "Failed")))
     if workload.get("spec", {}).get("suspend"):
-        return Observation(exists=True, suspended=True)
+        # the pods of a suspended Job go only once their trainers have checkpointed
+        return Observation(exists=True, suspended=True, stopping=bool(pods))
     running = sum(p.get("status", {}).get("phase") == "Running" for p in current)
-    waiting = next((w for w in map(pod_waiting, current) if w), None)
+    waiting = next((w for w in map(pod_waiting, current) if w), None) or (
+        not_created if len(current) < nodes else None)
     return Observation(exists=True, running=running >= nodes, waiting=waiting, progress=progress)
 
 
@@ -438,7 +490,13 @@ class KubernetesBackend:
         selector = f"{naming.LABEL_JOB}={job.name}"
         pods = [p for p in await self.kube.pods(job.namespace, selector)
                 if p["metadata"].get("labels", {}).get(naming.LABEL_JOB) == job.name]
-        seen = observe(workload, pods, job.spec.resources.nodes, await self.progress(pods))
+        nodes = job.spec.resources.nodes
+        not_created = None
+        if needs_creation_events(workload, pods, nodes):
+            not_created = creation_failure(await self.kube.events(
+                job.namespace, "Job", naming.worker_job(job.name),
+                workload["metadata"].get("uid")))
+        seen = observe(workload, pods, nodes, await self.progress(pods), not_created)
         missing = tuple(f"{kind} {name}" for (kind, name), found
                         in zip(children[1:], others, strict=True) if found is None)
         return replace(seen, missing=missing) if missing and not seen.deleting else seen

@@ -1,0 +1,216 @@
+"""The operator at scale, on a real control plane: N FineTuneJobs applied by one `kubectl apply`,
+handled by our operator and, beside it on the same cluster, by a do-nothing kopf operator
+that only sets `status.phase` (benchmarks/floor_operator.py): the floor. Both log in as the
+chart's ServiceAccount, one after the other, each with a fresh namespace.
+
+    .venv/bin/python benchmarks/operator_load.py [--jobs 1000] [--steady 30]
+
+Prints, for each and as ratios (ours / floor): seconds from the apply until every job has a
+phase, the operator's peak RSS and CPU seconds, and its API requests (from the API server's
+audit log) per job during the burst and per second once every job waits (the steady state).
+Writes benchmarks/operator_load.json. Needs Go (the control plane is built from cluster/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def _controlplane():
+    spec = importlib.util.spec_from_file_location("controlplane",
+                                                  REPO / "cluster" / "controlplane.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["controlplane"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def manifests(namespace: str, count: int) -> dict:
+    items = []
+    for i in range(count):
+        items.append({
+            "apiVersion": "finetune.dev/v1alpha1", "kind": "FineTuneJob",
+            "metadata": {"name": f"load-{i:04d}", "namespace": namespace},
+            "spec": {"model": {"uri": "hf://Qwen/Qwen2.5-0.5B"},
+                     "dataset": {"uri": "pvc://data/train.jsonl"},
+                     "hyperparameters": {"maxSteps": 100},
+                     "resources": {"nodes": 1, "gpusPerNode": 1},
+                     "output": {"uri": f"pvc://ckpt/load-{i:04d}"}}})
+    return {"apiVersion": "v1", "kind": "List", "items": items}
+
+
+def proc_figures(pid: int) -> tuple[float, float]:
+    """(peak RSS in MiB, CPU seconds) of a process, from /proc."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    peak_kib = next(int(line.split()[1]) for line in status.splitlines()
+                    if line.startswith("VmHWM:"))
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return peak_kib / 1024, (int(fields[11]) + int(fields[12])) / ticks
+
+
+def audited(plane, user: str, since: float, until: float) -> list[dict]:
+    """The audit events of `user` completed in [since, until) (epoch seconds)."""
+    from datetime import datetime
+
+    out = []
+    for line in (plane.folder / "logs" / "audit.jsonl").read_text().splitlines():
+        event = json.loads(line)
+        if event.get("stage") != "ResponseComplete" or \
+                event.get("user", {}).get("username") != user:
+            continue
+        when = datetime.fromisoformat(event["stageTimestamp"].replace("Z", "+00:00"))
+        if since <= when.timestamp() < until:
+            out.append(event)
+    return out
+
+
+def wait_healthy(process: subprocess.Popen, port: int, log: Path) -> None:
+    deadline = time.monotonic() + 90
+    while True:
+        if process.poll() is not None:
+            raise SystemExit(f"the operator exited:\n{log.read_text()[-3000:]}")
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1):
+                return
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the operator did not get ready:\n{log.read_text()[-3000:]}")
+        time.sleep(0.3)
+
+
+def phased(plane, namespace: str) -> int:
+    listed = plane.kubectl_run("get", "finetunejobs", "-n", namespace, "-o",
+                               "jsonpath={range .items[*]}{.status.phase}{'\\n'}{end}")
+    return sum(1 for line in listed.stdout.splitlines() if line.strip())
+
+
+def run_one(plane, installed, name: str, command: Callable[[int], list[str]], env: dict,
+            jobs: int, steady: float, folder: Path) -> dict:
+    """One operator (`command`, given its health port) through one burst of `jobs`."""
+    namespace = f"load-{name}"
+    plane.kubectl_run("create", "namespace", namespace)
+    health = free_port()
+    log = folder / f"{name}.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(command(health), env=env, stdout=out,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+    user = f"system:serviceaccount:finetune-system:{installed.service_account}"
+    try:
+        wait_healthy(process, health, log)
+        time.sleep(2)
+        _, cpu_before = proc_figures(process.pid)
+        started = time.time()
+        plane.kubectl_run("apply", "--server-side", "-f", "-",
+                          input=json.dumps(manifests(namespace, jobs)))
+        applied = time.time() - started
+        while (done := phased(plane, namespace)) < jobs:
+            if process.poll() is not None:
+                raise SystemExit(f"{name} exited:\n{log.read_text()[-3000:]}")
+            if time.time() - started > 1800:
+                raise SystemExit(f"{name}: only {done}/{jobs} have a phase after 30 minutes")
+            time.sleep(1)
+        seconds = time.time() - started
+        peak, cpu = proc_figures(process.pid)
+        burst = audited(plane, user, started, time.time())
+        time.sleep(steady)
+        quiet_from = time.time() - steady
+        idle = audited(plane, user, quiet_from, time.time())
+        creates = [e for e in burst if e.get("verb") == "create"
+                   and e.get("objectRef", {}).get("resource") in ("jobs", "services",
+                                                                  "configmaps")]
+        return {"seconds_to_all_phased": round(seconds, 1),
+                "apply_seconds": round(applied, 1),
+                "peak_rss_mib": round(peak, 1),
+                "cpu_seconds_burst": round(cpu - cpu_before, 1),
+                "api_requests_per_job": round(len(burst) / jobs, 1),
+                "child_creates_refused_409": sum(1 for e in creates if e.get(
+                    "responseStatus", {}).get("code") == 409),
+                "steady_api_requests_per_s": round(len(idle) / steady, 1)}
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        # the next run gets a namespace of its own; the control plane goes after both
+        plane.kubectl_run("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=1000)
+    parser.add_argument("--steady", type=float, default=30.0,
+                        help="seconds of the idle queue measured after the burst")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "operator_load.json")
+    args = parser.parse_args(argv)
+    controlplane = _controlplane()
+    controlplane.build()
+    with tempfile.TemporaryDirectory(prefix="operator-load-") as tmp:
+        folder = Path(tmp)
+        plane = controlplane.ControlPlane(folder / "plane")
+        plane.start()
+        try:
+            installed = plane.install()
+            env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG")}
+            env.update(installed.operator_env, KUBECONFIG=str(installed.operator_kubeconfig),
+                       HF_HUB_OFFLINE="1")
+            metrics = free_port()
+            runs = {
+                "floor": run_one(plane, installed, "floor", lambda port: [
+                    str(BIN / "python"), "-m", "kopf", "run", "--standalone", "--all-namespaces",
+                    "--quiet", "--liveness", f"http://127.0.0.1:{port}/healthz",
+                    str(REPO / "benchmarks" / "floor_operator.py")], env, args.jobs,
+                    args.steady, folder),
+                "ours": run_one(plane, installed, "ours", lambda port: [
+                    str(BIN / "finetune"), "operator", "--log-level", "warning",
+                    "--metrics-port", str(metrics), "--health-port", str(port)], env,
+                    args.jobs, args.steady, folder),
+            }
+        finally:
+            plane.stop()
+    floor, ours = runs["floor"], runs["ours"]
+    ratios = {k: round(ours[k] / floor[k], 2) if floor[k] else None
+              for k in ("seconds_to_all_phased", "peak_rss_mib", "cpu_seconds_burst",
+                        "api_requests_per_job", "steady_api_requests_per_s")}
+    print(f"{args.jobs} FineTuneJobs applied at once (kubectl apply took "
+          f"{floor['apply_seconds']} s / {ours['apply_seconds']} s)")
+    print(f"{'':34}{'floor':>10}{'ours':>10}{'ours/floor':>12}")
+    for key, label in (("seconds_to_all_phased", "seconds until every job has a phase"),
+                       ("peak_rss_mib", "operator peak RSS (MiB)"),
+                       ("cpu_seconds_burst", "operator CPU seconds"),
+                       ("api_requests_per_job", "API requests per job"),
+                       ("steady_api_requests_per_s", "steady API requests/s")):
+        ratio = ratios[key]
+        print(f"{label:34}{floor[key]:>10}{ours[key]:>10}"
+              f"{(f'{ratio:.2f}x' if ratio is not None else '-'):>12}")
+    print(f"child creates refused with 409 (a second launch): {ours['child_creates_refused_409']}")
+    args.out.write_text(json.dumps({"jobs": args.jobs, "floor": floor, "ours": ours,
+                                    "ratios": ratios}, indent=2) + "\n")
+    print(f"wrote {os.path.relpath(args.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,499 @@
+"""A real Kubernetes control plane on 127.0.0.1, without Docker: etcd, kube-apiserver (RBAC),
+kube-controller-manager, kube-scheduler and KWOK playing the kubelets of fake nodes.
+
+    python cluster/controlplane.py build     # the binaries, once per version (cached)
+    python cluster/controlplane.py up        # start in the background: .cluster/
+    python cluster/controlplane.py install   # CRD, chart, the operator's kubeconfig
+    python cluster/controlplane.py down      # stop what `up` started
+
+`make cluster` / `make cluster-down` call this; the tests' `real_cluster` fixture uses the
+same `ControlPlane` in a folder of its own. Binaries are built from the Go modules beside this
+file (go.mod / go.sum pin every version) into a cache outside the repository keyed by those
+files, so only the first build on a machine pays (~9 minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+KUBERNETES_VERSION = "v1.36.3"
+MODULES = ("kube", "etcd", "kwok")
+BINARIES = {
+    # binary: (module folder, package)
+    "kube-apiserver": ("kube", "k8s.io/kubernetes/cmd/kube-apiserver"),
+    "kube-controller-manager": ("kube", "k8s.io/kubernetes/cmd/kube-controller-manager"),
+    "kube-scheduler": ("kube", "k8s.io/kubernetes/cmd/kube-scheduler"),
+    "kubectl": ("kube", "k8s.io/kubernetes/cmd/kubectl"),
+    "etcd": ("etcd", "."),
+    "kwok": ("kwok", "sigs.k8s.io/kwok/cmd/kwok"),
+}
+ADMIN_TOKEN_USER = "finetune-admin"
+SERVICE_CIDR = "10.96.0.0/16"
+OPERATOR_NAMESPACE = "finetune-system"
+"""The chart's namespace in the docs and tests: its service accounts are audited."""
+POD_CIDR = "127.64.0.0/16"
+"""Pod IPs on loopback: what a pod serves (the trainer's /progress) can be played by a test
+server bound to that pod's own IP, and nothing leaves the machine."""
+
+
+class ControlPlaneError(RuntimeError):
+    """Something a user can act on: the message says what and how."""
+
+
+# --- binaries -------------------------------------------------------------------------------
+def cache_root() -> Path:
+    base = os.environ.get("FINETUNE_CLUSTER_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+        "finetune-operator", "control-plane")
+    return Path(base)
+
+
+def cache_key() -> str:
+    """Kubernetes version + a hash of every go.mod/go.sum/main.go and the Go version: a change
+    to any pin builds anew, nothing else does."""
+    digest = hashlib.sha256()
+    for module in MODULES:
+        for name in ("go.mod", "go.sum", "main.go"):
+            path = HERE / module / name
+            if path.exists():
+                digest.update(f"{module}/{name}\0".encode() + path.read_bytes())
+    digest.update(go_version().encode())
+    return f"{KUBERNETES_VERSION}-{digest.hexdigest()[:12]}"
+
+
+def go_version() -> str:
+    go = shutil.which("go")
+    if go is None:
+        raise ControlPlaneError("Go is not installed: the control plane is built from Go modules "
+                                "(install Go 1.26+ and run `make cluster` again)")
+    return subprocess.run([go, "env", "GOVERSION"], check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def binaries_dir() -> Path:
+    return cache_root() / cache_key()
+
+
+def build(log=print) -> Path:
+    """The binaries folder, building what is missing. Prints the cold build time."""
+    target = binaries_dir()
+    missing = [b for b in BINARIES if not (target / b).exists()]
+    if not missing:
+        return target
+    target.mkdir(parents=True, exist_ok=True)
+    log(f"building the control plane ({', '.join(missing)}) into {target}; "
+        "cold, this takes ~9 minutes on 2 cores")
+    version_flags = []
+    major, minor = KUBERNETES_VERSION.lstrip("v").split(".")[:2]
+    for package in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version"):
+        version_flags += [f"-X {package}.gitVersion={KUBERNETES_VERSION}",
+                          f"-X {package}.gitMajor={major}", f"-X {package}.gitMinor={minor}"]
+    env = {**os.environ, "CGO_ENABLED": "0", "GOFLAGS": "-mod=readonly -buildvcs=false"}
+    started = time.monotonic()
+    # kube-apiserver first: it compiles the shared code the other three reuse from the cache.
+    for binary in missing:
+        module, package = BINARIES[binary]
+        ldflags = "-s -w" + ("" if module != "kube" else " " + " ".join(version_flags))
+        partial = target / f".{binary}.partial"
+        one = time.monotonic()
+        result = subprocess.run(["go", "build", "-trimpath", "-ldflags", ldflags, "-o",
+                                 str(partial), package], cwd=HERE / module, env=env,
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            raise ControlPlaneError(f"building {binary} failed:\n{result.stderr[-4000:]}")
+        partial.rename(target / binary)
+        log(f"  {binary}: {time.monotonic() - one:.0f} s")
+    log(f"control plane built in {time.monotonic() - started:.0f} s")
+    return target
+
+
+# --- certificates and credentials -----------------------------------------------------------
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def make_pki(folder: Path) -> None:
+    """A CA, the API server's serving certificate and the service-account signing key."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if (folder / "apiserver.crt").exists():
+        return
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
+             "ca.crt", "-days", "365", "-subj", "/CN=finetune-control-plane-ca", cwd=folder)
+    (folder / "san.cnf").write_text(
+        "[req]\ndistinguished_name=dn\n[dn]\n[ext]\n"
+        "subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,"
+        "DNS:kubernetes.default,DNS:kubernetes.default.svc,"
+        "DNS:kubernetes.default.svc.cluster.local\n"
+        "keyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n")
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "apiserver.key", "-out",
+             "apiserver.csr", "-subj", "/CN=kube-apiserver", cwd=folder)
+    _openssl("x509", "-req", "-in", "apiserver.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+             "-CAcreateserial", "-out", "apiserver.crt", "-days", "365", "-extfile",
+             "san.cnf", "-extensions", "ext", cwd=folder)
+    _openssl("genrsa", "-out", "sa.key", "2048", cwd=folder)
+    _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=folder)
+
+
+def kubeconfig(server: str, ca: Path, user: str, token: str, namespace: str = "default") -> dict:
+    """A kubeconfig holding one user with a bearer token, as `kubectl config` writes it."""
+    return {
+        "apiVersion": "v1", "kind": "Config", "current-context": user,
+        "clusters": [{"name": "finetune-control-plane", "cluster": {
+            "server": server,
+            "certificate-authority-data": base64.b64encode(ca.read_bytes()).decode()}}],
+        "users": [{"name": user, "user": {"token": token}}],
+        "contexts": [{"name": user, "context": {
+            "cluster": "finetune-control-plane", "user": user, "namespace": namespace}}],
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+# --- installing the product ----------------------------------------------------------------
+RELEASE = "finetune"
+
+
+@dataclass
+class Installation:
+    service_account: str
+    operator_kubeconfig: Path
+    """Only a token of the chart's ServiceAccount: never admin credentials."""
+    operator_env: dict[str, str]
+    """The FINETUNE_* settings the chart's Deployment gives the operator."""
+
+
+def render_chart(namespace: str = OPERATOR_NAMESPACE, values: dict | None = None) -> list[dict]:
+    """The chart's objects, rendered by the real Helm engine (helm-python-sdk, in the dev
+    extra) as `helm install` would."""
+    import helm_python as helm
+
+    chart = helm.Chart.load(str(REPO / "charts" / "finetune-operator"))
+    out = chart.render(values, name=RELEASE, namespace=namespace, is_install=True)
+    return [d for path, text in out.items() if path.endswith(".yaml")
+            for d in yaml.safe_load_all(text) if d]
+
+
+# --- the processes --------------------------------------------------------------------------
+@dataclass
+class ControlPlane:
+    """One control plane whose state (certificates, etcd data, logs, pids, kubeconfig) lives
+    in `folder`. Ports are chosen free at `start` and kept in `folder/state.json`."""
+
+    folder: Path
+    bin: Path = field(default_factory=binaries_dir)
+    ports: dict[str, int] = field(default_factory=dict)
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    @property
+    def server(self) -> str:
+        return f"https://127.0.0.1:{self.ports['apiserver']}"
+
+    @property
+    def admin_kubeconfig(self) -> Path:
+        return self.folder / "admin.kubeconfig"
+
+    @property
+    def kubectl(self) -> Path:
+        return self.bin / "kubectl"
+
+    def _spawn(self, name: str, *args: str) -> None:
+        log = open(self.folder / "logs" / f"{name}.log", "ab")  # noqa: SIM115 (kept open)
+        self.processes[name] = subprocess.Popen(
+            [str(self.bin / name), *args], stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True)
+        (self.folder / "pids" / name).write_text(str(self.processes[name].pid))
+
+    def start(self, timeout: float = 90.0) -> None:
+        """Start everything and wait until the API server is ready, the nodes Ready and the
+        controllers' service accounts exist. Raises with the failing process's log tail."""
+        for sub in ("logs", "pids", "pki"):
+            (self.folder / sub).mkdir(parents=True, exist_ok=True)
+        make_pki(self.folder / "pki")
+        pki = self.folder / "pki"
+        self.ports = {k: free_port() for k in
+                      ("etcd", "etcd-peer", "apiserver", "controller-manager", "scheduler",
+                       "kwok")}
+        (self.folder / "state.json").write_text(json.dumps({"ports": self.ports}))
+        tokens = {user: base64.b32encode(os.urandom(20)).decode().lower()
+                  for user in (ADMIN_TOKEN_USER, "controller-manager", "scheduler", "kwok")}
+        (pki / "tokens.csv").write_text(
+            f"{tokens[ADMIN_TOKEN_USER]},{ADMIN_TOKEN_USER},1,\"system:masters\"\n"
+            f"{tokens['controller-manager']},system:kube-controller-manager,2\n"
+            f"{tokens['scheduler']},system:kube-scheduler,3\n"
+            f"{tokens['kwok']},kwok,4,\"system:masters\"\n")
+        etcd_url = f"http://127.0.0.1:{self.ports['etcd']}"
+        self._spawn("etcd", "--data-dir", str(self.folder / "etcd"), "--unsafe-no-fsync",
+                    "--listen-client-urls", etcd_url, "--advertise-client-urls", etcd_url,
+                    "--listen-peer-urls", f"http://127.0.0.1:{self.ports['etcd-peer']}",
+                    "--initial-advertise-peer-urls",
+                    f"http://127.0.0.1:{self.ports['etcd-peer']}",
+                    "--initial-cluster",
+                    f"default=http://127.0.0.1:{self.ports['etcd-peer']}",
+                    "--log-level", "warn")
+        self._spawn("kube-apiserver",
+                    "--etcd-servers", etcd_url, "--bind-address", "127.0.0.1",
+                    "--advertise-address", "127.0.0.1",
+                    "--secure-port", str(self.ports["apiserver"]),
+                    "--authorization-mode", "Node,RBAC",
+                    "--token-auth-file", str(pki / "tokens.csv"),
+                    "--client-ca-file", str(pki / "ca.crt"),
+                    "--tls-cert-file", str(pki / "apiserver.crt"),
+                    "--tls-private-key-file", str(pki / "apiserver.key"),
+                    "--service-account-issuer", "https://kubernetes.default.svc.cluster.local",
+                    "--service-account-key-file", str(pki / "sa.pub"),
+                    "--service-account-signing-key-file", str(pki / "sa.key"),
+                    "--service-cluster-ip-range", SERVICE_CIDR,
+                    "--audit-log-path", str(self.folder / "logs" / "audit.jsonl"),
+                    "--audit-policy-file", str(self._audit_policy()),
+                    "--profiling=false", "-v=1")
+        admin = kubeconfig(self.server, pki / "ca.crt", "admin", tokens[ADMIN_TOKEN_USER])
+        self.admin_kubeconfig.write_text(json.dumps(admin, indent=2))
+        self._wait_ready(timeout)
+        for component in ("controller-manager", "scheduler", "kwok"):
+            user = {"controller-manager": "system:kube-controller-manager",
+                    "scheduler": "system:kube-scheduler", "kwok": "kwok"}[component]
+            path = self.folder / f"{component}.kubeconfig"
+            path.write_text(json.dumps(kubeconfig(self.server, pki / "ca.crt", user,
+                                                  tokens[component])))
+        cm = str(self.folder / "controller-manager.kubeconfig")
+        self._spawn("kube-controller-manager", "--kubeconfig", cm,
+                    "--authentication-kubeconfig", cm, "--authorization-kubeconfig", cm,
+                    "--controllers", "*", "--use-service-account-credentials=true",
+                    "--leader-elect=false", "--bind-address", "127.0.0.1",
+                    "--secure-port", str(self.ports["controller-manager"]),
+                    "--service-account-private-key-file", str(pki / "sa.key"),
+                    "--root-ca-file", str(pki / "ca.crt"),
+                    "--service-cluster-ip-range", SERVICE_CIDR, "-v=1")
+        sched = str(self.folder / "scheduler.kubeconfig")
+        self._spawn("kube-scheduler", "--kubeconfig", sched,
+                    "--authentication-kubeconfig", sched, "--authorization-kubeconfig", sched,
+                    "--leader-elect=false", "--bind-address", "127.0.0.1",
+                    "--secure-port", str(self.ports["scheduler"]), "-v=1")
+        self._spawn("kwok", "--kubeconfig", str(self.folder / "kwok.kubeconfig"),
+                    "--manage-all-nodes=false",
+                    "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
+                    "--cidr", POD_CIDR, "--node-ip=127.0.0.1",
+                    "--node-lease-duration-seconds=40",
+                    "--server-address", f"127.0.0.1:{self.ports['kwok']}",
+                    "-c", str(HERE / "kwok-stages.yaml"))
+        nodes = yaml.safe_load((HERE / "nodes.yaml").read_text())  # anchors resolved here
+        self.kubectl_run("apply", "-f", "-", input=json.dumps(nodes))
+        self._wait_nodes_ready(timeout)
+
+    def _audit_policy(self) -> Path:
+        """Every request of a service account of `OPERATOR_NAMESPACE` (the operator's, when
+        it runs as the chart's) at Metadata level, nothing else: what tests read to count
+        the operator's calls, its creates and the ones RBAC refused."""
+        path = self.folder / "pki" / "audit-policy.yaml"
+        path.write_text(json.dumps({
+            "apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived"],
+            "rules": [{"level": "Metadata",
+                       "userGroups": [f"system:serviceaccounts:{OPERATOR_NAMESPACE}"]},
+                      {"level": "None"}]}))
+        return path
+
+    def _check_alive(self) -> None:
+        for name, process in self.processes.items():
+            if process.poll() is not None:
+                tail = (self.folder / "logs" / f"{name}.log").read_text(errors="replace")
+                raise ControlPlaneError(f"{name} exited with {process.returncode}:\n"
+                                        f"{tail[-3000:]}")
+
+    def _wait_ready(self, timeout: float) -> None:
+        context = ssl.create_default_context(cafile=str(self.folder / "pki" / "ca.crt"))
+        deadline = time.monotonic() + timeout
+        while True:
+            self._check_alive()
+            with contextlib.suppress(OSError, urllib.error.URLError):
+                with urllib.request.urlopen(f"{self.server}/readyz", context=context,
+                                            timeout=2) as response:
+                    if response.status == 200:
+                        return
+            if time.monotonic() > deadline:
+                raise ControlPlaneError(f"kube-apiserver not ready within {timeout:.0f} s; "
+                                        f"see {self.folder / 'logs' / 'kube-apiserver.log'}")
+            time.sleep(0.3)
+
+    def _wait_nodes_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            self._check_alive()
+            ready = self.kubectl_run(
+                "get", "nodes", "-o",
+                "jsonpath={range .items[*]}{.status.conditions[?(@.type=='Ready')].status}"
+                "{'\\n'}{end}", check=False)
+            sa = self.kubectl_run("get", "serviceaccount", "default", "-o", "name",
+                                  check=False)
+            statuses = ready.stdout.split()
+            if statuses and all(s == "True" for s in statuses) and sa.returncode == 0:
+                return
+            if time.monotonic() > deadline:
+                raise ControlPlaneError(f"nodes not Ready within {timeout:.0f} s: {statuses}; "
+                                        f"see {self.folder / 'logs' / 'kwok.log'}")
+            time.sleep(0.5)
+
+    def kubectl_run(self, *args: str, check: bool = True, input: str | None = None,
+                    kubeconfig_path: Path | None = None) -> subprocess.CompletedProcess:
+        result = subprocess.run(
+            [str(self.kubectl), "--kubeconfig", str(kubeconfig_path or self.admin_kubeconfig),
+             *args], capture_output=True, text=True, input=input)
+        if check and result.returncode != 0:
+            raise ControlPlaneError(f"kubectl {' '.join(args)}: {result.stderr.strip()}")
+        return result
+
+    def install(self, operator_namespace: str = OPERATOR_NAMESPACE) -> Installation:
+        """Install as users do, except the operator's pod: the CRD by `kubectl apply`; the
+        chart rendered by the Helm engine and applied, all but its Deployment (the operator
+        runs as a local process instead); and a kubeconfig holding only a token of the
+        chart's ServiceAccount, so the API server enforces the chart's RBAC on it."""
+        crd = REPO / "crds" / "finetunejobs.finetune.dev.yaml"
+        self.kubectl_run("apply", "-f", str(crd))
+        self.kubectl_run("wait", "--for=condition=Established", "--timeout=60s",
+                         f"crd/{yaml.safe_load(crd.read_text())['metadata']['name']}")
+        # discovery afresh: kubectl's cached discovery predates the CRD
+        self.kubectl_run("api-resources", "--api-group=finetune.dev")
+        self.kubectl_run("create", "namespace", operator_namespace)
+        objects = render_chart(operator_namespace)
+        deployment = next(o for o in objects if o["kind"] == "Deployment")
+        rest = [o for o in objects if o["kind"] != "Deployment"]
+        self.kubectl_run("apply", "-f", "-", input=json.dumps(
+            {"apiVersion": "v1", "kind": "List", "items": rest}))
+        pod = deployment["spec"]["template"]["spec"]
+        account = pod["serviceAccountName"]
+        token = self.kubectl_run("create", "token", account, "-n", operator_namespace,
+                                 "--duration", "24h").stdout.strip()
+        path = self.folder / "operator.kubeconfig"
+        path.write_text(json.dumps(kubeconfig(
+            self.server, self.folder / "pki" / "ca.crt",
+            f"system:serviceaccount:{operator_namespace}:{account}", token)))
+        env = {e["name"]: e["value"] for e in pod["containers"][0].get("env", [])
+               if "value" in e}
+        return Installation(account, path, env)
+
+    def running(self) -> bool:
+        """Whether a process this folder started (maybe from another process) still runs."""
+        pids = self.folder / "pids"
+        return pids.exists() and any(_alive(int(p.read_text())) for p in pids.glob("*")
+                                     if p.read_text().strip().isdigit())
+
+    def stop(self) -> None:
+        """SIGTERM everything this folder started (also from another process), SIGKILL what
+        is still there after 10 s: the API server sometimes ignores SIGTERM for ~45 s."""
+        pids = {}
+        for pidfile in sorted((self.folder / "pids").glob("*")):
+            with contextlib.suppress(ValueError):
+                pids[pidfile.name] = int(pidfile.read_text())
+            pidfile.unlink()
+        order = ["kwok", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd"]
+        live = [pids[n] for n in order if n in pids]
+        for pid in live:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(p) for p in live):
+            time.sleep(0.2)
+        for pid in live:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for process in self.processes.values():
+            with contextlib.suppress(Exception):
+                process.wait(timeout=5)
+        self.processes.clear()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with contextlib.suppress(OSError):
+        # a zombie child of ours counts as gone
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.split(") ", 1)[1][0] != "Z"
+    return True
+
+
+# --- the command line -----------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("action", choices=["build", "up", "install", "down", "bin"])
+    parser.add_argument("--folder", type=Path, default=REPO / ".cluster",
+                        help="state folder (default: .cluster in the repository)")
+    args = parser.parse_args(argv)
+    try:
+        if args.action == "bin":
+            print(binaries_dir())
+            return 0
+        if args.action == "build":
+            build()
+            return 0
+        plane = ControlPlane(args.folder, bin=binaries_dir())
+        if args.action == "install":
+            if not plane.running():
+                raise ControlPlaneError(f"no control plane is running from {args.folder}: "
+                                        "`make cluster` first")
+            plane.ports = json.loads((args.folder / "state.json").read_text())["ports"]
+            installed = plane.install()
+            settings = " ".join(f"{k}={shlex.quote(v)}"
+                                for k, v in sorted(installed.operator_env.items()))
+            print(f"CRD and chart installed (all but the operator's Deployment).\n"
+                  f"Run the operator as the chart's ServiceAccount "
+                  f"({installed.service_account}):\n"
+                  f"  KUBECONFIG={installed.operator_kubeconfig} {settings} "
+                  f".venv/bin/finetune operator")
+            return 0
+        if args.action == "down":
+            plane.stop()
+            print(f"control plane in {args.folder} stopped")
+            return 0
+        if plane.running():
+            print(f"a control plane is already running from {args.folder}: "
+                  "`make cluster-down` first", file=sys.stderr)
+            return 1
+        build()
+        shutil.rmtree(args.folder, ignore_errors=True)
+        started = time.monotonic()
+        try:
+            plane.start()
+        except BaseException:
+            plane.stop()
+            raise
+        print(f"control plane ready in {time.monotonic() - started:.0f} s at {plane.server}\n"
+              f"  export KUBECONFIG={plane.admin_kubeconfig}\n"
+              f"  kubectl: {plane.kubectl}\n"
+              f"  logs: {args.folder / 'logs'}; stop with `make cluster-down`")
+        return 0
+    except ControlPlaneError as error:
+        print(f"control plane: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())
+    sys.exit(130)

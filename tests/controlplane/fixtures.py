@@ -1,0 +1,228 @@
+"""A real Kubernetes control plane for the tests, installed as users install the product.
+
+- `control_plane`: etcd, kube-apiserver (RBAC, audit log), controller-manager, scheduler and
+  KWOK (cluster/controlplane.py, what `make cluster` runs), once per session.
+- `installation`: the CRD by `kubectl apply`, the chart rendered by the Helm engine and
+  applied (all but the operator's Deployment, whose process runs here instead), and a
+  kubeconfig holding only a token of the chart's ServiceAccount (`kubectl create token`):
+  the API server enforces the chart's RBAC on everything the operator does.
+- `operator_install`: `pip install .` into a fresh venv, without the trainer extra: what the
+  operator image installs. The operator runs from there.
+- `operator_process`: `finetune operator` from that venv with only the ServiceAccount's
+  kubeconfig and the chart's FINETUNE_* settings.
+
+Skipped, saying why, where Go or openssl is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+REPO = Path(__file__).resolve().parents[2]
+OPERATOR_NAMESPACE = "finetune-system"
+
+
+def load_controlplane() -> Any:
+    """cluster/controlplane.py as a module (it is a script, not part of a package)."""
+    spec = importlib.util.spec_from_file_location("controlplane", REPO / "cluster" /
+                                                  "controlplane.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("controlplane", module)
+    spec.loader.exec_module(module)
+    return sys.modules["controlplane"]
+
+
+def missing_tools() -> str | None:
+    for tool, why in (("go", "the control plane is built from Go modules (install Go 1.26+)"),
+                      ("openssl", "its certificates are made with openssl")):
+        if shutil.which(tool) is None:
+            return f"no real control plane: `{tool}` is not installed; {why}"
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def control_plane(tmp_path_factory):
+    reason = missing_tools()
+    if reason:
+        pytest.skip(reason)
+    controlplane = load_controlplane()
+    controlplane.build()  # cached: `make test` builds it first, outside any test's timeout
+    plane = controlplane.ControlPlane(tmp_path_factory.mktemp("control-plane"))
+    try:
+        plane.start()
+    except BaseException:
+        plane.stop()
+        raise
+    yield plane
+    plane.stop()
+
+
+@dataclass
+class Installation:
+    plane: Any
+    service_account: str
+    operator_kubeconfig: Path
+    """Only a token of the chart's ServiceAccount: never admin credentials."""
+    operator_env: dict[str, str]
+    """The FINETUNE_* settings the chart's Deployment gives the operator."""
+
+    def kubectl(self, *args: str, **kwargs: Any) -> subprocess.CompletedProcess:
+        """kubectl as the cluster's admin (the test, in the user's seat)."""
+        return self.plane.kubectl_run(*args, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def installation(control_plane) -> Installation:
+    installed = control_plane.install(OPERATOR_NAMESPACE)
+    return Installation(control_plane, installed.service_account, installed.operator_kubeconfig,
+                        installed.operator_env)
+
+
+def image_sources(dockerfile: Path, into: Path) -> Path:
+    """The files `dockerfile`'s COPY instructions take from the repository, laid out as in
+    the image's build folder: what its `pip install` sees, nothing more."""
+    text = dockerfile.read_text().replace("\\\n", " ")
+    for line in text.splitlines():
+        words = line.split()
+        if not words or words[0] != "COPY" or any(w.startswith("--") for w in words):
+            continue
+        *sources, target = words[1:]
+        for source in sources:
+            origin = REPO / source
+            if origin.is_dir():  # as Docker does: the folder's contents into the target
+                shutil.copytree(origin, into / target, dirs_exist_ok=True,
+                                ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                destination = into / target / (origin.name if target.endswith("/") else "")
+                destination.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(origin, destination)
+    return into
+
+
+@pytest.fixture(scope="session")
+def operator_install(tmp_path_factory) -> Path:
+    """What the operator image installs, into a fresh venv: the files operator/Dockerfile
+    copies, `pip install`ed without extras (no torch, no trainer extra). Returns its bin."""
+    sources = image_sources(REPO / "operator" / "Dockerfile",
+                            tmp_path_factory.mktemp("operator-image-src"))
+    venv = tmp_path_factory.mktemp("operator-venv")
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "--disable-pip-version-check", "-q"]
+    result = subprocess.run([*pip, "install", str(sources)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return venv / "bin"
+
+
+@dataclass
+class OperatorProcess:
+    """`finetune operator`, started as a user (or the chart's pod) starts it."""
+
+    bin: Path
+    kubeconfig: Path
+    settings: dict[str, str]
+    log: Path
+    interval: float = 1.0
+    process: subprocess.Popen | None = None
+    health_port: int = field(default_factory=free_port)
+    metrics_port: int = field(default_factory=free_port)
+    starts: int = 0
+    args: tuple[str, ...] = ()
+    """More arguments of `finetune operator` (e.g. --namespace)."""
+
+    def environment(self) -> dict[str, str]:
+        """Nothing of the test's own environment beyond what any shell has."""
+        keep = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TMPDIR")}
+        return {**keep, **self.settings, "KUBECONFIG": str(self.kubeconfig),
+                "HF_HUB_OFFLINE": "1"}
+
+    def start(self, timeout: float = 60.0) -> None:
+        self.starts += 1
+        with self.log.open("a") as out:
+            out.write(f"--- start {self.starts} ---\n")
+            self.process = subprocess.Popen(
+                [str(self.bin / "finetune"), "operator", "--interval", str(self.interval),
+                 "--metrics-port", str(self.metrics_port), "--health-port",
+                 str(self.health_port), *self.args], env=self.environment(), stdout=out,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while True:  # ready: kopf serves its liveness endpoint once it watches
+            if self.process.poll() is not None:
+                raise AssertionError(f"the operator exited {self.process.returncode}:\n"
+                                     f"{self.log.read_text()[-4000:]}")
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.health_port}/healthz",
+                                            timeout=1):
+                    return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the operator did not get ready in {timeout:.0f}s:\n"
+                                     f"{self.log.read_text()[-4000:]}")
+            time.sleep(0.2)
+
+    def kill(self) -> None:
+        """Gone without a goodbye (SIGKILL), as when its pod is OOM-killed."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(timeout=10)
+        self.process = None
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        self.process = None
+
+
+@pytest.fixture(scope="session")
+def progress_port() -> int:
+    """Where the operator reads rank 0's /progress (FINETUNE_METRICS_PORT): tests serve it on
+    each pod's own (loopback) IP, so nothing else answers."""
+    return free_port()
+
+
+@pytest.fixture(scope="session")
+def operator_process(installation, operator_install, progress_port, tmp_path_factory):
+    running = OperatorProcess(
+        operator_install, installation.operator_kubeconfig,
+        {**installation.operator_env, "FINETUNE_METRICS_PORT": str(progress_port)},
+        tmp_path_factory.mktemp("operator") / "operator.log")
+    running.start()
+    yield running
+    running.stop()
+
+
+@pytest_asyncio.fixture()
+async def control_plane_testbed(installation, operator_process, progress_port):
+    """A namespace of its own on the control plane, with the operator running; afterwards,
+    no call of the operator was refused by RBAC."""
+    from tests.controlplane.testbed import ControlPlaneTestbed
+
+    bed = await ControlPlaneTestbed.open(installation, operator_process, progress_port)
+    await bed.start()
+    yield bed
+    await bed.clean()
+    assert bed.operator_denials() == []  # the chart's RBAC let it do everything it did

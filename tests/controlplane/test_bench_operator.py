@@ -1,0 +1,36 @@
+"""`make bench-operator` runs: a small burst through the same script, on a control plane of
+its own. (The figures come from the full run; here only that it measures, and that no
+launch was made twice under load.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+from tests.controlplane.fixtures import missing_tools
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def test_the_operator_load_benchmark_measures_both_side_by_side(tmp_path):
+    reason = missing_tools()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "load.json"
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "operator_load.py"),
+                             "--jobs", "25", "--steady", "3", "--out", str(out)],
+                            capture_output=True, text=True, timeout=540)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "seconds until every job has a phase" in result.stdout
+    figures = json.loads(out.read_text())
+    for side in ("floor", "ours"):
+        assert figures[side]["seconds_to_all_phased"] > 0
+        assert figures[side]["peak_rss_mib"] > 20
+    assert figures["floor"]["api_requests_per_job"] >= 1  # at least its status patch
+    assert figures["ours"]["child_creates_refused_409"] == 0  # each job launched once
+    assert figures["ratios"]["peak_rss_mib"] == round(
+        figures["ours"]["peak_rss_mib"] / figures["floor"]["peak_rss_mib"], 2)

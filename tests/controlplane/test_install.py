@@ -1,0 +1,174 @@
+"""Installing the product on a real Kubernetes API server as a user does, and logging in as
+the chart's ServiceAccount: the CRD by `kubectl apply`, the operator from a `pip install .`
+without the training stack, one clear line for every way a login can fail."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+
+import pytest
+
+from tests.controlplane.fixtures import OPERATOR_NAMESPACE, OperatorProcess, load_controlplane
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_the_crd_is_accepted_served_and_explained(installation):
+    """The API server checks every CEL rule against every default when the CRD is applied;
+    it refused ours until the defaults were written out (tests/unit/test_crd.py)."""
+    kubectl = installation.kubectl
+    crd = json.loads(kubectl("get", "crd", "finetunejobs.finetune.dev", "-o", "json").stdout)
+    established = {c["type"]: c["status"] for c in crd["status"]["conditions"]}
+    assert established["Established"] == "True" and established["NamesAccepted"] == "True"
+    explained = kubectl("explain", "ftj.spec.method").stdout
+    assert "What is trained." in explained and "enum: lora, qlora, full" in explained
+    assert "targetModules" in kubectl("explain", "ftj.spec.method.lora").stdout
+    assert "offload" in kubectl("explain", "finetunejob.spec.strategy").stdout
+    assert "ftj" in kubectl("api-resources", "--api-group=finetune.dev").stdout
+
+
+def test_the_operator_install_has_what_it_imports(operator_install):
+    """`pip install .` without extras is the operator image: no torch, and everything the
+    operator imports (prometheus-client was only in the trainer extra)."""
+    python = str(operator_install / "python")
+    help_text = subprocess.run([str(operator_install / "finetune"), "operator", "--help"],
+                               capture_output=True, text=True)
+    assert help_text.returncode == 0, help_text.stderr
+    assert "--server" not in help_text.stdout  # no hidden test-only way in any more
+    imports = subprocess.run([python, "-c", (
+        "import importlib.util, finetune_operator.controller, finetune_operator.cli, "
+        "finetune_operator.backends.kubernetes;"
+        "print(importlib.util.find_spec('torch') is None)")], capture_output=True, text=True)
+    assert imports.returncode == 0, imports.stderr
+    assert imports.stdout.strip() == "True"
+
+
+def test_the_operator_runs_as_the_charts_service_account(installation, operator_process):
+    """Only the ServiceAccount's token in its kubeconfig, and it runs: kopf logs in through
+    the same credentials as the operator's own calls."""
+    config = json.loads(installation.operator_kubeconfig.read_text())
+    assert [u["user"].keys() for u in config["users"]] == [{"token": 1}.keys()]
+    whoami = installation.kubectl("auth", "whoami", "-o", "json",
+                                  kubeconfig_path=installation.operator_kubeconfig)
+    user = json.loads(whoami.stdout)["status"]["userInfo"]["username"]
+    assert user == f"system:serviceaccount:{OPERATOR_NAMESPACE}:{installation.service_account}"
+    assert operator_process.process is not None and operator_process.process.poll() is None
+
+
+def _operator_once(bin_dir, kubeconfig, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([str(bin_dir / "finetune"), "operator", "--metrics-port", "0",
+                           "--health-port", "0"], capture_output=True, text=True,
+                          timeout=timeout, env={"PATH": "/usr/bin:/bin", "KUBECONFIG": kubeconfig})
+
+
+def _one_line(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def test_every_way_a_login_fails_is_one_line_naming_the_fix(
+        installation, operator_install, tmp_path):
+    plane, controlplane = installation.plane, load_controlplane()
+    ca = plane.folder / "pki" / "ca.crt"
+
+    def config(name: str, server: str, token: str) -> str:
+        path = tmp_path / f"{name}.kubeconfig"
+        path.write_text(json.dumps(controlplane.kubeconfig(server, ca, name, token)))
+        return str(path)
+
+    refused = _one_line(_operator_once(operator_install, config("bad", plane.server, "nope")))
+    assert "401 Unauthorized" in refused and "kubectl create token" in refused
+
+    unreachable = _one_line(_operator_once(
+        operator_install, config("gone", "https://127.0.0.1:9", "x")))
+    assert "cannot reach the API server at https://127.0.0.1:9" in unreachable
+    assert "is the cluster up" in unreachable
+
+    missing = _one_line(_operator_once(operator_install, str(tmp_path / "absent.kubeconfig")))
+    assert "no usable Kubernetes credentials" in missing and "set KUBECONFIG" in missing
+
+    # a service account that exists but was never given the chart's RBAC
+    installation.kubectl("create", "serviceaccount", "nobody", "-n", "default")
+    token = installation.kubectl("create", "token", "nobody", "-n", "default").stdout.strip()
+    forbidden = _one_line(_operator_once(operator_install,
+                                         config("nobody", plane.server, token)))
+    assert "403 Forbidden" in forbidden and "install the chart's RBAC" in forbidden
+
+
+def _signed_client_certificate(pki, user: str, folder) -> tuple[str, str]:
+    """A client certificate for `user`, signed by the cluster's CA (its --client-ca-file)."""
+    key, csr, crt = folder / f"{user}.key", folder / f"{user}.csr", folder / f"{user}.crt"
+    subprocess.run(["openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+                    "-out", str(csr), "-subj", f"/CN={user}"], check=True, capture_output=True)
+    subprocess.run(["openssl", "x509", "-req", "-in", str(csr), "-CA", str(pki / "ca.crt"),
+                    "-CAkey", str(pki / "ca.key"), "-CAcreateserial", "-out", str(crt),
+                    "-days", "1"], check=True, capture_output=True)
+    return base64.b64encode(crt.read_bytes()).decode(), base64.b64encode(key.read_bytes()).decode()
+
+
+def test_it_logs_in_with_client_certificates_and_exec_plugins_as_kubectl_does(
+        installation, operator_install, tmp_path):
+    """The same kubeconfig works for kubectl and for the operator: a client certificate, and
+    an exec plugin (how kubelogin logs in on AKS) handing out the ServiceAccount's token."""
+    plane = installation.plane
+    base = json.loads(installation.operator_kubeconfig.read_text())
+    token = base["users"][0]["user"]["token"]
+    namespace = "login-check"
+    installation.kubectl("create", "namespace", namespace)
+
+    user = "finetune-cert-user"
+    certificate, key = _signed_client_certificate(plane.folder / "pki", user, tmp_path)
+    for role in installation.kubectl("get", "clusterrole", "-o", "name", "-l",
+                                     "app.kubernetes.io/name=finetune-operator").stdout.split():
+        installation.kubectl("create", "clusterrolebinding", f"{user}-{role.split('/')[1]}",
+                             f"--clusterrole={role.split('/')[1]}", f"--user={user}")
+    credential = json.dumps({"apiVersion": "client.authentication.k8s.io/v1",
+                             "kind": "ExecCredential", "status": {"token": token}})
+    users = {
+        "certificate": {"client-certificate-data": certificate, "client-key-data": key},
+        "exec-plugin": {"exec": {"apiVersion": "client.authentication.k8s.io/v1",
+                                 "command": "/bin/sh", "args": ["-c", f"echo '{credential}'"],
+                                 "interactiveMode": "Never"}},
+    }
+    for name, credentials in users.items():
+        config = {**base, "users": [{"name": base["users"][0]["name"], "user": credentials}]}
+        path = tmp_path / f"{name}.kubeconfig"
+        path.write_text(json.dumps(config))
+        listed = installation.kubectl("get", "ftj", "-n", namespace, kubeconfig_path=path)
+        assert listed.returncode == 0  # kubectl logs in with it ...
+        operator = OperatorProcess(operator_install, path, installation.operator_env,
+                                   tmp_path / f"{name}.log", args=("--namespace", namespace))
+        try:
+            operator.start()  # ... and so does the operator: kopf watches, /healthz answers
+            assert "LoginError" not in operator.log.read_text()
+        finally:
+            operator.stop()
+
+
+def test_inside_a_pod_it_logs_in_with_the_mounted_service_account(
+        installation, tmp_path, monkeypatch):
+    """What the chart's pod has: KUBERNETES_SERVICE_HOST/PORT and the token and CA mounted
+    (here at the paths the client reads them from, pointed at files of this test)."""
+    from kubernetes.config import incluster_config
+
+    from finetune_operator import kube
+
+    plane = installation.plane
+    token = json.loads(installation.operator_kubeconfig.read_text())["users"][0]["user"]["token"]
+    (tmp_path / "token").write_text(token)
+    monkeypatch.setattr(incluster_config, "SERVICE_TOKEN_FILENAME", str(tmp_path / "token"))
+    monkeypatch.setattr(incluster_config, "SERVICE_CERT_FILENAME",
+                        str(plane.folder / "pki" / "ca.crt"))
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(plane.ports["apiserver"]))
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "not-there"))  # never read in a pod
+    api = kube.connect()
+    kube.check_access(api)  # lists FineTuneJobs cluster-wide under the chart's RBAC
+    info = kube.connection_info(kube.configuration())
+    assert info.server == plane.server and info.token == token
+    assert info.scheme.lower() == "bearer"  # the in-cluster loader writes it lowercase

@@ -1,0 +1,175 @@
+"""The scenarios on the real control plane: the real API server, scheduler, Job and garbage
+collectors, KWOK as the kubelets, and `finetune operator` as a process of its own.
+
+The API half is `RealTestbed`'s (the one used on kind or AKS). What differs is what KWOK
+plays: a worker fails when its pod is labelled so (cluster/kwok-stages.yaml), finishes when
+labelled to, and rank 0's /progress is a test server bound to the pod's loopback IP. Each
+test gets a namespace of its own, with the volumes the jobs mount.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+from finetune_trainer.progress import Progress, ProgressServer
+from tests.conftest import minimal_job
+from tests.operator.emulator import COMPLETION_INDEX
+from tests.operator.testbed import API, RealTestbed, merged
+
+OUTCOME = "fake.finetune.dev/outcome"
+RUN_TIME = "fake.finetune.dev/run-time"
+MESSAGE = "fake.finetune.dev/message"
+CLAIMS = ("data", "ckpt")  # what minimal_job's pvc:// locations mount
+
+
+class ControlPlaneTestbed(RealTestbed):
+    real = True
+    slowness = 3.0
+    poll = 0.25
+    blocking = True
+
+    def __init__(self, dynamic_client: Any, namespace: str, *, installation: Any,
+                 operator: Any, progress_port: int) -> None:
+        super().__init__(dynamic_client, namespace)
+        self.installation, self.operator = installation, operator
+        self.progress_port = progress_port
+        self.rank0: list[ProgressServer] = []
+
+    @classmethod
+    async def open(cls, installation: Any, operator: Any, progress_port: int
+                   ) -> ControlPlaneTestbed:
+        namespace = f"t-{uuid.uuid4().hex[:8]}"
+        return await cls.connect(str(installation.plane.admin_kubeconfig), namespace,
+                                 installation=installation, operator=operator,
+                                 progress_port=progress_port)
+
+    # --- what the namespace holds ---------------------------------------------------------
+    async def start(self) -> None:
+        kubectl = self.installation.kubectl
+        volumes: list[dict[str, Any]] = []
+        for claim in CLAIMS:
+            volume = f"{self.namespace}-{claim}"
+            volumes += [
+                {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": volume},
+                 "spec": {"capacity": {"storage": "1Ti"}, "accessModes": ["ReadWriteMany"],
+                          "hostPath": {"path": f"/fake/{volume}"}, "storageClassName": "",
+                          "claimRef": {"namespace": self.namespace, "name": claim}}},
+                {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                 "metadata": {"name": claim, "namespace": self.namespace},
+                 "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "",
+                          "volumeName": volume, "resources": {"requests": {"storage": "1Ti"}}}},
+            ]
+        self.audit_start = len(self.audit())
+        await asyncio.to_thread(kubectl, "create", "namespace", self.namespace)
+        await asyncio.to_thread(kubectl, "apply", "-f", "-", input=json.dumps(
+            {"apiVersion": "v1", "kind": "List", "items": volumes}))
+        # no Job watcher (RealTestbed.start): the audit log counts creates (jobs_created)
+
+    async def clean(self) -> None:
+        for server in self.rank0:
+            server.close()
+        await super().clean()
+        kubectl = self.installation.kubectl
+        await asyncio.to_thread(kubectl, "delete", "namespace", self.namespace, "--wait=false")
+        await asyncio.to_thread(kubectl, "delete", "pv", "--wait=false",
+                                *(f"{self.namespace}-{c}" for c in CLAIMS))
+
+    def manifest(self, name="demo", **spec):
+        """2 nodes x 8 GPUs (the ndasrv4 pool); pods run until told otherwise."""
+        doc = minimal_job(**{"resources": {"nodes": 2, "gpusPerNode": 8},
+                             "kubernetes": {"annotations": {RUN_TIME: "1h"}}})
+        doc["metadata"] = {"name": name, "namespace": self.namespace}
+        return merged(doc, spec)
+
+    # --- the Kubernetes API, as a user reaches it -----------------------------------------
+    async def apply(self, doc):
+        await asyncio.to_thread(self.installation.kubectl, "apply", "-f", "-",
+                                input=json.dumps(doc))
+
+    def create_attempts(self, resource: str, name: str) -> int:
+        """Every create of `resource` (plural, e.g. "jobs") named `name` in this namespace that
+        reached the API server, answered or refused (a 409 counts): from its audit log."""
+        return sum(1 for e in self.audit()
+                   if e.get("verb") == "create"
+                   and e.get("objectRef", {}).get("resource") == resource
+                   and e.get("objectRef", {}).get("namespace") == self.namespace
+                   and e.get("objectRef", {}).get("name") == name)
+
+    def operator_denials(self) -> list[str]:
+        """Calls of the operator that RBAC refused since this test began: the chart's Role
+        must let it do everything it does."""
+        user = f"system:serviceaccount:finetune-system:{self.installation.service_account}"
+        return [f"{e['verb']} {e.get('requestURI')}" for e in self.audit()[self.audit_start:]
+                if e.get("user", {}).get("username") == user
+                and e.get("responseStatus", {}).get("code") == 403]
+
+    def audit(self) -> list[dict[str, Any]]:
+        path = Path(self.installation.plane.folder) / "logs" / "audit.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def jobs_created(self, name):
+        return sum(1 for e in self.audit()
+                   if e.get("verb") == "create" and e.get("responseStatus", {}).get("code") == 201
+                   and e.get("objectRef", {}).get("resource") == "jobs"
+                   and e.get("objectRef", {}).get("namespace") == self.namespace
+                   and e.get("objectRef", {}).get("name") == name)
+
+    # --- the workers: what KWOK plays -----------------------------------------------------
+    def _pod(self, name: str, index: int) -> dict[str, Any]:
+        return next(p for p in self.running_pods(name)
+                    if p["metadata"]["annotations"][COMPLETION_INDEX] == str(index))
+
+    async def _mark(self, pod: str, labels: dict[str, str],
+                    annotations: dict[str, str] | None = None) -> None:
+        patch = {"metadata": {"labels": labels, "annotations": annotations or {}}}
+        await asyncio.to_thread(self.installation.kubectl, "patch", "pod", pod, "-n",
+                                self.namespace, "--type=merge", "-p", json.dumps(patch))
+
+    async def fail_worker(self, name, index, message):
+        pod = await asyncio.to_thread(self._pod, name, index)
+        await self._mark(pod["metadata"]["name"], {OUTCOME: "fail"},
+                         {MESSAGE: message, "fake.finetune.dev/exit-code": "1"})
+
+    async def finish(self, name):
+        for pod in await asyncio.to_thread(self.running_pods, name):
+            await self._mark(pod["metadata"]["name"], {OUTCOME: "succeed"})
+
+    async def report_progress(self, name):
+        """Rank 0's /progress, served on its pod's IP at the operator's progress port."""
+        await self.until(lambda: self._pod(name, 0)["status"].get("podIP"), "rank 0 has an IP")
+        ip = (await asyncio.to_thread(self._pod, name, 0))["status"]["podIP"]
+        server = ProgressServer(self.progress_port, host=ip)
+        self.rank0.append(server)
+        record = Progress(step=40, totalSteps=100, epoch=0.4, loss=1.25, learningRate=1e-4,
+                          tokensPerSecond=52000.0, etaSeconds=600)
+        server.publish(record)
+        return record
+
+    def unpullable(self, doc):
+        """KWOK plays an image pull that fails for any image on registry.invalid."""
+        return merged(doc, {"kubernetes": {"image": "registry.invalid/finetune/trainer:typo",
+                                           "annotations": {RUN_TIME: "1h"}},
+                            "runPolicy": {"startupDeadlineSeconds": 4}})
+
+    # --- the operator: a process of its own -----------------------------------------------
+    async def kill_operator(self):
+        await asyncio.to_thread(self.operator.kill)
+
+    async def start_operator(self):
+        await asyncio.to_thread(self.operator.start)
+
+    async def delete(self, name):
+        await asyncio.to_thread(self.installation.kubectl, "delete", "finetunejob", name,
+                                "-n", self.namespace, "--wait=false")
+
+    async def patch_spec(self, name, spec):
+        await asyncio.to_thread(self.installation.kubectl, "patch", "finetunejob", name, "-n",
+                                self.namespace, "--type=merge", "-p",
+                                json.dumps({"spec": spec}))
+
+
+__all__ = ["API", "ControlPlaneTestbed"]

@@ -173,7 +173,10 @@ def plan_command(file: str, gpu_type: str | None, output: str, offline: bool) ->
 @click.option("--nproc", type=click.IntRange(min=1), default=None,
               help="Training processes on this machine. Default: the spec's CPU workers "
                    "(nodes x processesPerNode), or the visible GPUs.")
-def run_command(file: str, nproc: int | None) -> None:
+@click.option("--fresh", is_flag=True,
+              help="Start over instead of resuming: the output folder's checkpoints are moved "
+                   "aside (checkpoints.before-<time>/), never deleted.")
+def run_command(file: str, nproc: int | None, fresh: bool) -> None:
     """Train a FineTuneJob on this machine with torchrun, no cluster needed.
 
     Validates first, checks the model and data before any process starts, then trains
@@ -181,10 +184,12 @@ def run_command(file: str, nproc: int | None) -> None:
     Ctrl-C (or SIGTERM) checkpoints at the next step and exits 143; running the same
     command again resumes from that checkpoint. A worker that fails (an exception, an OOM
     kill, kill -9) restarts all of them from the newest complete checkpoint, up to
-    spec.runPolicy.backoffLimit times.
+    spec.runPolicy.backoffLimit times. Checkpoints trained with other settings (another
+    LoRA rank, model, strategy, ...) are never resumed: the run is refused, naming them.
     """
     from finetune_operator import local
     from finetune_operator.validation import InvalidJobError
+    from finetune_trainer import trained_with
 
     valid, invalid = _jobs_in((file,), local=True)
     if invalid:
@@ -202,6 +207,11 @@ def run_command(file: str, nproc: int | None) -> None:
             click.echo(f"{doc.source}: {problem}", err=True)
         sys.exit(EXIT_INVALID)
     output_dir = Path(config.output.uri)
+    if fresh and (moved := local.set_checkpoints_aside(output_dir)) is not None:
+        click.echo(f"--fresh: the earlier checkpoints are kept in {moved}; starting over")
+    if refused := trained_with.refusal(output_dir, config, local.START_OVER):
+        click.echo(f"{doc.source}: {refused}", err=True)
+        sys.exit(EXIT_INVALID)
     config_path = local.write_config(config, output_dir)
     processes = nproc or local.default_processes(job)
     click.echo(f"{doc.source}: {_summary(job)}")

@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from finetune_operator.api import FineTuneJob
@@ -19,10 +20,25 @@ from finetune_operator.planner.render import plan_with_notes
 from finetune_operator.trainer_config import build_trainer_config
 from finetune_operator.validation import InvalidJobError, Problem
 from finetune_trainer.config import TrainerConfig
+from finetune_trainer.layout import checkpoint_root
 from finetune_trainer.uris import parse_uri
 
 CONFIG_DIR = ".finetune"
 EXIT_STOPPED = 143
+START_OVER = ("point spec.output.uri at a new folder, or start over with `finetune run "
+              "--fresh` (the old checkpoints are moved aside, not deleted)")
+
+
+def set_checkpoints_aside(output_dir: Path) -> Path | None:
+    """`finetune run --fresh`: the output folder's checkpoints, renamed out of the way (a
+    rename on the same filesystem: nothing is deleted or copied). None when there are none."""
+    root = checkpoint_root(output_dir)
+    if not root.exists():
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    aside = root.with_name(f"{root.name}.before-{stamp}")
+    root.rename(aside)
+    return aside
 
 
 def model_config(job: FineTuneJob, base_dir: Path) -> ModelConfig | None:

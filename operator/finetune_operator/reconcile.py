@@ -26,10 +26,12 @@ from finetune_operator.api import (
 # Spec sections that may change while a job runs; any other change is refused.
 MUTABLE_SECTIONS = frozenset({"runPolicy"})
 
-FailureKind = Literal["worker", "preempted", "stopped"]
+FailureKind = Literal["worker", "preempted", "stopped", "refused"]
 """worker: a training process failed (counts against backoffLimit). preempted: the node or
 pod was taken away (eviction, spot reclaim, node loss) — restarted for free. stopped: the
-trainer exited 143 after a checkpoint because it was told to stop — restarted for free."""
+trainer exited 143 after a checkpoint because it was told to stop — restarted for free.
+refused: the trainer refused to start, for a reason no restart changes (the output folder
+holds checkpoints trained with other settings) — the job fails, no budget used."""
 
 
 @dataclass(frozen=True)
@@ -424,6 +426,8 @@ def _queued(job: FineTuneJob) -> bool:
 
 def _restart_or_fail(b: _Builder, failure: Failure) -> Decision:
     status, limit = b.status, b.job.spec.run_policy.backoff_limit
+    if failure.kind == "refused":
+        return b.fail("OtherSettingsCheckpoints", failure.message, stop_workload=True)
     counted = failure.kind == "worker"
     if counted and status.restarts >= limit:
         return b.fail("BackoffLimitExceeded", f"{failure.message} (restart budget of {limit} "

@@ -129,10 +129,10 @@ class ControlPlaneTestbed(RealTestbed):
         await asyncio.to_thread(self.installation.kubectl, "patch", "pod", pod, "-n",
                                 self.namespace, "--type=merge", "-p", json.dumps(patch))
 
-    async def fail_worker(self, name, index, message):
+    async def fail_worker(self, name, index, message, exit_code=1):
         pod = await asyncio.to_thread(self._pod, name, index)
         await self._mark(pod["metadata"]["name"], {OUTCOME: "fail"},
-                         {MESSAGE: message, "fake.finetune.dev/exit-code": "1"})
+                         {MESSAGE: message, "fake.finetune.dev/exit-code": str(exit_code)})
 
     async def finish(self, name):
         for pod in await asyncio.to_thread(self.running_pods, name):

@@ -98,6 +98,25 @@ async def test_an_exhausted_budget_fails_with_the_cause(testbed: Testbed):
     await testbed.until(lambda: testbed.get("batch/v1/jobs", "demo") is None, "workers stopped")
 
 
+async def test_a_refused_output_folder_fails_at_once_and_keeps_the_budget(testbed: Testbed):
+    """The trainer's resume check (exit 4): the output folder holds checkpoints trained with
+    other settings. Restarting would refuse again, so the job fails, saying why."""
+    await testbed.apply(testbed.manifest())
+    await testbed.until_phase("Running")
+    await testbed.fail_worker("demo", 0, (
+        "finetune-train: /out holds checkpoints trained with other settings (method.lora.r: "
+        "8 → 16; newest step-00000040), which this job cannot resume from — set "
+        "spec.output.uri to a new folder, or move its checkpoints/ away to start over"),
+        exit_code=4)
+    await testbed.until_phase("Failed")
+    failed = testbed.condition("Failed")
+    assert failed["reason"] == "OtherSettingsCheckpoints"
+    assert "method.lora.r: 8 → 16" in failed["message"]
+    assert "set spec.output.uri to a new folder" in testbed.status()["message"]
+    assert testbed.status().get("restarts", 0) == 0
+    assert testbed.jobs_created("demo") == 1
+
+
 async def test_pods_stuck_past_the_startup_deadline_fail_with_their_reason(testbed: Testbed):
     await testbed.apply(testbed.unpullable(testbed.manifest()))
     await testbed.until_phase("Failed", timeout=30)

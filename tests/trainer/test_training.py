@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -279,3 +280,38 @@ def test_sigterm_while_starting_stops_at_once_without_a_checkpoint(tiny_model_di
     assert "stopped by SIGTERM before the first step" in output
     assert time.monotonic() - signalled < 25  # torchrun would wait 30 s before killing
     assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+def test_a_changed_job_is_refused_before_it_starts_and_fresh_starts_over(
+        runs, tiny_model_dir, tmp_path):
+    """The first hour's trap: change the LoRA rank and rerun into the same output folder.
+    Refused in one line naming the field, before any process starts; `--fresh` sets the old
+    checkpoints aside (kept) and trains."""
+    output = tmp_path / "out"
+    shutil.copytree(runs("ddp", "lora"), output)  # 6 steps done with r=4
+    changed = manifest(tiny_model_dir, output, steps=2)
+    changed["spec"]["method"]["lora"]["r"] = 8
+    started = time.monotonic()
+    refused = finetune_run(changed, tmp_path / "rerun")
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert time.monotonic() - started < 5  # no model load, no process group (0.5 s here)
+    lines = [line for line in refused.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in refused.stderr
+    assert "method.lora.r: 4 → 8" in lines[0] and "finetune run --fresh" in lines[0]
+    before = sorted(p.name for p in (output / "checkpoints").iterdir())
+
+    # the trainer's own check (the pods' init container) says the same, with exit 4
+    trainer_config = yaml.safe_load((output / ".finetune" / "trainer.yaml").read_text())
+    trainer_config["method"]["lora"]["r"] = 8
+    (tmp_path / "trainer.yaml").write_text(yaml.safe_dump(trainer_config))
+    check = subprocess.run([sys.executable, "-m", "finetune_trainer", "--check-resume",
+                            "--config", str(tmp_path / "trainer.yaml")],
+                           capture_output=True, text=True, timeout=120)
+    assert check.returncode == 4 and "method.lora.r: 4 → 8" in check.stderr
+
+    fresh = finetune_run(changed, tmp_path / "rerun", "--fresh")
+    assert fresh.returncode == 0, fresh.stdout + fresh.stderr
+    assert "the earlier checkpoints are kept in" in fresh.stdout
+    kept = next(output.glob("checkpoints.before-*"))
+    assert sorted(p.name for p in kept.iterdir()) == before  # nothing deleted
+    assert [p.name for p in (output / "checkpoints").iterdir()] == ["step-00000002"]

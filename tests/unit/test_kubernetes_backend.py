@@ -218,3 +218,20 @@ def test_the_trainers_mfu_and_preflight_reach_the_observation():
     progress = backend.progress_from_record(record)
     assert progress.mfu == 0.43 and progress.preflight["busBandwidthGBps"] == 180.5
     assert "preflight" not in progress.to_dict()  # a condition, not status.progress
+
+
+def test_a_resume_check_runs_before_torchrun_and_its_refusal_fails_the_job():
+    """torchrun reports a worker's exit as its own exit 1; the init container's exit 4
+    reaches the Job controller, whose pod failure policy records it."""
+    job = objects(minimal_job(resources={"nodes": 2, "gpusPerNode": 8}))["Job"]["spec"]
+    check = job["template"]["spec"]["initContainers"][0]
+    trainer = job["template"]["spec"]["containers"][0]
+    assert check["name"] == "resume-check"
+    assert check["command"][-2:] == ["--check-resume", "--config=$(FINETUNE_CONFIG)"]
+    assert check["image"] == trainer["image"]
+    assert check["volumeMounts"] == trainer["volumeMounts"]  # the config and the output
+    assert check["securityContext"] == trainer["securityContext"]
+    assert "resources" not in check  # nothing requested beyond the trainer's
+    rules = job["podFailurePolicy"]["rules"]
+    assert {"action": "FailJob", "onExitCodes": {"operator": "In", "values": [4]}} in rules
+    assert rules[0]["onPodConditions"] == [{"type": "DisruptionTarget", "status": "True"}]

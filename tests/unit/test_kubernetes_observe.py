@@ -151,3 +151,32 @@ def test_pods_the_job_controller_could_not_create_say_why():
     assert not needs_creation_events(job_object(), [pod("a", "Running")] * 2, nodes=2)
     assert not needs_creation_events(job_object(suspend=True), [], nodes=2)
     assert creation_failure(events[2:]) is None
+
+
+REFUSAL = ("finetune-train: /out holds checkpoints trained with other settings "
+           "(method.lora.r: 8 → 16; newest step-00000040), which this job cannot resume from "
+           "— set spec.output.uri to a new folder")
+
+
+def test_a_refusal_of_the_output_folder_is_not_a_worker_failure():
+    """Exit 4 of the resume check (an init container, before torchrun) or of the trainer:
+    no restart can help, so it is told apart from a failure that might pass."""
+    refused = pod("demo-0-a", "Failed", initContainerStatuses=[{
+        "name": "resume-check", "state": {"terminated": {
+            "exitCode": 4, "reason": "Error", "message": REFUSAL}}}],
+        containerStatuses=[{"name": "trainer", "state": {"waiting": {
+            "reason": "PodInitializing"}}}])
+    failure = pod_failure(refused)
+    assert failure.kind == "refused"
+    assert failure.message == REFUSAL.removeprefix("finetune-train: ")
+    seen = observe(job_object(), [pod("demo-1-b", "Failed", **terminated(1)), refused], 2)
+    assert seen.failure.kind == "refused"  # outranks the other worker's failure
+    by_policy = failed_by_policy("Container resume-check for pod t-1/demo-0-a failed with "
+                                 "exit code 4 matching FailJob rule at index 2")
+    assert observe(by_policy, [], nodes=2).failure.kind == "refused"
+
+
+def test_an_init_container_that_succeeded_is_not_the_cause():
+    ran = pod("demo-0-a", "Failed", initContainerStatuses=[{
+        "name": "resume-check", "state": {"terminated": {"exitCode": 0}}}], **terminated(1))
+    assert pod_failure(ran).kind == "worker"

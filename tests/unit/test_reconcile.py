@@ -256,3 +256,15 @@ def test_a_child_deleted_by_hand_is_recreated_and_the_workers_keep_running():
     assert kinds(d) == ["launch"] and d.status.phase == "Running"
     assert [(e.type, e.reason) for e in d.events] == [("Warning", "ChildRecreated")]
     assert "Service demo" in d.events[0].message
+
+
+def test_a_refused_output_folder_fails_the_job_at_once_without_using_the_budget():
+    """The trainer refused checkpoints of other settings: every restart would refuse again."""
+    why = ("/out holds checkpoints trained with other settings (method.lora.r: 8 → 16), "
+           "which this job cannot resume from — set spec.output.uri to a new folder")
+    d = reconcile(job(launched("Running")),
+                  Observation(exists=True, failure=Failure("refused", why)), at(100))
+    assert d.status.phase == "Failed" and d.status.restarts == 0
+    assert condition(d.status, "Failed").reason == "OtherSettingsCheckpoints"
+    assert condition(d.status, "Failed").message == why
+    assert kinds(d) == ["delete-workload"]

@@ -4,14 +4,17 @@ Started by torchrun (Kubernetes pods, `finetune run`) or by Azure ML's launcher;
 the standard RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT environment.
 Exit codes: 0 done, 2 bad input (nothing was started), 3 the network failed the
 collective preflight (below spec.preflight.minBusBandwidthGBps, or no InfiniBand where
-it was required), 143 stopped by SIGTERM after a checkpoint, 1 anything else (a full
-output volume among them: said in one line naming the folder, not a traceback).
+it was required), 4 the output folder holds checkpoints trained with other settings
+(nothing was started; no restart can help), 143 stopped by SIGTERM after a checkpoint,
+1 anything else (a full output volume among them: said in one line naming the folder, not
+a traceback).
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import errno
 import os
 import sys
@@ -19,6 +22,7 @@ from pathlib import Path
 
 EXIT_BAD_INPUT = 2
 EXIT_NETWORK = 3
+EXIT_OTHER_CHECKPOINTS = 4
 EXIT_FAILED = 1
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
@@ -57,6 +61,15 @@ def bind_locations(config, pairs: list[str]):
     return config.model_copy(update=update)
 
 
+def _termination_message(text: str) -> None:
+    """Where the kubelet reads why a container ended (`terminationMessagePath`), so the
+    FineTuneJob's status says it in full; nothing happens outside a pod."""
+    path = Path("/dev/termination-log")
+    if path.exists():
+        with contextlib.suppress(OSError):
+            path.write_text(text[:4000])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="finetune-train", description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=os.environ.get("FINETUNE_CONFIG"),
@@ -71,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="folder that relative paths start from (default: the config's)")
     parser.add_argument("--preflight", action="store_true",
                         help="only check the model and the data, then exit (0 or 2)")
+    parser.add_argument("--check-resume", action="store_true",
+                        help="only check that the output folder's checkpoints were trained "
+                             "with these settings, then exit (0 or 4); the pods' init "
+                             "container")
     args = parser.parse_args(argv)
     if not args.config and not args.config_base64:
         parser.error("--config is required (or set FINETUNE_CONFIG)")
@@ -94,10 +111,22 @@ def main(argv: list[str] | None = None) -> int:
     base_dir = args.base_dir or (Path.cwd() if args.config_base64
                                  else Path(args.config).resolve().parent)
 
+    from finetune_trainer import trained_with
     from finetune_trainer.checkpoint import CheckpointError
     from finetune_trainer.network_preflight import PreflightError
     from finetune_trainer.train import preflight, resolve_path, run
 
+    # before any download or process group: a job changed after its first run must not
+    # resume from (and fail on, at every restart) the checkpoints of the old settings
+    refused = trained_with.refusal(resolve_path(config.output.uri, base_dir), config,
+                                   "set spec.output.uri to a new folder, or move its "
+                                   "checkpoints/ away to start over")
+    if refused and not args.preflight:
+        print(f"finetune-train: {refused}", file=sys.stderr, flush=True)
+        _termination_message(refused)
+        return EXIT_OTHER_CHECKPOINTS
+    if args.check_resume:
+        return 0
     try:
         if args.preflight:
             prepared = preflight(config, base_dir)

@@ -16,16 +16,21 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
-CHECKPOINTS = "checkpoints"
-STATE_FILE = "trainer_state.json"
+from finetune_trainer import trained_with
+from finetune_trainer.layout import (  # the layout is named once, in layout.py
+    STATE_FILE,
+    checkpoint_root,
+    complete_checkpoints,
+    latest_checkpoint,
+)
+
 SCHEDULER_FILE = "scheduler.pt"
 MODEL_DIR = "model"
-_NAME = re.compile(r"^step-(\d{8})$")
 
 
 @dataclass
@@ -43,30 +48,14 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written; the message names the folder and the fix."""
 
 
-def checkpoint_root(output_dir: Path) -> Path:
-    return output_dir / CHECKPOINTS
-
-
-def complete_checkpoints(output_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
-    root = checkpoint_root(output_dir)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if _NAME.match(p.name) and (p / STATE_FILE).is_file()]
-    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
-
-
-def latest_checkpoint(output_dir: Path) -> Path | None:
-    complete = complete_checkpoints(output_dir)
-    return complete[-1] if complete else None
-
-
 def read_state(checkpoint: Path) -> TrainerState:
     return TrainerState(**json.loads((checkpoint / STATE_FILE).read_text()))
 
 
-def save(strategy, scheduler, state: TrainerState, output_dir: Path, keep_last: int) -> Path:
-    """Write a checkpoint taken after `state.step` steps; collective: every rank calls it."""
+def save(strategy, scheduler, state: TrainerState, output_dir: Path, keep_last: int,
+         settings: dict[str, Any] | None = None) -> Path:
+    """Write a checkpoint taken after `state.step` steps; collective: every rank calls it.
+    `settings`: what it is trained with (`trained_with.record`), kept beside its state."""
     import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.api import CheckpointException
@@ -93,6 +82,9 @@ def save(strategy, scheduler, state: TrainerState, output_dir: Path, keep_last: 
         writing(lambda: torch.save(scheduler.state_dict(), partial / SCHEDULER_FILE))
     dist.barrier()
     if rank == 0:
+        if settings is not None:
+            writing(lambda: (partial / trained_with.FILE).write_text(
+                json.dumps(settings, indent=2)))
         writing(lambda: _write_state(partial, state))
         if final.exists():  # a rerun of the same step: the new one replaces it whole
             shutil.rmtree(final)

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from finetune_trainer import checkpoint, flops, network_preflight, tracking
+from finetune_trainer import checkpoint, flops, network_preflight, tracking, trained_with
 from finetune_trainer.collectives import CollectiveLog, merge
 from finetune_trainer.config import TrainerConfig
 from finetune_trainer.data import (
@@ -498,7 +498,7 @@ def run(config: TrainerConfig, base_dir: Path) -> int:
         if done or stopping or (every and state.step % every == 0):
             started = time.perf_counter()
             where = checkpoint.save(strategy, scheduler, state, output_dir,
-                                    config.output.keep_last)
+                                    config.output.keep_last, trained_with.record(config))
             metrics.checkpoint_save.observe(time.perf_counter() - started)
             _say(f"checkpoint {where}")
         if stopping:

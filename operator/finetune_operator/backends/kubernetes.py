@@ -257,6 +257,17 @@ def worker_pod_template(job: FineTuneJob, settings: OperatorSettings) -> dict[st
     }
     if k8s and k8s.image_pull_policy:
         container["imagePullPolicy"] = k8s.image_pull_policy
+    # before torchrun (which reports any worker's failure as its own exit 1): a job changed
+    # after its first run must not resume from the old settings' checkpoints
+    resume_check = {
+        **{k: v for k, v in container.items() if k in (
+            "image", "imagePullPolicy", "volumeMounts", "securityContext",
+            "terminationMessagePolicy")},
+        "name": RESUME_CHECK_CONTAINER,
+        "command": ["python", "-m", "finetune_trainer", "--check-resume",
+                    "--config=$(FINETUNE_CONFIG)"],
+        "env": [e for e in container["env"] if e["name"] in ("FINETUNE_CONFIG", "HF_HOME")],
+    }
 
     tolerations = []
     if resources.gpus_per_node and settings.gpu_taint is not None:
@@ -268,6 +279,7 @@ def worker_pod_template(job: FineTuneJob, settings: OperatorSettings) -> dict[st
         "securityContext": {"runAsNonRoot": True, "runAsUser": WORKER_UID,
                             "runAsGroup": WORKER_UID, "fsGroup": WORKER_UID,
                             "seccompProfile": {"type": "RuntimeDefault"}},
+        "initContainers": [resume_check],
         "containers": [container],
         "volumes": volumes,
     }
@@ -317,6 +329,8 @@ def worker_job(job: FineTuneJob, settings: OperatorSettings) -> dict[str, Any]:
                 {"action": "FailJob", "onExitCodes": {
                     "containerName": TRAINER_CONTAINER, "operator": "In",
                     "values": [STOPPED_EXIT_CODE]}},
+                {"action": "FailJob", "onExitCodes": {
+                    "operator": "In", "values": [OTHER_CHECKPOINTS_EXIT_CODE]}},
             ]},
             # Kueue admits a suspended Job by unsuspending it; a suspended FineTuneJob too
             "suspend": bool(queue) or job.spec.run_policy.suspend,
@@ -335,8 +349,12 @@ def render(job: FineTuneJob, settings: OperatorSettings) -> list[dict[str, Any]]
 # --- observation: the Job and its pods → what the reconciler needs ------------------------
 
 TRAINER_CONTAINER = "trainer"
+RESUME_CHECK_CONTAINER = "resume-check"
 STOPPED_EXIT_CODE = 143
 """The trainer's exit after SIGTERM, once it has written a checkpoint."""
+OTHER_CHECKPOINTS_EXIT_CODE = 4
+"""finetune-train's refusal: the output folder holds checkpoints trained with other
+settings. No restart can help."""
 
 # Pod conditions and reasons that mean the pod was taken away, not that training failed.
 DISRUPTION_REASONS = frozenset({"Evicted", "NodeLost", "Preempting", "Shutdown", "Terminated",
@@ -349,9 +367,15 @@ def _condition(obj: dict[str, Any], type_: str) -> dict[str, Any] | None:
 
 
 def _terminated(pod: dict[str, Any]) -> dict[str, Any] | None:
-    for status in pod.get("status", {}).get("containerStatuses") or []:
-        state = status.get("state", {}).get("terminated")
-        if state:
+    """How the container that ended the pod ended: a failed init container, else the
+    first container that terminated."""
+    status = pod.get("status", {})
+    for container in status.get("initContainerStatuses") or []:
+        state = container.get("state", {}).get("terminated")
+        if state and state.get("exitCode"):  # the main containers never ran
+            return state
+    for container in status.get("containerStatuses") or []:
+        if state := container.get("state", {}).get("terminated"):
             return state
     return None
 
@@ -373,6 +397,9 @@ def pod_failure(pod: dict[str, Any]) -> Failure | None:
         return Failure("stopped", f"{name} stopped after SIGTERM (exit {code})")
     reason = terminated.get("reason") or status.get("reason") or "Error"
     tail = (terminated.get("message") or "").strip().splitlines()[-1:] or [""]
+    if code == OTHER_CHECKPOINTS_EXIT_CODE:
+        return Failure("refused", tail[0].removeprefix("finetune-train: ")[:1000]
+                       or f"{name}: the output folder holds checkpoints of other settings")
     detail = f": {tail[0][:300]}" if tail[0] else ""
     return Failure("worker", f"{name} exited {code} ({reason}){detail}")
 
@@ -400,6 +427,9 @@ def job_failure(failed: dict[str, Any]) -> Failure:
         return Failure("preempted", text)
     if reason == "PodFailurePolicy" and f"exit code {STOPPED_EXIT_CODE}" in message:
         return Failure("stopped", text)
+    if reason == "PodFailurePolicy" and f"exit code {OTHER_CHECKPOINTS_EXIT_CODE}" in message:
+        return Failure("refused", f"{text}: the output folder holds checkpoints trained with "
+                       "other settings — set spec.output.uri to a new folder")
     return Failure("worker", text)
 
 
@@ -439,7 +469,8 @@ def observe(workload: dict[str, Any] | None, pods: list[dict[str, Any]], nodes: 
     failures += [f for f in map(pod_failure, (p for p in pods if p not in current))
                  if f is not None and f.kind == "preempted"]
     # a worker failure outranks a preemption seen at the same time: it must be counted
-    failures.sort(key=lambda f: {"worker": 0, "preempted": 1, "stopped": 2}[f.kind])
+    failures.sort(key=lambda f: {"refused": 0, "worker": 1, "preempted": 2,
+                                 "stopped": 3}[f.kind])
     if _condition(workload, "Complete") is not None:
         return Observation(exists=True, succeeded=True, progress=progress)
     if failures:

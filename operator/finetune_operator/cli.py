@@ -281,9 +281,26 @@ def operator_command(all_namespaces: bool, namespaces: tuple[str, ...], log_leve
                                        interval=interval)
     # the planner reads config.json from the hub (HF_HUB_OFFLINE=1 turns that off)
     runtime.model_configs = planner.ModelConfigs(fetch=planner.fetch_from_hub)
+    for port, option in ((health_port, "--health-port"), (metrics_port, "--metrics-port")):
+        if port and not _port_free(port):
+            click.echo(f"finetune operator: port {port} is in use ({option}) — choose "
+                       f"another with {option}", err=True)
+            sys.exit(1)
     runtime.metrics.serve(metrics_port)
     asyncio.run(controller.run(runtime, namespaces=namespaces, liveness_port=health_port,
                                peering=controller.Peering(peering) if peering else None))
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
 
 
 if __name__ == "__main__":

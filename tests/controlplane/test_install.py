@@ -172,3 +172,18 @@ def test_inside_a_pod_it_logs_in_with_the_mounted_service_account(
     info = kube.connection_info(kube.configuration())
     assert info.server == plane.server and info.token == token
     assert info.scheme.lower() == "bearer"  # the in-cluster loader writes it lowercase
+
+
+def test_a_port_in_use_is_one_line_naming_the_option(installation, operator_install):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [str(operator_install / "finetune"), "operator", "--metrics-port", str(port),
+             "--health-port", "0"], capture_output=True, text=True, timeout=60,
+            env={"PATH": "/usr/bin:/bin", "KUBECONFIG": str(installation.operator_kubeconfig)})
+    line = _one_line(result)
+    assert f"port {port} is in use (--metrics-port)" in line

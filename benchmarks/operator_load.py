@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,21 +28,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-
-
-def _controlplane():
-    spec = importlib.util.spec_from_file_location("controlplane",
-                                                  REPO / "cluster" / "controlplane.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["controlplane"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+sys.path.insert(0, str(REPO / "cluster"))  # cluster/controlplane.py: what `make cluster` runs
+import controlplane  # noqa: E402
+from controlplane import free_port  # noqa: E402
 
 
 def manifests(namespace: str, count: int) -> dict:
@@ -165,7 +151,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds of the idle queue measured after the burst")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "operator_load.json")
     args = parser.parse_args(argv)
-    controlplane = _controlplane()
     controlplane.build()
     with tempfile.TemporaryDirectory(prefix="operator-load-") as tmp:
         folder = Path(tmp)

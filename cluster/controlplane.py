@@ -32,6 +32,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -155,14 +156,17 @@ def make_pki(folder: Path) -> None:
     _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=folder)
 
 
-def kubeconfig(server: str, ca: Path, user: str, token: str, namespace: str = "default") -> dict:
-    """A kubeconfig holding one user with a bearer token, as `kubectl config` writes it."""
+def kubeconfig(server: str, user: str, token: str | None = None, ca: Path | None = None,
+               namespace: str = "default") -> dict:
+    """A kubeconfig with one context, as `kubectl config` writes it: `server` (with its CA
+    unless it is plain http, as an emulator is) and one user (a bearer token, if given)."""
+    cluster: dict = {"server": server}
+    if ca is not None:
+        cluster["certificate-authority-data"] = base64.b64encode(ca.read_bytes()).decode()
     return {
         "apiVersion": "v1", "kind": "Config", "current-context": user,
-        "clusters": [{"name": "finetune-control-plane", "cluster": {
-            "server": server,
-            "certificate-authority-data": base64.b64encode(ca.read_bytes()).decode()}}],
-        "users": [{"name": user, "user": {"token": token}}],
+        "clusters": [{"name": "finetune-control-plane", "cluster": cluster}],
+        "users": [{"name": user, "user": {"token": token} if token else {}}],
         "contexts": [{"name": user, "context": {
             "cluster": "finetune-control-plane", "user": user, "namespace": namespace}}],
     }
@@ -180,11 +184,16 @@ RELEASE = "finetune"
 
 @dataclass
 class Installation:
+    plane: ControlPlane
     service_account: str
     operator_kubeconfig: Path
     """Only a token of the chart's ServiceAccount: never admin credentials."""
     operator_env: dict[str, str]
     """The FINETUNE_* settings the chart's Deployment gives the operator."""
+
+    def kubectl(self, *args: str, **kwargs: Any) -> subprocess.CompletedProcess:
+        """kubectl as the cluster's admin (a user, or a test in the user's seat)."""
+        return self.plane.kubectl_run(*args, **kwargs)
 
 
 def render_chart(namespace: str = OPERATOR_NAMESPACE, values: dict | None = None) -> list[dict]:
@@ -271,15 +280,15 @@ class ControlPlane:
                     "--audit-log-path", str(self.folder / "logs" / "audit.jsonl"),
                     "--audit-policy-file", str(self._audit_policy()),
                     "--profiling=false", "-v=1")
-        admin = kubeconfig(self.server, pki / "ca.crt", "admin", tokens[ADMIN_TOKEN_USER])
+        admin = kubeconfig(self.server, "admin", tokens[ADMIN_TOKEN_USER], pki / "ca.crt")
         self.admin_kubeconfig.write_text(json.dumps(admin, indent=2))
         self._wait_ready(timeout)
         for component in ("controller-manager", "scheduler", "kwok"):
             user = {"controller-manager": "system:kube-controller-manager",
                     "scheduler": "system:kube-scheduler", "kwok": "kwok"}[component]
             path = self.folder / f"{component}.kubeconfig"
-            path.write_text(json.dumps(kubeconfig(self.server, pki / "ca.crt", user,
-                                                  tokens[component])))
+            path.write_text(json.dumps(kubeconfig(self.server, user, tokens[component],
+                                                  pki / "ca.crt")))
         cm = str(self.folder / "controller-manager.kubeconfig")
         self._spawn("kube-controller-manager", "--kubeconfig", cm,
                     "--authentication-kubeconfig", cm, "--authorization-kubeconfig", cm,
@@ -389,11 +398,11 @@ class ControlPlane:
                                  "--duration", "24h").stdout.strip()
         path = self.folder / "operator.kubeconfig"
         path.write_text(json.dumps(kubeconfig(
-            self.server, self.folder / "pki" / "ca.crt",
-            f"system:serviceaccount:{operator_namespace}:{account}", token)))
+            self.server, f"system:serviceaccount:{operator_namespace}:{account}", token,
+            self.folder / "pki" / "ca.crt")))
         env = {e["name"]: e["value"] for e in pod["containers"][0].get("env", [])
                if "value" in e}
-        return Installation(account, path, env)
+        return Installation(self, account, path, env)
 
     def running(self) -> bool:
         """Whether a process this folder started (maybe from another process) still runs."""

@@ -281,8 +281,11 @@ def register(registry: kopf.OperatorRegistry, runtime: Runtime) -> None:
     @kopf.on.delete(**on, id="cleanup")
     async def cleanup(body: kopf.Body, retry: int, **_: Any) -> None:
         job, backend, _problems_found = _problems(runtime, dict(body))
-        if job is None or backend is None:
-            return  # nothing was launched for it
+        if job is not None and backend is not None:  # else nothing was launched for it
+            await cancelled(job, backend, retry)
+        busy.pop((body.get("metadata") or {}).get("uid", ""), None)  # no reconcile follows
+
+    async def cancelled(job: FineTuneJob, backend: Backend, retry: int) -> None:
         try:
             await backend.cancel(job)
         except KubeError as error:
@@ -293,4 +296,3 @@ def register(registry: kopf.OperatorRegistry, runtime: Runtime) -> None:
             raise kopf.TemporaryError(f"stopping the workers failed: {error}",
                                       delay=error.retry_after) from error
         runtime.metrics.job_gone(job.namespace, job.name)
-        busy.pop((body.get("metadata") or {}).get("uid", ""), None)

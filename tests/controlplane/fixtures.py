@@ -17,34 +17,23 @@ Skipped, saying why, where Go or openssl is missing.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
 import pytest_asyncio
 
 REPO = Path(__file__).resolve().parents[2]
-OPERATOR_NAMESPACE = "finetune-system"
-
-
-def load_controlplane() -> Any:
-    """cluster/controlplane.py as a module (it is a script, not part of a package)."""
-    spec = importlib.util.spec_from_file_location("controlplane", REPO / "cluster" /
-                                                  "controlplane.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("controlplane", module)
-    spec.loader.exec_module(module)
-    return sys.modules["controlplane"]
+sys.path.insert(0, str(REPO / "cluster"))  # cluster/controlplane.py: what `make cluster` runs
+import controlplane  # noqa: E402
+from controlplane import OPERATOR_NAMESPACE, Installation, free_port  # noqa: E402
 
 
 def missing_tools() -> str | None:
@@ -55,18 +44,11 @@ def missing_tools() -> str | None:
     return None
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def control_plane(tmp_path_factory):
     reason = missing_tools()
     if reason:
         pytest.skip(reason)
-    controlplane = load_controlplane()
     controlplane.build()  # cached: `make test` builds it first, outside any test's timeout
     plane = controlplane.ControlPlane(tmp_path_factory.mktemp("control-plane"))
     try:
@@ -78,25 +60,9 @@ def control_plane(tmp_path_factory):
     plane.stop()
 
 
-@dataclass
-class Installation:
-    plane: Any
-    service_account: str
-    operator_kubeconfig: Path
-    """Only a token of the chart's ServiceAccount: never admin credentials."""
-    operator_env: dict[str, str]
-    """The FINETUNE_* settings the chart's Deployment gives the operator."""
-
-    def kubectl(self, *args: str, **kwargs: Any) -> subprocess.CompletedProcess:
-        """kubectl as the cluster's admin (the test, in the user's seat)."""
-        return self.plane.kubectl_run(*args, **kwargs)
-
-
 @pytest.fixture(scope="session")
 def installation(control_plane) -> Installation:
-    installed = control_plane.install(OPERATOR_NAMESPACE)
-    return Installation(control_plane, installed.service_account, installed.operator_kubeconfig,
-                        installed.operator_env)
+    return control_plane.install(OPERATOR_NAMESPACE)
 
 
 def image_sources(dockerfile: Path, into: Path) -> Path:

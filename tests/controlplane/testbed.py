@@ -18,7 +18,7 @@ from typing import Any
 from finetune_trainer.progress import Progress, ProgressServer
 from tests.conftest import minimal_job
 from tests.operator.emulator import COMPLETION_INDEX
-from tests.operator.testbed import API, RealTestbed, merged
+from tests.operator.testbed import RealTestbed, merged
 
 OUTCOME = "fake.finetune.dev/outcome"
 RUN_TIME = "fake.finetune.dev/run-time"
@@ -93,11 +93,16 @@ class ControlPlaneTestbed(RealTestbed):
     def create_attempts(self, resource: str, name: str) -> int:
         """Every create of `resource` (plural, e.g. "jobs") named `name` in this namespace that
         reached the API server, answered or refused (a 409 counts): from its audit log."""
-        return sum(1 for e in self.audit()
-                   if e.get("verb") == "create"
-                   and e.get("objectRef", {}).get("resource") == resource
-                   and e.get("objectRef", {}).get("namespace") == self.namespace
-                   and e.get("objectRef", {}).get("name") == name)
+        return len(self._creates(resource, name))
+
+    def jobs_created(self, name):
+        return sum(e.get("responseStatus", {}).get("code") == 201
+                   for e in self._creates("jobs", name))
+
+    def _creates(self, resource: str, name: str) -> list[dict[str, Any]]:
+        wanted = {"resource": resource, "namespace": self.namespace, "name": name}
+        return [e for e in self.audit() if e.get("verb") == "create" and all(
+            e.get("objectRef", {}).get(k) == v for k, v in wanted.items())]
 
     def operator_denials(self) -> list[str]:
         """Calls of the operator that RBAC refused since this test began: the chart's Role
@@ -110,13 +115,6 @@ class ControlPlaneTestbed(RealTestbed):
     def audit(self) -> list[dict[str, Any]]:
         path = Path(self.installation.plane.folder) / "logs" / "audit.jsonl"
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-    def jobs_created(self, name):
-        return sum(1 for e in self.audit()
-                   if e.get("verb") == "create" and e.get("responseStatus", {}).get("code") == 201
-                   and e.get("objectRef", {}).get("resource") == "jobs"
-                   and e.get("objectRef", {}).get("namespace") == self.namespace
-                   and e.get("objectRef", {}).get("name") == name)
 
     # --- the workers: what KWOK plays -----------------------------------------------------
     def _pod(self, name: str, index: int) -> dict[str, Any]:
@@ -136,7 +134,7 @@ class ControlPlaneTestbed(RealTestbed):
 
     async def finish(self, name):
         for pod in await asyncio.to_thread(self.running_pods, name):
-            await self._mark(pod["metadata"]["name"], {OUTCOME: "succeed"})
+            await self._mark(pod["metadata"]["name"], {}, {RUN_TIME: "0s"})
 
     async def report_progress(self, name):
         """Rank 0's /progress, served on its pod's IP at the operator's progress port."""
@@ -171,5 +169,3 @@ class ControlPlaneTestbed(RealTestbed):
                                 self.namespace, "--type=merge", "-p",
                                 json.dumps({"spec": spec}))
 
-
-__all__ = ["API", "ControlPlaneTestbed"]

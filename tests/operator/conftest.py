@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from collections.abc import Collection
 
@@ -13,7 +14,7 @@ from finetune_operator import controller
 from finetune_operator.kube import Kube, connect
 from finetune_operator.settings import OperatorSettings
 from finetune_trainer.progress import ProgressServer
-from tests.kubeconfig import write_kubeconfig
+from tests.controlplane.fixtures import controlplane
 from tests.operator.emulator import ApiServer, Kubelet
 from tests.operator.testbed import (
     REAL_CLUSTER_ENV,
@@ -28,8 +29,9 @@ from tests.operator.testbed import (
 def cluster(kmock: ApiServer, tmp_path) -> ApiServer:
     """The emulator, reached through a kubeconfig file (`cluster.kubeconfig`) as users do."""
     kmock.declare_resources()
-    kmock.kubeconfig = str(write_kubeconfig(tmp_path / "emulator.kubeconfig",
-                                            str(kmock.url).rstrip("/")))
+    path = tmp_path / "emulator.kubeconfig"
+    path.write_text(json.dumps(controlplane.kubeconfig(str(kmock.url).rstrip("/"), "test")))
+    kmock.kubeconfig = str(path)
     return kmock
 
 

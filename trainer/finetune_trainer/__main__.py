@@ -118,10 +118,10 @@ def main(argv: list[str] | None = None) -> int:
 
     # before any download or process group: a job changed after its first run must not
     # resume from (and fail on, at every restart) the checkpoints of the old settings
-    refused = trained_with.refusal(resolve_path(config.output.uri, base_dir), config,
-                                   "set spec.output.uri to a new folder, or move its "
-                                   "checkpoints/ away to start over")
-    if refused and not args.preflight:
+    refused = not args.preflight and trained_with.refusal(
+        resolve_path(config.output.uri, base_dir), config,
+        "set spec.output.uri to a new folder, or move its checkpoints/ away to start over")
+    if refused:
         print(f"finetune-train: {refused}", file=sys.stderr, flush=True)
         _termination_message(refused)
         return EXIT_OTHER_CHECKPOINTS

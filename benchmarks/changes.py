@@ -5,8 +5,9 @@ alternating, on the same model and data (benchmarks/throughput.py builds them). 
 tokens/s and peak memory of both sides and their ratios (median of back-to-back pairs)
 and writes benchmarks/changes.json.
 
-    .venv/bin/python benchmarks/changes.py                  # every change (CPU, ~15 min)
+    .venv/bin/python benchmarks/changes.py                  # every CPU change (~15 min)
     .venv/bin/python benchmarks/changes.py --only fused-loss,prefetch
+    .venv/bin/python benchmarks/changes.py --suite gpu      # 1B full on one GPU (~8 min)
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import throughput  # a sibling script, not a package
-from throughput import TINY, Bench
+from throughput import LLAMA_1B, SUITES, TINY, Bench
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,27 @@ CHANGES = [
            env_off={"FINETUNE_PREFETCH": "0"},
            why="next steps' batches collated on a thread during this step (vs in the loop)"),
 ]
+
+GPU_BASE = replace(next(b for b in SUITES["gpu"].benches if b.name == "gpu-1b-full"),
+                   name="change", checkpointing=False)
+GPU_CHANGES = [
+    Change("gpu-no-checkpointing", GPU_BASE, on={"strategy": {"gradientCheckpointing": False}},
+           off={"strategy": {"gradientCheckpointing": True}},
+           why="1B full: activations kept (vs whole decoder layers recomputed)"),
+    Change("gpu-selective-checkpointing", GPU_BASE,
+           on={"strategy": {"gradientCheckpointing": True,
+                            "gradientCheckpointingPolicy": "selective"}},
+           off={"strategy": {"gradientCheckpointing": True,
+                             "gradientCheckpointingPolicy": "full"}},
+           why="1B full: matmul outputs kept, element-wise ops recomputed (vs whole layers)"),
+    Change("gpu-compile", replace(GPU_BASE, steps=40, warmup=10),
+           on={"strategy": {"compile": True}}, off={"strategy": {"compile": False}},
+           why="1B full, no checkpointing: torch.compile per decoder layer"),
+    Change("gpu-fsdp-one-gpu", GPU_BASE, on={"strategy": {"type": "fsdp"}},
+           off={"strategy": {"type": "ddp"}},
+           why="1B full on one GPU: FSDP2's bf16 parameters (vs fp32 weights under autocast)"),
+]
+assert LLAMA_1B is GPU_BASE.shape
 
 
 def merged(base: dict, override: dict) -> dict:
@@ -125,23 +147,33 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--suite", choices=("cpu", "gpu"), default="cpu")
     parser.add_argument("--only", default=None, help="changes by name, comma-separated")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=throughput.REPO / "benchmarks/changes.json")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="pairs of runs (default: 3 on CPU, 1 on a GPU)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default: benchmarks/changes.json, or changes-gpu.json")
     args = parser.parse_args()
-    wanted = set(args.only.split(",")) if args.only else {c.name for c in CHANGES}
-    changes = [c for c in CHANGES if c.name in wanted]
+    every = CHANGES + GPU_CHANGES
+    suite = GPU_CHANGES if args.suite == "gpu" else CHANGES
+    wanted = set(args.only.split(",")) if args.only else {c.name for c in suite}
+    changes = [c for c in every if c.name in wanted]
     if not changes:
-        parser.error(f"--only {args.only}: one of {', '.join(c.name for c in CHANGES)}")
+        parser.error(f"--only {args.only}: one of {', '.join(c.name for c in every)}")
+    gpu = any(c.bench.gpu for c in changes)
+    repeats = args.repeats or (1 if gpu else 3)
+    out = args.out or throughput.REPO / f"benchmarks/changes{'-gpu' if gpu else ''}.json"
     rows = []
     with tempfile.TemporaryDirectory(prefix="finetune-changes-") as tmp:
         for change in changes:
             print(f"running {change.name} on/off ...", flush=True)
-            rows.append(measure(change, Path(tmp), args.repeats))
+            rows.append(measure(change, Path(tmp), repeats))
+            print(table(rows[-1:]), flush=True)
     print(f"\n{throughput.machine()}\n{table(rows)}")
-    args.out.write_text(json.dumps({"machine": throughput.machine(), "results": rows},
-                                   indent=2) + "\n")
-    print(f"\nwrote {args.out}")
+    out.write_text(json.dumps({"machine": throughput.machine(),
+                               "libraries": throughput.libraries(), "results": rows},
+                              indent=2) + "\n")
+    print(f"\nwrote {out}")
 
 
 if __name__ == "__main__":

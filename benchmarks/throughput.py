@@ -5,21 +5,26 @@ Same model (built from a config, random weights, saved with save_pretrained), sa
 token sequences (tokenised once by our data module), sequence length, global batch,
 precision and strategy; one run after the other in this script. Prints a table and writes
 benchmarks/throughput.json (ratios under `*ratio*` keys: `tokens_per_second_ratio` is ours
-over Trainer, `trl_tokens_per_second_ratio` ours over SFTTrainer). The SFTTrainer side needs
-`trl` (`pip install -e ".[bench]"`, which `make bench` does).
+over Trainer, `trl_tokens_per_second_ratio` ours over SFTTrainer, `liger_…` ours over
+SFTTrainer with Liger kernels). The SFTTrainer sides need `trl` (`pip install -e ".[bench]"`,
+which `make bench` does), the Liger side `liger-kernel` and a GPU.
 
     .venv/bin/python benchmarks/throughput.py                 # the CPU configurations
     .venv/bin/python benchmarks/throughput.py --suite gpu     # 1B full, 1B/3B LoRA, QLoRA
-    .venv/bin/python benchmarks/throughput.py --only cpu-variable
+    .venv/bin/python benchmarks/throughput.py --only gpu-1b-full --profile /tmp/prof
 
-Tokens/s counts label tokens only (what the loss trains on), over the steps after a
-warm-up. Peak memory: the CUDA allocator's peak on a GPU, else the largest worker's
-resident set. MFU on GPUs only.
+The CPU suite runs against Trainer and SFTTrainer three times each; the GPU suite against
+SFTTrainer with and without Liger once each (Trainer pads every sample, which on a GPU
+says more about packing than about the trainer). Tokens/s counts label tokens only (what
+the loss trains on), over the steps after a warm-up. Peak memory: the CUDA allocator's
+peak on a GPU, else the largest worker's resident set; the largest resident set is
+recorded on GPUs too (`peak_host_bytes`). MFU on GPUs only.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -28,7 +33,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -68,7 +73,10 @@ class Bench:
     precision: str = "fp32"
     strategy: str = "ddp"
     accumulation: int = 1
-    checkpointing: bool = False
+    checkpointing: bool | None = False
+    """None: what an unset `gradientCheckpointing` resolves to (see `as_users_run_it`)."""
+    compile: bool | None = False
+    """None: what an unset `compile` resolves to."""
     packing: bool = True
     warmup: int = 3
     samples: int = 600
@@ -82,24 +90,32 @@ LLAMA_1B = Shape(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192
 LLAMA_3B = Shape(hidden=3072, layers=28, heads=24, kv_heads=8, intermediate=8192, vocab=128256,
                  bf16=True)
 
+@dataclass(frozen=True)
+class Suite:
+    benches: list[Bench]
+    peers: tuple[str, ...]
+    """The sides each configuration runs against, unless --peers says otherwise."""
+    repeats: int
+
+
 SUITES = {
-    "cpu": [
+    "cpu": Suite([
         Bench("cpu-variable", TINY, "full", "variable", seq_len=512, batch=4, steps=30,
               processes=2),
         Bench("cpu-fixed", TINY, "full", "fixed", seq_len=256, batch=4, steps=30,
               processes=2, packing=False),
-    ],
-    "gpu": [
-        Bench("gpu-1b-full", LLAMA_1B, "full", "variable", seq_len=4096, batch=4, steps=40,
-              processes=1, precision="bf16", gpu=True, checkpointing=True, samples=2000),
-        Bench("gpu-1b-lora", LLAMA_1B, "lora", "variable", seq_len=4096, batch=4, steps=40,
-              processes=1, precision="bf16", gpu=True, checkpointing=True, samples=2000),
-        Bench("gpu-3b-lora", LLAMA_3B, "lora", "variable", seq_len=4096, batch=2, steps=40,
-              processes=1, precision="bf16", gpu=True, checkpointing=True, samples=2000),
-        Bench("gpu-1b-qlora", LLAMA_1B, "qlora", "variable", seq_len=4096, batch=4,
-              steps=40, processes=1, precision="bf16", gpu=True, checkpointing=True,
-              samples=2000),
-    ],
+    ], peers=("hf_trainer", "trl_sft"), repeats=3),
+    # the defaults (checkpointing and compile unset, as the planner resolves them for a long
+    # run on an 80 GB H100); 20 timed steps after 10 of warm-up (the compile): a minute or
+    # two a side
+    "gpu": Suite([
+        Bench(name, shape, method, "variable", seq_len=4096, batch=batch, steps=30,
+              processes=1, precision="bf16", gpu=True, checkpointing=None, compile=None,
+              samples=2000, warmup=10)
+        for name, shape, method, batch in (
+            ("gpu-1b-full", LLAMA_1B, "full", 4), ("gpu-1b-lora", LLAMA_1B, "lora", 4),
+            ("gpu-3b-lora", LLAMA_3B, "lora", 2), ("gpu-1b-qlora", LLAMA_1B, "qlora", 4))
+    ], peers=("trl_sft", "trl_liger"), repeats=1),
 }
 
 
@@ -142,7 +158,8 @@ def build_model(where: Path, shape: Shape, corpus_file: Path) -> Path:
     import torch
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # 10x faster init
+        model = LlamaForCausalLM(config)
     if shape.bf16:
         model = model.to(torch.bfloat16)
     model.save_pretrained(where, safe_serialization=True)
@@ -165,7 +182,8 @@ def trainer_config(bench: Bench, model: Path, data: Path, output: Path) -> dict:
                     "packing": bench.packing},
         "method": method,
         "strategy": {"type": bench.strategy, "precision": bench.precision,
-                     "gradientCheckpointing": bench.checkpointing},
+                     "gradientCheckpointing": bench.checkpointing, "compile": bench.compile,
+                     "gradientCheckpointingPolicy": bench.extra.get("checkpointPolicy", "full")},
         "hyperparameters": {"maxSteps": bench.steps, "batchSizePerDevice": bench.batch,
                             "gradientAccumulationSteps": bench.accumulation,
                             "learningRate": 1e-4, "logEverySteps": bench.warmup,
@@ -174,6 +192,44 @@ def trainer_config(bench: Bench, model: Path, data: Path, output: Path) -> dict:
         "metrics": {"port": 19208},
         "preflight": {"enabled": False},
     }
+
+
+PLANNED_ON = "Standard_ND96isr_H100_v5"
+"""The catalog's 80 GB H100 (8 per VM; the per-GPU estimate of a replicated job is the same
+on one)."""
+PLANNED_STEPS = 10_000
+"""Unset settings are resolved as for a run this long (the benchmark itself runs fewer)."""
+
+
+def as_users_run_it(bench: Bench, model: Path) -> Bench:
+    """The bench with unset checkpointing and compile resolved as `finetune run` and the
+    operator resolve them (finetune_operator.planner.choose_step_settings)."""
+    if bench.checkpointing is not None and bench.compile is not None:
+        return bench
+    from finetune_operator.api import FineTuneJob
+    from finetune_operator.planner import ModelConfig, choose_step_settings
+
+    lora = {"lora": {"r": 16, "alpha": 32, "dropout": 0.0}} if bench.method != "full" else {}
+    job = FineTuneJob.model_validate({
+        "apiVersion": "finetune.dev/v1alpha1", "kind": "FineTuneJob",
+        "metadata": {"name": bench.name}, "spec": {
+            "model": {"uri": str(model)}, "dataset": {"uri": "/data.jsonl",
+                                                      "maxSeqLength": bench.seq_len},
+            "method": {"type": bench.method, **lora},
+            "strategy": {"type": bench.strategy, "precision": bench.precision,
+                         "gradientCheckpointing": bench.checkpointing,
+                         "compile": bench.compile},
+            "hyperparameters": {"maxSteps": PLANNED_STEPS, "batchSizePerDevice": bench.batch},
+            "resources": {"gpusPerNode": 8, "gpuType": PLANNED_ON},
+            "output": {"uri": "/out"}}})
+    config = ModelConfig(source=str(model), config=json.loads(
+        (model / "config.json").read_text()))
+    settings = choose_step_settings(job, config, bench.strategy)
+    for note in settings.notes:
+        print(f"  {bench.name}: {note}", flush=True)
+    return replace(bench, checkpointing=settings.gradient_checkpointing,
+                   compile=settings.compile, extra={
+                       **bench.extra, "checkpointPolicy": settings.checkpoint_policy})
 
 
 # --- running -------------------------------------------------------------------------------
@@ -189,10 +245,13 @@ def torchrun(processes: int, *args: str) -> list[str]:
             f"--nproc-per-node={processes}", *args]
 
 
+def worker_env() -> dict[str, str]:
+    return {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+
+
 def run(command: list[str], log: Path) -> int:
     """Run under a wrapper that reports the largest descendant's resident set."""
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-c", RSS_WRAPPER, *command], env=env,
+    result = subprocess.run([sys.executable, "-c", RSS_WRAPPER, *command], env=worker_env(),
                             capture_output=True, text=True)
     log.write_text(result.stdout + result.stderr)
     if result.returncode != 0:
@@ -211,7 +270,7 @@ def run_ours(bench: Bench, config: Path, output: Path) -> dict:
     peak = max(r["peakMemoryBytes"] for r in records) if bench.gpu else maxrss
     mfu = [r["mfu"] for r in timed if r.get("mfu") is not None]
     return {"tokens_per_second": tokens / seconds, "step_seconds": seconds / (len(timed)
-            * bench.warmup), "peak_memory_bytes": peak,
+            * bench.warmup), "peak_memory_bytes": peak, "peak_host_bytes": maxrss,
             "mfu": sum(mfu) / len(mfu) if mfu else None}
 
 
@@ -224,7 +283,8 @@ class Peer:
     label: str
 
 
-PEERS = {"hf_trainer": Peer("trainer", "", "ours/HF"), "trl_sft": Peer("sft", "trl_", "ours/TRL")}
+PEERS = {"hf_trainer": Peer("trainer", "", "ours/HF"), "trl_sft": Peer("sft", "trl_", "ours/TRL"),
+         "trl_liger": Peer("sft-liger", "liger_", "ours/Liger")}
 """A side's key in the results → the peer."""
 
 
@@ -235,6 +295,7 @@ def run_peer(bench: Bench, config: Path, side: str) -> dict:
                           f"--config={config}", f"--result={result}", f"--peer={peer}",
                           f"--warmup-steps={bench.warmup}"), config.with_suffix(f".{peer}.log"))
     figures = json.loads(result.read_text())
+    figures["peak_host_bytes"] = maxrss
     if not bench.gpu:
         figures["peak_memory_bytes"] = maxrss
     return figures
@@ -250,7 +311,10 @@ def median_run(runs: list[dict]) -> dict:
 def compare(bench: Bench, work: Path, repeats: int, peers: tuple[str, ...]) -> dict:
     data = work / f"{bench.name}.jsonl"
     write_data(data, bench)
-    model = build_model(work / model_name(bench.shape), bench.shape, data)
+    model = work / model_name(bench.shape)
+    if not model.exists():
+        build_model(model, bench.shape, data)
+    bench = as_users_run_it(bench, model)
     config = work / f"{bench.name}.yaml"
     output = work / f"out-{bench.name}"
     config.write_text(yaml.safe_dump(trainer_config(bench, model, data, output)))
@@ -285,7 +349,7 @@ def compare(bench: Bench, work: Path, repeats: int, peers: tuple[str, ...]) -> d
 
 def table(rows: list[dict]) -> str:
     lines = [f"{'config':<14} {'side':<11} {'tokens/s':>10} {'step s':>8} {'peak MiB':>9} "
-             f"{'MFU':>6}"]
+             f"{'MFU':>6} {'host MiB':>9}"]
     for row in rows:
         peers = [side for side in PEERS if side in row]
         for side in ("ours", *peers):
@@ -293,7 +357,8 @@ def table(rows: list[dict]) -> str:
             mfu = f"{f['mfu']:.1%}" if f.get("mfu") else "-"
             lines.append(f"{row['config']['name']:<14} {side:<11} "
                          f"{f['tokens_per_second']:>10,.0f} {f['step_seconds']:>8.3f} "
-                         f"{f['peak_memory_bytes'] / 2**20:>9,.0f} {mfu:>6}")
+                         f"{f['peak_memory_bytes'] / 2**20:>9,.0f} {mfu:>6} "
+                         f"{f.get('peak_host_bytes', 0) / 2**20:>9,.0f}")
         for side in peers:
             prefix = PEERS[side].prefix
             lines.append(f"{'':<14} {PEERS[side].label:<11} "
@@ -313,34 +378,65 @@ def machine() -> str:
     return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, CPU only"
 
 
+def libraries() -> dict[str, str]:
+    """The versions the figures were taken with (the peers change speed between releases)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    found = {"python": sys.version.split()[0], "cuda": torch.version.cuda or "none"}
+    for name in ("torch", "transformers", "peft", "accelerate", "trl", "liger-kernel",
+                 "bitsandbytes", "deepspeed"):
+        with contextlib.suppress(PackageNotFoundError):
+            found[name] = version(name)
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite", choices=sorted(SUITES), default="cpu")
     parser.add_argument("--only", default=None, help="run one configuration by name")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="runs of each side, alternating; the median is reported")
-    parser.add_argument("--peers", default=",".join(PEERS),
-                        help=f"comma-separated, among {', '.join(PEERS)}")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="runs of each side, alternating; the median is reported "
+                        "(default: 3 on the CPU suite, 1 on the GPU suite)")
+    parser.add_argument("--peers", default=None,
+                        help=f"comma-separated, among {', '.join(PEERS)} (default: the "
+                        "suite's)")
+    parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                        help="profile our warm-up steps (FINETUNE_PROFILE): the top "
+                        "kernels per configuration under DIR/<name>/")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/throughput.json")
     args = parser.parse_args()
-    peers = tuple(p.strip() for p in args.peers.split(",") if p.strip())
-    if not peers or set(peers) - set(PEERS):
-        parser.error(f"--peers {args.peers}: choose among {', '.join(PEERS)}")
-    if "trl_sft" in peers and importlib.util.find_spec("trl") is None:
-        parser.error('the trl_sft peer needs trl: pip install -e ".[bench]" (make bench does), '
-                     "or leave it out with --peers hf_trainer")
-    benches = [b for suite in SUITES.values() for b in suite if b.name == args.only] \
-        if args.only else SUITES[args.suite]
-    if not benches:
+    chosen = [(suite, b) for suite in SUITES.values() for b in suite.benches
+              if b.name == args.only] if args.only else [
+        (SUITES[args.suite], b) for b in SUITES[args.suite].benches]
+    if not chosen:
         parser.error(f"--only {args.only}: no such configuration")
+    suite = chosen[0][0]
+    peers = tuple(p.strip() for p in args.peers.split(",") if p.strip()) \
+        if args.peers is not None else suite.peers
+    if set(peers) - set(PEERS):
+        parser.error(f"--peers {args.peers}: choose among {', '.join(PEERS)}")
+    if {"trl_sft", "trl_liger"} & set(peers) and importlib.util.find_spec("trl") is None:
+        parser.error('the TRL peers need trl: pip install -e ".[bench]" (make bench does), '
+                     "or leave them out with --peers")
+    if "trl_liger" in peers and importlib.util.find_spec("liger_kernel") is None:
+        parser.error("the trl_liger peer needs liger-kernel (pip install liger-kernel) and a "
+                     "GPU, or leave it out with --peers")
+    repeats = args.repeats or suite.repeats
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="finetune-bench-") as tmp:
-        for bench in benches:
+        for _, bench in chosen:
             print(f"running {bench.name} ...", flush=True)
-            rows.append(compare(bench, Path(tmp), args.repeats, peers))
+            if args.profile:  # inside the warm-up, so the timed steps run unprofiled
+                os.environ["FINETUNE_PROFILE"] = str(args.profile / bench.name)
+                os.environ["FINETUNE_PROFILE_STEPS"] = f"2:{max(bench.warmup - 2, 1)}"
+            rows.append(compare(bench, Path(tmp), repeats, peers))
+            print(table(rows[-1:]), flush=True)
     print(f"\n{machine()}\n{table(rows)}")
-    args.out.write_text(json.dumps({"machine": machine(), "results": rows}, indent=2) + "\n")
+    args.out.write_text(json.dumps({"machine": machine(), "libraries": libraries(),
+                                    "results": rows}, indent=2) + "\n")
     print(f"\nwrote {args.out}")
 
 

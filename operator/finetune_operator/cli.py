@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -13,15 +14,24 @@ from finetune_operator import yamlio
 from finetune_operator.api import KIND, FineTuneJob
 from finetune_operator.manifests import Document, ManifestError, read_documents
 from finetune_operator.render import render
-from finetune_operator.validation import check_document, short_repr
+from finetune_operator.validation import Problem, check_document, short_repr
 
 EXIT_INVALID = 2
 
 
-def _jobs_in(paths: tuple[str, ...], local: bool = False, backend: str | None = None
+def _say_problem(source: str, problem: Problem) -> None:
+    if not problem.path:  # the file itself (cannot be read, not YAML): says where already
+        click.echo(problem.message, err=True)
+        return
+    prefix = "warning: " if problem.severity == "warning" else ""
+    click.echo(f"{source}: {prefix}{problem}", err=True)
+
+
+def _jobs_in(paths: tuple[str, ...], local: bool = False, backend: str | None = None,
+             say: Callable[[str, Problem], None] = _say_problem,
              ) -> tuple[list[tuple[Document, FineTuneJob]], int]:
-    """Check every FineTuneJob in `paths`, printing problems; returns the valid jobs and
-    the number of invalid documents. `local`: for `finetune run`, not a cluster.
+    """Check every FineTuneJob in `paths`, telling `say` each problem; returns the valid
+    jobs and the number of invalid documents. `local`: for `finetune run`, not a cluster.
     `backend`: check them as if `spec.backend` said so (`render --backend`)."""
     valid: list[tuple[Document, FineTuneJob]] = []
     invalid = 0
@@ -29,7 +39,7 @@ def _jobs_in(paths: tuple[str, ...], local: bool = False, backend: str | None = 
         try:
             documents = read_documents(path)
         except ManifestError as error:
-            click.echo(str(error), err=True)
+            say(path, Problem("", str(error), "fix the file"))
             invalid += 1
             continue
         jobs_here = 0
@@ -46,8 +56,7 @@ def _jobs_in(paths: tuple[str, ...], local: bool = False, backend: str | None = 
             problems = [p for p in problems if not (local and p.cluster_only)]
             errors = [p for p in problems if p.severity == "error"]
             for problem in problems:
-                prefix = "warning: " if problem.severity == "warning" else ""
-                click.echo(f"{doc.source}: {prefix}{problem}", err=True)
+                say(doc.source, problem)
             if errors or job is None:
                 invalid += 1
             else:
@@ -58,13 +67,14 @@ def _jobs_in(paths: tuple[str, ...], local: bool = False, backend: str | None = 
     return valid, invalid
 
 
-def _summary(job: FineTuneJob) -> str:
+def _summary(job: FineTuneJob, where: str | None = None) -> str:
+    """One line about the job; `where`: `here` for `finetune run`, else its backend."""
     spec, r = job.spec, job.spec.resources
     count = r.processes()
     unit = ("GPU" if count == 1 else "GPUs") if r.gpus_per_node else (
         "CPU process" if count == 1 else "CPU processes")
     nodes = "1 node" if r.nodes == 1 else f"{r.nodes} nodes"
-    return (f"{KIND} {job.namespace}/{job.name}: {spec.method.type} on {spec.backend}, "
+    return (f"{KIND} {job.namespace}/{job.name}: {spec.method.type} on {where or spec.backend}, "
             f"{nodes} x {count} {unit}, strategy {spec.strategy.type}, "
             f"{spec.strategy.precision}")
 
@@ -85,17 +95,61 @@ def main() -> None:
 
 @main.command()
 @click.argument("files", nargs=-1, required=True, metavar="FILE...")
-def validate(files: tuple[str, ...]) -> None:
+@click.option("-o", "--output", type=click.Choice(["text", "json"]), default="text",
+              show_default=True, help="json: one object with every problem, for tools and CI.")
+def validate(files: tuple[str, ...], output: str) -> None:
     """Check FineTuneJob manifests (`-` reads stdin).
 
     Prints one line per problem, `FILE: path.to.field: what is wrong — how to fix`, and
-    exits 2 when any manifest is invalid. Warnings do not change the exit code.
+    exits 2 when any manifest is invalid. Warnings (a local path that does not exist on
+    this machine, for one) do not change the exit code.
     """
-    valid, invalid = _jobs_in(files)
+    found: list[dict] = []
+
+    def collect(source: str, problem: Problem) -> None:
+        found.append({"source": source, "field": problem.path, "message": problem.message,
+                      "fix": problem.fix, "severity": problem.severity})
+
+    say = collect if output == "json" else _say_problem
+    valid, invalid = _jobs_in(files, say=say)
     for doc, job in valid:
-        click.echo(f"{doc.source}: valid {_summary(job)}")
+        base_dir = Path.cwd() if doc.source.startswith("-") else Path(
+            doc.source.split("#", 1)[0]).resolve().parent
+        for problem in missing_local_paths(job, base_dir):
+            say(doc.source, problem)
+    if output == "json":
+        click.echo(json.dumps({
+            "valid": invalid == 0,
+            "jobs": [{"source": doc.source, "name": job.name, "namespace": job.namespace}
+                     for doc, job in valid],
+            "problems": found}, indent=2))
+    else:
+        for doc, job in valid:
+            click.echo(f"{doc.source}: valid {_summary(job)}")
     if invalid:
         sys.exit(EXIT_INVALID)
+
+
+def missing_local_paths(job: FineTuneJob, base_dir: Path) -> list[Problem]:
+    """Warnings for model and dataset paths this machine can look at and does not have:
+    relative ones (they mean this machine) and absolute ones (they may exist only in the
+    job's image, so a warning, not an error)."""
+    from finetune_trainer.uris import parse_uri
+
+    problems = []
+    for section, uri in (("model", job.spec.model.uri), ("dataset", job.spec.dataset.uri)):
+        scheme = parse_uri(uri, ("hf", "pvc", "azureml", "https", "path", "relative")).scheme
+        if scheme not in ("path", "relative"):
+            continue
+        where = base_dir / uri if scheme == "relative" else Path(uri)
+        if not where.exists():
+            problems.append(Problem(
+                f"spec.{section}.uri", f"{where} does not exist on this machine",
+                "fix the path (relative paths start at the manifest's folder); ignore this "
+                "if it exists where the job runs (inside its image)" if scheme == "path" else
+                "fix the path (relative paths start at the manifest's folder)",
+                severity="warning"))
+    return problems
 
 
 @main.command(name="render")
@@ -176,16 +230,20 @@ def plan_command(file: str, gpu_type: str | None, output: str, offline: bool) ->
 @click.option("--fresh", is_flag=True,
               help="Start over instead of resuming: the output folder's checkpoints are moved "
                    "aside (checkpoints.before-<time>/), never deleted.")
-def run_command(file: str, nproc: int | None, fresh: bool) -> None:
+@click.option("--verbose", "-v", is_flag=True,
+              help="Show every line torchrun and the workers print (library warnings, "
+                   "loading progress bars, torchrun's own log).")
+def run_command(file: str, nproc: int | None, fresh: bool, verbose: bool) -> None:
     """Train a FineTuneJob on this machine with torchrun, no cluster needed.
 
     Validates first, checks the model and data before any process starts, then trains
     and prints where the outputs went. Relative paths start at the manifest's folder.
-    Ctrl-C (or SIGTERM) checkpoints at the next step and exits 143; running the same
-    command again resumes from that checkpoint. A worker that fails (an exception, an OOM
-    kill, kill -9) restarts all of them from the newest complete checkpoint, up to
-    spec.runPolicy.backoffLimit times. Checkpoints trained with other settings (another
-    LoRA rank, model, strategy, ...) are never resumed: the run is refused, naming them.
+    Ctrl-C (or SIGTERM) checkpoints at the next step and exits 143 with one line saying
+    where; running the same command again resumes from that checkpoint. A worker that
+    fails (an exception, an OOM kill, kill -9) restarts all of them from the newest
+    complete checkpoint, up to spec.runPolicy.backoffLimit times. Checkpoints trained with
+    other settings (another LoRA rank, model, strategy, ...) are never resumed: the run is
+    refused, naming them.
     """
     from finetune_operator import local
     from finetune_operator.validation import InvalidJobError
@@ -212,9 +270,20 @@ def run_command(file: str, nproc: int | None, fresh: bool) -> None:
     if refused := trained_with.refusal(output_dir, config, local.START_OVER):
         click.echo(f"{doc.source}: {refused}", err=True)
         sys.exit(EXIT_INVALID)
-    config_path = local.write_config(config, output_dir)
     processes = nproc or local.default_processes(job)
-    click.echo(f"{doc.source}: {_summary(job)}")
+    try:
+        accumulation, differences = local.fit_to_machine(job, processes, local.visible_gpus())
+    except local.MachineMismatch as error:
+        click.echo(f"{doc.source}: {error}", err=True)
+        sys.exit(EXIT_INVALID)
+    config = config.model_copy(update={"hyperparameters": config.hyperparameters.model_copy(
+        update={"gradient_accumulation_steps": accumulation})})
+    config_path = local.write_config(config, output_dir)
+    click.echo(f"{doc.source}: {_summary(job, where='this machine')}")
+    for difference in differences:
+        click.echo(f"{doc.source}: {difference}", err=True)
+    for note in local.step_setting_notes(job, model, config):
+        click.echo(f"{doc.source}: {note}")
     if warning := local.feasibility_warning(job, model):
         click.echo(f"{doc.source}: {warning}", err=True)
     click.echo(f"trainer config: {config_path}")
@@ -224,13 +293,12 @@ def run_command(file: str, nproc: int | None, fresh: bool) -> None:
     click.echo(f"starting {processes} training process{'es' if processes > 1 else ''} "
                f"(a failed worker restarts them all from the newest checkpoint, up to "
                f"{restarts} time{'' if restarts == 1 else 's'}: spec.runPolicy.backoffLimit)")
-    code = local.run_trainer(config_path, processes, max_restarts=restarts)
+    code = local.run_trainer(config_path, processes, max_restarts=restarts, verbose=verbose)
     if code == 0:
         click.echo(f"done: model in {output_dir / 'final'}, checkpoints in "
                    f"{output_dir / 'checkpoints'}, progress in {output_dir / 'progress.json'}")
     elif code == local.EXIT_STOPPED:
-        click.echo(f"stopped after a checkpoint in {output_dir / 'checkpoints'}; run the same "
-                   "command again to resume", err=True)
+        click.echo(local.stopped_message(output_dir), err=True)
     else:
         click.echo(f"training failed (exit {code}); see the log above", err=True)
     sys.exit(code)

@@ -7,12 +7,16 @@ are tested directly; torch is only ever started as a child process.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TextIO
 
 from finetune_operator.api import FineTuneJob
 from finetune_operator.planner import ModelConfig, ModelConfigs, fetch_from_hub
@@ -20,7 +24,7 @@ from finetune_operator.planner.render import plan_with_notes
 from finetune_operator.trainer_config import build_trainer_config
 from finetune_operator.validation import InvalidJobError, Problem
 from finetune_trainer.config import TrainerConfig
-from finetune_trainer.layout import checkpoint_root
+from finetune_trainer.layout import checkpoint_root, latest_checkpoint, step_of
 from finetune_trainer.uris import parse_uri
 
 CONFIG_DIR = ".finetune"
@@ -58,6 +62,14 @@ def feasibility_warning(job: FineTuneJob, model: ModelConfig | None) -> str | No
             "(`finetune plan` shows the breakdown; the operator would not launch this job)")
 
 
+def step_setting_notes(job: FineTuneJob, model: ModelConfig | None,
+                       config: TrainerConfig) -> list[str]:
+    """Why unset checkpointing and compile became what `config` says (nothing when set)."""
+    from finetune_operator.planner import choose_step_settings
+
+    return choose_step_settings(job, model, config.strategy.type).notes
+
+
 def local_config(job: FineTuneJob, base_dir: Path,
                  model: ModelConfig | None = None) -> TrainerConfig:
     """The trainer config with every location usable here (relative paths resolved);
@@ -86,6 +98,42 @@ def default_processes(job: FineTuneJob) -> int:
     if resources.gpus_per_node == 0:
         return resources.nodes * resources.processes()
     return max(1, min(visible_gpus(), resources.nodes * resources.gpus_per_node))
+
+
+class MachineMismatch(ValueError):
+    """The spec's global batch cannot be kept on this machine's processes."""
+
+
+def fit_to_machine(job: FineTuneJob, processes: int, gpus: int) -> tuple[int, list[str]]:
+    """The gradient accumulation that keeps the spec's global batch on `processes` local
+    workers, and one line for each way this run differs from the spec (CPU instead of the
+    GPUs it asks for, fewer or more workers). Raises MachineMismatch when the global batch
+    does not divide."""
+    spec, resources = job.spec, job.spec.resources
+    hp = spec.hyperparameters
+    world = resources.nodes * resources.processes()
+    notes = []
+    if resources.gpus_per_node and gpus == 0:
+        notes.append(f"no GPU is visible here: training on {processes} CPU process"
+                     f"{'es' if processes > 1 else ''} instead of the {world} GPU"
+                     f"{'s' if world > 1 else ''} the spec asks for (slow; fine for a check)")
+    if processes == world:
+        return hp.gradient_accumulation_steps, notes
+    global_batch = world * hp.batch_size_per_device * hp.gradient_accumulation_steps
+    per_step = processes * hp.batch_size_per_device
+    if global_batch % per_step:
+        raise MachineMismatch(
+            f"spec.hyperparameters: the spec's global batch of {global_batch} sequences "
+            f"({world} workers x batchSizePerDevice {hp.batch_size_per_device} x "
+            f"gradientAccumulationSteps {hp.gradient_accumulation_steps}) cannot be kept on "
+            f"{processes} local process{'es' if processes > 1 else ''} — pass --nproc with a "
+            f"divisor of {global_batch // hp.batch_size_per_device}, or change "
+            "batchSizePerDevice")
+    accumulation = global_batch // per_step
+    notes.append(f"{processes} local process{'es' if processes > 1 else ''} instead of the "
+                 f"spec's {world}: gradientAccumulationSteps {accumulation} keeps the global "
+                 f"batch of {global_batch} sequences")
+    return accumulation, notes
 
 
 def visible_gpus() -> int:
@@ -120,18 +168,89 @@ def preflight_command(config_path: Path) -> list[str]:
     return [sys.executable, "-m", "finetune_trainer", "--config", str(config_path), "--preflight"]
 
 
-def run_trainer(config_path: Path, processes: int, max_restarts: int = 0) -> int:
+NOISE = re.compile(
+    r"^(Loading weights|Generating \w+ split|Writing model shards|Map( \(num_proc=\d+\))?:|"
+    r"\*{20,}|Setting OMP_NUM_THREADS environment variable|"
+    r"stopped by SIGTERM (after step|before the first step)|"  # said once, by `finetune run`
+    r"W\d{4} .*(Received \d+ death signal|closing signal SIGTERM))")
+"""Lines of the workers and of torchrun that a plain `finetune run` does not show
+(`--verbose` shows everything): progress bars of loading and data preparation,
+torchrun's thread banner, and its log of the stop `finetune run` itself asked for."""
+
+
+class QuietLog:
+    """Filters one output stream of torchrun line by line. Drops `NOISE`, and the traceback
+    torchrun's agent prints when `finetune run` forwards Ctrl-C or SIGTERM to it
+    (SignalException); every other traceback passes whole."""
+
+    def __init__(self, stopping: Callable[[], bool]) -> None:
+        self.stopping = stopping
+        self.traceback: list[str] | None = None
+        self.dropped = False
+
+    def feed(self, line: str) -> list[str]:
+        if self.traceback is not None:
+            self.traceback.append(line)
+            if line[:1].isspace() or not line.strip():
+                return []
+            block, self.traceback = self.traceback, None  # the exception's own line
+            return [] if self.stopping() and "SignalException" in line else block
+        if line.startswith("Traceback (most recent call last)"):
+            self.traceback = [line]
+            return []
+        # a progress bar's carriage returns leave empty lines behind it
+        noise = NOISE.match(line) is not None or (self.dropped and not line.strip())
+        self.dropped = noise
+        return [] if noise else [line]
+
+    def flush(self) -> list[str]:
+        block, self.traceback = self.traceback or [], None
+        return block
+
+
+def _relay(source: TextIO, target: TextIO, log: QuietLog) -> None:
+    for line in source:
+        for kept in log.feed(line):
+            target.write(kept)
+            target.flush()
+    for kept in log.flush():
+        target.write(kept)
+    target.flush()
+
+
+def worker_env(processes: int, verbose: bool) -> dict[str, str]:
+    """The environment of torchrun and the workers. torchrun's agent hosts one TCPStore for
+    every attempt by default, and the process group's keys (each rank's address) survive a
+    restart there: a restarted rank can read its peer's from the failed attempt and fail to
+    connect (pytorch/pytorch#135712). With sharing off, every attempt's rank 0 hosts a fresh
+    store on a fresh port. Without `verbose`: the cores shared out between the workers (what
+    torchrun's banner asks for) and library FutureWarnings off, unless set already."""
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    if not verbose:
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
+        env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
+        env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def run_trainer(config_path: Path, processes: int, max_restarts: int = 0,
+                verbose: bool = True) -> int:
     """Run torchrun in its own session; Ctrl-C or SIGTERM here becomes a SIGTERM there, so
     the workers checkpoint at the next step boundary and exit (143). A signal to torchrun
-    itself never restarts the workers; a failed worker does, up to `max_restarts` times."""
-    # torchrun's agent hosts one TCPStore for every attempt by default, and the process
-    # group's keys (each rank's address) survive a restart there: a restarted rank can read
-    # its peer's from the failed attempt and fail to connect (pytorch/pytorch#135712). With
-    # sharing off, every attempt's rank 0 hosts a fresh store on a fresh port.
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    itself never restarts the workers; a failed worker does, up to `max_restarts` times.
+    Without `verbose`, its output passes through `QuietLog`."""
+    pipes = {} if verbose else {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE,
+                                "text": True, "errors": "replace"}
     child = subprocess.Popen(trainer_command(config_path, processes, max_restarts),
-                             start_new_session=True, env=env)
+                             start_new_session=True, env=worker_env(processes, verbose),
+                             **pipes)
     stopped = False
+    relays = [threading.Thread(target=_relay, args=(stream, target, QuietLog(lambda: stopped)),
+                               daemon=True)
+              for stream, target in ((child.stdout, sys.stdout), (child.stderr, sys.stderr))
+              if stream is not None]
+    for relay in relays:
+        relay.start()
 
     def forward(signum, frame) -> None:
         nonlocal stopped
@@ -141,7 +260,18 @@ def run_trainer(config_path: Path, processes: int, max_restarts: int = 0) -> int
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         code = child.wait()
+        for relay in relays:
+            relay.join()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return EXIT_STOPPED if stopped else code
+
+
+def stopped_message(output_dir: Path) -> str:
+    """The one line `finetune run` ends with after Ctrl-C or SIGTERM."""
+    latest = latest_checkpoint(output_dir)
+    if latest is None:
+        return "interrupted before the first checkpoint; run the same command to start again"
+    return (f"interrupted; checkpoint at step {step_of(latest)} in {latest.parent}; run the "
+            "same command to resume")

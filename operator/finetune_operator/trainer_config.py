@@ -45,10 +45,14 @@ def _explicit_lora(method: MethodConfig) -> MethodConfig:
 def build_trainer_config(job: FineTuneJob, locate: Locate = keep_location,
                          model: ModelConfig | None = None) -> TrainerConfig:
     """`model`: the model's config.json where the caller has read it (`finetune run`),
-    for resolving `strategy: auto`."""
+    for resolving `strategy: auto`, and unset checkpointing and compile."""
     spec = job.spec
-    strategy: StrategyConfig = spec.strategy.model_copy(
-        update={"type": resolve_strategy(job, model)})
+    chosen = resolve_strategy(job, model)
+    settings = planner.choose_step_settings(job, model, chosen)
+    strategy: StrategyConfig = spec.strategy.model_copy(update={
+        "type": chosen, "gradient_checkpointing": settings.gradient_checkpointing,
+        "gradient_checkpointing_policy": settings.checkpoint_policy,
+        "compile": settings.compile})
     return TrainerConfig(
         job=JobIdentity(name=job.name, namespace=job.namespace, uid=job.metadata.uid),
         model=spec.model.model_copy(

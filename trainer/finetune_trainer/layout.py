@@ -16,13 +16,17 @@ def checkpoint_root(output_dir: Path) -> Path:
     return output_dir / CHECKPOINTS
 
 
+def step_of(checkpoint: Path) -> int:
+    return int(_NAME.match(checkpoint.name).group(1))
+
+
 def complete_checkpoints(output_dir: Path) -> list[Path]:
     """Complete checkpoints, oldest first."""
     root = checkpoint_root(output_dir)
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if _NAME.match(p.name) and (p / STATE_FILE).is_file()]
-    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+    return sorted(found, key=step_of)
 
 
 def latest_checkpoint(output_dir: Path) -> Path | None:

@@ -41,6 +41,7 @@ from finetune_trainer.model import (
     load_model,
     load_tokenizer,
 )
+from finetune_trainer.profiling import StepProfiler
 from finetune_trainer.progress import ProgressServer, Reporter
 from finetune_trainer.timing import StepPhases
 
@@ -348,11 +349,12 @@ def run(config: TrainerConfig, base_dir: Path) -> int:
     pad_id = prepared.tokenizer.pad_token_id
 
     strategy = build_strategy(config.strategy, hp, device, prepared.wrap_classes)
-    model = load_model(config.model, method, config.strategy.precision,
-                       config.strategy.gradient_checkpointing, base_dir,
+    # unset (the operator resolves both before a worker starts): checkpointing on, no compile
+    checkpointing = config.strategy.gradient_checkpointing is not False
+    model = load_model(config.model, method, config.strategy.precision, checkpointing, base_dir,
                        sharded=strategy.name != "ddp",
                        checkpoint_policy=config.strategy.gradient_checkpointing_policy)
-    if config.strategy.compile:
+    if config.strategy.compile is True:
         layers = compile_layers(model, prepared.wrap_classes)
         _say(f"compiling {layers} decoder layers with torch.compile (the first steps are slow)")
     head = None
@@ -419,6 +421,7 @@ def run(config: TrainerConfig, base_dir: Path) -> int:
     window = LogWindow()
     sampled: list = []  # ZeRO's timed steps since the last log step
     grad_norm = None
+    profiler = StepProfiler.from_environment(rank, device.type)  # FINETUNE_PROFILE=DIR
     strategy.model.train()
     if stop.agree(control).wait():  # told to stop while loading: nothing new to save
         _say("stopped by SIGTERM before the first step; a restart resumes from "
@@ -453,6 +456,8 @@ def run(config: TrainerConfig, base_dir: Path) -> int:
             phases.mark()
         if sampling:
             sampled.append(sampler.end())
+        if profiler is not None:
+            profiler.step()
         stopping = agreement.wait()
         if collective_log is not None:
             collective_log.step_boundary()
@@ -507,6 +512,10 @@ def run(config: TrainerConfig, base_dir: Path) -> int:
             reporter.finish("Stopped")
             return EXIT_PREEMPTED
 
+    if profiler is not None:
+        profiler.stop()
+        if profiler.written is not None:
+            _say(f"profile of steps written to {profiler.written.parent}")
     eval_loss = evaluate(strategy, prepared.eval, hp.batch_size_per_device, pad_id, control,
                          head)
     if eval_loss is not None:

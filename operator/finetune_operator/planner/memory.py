@@ -53,6 +53,7 @@ Method = Literal["full", "lora", "qlora"]
 Strategy = Literal["ddp", "fsdp", "zero1", "zero2", "zero3"]
 Offload = Literal["none", "cpu", "nvme"]
 Precision = Literal["bf16", "fp16", "fp32"]
+CheckpointPolicy = Literal["full", "selective"]
 Device = Literal["cuda", "cpu"]
 
 BREAKDOWN_LINES = ("weights", "gradients", "optimizerStates", "activations",
@@ -73,7 +74,7 @@ class TrainingSetup(BaseModel):
     micro_batch: int = 1
     seq_len: int = 2048
     gradient_checkpointing: bool = True
-    checkpoint_policy: Literal["full", "selective"] = "full"
+    checkpoint_policy: CheckpointPolicy = "full"
     fused_loss: bool = True
     gradient_accumulation: int = 1
     world_size: int = 1

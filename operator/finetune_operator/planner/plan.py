@@ -14,6 +14,7 @@ from finetune_operator.planner.architecture import ConfigError, ModelShape, from
 from finetune_operator.planner.catalog import VmSize
 from finetune_operator.planner.compute import Throughput, estimate_throughput
 from finetune_operator.planner.memory import (
+    CheckpointPolicy,
     MemoryEstimate,
     Precision,
     Strategy,
@@ -28,6 +29,12 @@ longer-than-average batches, the estimate's own error of about ±15%)."""
 AUTO_ORDER: tuple[Strategy, ...] = ("ddp", "zero1", "zero2", "fsdp", "zero3")
 """Fastest first: replicas need no parameter traffic; full sharding the most."""
 NODE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+CHECKPOINTING_LEVELS: tuple[tuple[bool, CheckpointPolicy, str], ...] = (
+    (False, "full", "off"), (True, "selective", "selective"), (True, "full", "full"))
+"""What an unset gradientCheckpointing tries, fastest first."""
+COMPILE_PAYS_AFTER_S = 20 * 60
+"""A per-layer compile costs a minute or two at start and saves ~18% of every step
+(benchmarks/changes-gpu.json): it pays back within a run of this length."""
 
 Verdict = Literal["fits", "tight", "does-not-fit", "unknown"]
 
@@ -65,6 +72,20 @@ class Recommendation(PlanModel):
     alternatives: list[Option] = Field(default_factory=list)
 
 
+class StepSettings(PlanModel):
+    """Gradient checkpointing and compile as the workers run them, and why (for unset
+    fields): decided once, from the same estimate `finetune plan` prints."""
+
+    gradient_checkpointing: bool
+    checkpoint_policy: CheckpointPolicy
+    compile: bool
+    notes: list[str] = Field(default_factory=list)
+
+    def label(self) -> str:
+        checkpointing = self.checkpoint_policy if self.gradient_checkpointing else "off"
+        return f"checkpointing {checkpointing}, compile {'on' if self.compile else 'off'}"
+
+
 class JobPlan(PlanModel):
     """What `finetune plan` prints and the operator's Feasible condition says."""
 
@@ -86,6 +107,8 @@ class JobPlan(PlanModel):
     throughput: Throughput | None = None
     recommendation: Recommendation | None = None
     notes: list[str] = Field(default_factory=list)
+    step_settings: StepSettings | None = None
+    """Checkpointing and compile as the workers will run them (`plan_with_notes`)."""
 
 
 def gib(value: float) -> str:
@@ -111,7 +134,8 @@ def setup_for(job: FineTuneJob, strategy: Strategy, world_size: int | None = Non
         precision=precision or spec.strategy.precision,
         micro_batch=spec.hyperparameters.batch_size_per_device,
         seq_len=spec.dataset.max_seq_length,
-        gradient_checkpointing=spec.strategy.gradient_checkpointing,
+        # unset: planned with checkpointing until `choose_step_settings` relaxes it
+        gradient_checkpointing=spec.strategy.gradient_checkpointing is not False,
         checkpoint_policy=spec.strategy.gradient_checkpointing_policy,
         fused_loss=spec.strategy.fused_loss,
         gradient_accumulation=spec.hyperparameters.gradient_accumulation_steps,
@@ -251,6 +275,98 @@ def resolve_strategy(job: FineTuneJob, model: ModelConfig | None = None) -> Stra
         return "zero3"
     return auto_strategy(job, model or from_table(job.spec.model.uri)) or (
         fallback_strategy(job))
+
+
+def with_step_settings(job: FineTuneJob, settings: StepSettings) -> FineTuneJob:
+    """The job as its workers run it: checkpointing and compile set."""
+    strategy = job.spec.strategy.model_copy(update={
+        "gradient_checkpointing": settings.gradient_checkpointing,
+        "gradient_checkpointing_policy": settings.checkpoint_policy,
+        "compile": settings.compile})
+    return job.model_copy(update={"spec": job.spec.model_copy(update={"strategy": strategy})})
+
+
+def _gpu_and_shape(job: FineTuneJob, model: ModelConfig | None
+                   ) -> tuple[ModelShape | None, VmSize | None, str | None]:
+    """The model's shape and the job's VM size, or why the planner cannot tell."""
+    resources = job.spec.resources
+    if resources.gpus_per_node == 0:
+        return None, None, "CPU workers: the planner estimates GPU memory only"
+    shape, error = shape_of(model or from_table(job.spec.model.uri))
+    if shape is None:
+        return None, None, error or f"no config.json known for {job.spec.model.uri}"
+    vm = catalog.find(resources.gpu_type) if resources.gpu_type else None
+    if vm is None:
+        return shape, None, ("spec.resources.gpuType is not set" if not resources.gpu_type
+                             else f"gpuType {resources.gpu_type!r} is not in the catalog")
+    return shape, vm, None
+
+
+def choose_step_settings(job: FineTuneJob, model: ModelConfig | None,
+                         strategy: Strategy) -> StepSettings:
+    """What an unset `gradientCheckpointing` and `compile` stand for on this job: the
+    fastest checkpointing that fits the GPU with headroom (off, selective, full), and
+    compile for GPU runs long enough to pay for it. Set fields are kept as they are."""
+    chosen, notes = job.spec.strategy, []
+    shape, vm, unknown = _gpu_and_shape(job, model)
+    resources = job.spec.resources
+    world = resources.nodes * resources.processes()
+    setup = None
+    if vm is not None and shape is not None:
+        precision = _precision_on(vm.gpu.bf16, chosen.precision)
+        setup = setup_for(job, strategy, world, precision).model_copy(update={"device": "cuda"})
+
+    checkpointing, policy = chosen.gradient_checkpointing, chosen.gradient_checkpointing_policy
+    if checkpointing is None:
+        checkpointing, policy = True, "full"
+        if setup is None:
+            notes.append(f"gradientCheckpointing unset → full: {unknown}")
+        else:
+            for enabled, level, label in CHECKPOINTING_LEVELS:
+                trial = setup.model_copy(update={"gradient_checkpointing": enabled,
+                                                 "checkpoint_policy": level})
+                estimate = estimate_memory(shape, trial)
+                fits = _fits(estimate, vm, HEADROOM)
+                if fits or label == CHECKPOINTING_LEVELS[-1][2]:
+                    checkpointing, policy = enabled, level
+                    notes.append(f"gradientCheckpointing unset → {label}: "
+                                 f"{gib(estimate.total)} of {gib(vm.gpu.memory_bytes)} per GPU"
+                                 + (f" fits with {HEADROOM:.0%} headroom" if fits
+                                    else ", the least there is, does not fit either"))
+                    break
+    if setup is not None:
+        setup = setup.model_copy(update={"gradient_checkpointing": checkpointing,
+                                         "checkpoint_policy": policy})
+
+    compile_ = chosen.compile
+    if compile_ is None:
+        compile_, why = _compile_by_length(job, strategy, setup, shape, vm, unknown)
+        notes.append(f"compile unset → {'on' if compile_ else 'off'}: {why}")
+    return StepSettings(gradient_checkpointing=checkpointing, checkpoint_policy=policy,
+                        compile=compile_, notes=notes)
+
+
+def _compile_by_length(job: FineTuneJob, strategy: Strategy, setup: TrainingSetup | None,
+                       shape: ModelShape | None, vm: VmSize | None,
+                       unknown: str | None) -> tuple[bool, str]:
+    if job.spec.resources.gpus_per_node == 0:
+        return False, "CPU workers"
+    if job.spec.method.type == "qlora":
+        return False, "4-bit layers are not compiled"
+    if strategy not in ("ddp", "fsdp"):
+        return False, f"{strategy} runs DeepSpeed's own engine"
+    if setup is None or shape is None or vm is None:
+        return False, f"the run's length is unknown ({unknown})"
+    steps = job.spec.hyperparameters.max_steps
+    if steps is None:
+        return True, "an epochs-long run (its length is known once the data is read)"
+    seconds = steps * estimate_throughput(shape, setup, vm, job.spec.resources.nodes
+                                          ).step_seconds
+    minutes = seconds / 60
+    if seconds < COMPILE_PAYS_AFTER_S:
+        return False, (f"~{minutes:.0f} min of steps; a compile pays back in runs of "
+                       f"{COMPILE_PAYS_AFTER_S // 60} min or more")
+    return True, f"~{minutes:.0f} min of steps: the compile pays back"
 
 
 def plan_job(job: FineTuneJob, model: ModelConfig | None, strategy: Strategy,

@@ -5,7 +5,14 @@ differently (it never reads the hub for that)."""
 from __future__ import annotations
 
 from finetune_operator.api import FineTuneJob
-from finetune_operator.planner.plan import JobPlan, gib, plan_job, resolve_strategy
+from finetune_operator.planner.plan import (
+    JobPlan,
+    choose_step_settings,
+    gib,
+    plan_job,
+    resolve_strategy,
+    with_step_settings,
+)
 from finetune_operator.planner.sources import ModelConfig
 
 LABELS = {"weights": "weights", "gradients": "gradients", "optimizerStates": "optimizer states",
@@ -17,7 +24,10 @@ VERDICTS = {"fits": "fits", "tight": "fits, with less than 10% headroom",
 
 def plan_with_notes(job: FineTuneJob, model: ModelConfig | None) -> JobPlan:
     strategy = resolve_strategy(job, model)
-    plan = plan_job(job, model, strategy)
+    settings = choose_step_settings(job, model, strategy)
+    plan = plan_job(with_step_settings(job, settings), model, strategy)
+    plan = plan.model_copy(update={"step_settings": settings,
+                                   "notes": [*settings.notes, *plan.notes]})
     if job.spec.strategy.type == "auto":
         operator_choice = resolve_strategy(job)
         note = f"strategy auto → {strategy}"
@@ -27,6 +37,13 @@ def plan_with_notes(job: FineTuneJob, model: ModelConfig | None) -> JobPlan:
                      "get this plan")
         plan = plan.model_copy(update={"notes": [note, *plan.notes]})
     return plan
+
+
+def _step_settings(job: FineTuneJob, plan: JobPlan) -> str:
+    if plan.step_settings is not None:
+        return plan.step_settings.label()
+    checkpointing = job.spec.strategy.gradient_checkpointing is not False
+    return f"checkpointing {'on' if checkpointing else 'off'}"
 
 
 def _count(n: int | None) -> str:
@@ -42,7 +59,7 @@ def table(job: FineTuneJob, plan: JobPlan) -> str:
              f"{'s' if r.nodes > 1 else ''} x {r.processes()} {'GPU' if r.gpus_per_node else 'CPU'}"
              f" process{'es' if r.processes() > 1 else ''}, micro-batch "
              f"{spec.hyperparameters.batch_size_per_device} x {spec.dataset.max_seq_length} "
-             f"tokens, checkpointing {'on' if spec.strategy.gradient_checkpointing else 'off'}"]
+             f"tokens, {_step_settings(job, plan)}"]
     if plan.model_source:
         lines.append(f"model: {plan.model_source}: {_count(plan.total_params)} parameters, "
                      f"{_count(plan.trainable_params)} trainable")

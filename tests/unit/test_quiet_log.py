@@ -1,0 +1,59 @@
+"""What a plain `finetune run` shows of torchrun's and the workers' output."""
+
+from __future__ import annotations
+
+from finetune_operator.local import QuietLog, stopped_message
+
+SIGNAL_TRACEBACK = """Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+  File "/venv/torch/distributed/run.py", line 1032, in <module>
+    main()
+           ^^^^^^^^^^^^^
+torch.distributed.elastic.multiprocessing.api.SignalException: Process 24266 got signal: 15
+"""
+WORKER_TRACEBACK = """Traceback (most recent call last):
+  File "/src/train.py", line 10, in run
+    raise ValueError("boom")
+ValueError: boom
+"""
+
+
+def shown(text: str, stopping: bool = False) -> str:
+    log = QuietLog(lambda: stopping)
+    kept = [k for line in text.splitlines(keepends=True) for k in log.feed(line)]
+    return "".join(kept + log.flush())
+
+
+def test_loading_bars_banner_and_the_stop_it_asked_for_are_dropped():
+    text = ("Loading weights:   0%|          | 0/21\n"
+            "Loading weights: 100%|##########| 21/21\n"
+            "\n"
+            "*****************************************\n"
+            "Setting OMP_NUM_THREADS environment variable for each process to be 1\n"
+            "W1122 22:21:03.190000 24266 torch/distributed/elastic/agent/server/api.py:753] "
+            "Received 15 death signal, shutting down workers\n"
+            "step 129/4000 | loss 5.1297\n"
+            "stopped by SIGTERM after step 129; a restart resumes from the checkpoint above\n")
+    assert shown(text) == "step 129/4000 | loss 5.1297\n"
+
+
+def test_torchruns_signal_traceback_goes_only_when_finetune_run_stopped_it():
+    assert shown(SIGNAL_TRACEBACK, stopping=True) == ""
+    assert shown(SIGNAL_TRACEBACK, stopping=False) == SIGNAL_TRACEBACK
+
+
+def test_a_workers_traceback_passes_whole_even_while_stopping():
+    assert shown(WORKER_TRACEBACK, stopping=True) == WORKER_TRACEBACK
+    assert shown("step 1\n" + WORKER_TRACEBACK[:60]) == "step 1\n" + WORKER_TRACEBACK[:60]
+
+
+def test_the_stop_message_names_the_checkpoint_or_says_there_is_none(tmp_path):
+    assert stopped_message(tmp_path) == ("interrupted before the first checkpoint; run the "
+                                         "same command to start again")
+    done = tmp_path / "checkpoints" / "step-00000061"
+    done.mkdir(parents=True)
+    (done / "trainer_state.json").write_text("{}")
+    (tmp_path / "checkpoints" / "step-00000070").mkdir()  # not complete: no state file
+    assert stopped_message(tmp_path) == (
+        f"interrupted; checkpoint at step 61 in {tmp_path / 'checkpoints'}; run the same "
+        "command to resume")

@@ -46,8 +46,10 @@ def _jobs_in(paths: tuple[str, ...], local: bool = False, backend: str | None = 
         for doc in documents:
             if isinstance(doc.data, dict) and doc.data.get("kind") not in (None, KIND):
                 kind = doc.data.get("kind")
-                shown = kind[:80] if isinstance(kind, str) else short_repr(kind)
-                click.echo(f"{doc.source}: skipped {shown} (not a {KIND})", err=True)
+                # quoted unless plain: a kind may hold a newline (a forged line) or escapes
+                plain = isinstance(kind, str) and kind.isprintable() and len(kind) <= 80
+                click.echo(f"{doc.source}: skipped {kind if plain else short_repr(kind)} "
+                           f"(not a {KIND})", err=True)
                 continue
             jobs_here += 1
             if backend and isinstance(doc.data, dict) and isinstance(doc.data.get("spec"), dict):
@@ -218,8 +220,16 @@ def plan_command(file: str, gpu_type: str | None, output: str, offline: bool) ->
     if output == "json":
         click.echo(json.dumps(result.to_dict(), indent=2))
     else:
-        click.echo(plan_render.table(job, result))
+        click.echo(printable(plan_render.table(job, result)))
     sys.exit(1 if result.fits is False else 0)
+
+
+def printable(text: str) -> str:
+    """`text` with what a terminal cannot show or should not obey escaped: lone surrogates
+    (valid in YAML strings, not in UTF-8) and control characters other than newlines."""
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return "".join(c if c == "\n" or c.isprintable() else c.encode("unicode_escape").decode()
+                   for c in text)
 
 
 @main.command(name="run")

@@ -182,6 +182,8 @@ class Kube:
                         self.core.delete_namespaced_service),
             "Job": (self.batch.create_namespaced_job, self.batch.read_namespaced_job,
                     self.batch.delete_namespaced_job),
+            "PersistentVolumeClaim": (None, self.core.read_namespaced_persistent_volume_claim,
+                                      None),  # read only: the users' own volumes
         }
 
     async def _call(self, action: str, fn, *args, **kwargs) -> Any:

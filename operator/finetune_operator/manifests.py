@@ -42,10 +42,16 @@ def read_documents(path: str) -> list[Document]:
                             "— save the manifest as UTF-8") from None
     try:
         docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.reader.ReaderError as error:  # a control character: no mark, two lines
+        line = text[:error.position].count("\n") + 1
+        column = error.position - (text.rfind("\n", 0, error.position) + 1) + 1
+        raise ManifestError(f"{path}:{line}:{column}: not valid YAML: character "
+                            f"#x{error.character:04x} is not allowed — remove it (control "
+                            "characters other than tab and newline)") from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
-        problem = getattr(error, "problem", None) or str(error)
+        problem = " ".join(str(getattr(error, "problem", None) or error).split())
         raise ManifestError(f"{path}{where}: not valid YAML: {problem} — fix the syntax "
                             "(indentation, quoting, colons)") from error
     except RecursionError:

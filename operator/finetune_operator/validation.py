@@ -260,12 +260,36 @@ def backend_section_present(job: FineTuneJob) -> Iterator[Problem]:
 
 
 def gpu_type_is_known(job: FineTuneJob) -> Iterator[Problem]:
-    gpu_type = job.spec.resources.gpu_type
-    if gpu_type and catalog.find(gpu_type) is None:
+    """A gpuType the planner knows, with the GPUs per node it has: a warning otherwise (the
+    job may still run on nodes the catalog does not list)."""
+    resources = job.spec.resources
+    gpu_type, wanted = resources.gpu_type, resources.gpus_per_node
+    if not gpu_type:
+        return
+    vm = catalog.find(gpu_type, wanted)
+    if vm is None:
         yield Problem("spec.resources.gpuType", f"{gpu_type!r} is not in the planner's GPU "
                       "catalog, so the memory check before launch is skipped",
                       "use an Azure VM size (e.g. Standard_ND96amsr_A100_v4) or a GPU model "
                       "(T4, V100-32GB, A100-80GB, H100, H200)", "warning")
+        return
+    if vm.gpus < wanted:
+        family = vm.gpu.name.split("-")[0]
+        choices = sorted((v for v in catalog.VM_SIZES if v.gpus >= wanted
+                          and v.gpu.name.split("-")[0] == family),
+                         key=lambda v: (v.gpu != vm.gpu,
+                                        v.gpu.memory_bytes != vm.gpu.memory_bytes, v.gpus))
+        choices = [v.name for v in choices]
+        yield Problem("spec.resources.gpusPerNode", f"{wanted} GPUs per node, but {vm.name} "
+                      f"has {vm.gpus} ({vm.gpu.name}): no node of it can hold a worker",
+                      f"use gpuType {choices[0]} ({catalog.find(choices[0]).gpus} GPUs)"
+                      if choices else f"set gpusPerNode to at most {vm.gpus}", "warning")
+    models = {v.gpu.name for v in catalog.vm_sizes_with(gpu_type)}
+    if len({(v.gpu.memory_bytes, v.gpu.bf16) for v in catalog.vm_sizes_with(gpu_type)}) > 1:
+        yield Problem("spec.resources.gpuType", f"{gpu_type!r} could be {', '.join(sorted(models))}"
+                      f": planned as {vm.name} ({vm.gpus} x {vm.gpu.name}) for {wanted} GPUs "
+                      "per node", "name the GPU (e.g. " + sorted(models)[0] + ") or the VM "
+                      "size", "warning")
 
 
 RULES.append(Rule("gpu_type_is_known", gpu_type_is_known))
@@ -360,10 +384,20 @@ _TYPE_NAMES = {"int": "an integer", "float": "a number", "bool": "true or false"
                "string": "a string", "dict": "a mapping", "list": "a list", "model": "a mapping"}
 
 
+_PLAIN_KEY = re.compile(r"^[A-Za-z_$][A-Za-z0-9_$-]*$")
+
+
 def _path(loc: tuple[Any, ...]) -> str:
+    """`spec.kubernetes.env[0].name`; a key that is empty or not a plain name is quoted
+    (`spec.model[""]`, `spec["a b"]`), so the path is never blank or ambiguous."""
     out = ""
     for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif _PLAIN_KEY.match(str(part)):
+            out += f".{part}" if out else str(part)
+        else:
+            out += f"[{short_repr(str(part))}]".replace("'", '"')
     return out
 
 
@@ -467,6 +501,12 @@ def check_document(doc: Any) -> tuple[FineTuneJob | None, list[Problem]]:
     for r in RULES:
         problems.extend(r.check(job))
     return job, problems
+
+
+def setting_errors(job: FineTuneJob) -> list[Problem]:
+    """The errors of the cross-field rules the API server also checks (CEL): what a
+    recommendation must pass before the planner makes it."""
+    return [p for r in RULES if r.cel for p in r.check(job) if p.severity == "error"]
 
 
 def parse_job(doc: Any) -> FineTuneJob:

@@ -170,3 +170,38 @@ def test_every_example_is_accepted_by_the_api_server(installation):
         result = installation.kubectl("apply", "--dry-run=server", "-n", "default", "-f", "-",
                                       input=json.dumps(doc), check=False)
         assert result.returncode == 0, f"{path.name}: {result.stderr}"
+
+
+@pytest.mark.asyncio
+async def test_a_multi_node_job_is_not_launched_onto_a_claim_of_one_node(
+        control_plane_testbed):
+    """#19, item 3: the output claim is ReadWriteOnce (AKS's managed-disk default): the
+    second node's pods could never mount it. The operator reads the claim (the chart's
+    Role lets it), says why in a Warning event, and creates nothing."""
+    bed: ControlPlaneTestbed = control_plane_testbed
+    kubectl = bed.installation.kubectl
+    volume = f"{bed.namespace}-single"
+    await asyncio.to_thread(kubectl, "apply", "-f", "-", input=json.dumps({
+        "apiVersion": "v1", "kind": "List", "items": [
+            {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": volume},
+             "spec": {"capacity": {"storage": "1Ti"}, "accessModes": ["ReadWriteOnce"],
+                      "hostPath": {"path": f"/fake/{volume}"}, "storageClassName": "",
+                      "claimRef": {"namespace": bed.namespace, "name": "single"}}},
+            {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+             "metadata": {"name": "single", "namespace": bed.namespace},
+             "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "",
+                      "volumeName": volume, "resources": {"requests": {"storage": "1Ti"}}}}]}))
+    try:
+        await bed.apply(bed.manifest(output={"uri": "pvc://single/out"}))
+
+        def warned() -> bool:
+            listed = json.loads(kubectl("get", "events", "-n", bed.namespace, "-o", "json").stdout)
+            return any("claim 'single' is ReadWriteOnce" in (e.get("message") or "")
+                       for e in listed["items"])
+
+        await bed.until(warned, "the Warning event naming the claim")
+        assert bed.jobs_created("demo") == 0
+        assert bed.create_attempts("jobs", "demo") == 0
+        assert not bed.operator_denials()
+    finally:
+        await asyncio.to_thread(kubectl, "delete", "pv", volume, "--wait=false")

@@ -26,18 +26,28 @@ def job(**spec):
 
 # --- catalog -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("name", "vm", "gpus"), [
-    ("Standard_ND96asr_v4", "Standard_ND96asr_v4", 8),
-    ("nd96amsr_a100_v4", "Standard_ND96amsr_A100_v4", 8),
-    ("A100-80GB", "Standard_NC24ads_A100_v4", 1),
-    ("H100", "Standard_ND96isr_H100_v5", 8),
-    ("h200", "Standard_ND96isr_H200_v5", 8),
-    ("T4", "Standard_NC4as_T4_v3", 1),
-    ("V100-32GB", "Standard_ND40rs_v2", 8),
+@pytest.mark.parametrize(("name", "per_node", "vm", "gpus"), [
+    ("Standard_ND96asr_v4", 1, "Standard_ND96asr_v4", 8),
+    ("nd96amsr_a100_v4", 1, "Standard_ND96amsr_A100_v4", 8),
+    ("A100-80GB", 1, "Standard_NC24ads_A100_v4", 1),
+    ("A100-80GB", 8, "Standard_ND96amsr_A100_v4", 8),  # #19 item 5: not a 1-GPU VM for 2x8
+    ("H100", 8, "Standard_ND96isr_H100_v5", 8),
+    ("H100", 1, "Standard_NC40ads_H100_v5", 1),
+    ("h200", 1, "Standard_ND96isr_H200_v5", 8),
+    ("T4", 1, "Standard_NC4as_T4_v3", 1),
+    ("T4", 4, "Standard_NC64as_T4_v3", 4),
+    ("T4-16GB", 1, "Standard_NC4as_T4_v3", 1),  # the name `finetune plan` prints
+    ("H100-NVL-94GB", 2, "Standard_NC80adis_H100_v5", 2),
+    ("V100-32GB", 1, "Standard_ND40rs_v2", 8),
 ])
-def test_catalog_finds_vm_sizes_and_gpu_models(name, vm, gpus):
-    found = catalog.find(name)
+def test_catalog_finds_vm_sizes_and_gpu_models(name, per_node, vm, gpus):
+    found = catalog.find(name, per_node)
     assert found is not None and found.name == vm and found.gpus == gpus
+
+
+def test_every_name_the_planner_prints_is_found():
+    for name in catalog.known_names() + [gpu.name for gpu in catalog.GPUS]:
+        assert catalog.find(name) is not None, name
 
 
 def test_catalog_covers_the_series_users_pick_from():

@@ -346,3 +346,26 @@ def test_a_failed_write_says_where_why_and_where_a_rerun_resumes(tmp_path):
     (complete / STATE_FILE).write_text("{}")
     assert write_failure(tmp_path, partial, refused).endswith(
         "it resumes from step-00000010, which is complete and untouched")
+
+
+def test_a_peer_dying_mid_save_is_not_blamed_on_the_output_folder():
+    """#25, item 6: the survivor of a rank killed during a checkpoint write said the output
+    folder refused the write; it is the gang's failure, and torchrun restarts the gang."""
+    import errno
+
+    import torch.distributed as dist
+
+    from finetune_trainer.checkpoint import peer_failure
+
+    class DcpFailure(Exception):  # the shape of DCP's CheckpointException
+        def __init__(self, failures):
+            self._failures = failures
+
+    gone = RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]")
+    assert peer_failure(gone)
+    assert peer_failure(dist.DistBackendError("NCCL communicator was aborted on rank 1"))
+    assert peer_failure(DcpFailure({1: (gone, None)}))
+    full = OSError(errno.ENOSPC, "No space left on device")
+    assert not peer_failure(full)
+    assert not peer_failure(RuntimeError("PytorchStreamWriter failed writing file: unexpected pos"))
+    assert not peer_failure(DcpFailure({0: (full, None), 1: (gone, None)}))

@@ -218,3 +218,32 @@ def test_render_backend_azureml_prints_yaml_that_load_job_accepts(tmp_path):
         capture_output=True, text=True, check=False, cwd=REPO)
     assert kubernetes_job.returncode == 2
     assert "spec.azureml: is required by backend azureml" in kubernetes_job.stderr
+
+
+def test_a_job_the_sdk_refuses_is_refused_in_one_line_per_problem(tmp_path):
+    """#25, item 1: the SDK's own validation (an environment it cannot parse) reached an
+    attribute the validation result does not have; `render` crashed, the operator raised
+    on every reconcile. Now both get Problems naming the field."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from finetune_operator.api import FineTuneJob
+    from finetune_operator.backends.azureml import jobspec
+    from tests.conftest import REPO
+
+    manifest = yaml.safe_load((REPO / "examples/04-azureml-zero3.yaml").read_text())
+    manifest["spec"]["azureml"]["environment"] = "hf://a/b"
+    problems = jobspec.validate(FineTuneJob.model_validate(manifest))
+    assert problems and all(p.path.startswith("spec.azureml (") for p in problems)
+    assert any("Could not parse hf://a/b" in p.message for p in problems)
+
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    result = subprocess.run([sys.executable, "-m", "finetune_operator.cli", "render", str(path)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert f"{path}: spec.azureml (environment): " in result.stderr
+    assert all(line.startswith(f"{path}: ") for line in result.stderr.splitlines())

@@ -118,3 +118,52 @@ def test_help_reads_well():
     assert "--all-namespaces" in finetune("operator", "--help").stdout
     both = finetune("operator", "--all-namespaces", "--namespace", "ml")
     assert both.returncode == 2 and "not both" in both.stderr
+
+
+def test_plan_prints_a_lone_surrogate_escaped_instead_of_crashing(tmp_path):
+    """#25, item 2: "\\uD800" is a valid YAML string and no valid UTF-8."""
+    manifest = minimal_job(model={"uri": "/models/\ud800x"})
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(manifest, allow_unicode=False))
+    result = finetune("plan", "--offline", str(path))
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "/models/\\ud800x" in result.stdout
+
+
+def test_a_foreign_kind_is_quoted_so_it_cannot_forge_a_line(tmp_path):
+    """#25, item 3: a kind with a newline read like a real `FILE: path: problem` line."""
+    path = tmp_path / "two.yaml"
+    path.write_text('apiVersion: v1\nkind: "Foo\\nx.yaml: spec.model: forged \\u001b[31m"\n'
+                    "---\n" + yaml.safe_dump(minimal_job()))
+    result = finetune("validate", str(path))
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    assert lines == [f"{path}#1: skipped 'Foo\\nx.yaml: spec.model: forged \\x1b[31m' "
+                     "(not a FineTuneJob)"]
+
+
+def test_an_empty_or_spaced_key_is_named_quoted(tmp_path):
+    """#25, item 5: `FILE: : is not a known field` named nothing."""
+    manifest = minimal_job()
+    manifest["spec"][""] = 1
+    manifest["spec"]["a b"] = 2
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    result = finetune("validate", str(path))
+    assert result.returncode == 2
+    assert f'{path}: spec[""]: is not a known field' in result.stderr
+    assert f'{path}: spec["a b"]: is not a known field' in result.stderr
+
+
+def test_a_control_character_is_named_with_its_line_on_one_line(tmp_path):
+    """#25, item 4: YAML's reader errors had no line number and spilled onto a second,
+    unprefixed line."""
+    path = tmp_path / "nul.yaml"
+    path.write_bytes(b"apiVersion: finetune.dev/v1alpha1\nkind: FineTuneJob\n"
+                     b"metadata: {name: a\x00b}\n")
+    result = finetune("validate", str(path))
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        f"{path}:3:19: not valid YAML: character #x0000 is not allowed — remove it (control "
+        "characters other than tab and newline)"]

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import yaml
 
 from finetune_operator.validation import check_document, parse_job
-from tests.conftest import EXAMPLES, load_yaml
+from tests.conftest import EXAMPLES, REPO, load_yaml
 from tests.crd_schema import cel_failures, schema_errors
 
 
@@ -32,3 +33,21 @@ def test_examples_cover_both_backends_and_all_methods():
     assert {j.spec.method.type for j in jobs} == {"lora", "qlora", "full"}
     assert any(j.spec.kubernetes and j.spec.kubernetes.queue_name for j in jobs)
     assert any(j.spec.model.uri.startswith("azureml://registries/") for j in jobs)
+
+
+def test_the_cluster_setup_the_examples_expect_is_valid_and_shared():
+    """examples/cluster/ml-team.yaml: the namespace, PriorityClass and claims examples 02,
+    03 and 05 name; the output claim is ReadWriteMany (every rank writes checkpoints)."""
+    import kubernetes_validate
+
+    objects = list(yaml.safe_load_all((REPO / "examples/cluster/ml-team.yaml").read_text()))
+    for obj in objects:
+        kubernetes_validate.validate(obj, "1.32", strict=True)
+    claims = {o["metadata"]["name"]: o for o in objects if o["kind"] == "PersistentVolumeClaim"}
+    assert claims["checkpoints"]["spec"]["accessModes"] == ["ReadWriteMany"]
+    named = {o["metadata"]["name"] for o in objects}
+    example = yaml.safe_load((REPO / "examples/02-aks-fsdp-full-8b.yaml").read_text())
+    assert example["metadata"]["namespace"] in named
+    assert example["spec"]["kubernetes"]["priorityClassName"] in named
+    for section in ("dataset", "output"):
+        assert example["spec"][section]["uri"].split("/")[2] in claims

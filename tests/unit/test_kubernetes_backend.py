@@ -235,3 +235,22 @@ def test_a_resume_check_runs_before_torchrun_and_its_refusal_fails_the_job():
     rules = job["podFailurePolicy"]["rules"]
     assert {"action": "FailJob", "onExitCodes": {"operator": "In", "values": [4]}} in rules
     assert rules[0]["onPodConditions"] == [{"type": "DisruptionTarget", "status": "True"}]
+
+
+def test_a_multi_node_jobs_output_claim_must_be_read_write_many():
+    """#19, item 3: every rank writes checkpoints into the output claim; one that attaches
+    to a single node would leave the other nodes' pods waiting forever."""
+    from finetune_operator.api import FineTuneJob
+    from finetune_operator.backends.kubernetes import output_claim_problem
+
+    job = FineTuneJob.model_validate(minimal_job(resources={"nodes": 2, "gpusPerNode": 8}))
+
+    def claim(*modes):
+        return {"metadata": {"name": "ckpt"}, "spec": {"accessModes": list(modes)}}
+
+    assert output_claim_problem(job, claim("ReadWriteMany")) is None
+    assert output_claim_problem(job, None) is None  # not multi-node, not pvc, or unreadable
+    problem = output_claim_problem(job, claim("ReadWriteOnce"))
+    assert problem.startswith("spec.output.uri: claim 'ckpt' is ReadWriteOnce, but the 2 "
+                              "nodes' ranks all write checkpoints into it — use a "
+                              "ReadWriteMany claim")

@@ -71,6 +71,8 @@ def save(strategy, scheduler, state: TrainerState, output_dir: Path, keep_last: 
         # torch reports a full disk as a RuntimeError ("unexpected pos"), DCP as a
         # CheckpointException (a BaseException) carrying each rank's error
         except (OSError, RuntimeError, CheckpointException) as error:
+            if peer_failure(error):  # a rank died mid-save: the gang restart handles it
+                raise
             raise CheckpointError(write_failure(output_dir, partial, error)) from error
 
     if rank == 0:
@@ -107,6 +109,26 @@ def _write_state(partial: Path, state: TrainerState) -> None:
     tmp = partial / (STATE_FILE + ".tmp")
     tmp.write_text(json.dumps(asdict(state), indent=2))
     os.replace(tmp, partial / STATE_FILE)
+
+
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+             "NCCL communicator was aborted", "ProcessGroupNCCL", "gloo", "Timed out")
+"""What a collective raises when another rank stopped answering (gloo's and NCCL's own
+words): not the storage's fault, and not worth a message about the output folder."""
+
+
+def peer_failure(error: BaseException) -> bool:
+    """The save failed because another rank died or hung, not because of the output folder
+    (#25, item 6): a torch.distributed error, or DCP's per-rank failures all of that kind."""
+    import torch.distributed as dist
+
+    failures = getattr(error, "_failures", None)  # DCP: {rank: (exception, traceback)}
+    if failures:
+        return all(peer_failure(cause) for cause, _trace in failures.values())
+    if isinstance(error, dist.DistError):
+        return True
+    return isinstance(error, RuntimeError) and not isinstance(error, OSError) and any(
+        words in str(error) for words in PEER_GONE)
 
 
 def write_failure(output_dir: Path, partial: Path, error: BaseException) -> str:

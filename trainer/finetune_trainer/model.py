@@ -68,7 +68,8 @@ def _load_error(location: str, source: ModelSource, error: Exception) -> ModelEr
         hint = ("set spec.model.tokenSecretRef for gated or private models" if
                 "401" in str(error) or "403" in str(error) or "gated" in str(error).lower()
                 else "check the name and revision, and that workers can reach the hub "
-                     "(or copy the model to a PVC and use pvc://)")
+                     "(or download the model once and point spec.model.uri at that folder: "
+                     "a path with `finetune run`, pvc://claim/path on a cluster)")
         return ModelError(source.uri, f"cannot be loaded from the hub ({type(error).__name__}: "
                           f"{str(error).splitlines()[0]})", hint)
     return ModelError(location, f"cannot be loaded ({type(error).__name__}: {error})",
@@ -90,11 +91,14 @@ def load_tokenizer(source: ModelSource, base_dir: Path | None = None):
 
 def load_model(source: ModelSource, method: MethodConfig, precision: Precision,
                gradient_checkpointing: bool, base_dir: Path | None = None,
-               sharded: bool = False, checkpoint_policy: CheckpointPolicy = "full"):
+               sharded: bool = False, checkpoint_policy: CheckpointPolicy = "full",
+               device=None):
     """The model ready for training: adapters applied, cache off, checkpointing set.
 
     `sharded` (fsdp, zero): every weight stays fp32, since FSDP2 shards one dtype per
     layer and ZeRO keeps its own master copy; the strategy casts for compute.
+    `device`: a replica (not sharded) on a GPU is read straight onto it, never whole in
+    host memory (a bf16 checkpoint read as fp32 on the host took 2x its size there).
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -108,6 +112,8 @@ def load_model(source: ModelSource, method: MethodConfig, precision: Precision,
     else:
         lora_on_replicas = method.type == "lora" and not sharded
         kwargs["dtype"] = compute if lora_on_replicas else torch.float32
+    if device is not None and device.type == "cuda" and not sharded:
+        kwargs["device_map"] = {"": device}
     try:
         model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
     except ModelError:

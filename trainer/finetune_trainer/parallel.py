@@ -107,7 +107,11 @@ class Strategy:
 
         model_state, optim_state = get_state_dict(
             self.model, self.optimizer, options=StateDictOptions(ignore_frozen_params=True))
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path))
+        # One file per tensor: DCP's writer keeps the host copy of every tensor of a file
+        # until that file is written, so one file per rank (the default) held a GPU rank's
+        # weights and both Adam moments on the host at once: 17 GB for a 1.5B full fine-tune.
+        writer = dcp.FileSystemWriter(str(path), single_file_per_rank=False)
+        dcp.save({"model": model_state, "optimizer": optim_state}, storage_writer=writer)
 
     def load(self, path: Path) -> None:
         import torch.distributed.checkpoint as dcp
@@ -152,6 +156,11 @@ class Strategy:
 
 class DDPStrategy(Strategy):
     name = "ddp"
+
+    def full_state_dict(self) -> None:
+        """None: every rank holds the whole model, so `save_pretrained` takes it where it
+        lives, one shard at a time (a gathered CPU copy would hold all of it on the host)."""
+        return None
 
     def setup(self, model, make_optimizer) -> None:
         from torch.nn.parallel import DistributedDataParallel

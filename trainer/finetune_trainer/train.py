@@ -47,6 +47,7 @@ from finetune_trainer.timing import StepPhases
 
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: what Kubernetes and torchrun expect after SIGTERM
 FINAL_DIR = "final"
+EXPORT_SHARD_SIZE = "1GB"
 MERGED_DIR = "merged"
 
 
@@ -268,10 +269,13 @@ def export(strategy, tokenizer, config: TrainerConfig, output_dir: Path, base_di
     import torch.distributed as dist
 
     final = output_dir / FINAL_DIR
-    state_dict = strategy.full_state_dict()  # collective under fsdp / zero3
+    state_dict = strategy.full_state_dict()  # collective under fsdp / zero3; None under ddp
     if dist.get_rank() == 0:
+        # a shard's weights are on the host together while it is written: bounded, so
+        # exporting never holds the whole model there (adapters are small)
+        shards = {"max_shard_size": EXPORT_SHARD_SIZE} if config.method.type == "full" else {}
         strategy.unwrapped().save_pretrained(final, state_dict=state_dict,
-                                             safe_serialization=True)
+                                             safe_serialization=True, **shards)
         tokenizer.save_pretrained(final)
         if config.method.type != "full" and config.output.merge_adapter:
             merge_adapter(config, final, output_dir / MERGED_DIR, base_dir)
@@ -352,7 +356,7 @@ def run(config: TrainerConfig, base_dir: Path) -> int:
     # unset (the operator resolves both before a worker starts): checkpointing on, no compile
     checkpointing = config.strategy.gradient_checkpointing is not False
     model = load_model(config.model, method, config.strategy.precision, checkpointing, base_dir,
-                       sharded=strategy.name != "ddp",
+                       sharded=strategy.name != "ddp", device=device,
                        checkpoint_policy=config.strategy.gradient_checkpointing_policy)
     if config.strategy.compile is True:
         layers = compile_layers(model, prepared.wrap_classes)

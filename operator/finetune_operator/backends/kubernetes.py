@@ -17,13 +17,20 @@ import aiohttp
 
 from finetune_operator import naming, yamlio
 from finetune_operator.api import API_VERSION, KIND, FineTuneJob, Progress
-from finetune_operator.backends import BackendContext
+from finetune_operator.backends import BackendContext, BackendError
+from finetune_operator.kube import KubeError
 from finetune_operator.reconcile import Failure, Observation
 from finetune_operator.settings import OperatorSettings, Taint
 from finetune_operator.trainer_config import build_trainer_config
 from finetune_operator.validation import Problem
 from finetune_trainer.config import TrainerConfig
-from finetune_trainer.uris import DATASET_SCHEMES, MODEL_SCHEMES, OUTPUT_SCHEMES, parse_uri
+from finetune_trainer.uris import (
+    DATASET_SCHEMES,
+    MODEL_SCHEMES,
+    OUTPUT_SCHEMES,
+    SCHEME_EXAMPLES,
+    parse_uri,
+)
 
 logger = logging.getLogger("finetune_operator.kubernetes")
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -46,9 +53,11 @@ def validate(job: FineTuneJob) -> list[Problem]:
                              ("output", OUTPUT_SCHEMES)):
         scheme = parse_uri(getattr(job.spec, section).uri, schemes).scheme
         if scheme in ("relative", "azureml"):
+            others = [SCHEME_EXAMPLES[s] if s != "path" else "an absolute path inside the image"
+                      for s in schemes if s not in ("relative", "azureml")]
             problems.append(Problem(
                 f"spec.{section}.uri", f"{scheme} locations cannot be reached from pods",
-                "use pvc://claim/path, an hf:// or https:// location, or a path in the image"))
+                f"use {', '.join(others[:-1])} or {others[-1]}"))
     return problems
 
 
@@ -433,6 +442,22 @@ def job_failure(failed: dict[str, Any]) -> Failure:
     return Failure("worker", text)
 
 
+def output_claim_problem(job: FineTuneJob, claim: dict[str, Any] | None) -> str | None:
+    """Every rank of a multi-node job writes its shard of each checkpoint into the output
+    claim: a claim that is not ReadWriteMany attaches to one node, and the other nodes'
+    pods wait for it forever. The message says which claim and what to use instead."""
+    if claim is None:
+        return None
+    modes = (claim.get("spec") or {}).get("accessModes") or []
+    if "ReadWriteMany" in modes:
+        return None
+    name = claim["metadata"]["name"]
+    return (f"spec.output.uri: claim {name!r} is {' / '.join(modes) or 'of no access mode'}, "
+            f"but the {job.spec.resources.nodes} nodes' ranks all write checkpoints into it — "
+            "use a ReadWriteMany claim (on AKS: the azurefile-csi or azurefile-csi-premium "
+            "storage class, or Blob CSI); not launched, checked again every 5 minutes")
+
+
 def creation_failure(events: list[dict[str, Any]]) -> str | None:
     """The Job controller's newest `FailedCreate` event: why it could not create the pods
     (a missing PriorityClass, a quota, a policy), which no pod can say, as none exists."""
@@ -505,10 +530,25 @@ class KubernetesBackend:
         return render(job, self.settings)
 
     async def launch(self, job: FineTuneJob) -> None:
+        if (unshared := output_claim_problem(job, await self._output_claim(job))) is not None:
+            raise BackendError(unshared, retry_after=300)
         for obj in self.render(job):
             created = await self.kube.create(obj)
             logger.info("%s %s %s/%s", "created" if created else "found", obj["kind"],
                         job.namespace, obj["metadata"]["name"])
+
+    async def _output_claim(self, job: FineTuneJob) -> dict[str, Any] | None:
+        """The output's PersistentVolumeClaim of a multi-node job (None otherwise, or when it
+        cannot be read: the pods then say what is wrong with it)."""
+        uri = parse_uri(job.spec.output.uri, OUTPUT_SCHEMES)
+        if job.spec.resources.nodes < 2 or uri.scheme != "pvc":
+            return None
+        try:
+            return await self.kube.get("PersistentVolumeClaim", job.namespace, uri.pvc_claim)
+        except KubeError as error:
+            logger.warning("cannot read claim %s/%s (%s): launching without checking that it "
+                           "is ReadWriteMany", job.namespace, uri.pvc_claim, error)
+            return None
 
     async def observe(self, job: FineTuneJob) -> Observation:
         children = (("Job", naming.worker_job(job.name)),

@@ -116,18 +116,6 @@ VM_SIZES: tuple[VmSize, ...] = (
 GPUS: tuple[Gpu, ...] = (T4, V100_16, V100_32, A100_40, A100_80_PCIE, A100_80, H100_NVL,
                          H100_80, H200)
 
-# what users write for a bare GPU model → the VM size that has it
-_GPU_ALIASES = {
-    "t4": "Standard_NC4as_T4_v3", "v100": "Standard_NC6s_v3", "v10016gb": "Standard_NC6s_v3",
-    "v10032gb": "Standard_ND40rs_v2", "a10040gb": "Standard_ND96asr_v4",
-    "a100": "Standard_NC24ads_A100_v4", "a10080gb": "Standard_NC24ads_A100_v4",
-    "a10080gbpcie": "Standard_NC24ads_A100_v4", "a10080gbsxm": "Standard_ND96amsr_A100_v4",
-    "h100": "Standard_ND96isr_H100_v5", "h10080gb": "Standard_ND96isr_H100_v5",
-    "h100nvl": "Standard_NC40ads_H100_v5", "h100nvl94gb": "Standard_NC40ads_H100_v5",
-    "h200": "Standard_ND96isr_H200_v5", "h200141gb": "Standard_ND96isr_H200_v5",
-}
-
-
 def _key(name: str) -> str:
     return re.sub(r"[^a-z0-9]", "", name.lower().removeprefix("standard_"))
 
@@ -135,16 +123,36 @@ def _key(name: str) -> str:
 _BY_KEY = {_key(vm.name): vm for vm in VM_SIZES}
 
 
-def find(name: str) -> VmSize | None:
-    """A VM size by its Azure name (with or without `Standard_`, any case) or by a GPU
-    model (`A100-80GB`, `H100`, `T4`); None when the catalog does not know it."""
+def gpu_names(gpu: Gpu) -> list[str]:
+    """The names a GPU answers to, from its catalog name: `A100-80GB-PCIe` is also
+    `A100-80GB` and `A100`; `H100-NVL-94GB` also `H100-NVL` and `H100`."""
+    parts = gpu.name.split("-")
+    return ["-".join(parts[:n]) for n in range(len(parts), 0, -1)]
+
+
+def vm_sizes_with(name: str) -> list[VmSize]:
+    """The VM sizes whose GPU answers to `name` (any case, punctuation ignored)."""
     key = _key(name)
-    if key in _BY_KEY:
-        return _BY_KEY[key]
-    alias = _GPU_ALIASES.get(key)
-    return _BY_KEY[_key(alias)] if alias else None
+    return [vm for vm in VM_SIZES if any(_key(n) == key for n in gpu_names(vm.gpu))]
+
+
+def find(name: str, gpus_per_node: int = 1) -> VmSize | None:
+    """A VM size by its Azure name (with or without `Standard_`, any case), or by a GPU name
+    (`A100-80GB`, `H100`, `T4-16GB`): then the smallest VM size with that GPU and at least
+    `gpus_per_node` of them (the cheapest of equals), else the one with the most. None when
+    the catalog does not know the name."""
+    if (vm := _BY_KEY.get(_key(name))) is not None:
+        return vm
+    candidates = vm_sizes_with(name)
+    if not candidates:
+        return None
+    enough = [vm for vm in candidates if vm.gpus >= gpus_per_node]
+    if enough:
+        return min(enough, key=lambda vm: (vm.gpus, vm.price_per_hour))
+    return max(candidates, key=lambda vm: (vm.gpus, -vm.price_per_hour))
 
 
 def known_names() -> list[str]:
-    return [vm.name for vm in VM_SIZES] + ["T4", "V100-16GB", "V100-32GB", "A100-40GB",
-                                           "A100-80GB", "H100", "H100-NVL", "H200"]
+    """Every VM size, then every GPU name (`finetune plan` prints GPUs by these)."""
+    gpus = dict.fromkeys(n for gpu in GPUS for n in gpu_names(gpu))
+    return [vm.name for vm in VM_SIZES] + list(gpus)

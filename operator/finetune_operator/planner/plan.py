@@ -174,9 +174,30 @@ def _fits(estimate: MemoryEstimate, vm: VmSize, headroom: float) -> bool:
     return estimate.total <= vm.gpu.memory_bytes * (1 - headroom)
 
 
+def as_recommended(job: FineTuneJob, vm: VmSize, nodes: int, strategy: Strategy,
+                   precision: Precision) -> FineTuneJob:
+    """The job as a recommendation would have it written."""
+    spec = job.spec
+    return job.model_copy(update={"spec": spec.model_copy(update={
+        "strategy": spec.strategy.model_copy(update={"type": strategy, "precision": precision}),
+        "resources": spec.resources.model_copy(update={
+            "gpu_type": vm.name, "gpus_per_node": vm.gpus, "nodes": nodes})})})
+
+
+def refused(job: FineTuneJob) -> str | None:
+    """Why the validator would refuse `job` (its first error), or None: the planner never
+    recommends a setup `finetune validate` or the API server turns down."""
+    from finetune_operator.validation import setting_errors  # validation uses the catalog
+
+    errors = setting_errors(job)
+    return f"{errors[0].message} — {errors[0].fix}" if errors else None
+
+
 def _option(shape: ModelShape, job: FineTuneJob, vm: VmSize, nodes: int, strategy: Strategy,
             headroom: float) -> Option | None:
     precision = _precision_on(vm.gpu.bf16, job.spec.strategy.precision)
+    if refused(as_recommended(job, vm, nodes, strategy, precision)):
+        return None
     setup = setup_for(job, strategy, vm.gpus * nodes, precision)
     setup = setup.model_copy(update={"device": "cuda"})
     estimate = estimate_memory(shape, setup)
@@ -240,13 +261,16 @@ def auto_strategy(job: FineTuneJob, model: ModelConfig | None) -> Strategy | Non
     model config, no known gpuType, CPU workers)."""
     shape, _ = shape_of(model)
     resources = job.spec.resources
-    vm = catalog.find(resources.gpu_type) if resources.gpu_type else None
+    vm = catalog.find(resources.gpu_type, resources.gpus_per_node) if resources.gpu_type else None
     if shape is None or vm is None or resources.gpus_per_node == 0:
         return None
     world = resources.nodes * resources.gpus_per_node
     precision = _precision_on(vm.gpu.bf16, job.spec.strategy.precision)
     estimates = {s: estimate_memory(shape, setup_for(job, s, world, precision))
-                 for s in allowed_strategies(job)}
+                 for s in allowed_strategies(job)
+                 if not refused(as_recommended(job, vm, resources.nodes, s, precision))}
+    if not estimates:
+        return None
     for strategy, estimate in estimates.items():
         if _fits(estimate, vm, HEADROOM):
             return strategy
@@ -295,7 +319,7 @@ def _gpu_and_shape(job: FineTuneJob, model: ModelConfig | None
     shape, error = shape_of(model or from_table(job.spec.model.uri))
     if shape is None:
         return None, None, error or f"no config.json known for {job.spec.model.uri}"
-    vm = catalog.find(resources.gpu_type) if resources.gpu_type else None
+    vm = catalog.find(resources.gpu_type, resources.gpus_per_node) if resources.gpu_type else None
     if vm is None:
         return shape, None, ("spec.resources.gpuType is not set" if not resources.gpu_type
                              else f"gpuType {resources.gpu_type!r} is not in the catalog")
@@ -385,15 +409,17 @@ def plan_job(job: FineTuneJob, model: ModelConfig | None, strategy: Strategy,
         return JobPlan(fits=None, verdict="unknown", reason=why, strategy=strategy,
                        world_size=world, gpu_type=gpu_type,
                        model_source=model.source if model else None)
-    vm = catalog.find(gpu_type) if gpu_type else None
+    vm = catalog.find(gpu_type, resources.gpus_per_node) if gpu_type else None
     precision = _precision_on(vm.gpu.bf16, spec.strategy.precision) if vm else (
         spec.strategy.precision)
     setup = setup_for(job, strategy, world, precision)
     estimate = estimate_memory(shape, setup)
     notes = list(estimate.notes)
     if precision != spec.strategy.precision:
+        why_not = refused(as_recommended(job, vm, resources.nodes, strategy, precision))
         notes.append(f"{vm.gpu.name} has no bf16: planned in fp16; set "
-                     "spec.strategy.precision: fp16")
+                     "spec.strategy.precision: fp16" if why_not is None else
+                     f"{vm.gpu.name} has no bf16, and fp16 is refused here: {why_not}")
     common = dict(model_source=model.source, total_params=estimate.total_params,
                   trainable_params=estimate.trainable_params, strategy=strategy,
                   precision=precision, world_size=world, per_gpu_bytes=estimate.total,

@@ -14,6 +14,7 @@ azure-ai-ml is an optional extra: it is imported inside the functions that need 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import re
@@ -175,6 +176,25 @@ def job_environment(job: FineTuneJob, settings: OperatorSettings) -> Any:
 
 # --- the job ------------------------------------------------------------------------------
 
+SDK_EXPERIMENTAL_LOGGERS = ("azure.ai.ml._utils._experimental",
+                            "azure.ai.ml._schema.core.fields")
+
+
+@contextlib.contextmanager
+def experimental_fields_set_on_purpose():
+    """The SDK warns "This is an experimental field" when it builds or reads back
+    queue_settings; we set it on purpose (spec.azureml.jobTier), so users never see it."""
+    loggers = [logging.getLogger(name) for name in SDK_EXPERIMENTAL_LOGGERS]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for log, level in zip(loggers, levels, strict=True):
+            log.setLevel(level)
+
+
 def build_command_job(job: FineTuneJob, settings: OperatorSettings, attempt: int = 1
                       ) -> Command:
     """The azure-ai-ml command job for one attempt of `job`."""
@@ -217,13 +237,15 @@ def build_command_job(job: FineTuneJob, settings: OperatorSettings, attempt: int
     )
     command_job.resources = resources
     if aml.job_tier:
-        command_job.queue_settings = QueueSettings(job_tier=aml.job_tier.lower())
+        with experimental_fields_set_on_purpose():
+            command_job.queue_settings = QueueSettings(job_tier=aml.job_tier.lower())
     return command_job
 
 
 def render(job: FineTuneJob, settings: OperatorSettings) -> dict[str, Any]:
     """The job as the YAML `az ml job create --file` takes (and `load_job` reads back)."""
-    document = json.loads(json.dumps(build_command_job(job, settings)._to_job()._to_dict()))
+    with experimental_fields_set_on_purpose():
+        document = json.loads(json.dumps(build_command_job(job, settings)._to_job()._to_dict()))
     environment = document.get("environment")
     if isinstance(environment, dict) and environment.get("name") == ANONYMOUS_ENVIRONMENT:
         document["environment"] = {"image": environment["image"]}  # the CLI names it itself
@@ -278,8 +300,9 @@ def validate(job: FineTuneJob) -> list[Problem]:
 def sdk_problems(job: FineTuneJob) -> list[Problem]:
     """The SDK's own validation of the built job (schema, inputs, distribution)."""
     command_job = build_command_job(job, OperatorSettings())
-    result = command_job._validate()
-    return [Problem(f"spec.azureml ({diagnostic.yaml_path})", diagnostic.message,
+    with experimental_fields_set_on_purpose():
+        result = command_job._validate()
+    # error_messages: yaml path → message, the validation result's public view
+    return [Problem(f"spec.azureml ({path})", " ".join(str(message).split()),
                     "see the Azure ML command job schema")
-            for diagnostic in result.error_messages_as_diagnostics()] if not result.passed \
-        else []
+            for path, message in result.error_messages.items()]

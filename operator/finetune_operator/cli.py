@@ -7,13 +7,14 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 import click
 
 from finetune_operator import yamlio
 from finetune_operator.api import KIND, FineTuneJob
 from finetune_operator.manifests import Document, ManifestError, read_documents
-from finetune_operator.render import render
+from finetune_operator.render import check_for_backend, render
 from finetune_operator.validation import Problem, check_document, short_repr
 
 EXIT_INVALID = 2
@@ -27,12 +28,19 @@ def _say_problem(source: str, problem: Problem) -> None:
     click.echo(f"{source}: {prefix}{problem}", err=True)
 
 
-def _jobs_in(paths: tuple[str, ...], local: bool = False, backend: str | None = None,
+Use = Literal["validate", "render", "here"]
+
+
+def _jobs_in(paths: tuple[str, ...], use: Use, backend: str | None = None,
              say: Callable[[str, Problem], None] = _say_problem,
              ) -> tuple[list[tuple[Document, FineTuneJob]], int]:
     """Check every FineTuneJob in `paths`, telling `say` each problem; returns the valid
-    jobs and the number of invalid documents. `local`: for `finetune run`, not a cluster.
-    `backend`: check them as if `spec.backend` said so (`render --backend`)."""
+    jobs and the number of invalid documents. `use`: `validate` and `render` check what the
+    operator checks, the backend's refusals included (`render.check_for_backend`), so the
+    two agree; `validate` leaves out the backend's refusal of relative paths, which it
+    reports as one warning (they are for `finetune run`). `here`: `finetune run` and
+    `finetune plan` on this machine, without the cluster-only rules. `backend`: check them
+    as if `spec.backend` said so (`render --backend`)."""
     valid: list[tuple[Document, FineTuneJob]] = []
     invalid = 0
     for path in paths:
@@ -45,17 +53,20 @@ def _jobs_in(paths: tuple[str, ...], local: bool = False, backend: str | None = 
         jobs_here = 0
         for doc in documents:
             if isinstance(doc.data, dict) and doc.data.get("kind") not in (None, KIND):
-                kind = doc.data.get("kind")
-                # quoted unless plain: a kind may hold a newline (a forged line) or escapes
-                plain = isinstance(kind, str) and kind.isprintable() and len(kind) <= 80
-                click.echo(f"{doc.source}: skipped {kind if plain else short_repr(kind)} "
+                click.echo(f"{doc.source}: skipped {_plain(doc.data.get('kind'))} "
                            f"(not a {KIND})", err=True)
                 continue
             jobs_here += 1
             if backend and isinstance(doc.data, dict) and isinstance(doc.data.get("spec"), dict):
                 doc.data["spec"]["backend"] = backend
-            job, problems = check_document(doc.data)
-            problems = [p for p in problems if not (local and p.cluster_only)]
+            if use == "here":
+                job, problems = check_document(doc.data)
+                problems = [p for p in problems if not p.cluster_only]
+            else:
+                job, problems = check_for_backend(doc.data)
+                if use == "validate":  # said once, by validation's warning
+                    problems = [p for p in problems
+                                if not (p.cluster_only and p.severity == "error")]
             errors = [p for p in problems if p.severity == "error"]
             for problem in problems:
                 say(doc.source, problem)
@@ -67,6 +78,13 @@ def _jobs_in(paths: tuple[str, ...], local: bool = False, backend: str | None = 
             click.echo(f"{path}: no {KIND} found — check `kind: {KIND}`", err=True)
             invalid += 1
     return valid, invalid
+
+
+def _plain(value: object) -> str:
+    """`value` as it is when short and printable, else quoted and cut short: a value from
+    the manifest may hold a newline (a forged line), escapes, or megabytes."""
+    plain = isinstance(value, str) and value.isprintable() and len(value) <= 80
+    return value if plain else short_repr(value)
 
 
 def _summary(job: FineTuneJob, where: str | None = None) -> str:
@@ -103,8 +121,10 @@ def validate(files: tuple[str, ...], output: str) -> None:
     """Check FineTuneJob manifests (`-` reads stdin).
 
     Prints one line per problem, `FILE: path.to.field: what is wrong — how to fix`, and
-    exits 2 when any manifest is invalid. Warnings (a local path that does not exist on
-    this machine, for one) do not change the exit code.
+    exits 2 when any manifest is invalid. It checks what the operator checks, the
+    backend's own refusals included (what `finetune render` refuses). Warnings (a local
+    path that does not exist on this machine, relative paths that only `finetune run`
+    can use) do not change the exit code.
     """
     found: list[dict] = []
 
@@ -113,11 +133,9 @@ def validate(files: tuple[str, ...], output: str) -> None:
                       "fix": problem.fix, "severity": problem.severity})
 
     say = collect if output == "json" else _say_problem
-    valid, invalid = _jobs_in(files, say=say)
+    valid, invalid = _jobs_in(files, "validate", say=say)
     for doc, job in valid:
-        base_dir = Path.cwd() if doc.source.startswith("-") else Path(
-            doc.source.split("#", 1)[0]).resolve().parent
-        for problem in missing_local_paths(job, base_dir):
+        for problem in missing_local_paths(job, doc.folder):
             say(doc.source, problem)
     if output == "json":
         click.echo(json.dumps({
@@ -136,17 +154,24 @@ def missing_local_paths(job: FineTuneJob, base_dir: Path) -> list[Problem]:
     """Warnings for model and dataset paths this machine can look at and does not have:
     relative ones (they mean this machine) and absolute ones (they may exist only in the
     job's image, so a warning, not an error)."""
-    from finetune_trainer.uris import parse_uri
+    from finetune_trainer.uris import DATASET_SCHEMES, MODEL_SCHEMES, parse_uri
 
     problems = []
-    for section, uri in (("model", job.spec.model.uri), ("dataset", job.spec.dataset.uri)):
-        scheme = parse_uri(uri, ("hf", "pvc", "azureml", "https", "path", "relative")).scheme
+    for section, uri, schemes in (("model", job.spec.model.uri, MODEL_SCHEMES),
+                                  ("dataset", job.spec.dataset.uri, DATASET_SCHEMES)):
+        scheme = parse_uri(uri, schemes).scheme
         if scheme not in ("path", "relative"):
             continue
         where = base_dir / uri if scheme == "relative" else Path(uri)
-        if not where.exists():
+        try:
+            missing = not where.exists()
+        except OSError as error:  # a name too long for this filesystem, a loop of links
+            missing, why = True, f"cannot be looked at on this machine ({error.strerror})"
+        else:
+            why = "does not exist on this machine"
+        if missing:
             problems.append(Problem(
-                f"spec.{section}.uri", f"{where} does not exist on this machine",
+                f"spec.{section}.uri", f"{_plain(str(where))} {why}",
                 "fix the path (relative paths start at the manifest's folder); ignore this "
                 "if it exists where the job runs (inside its image)" if scheme == "path" else
                 "fix the path (relative paths start at the manifest's folder)",
@@ -167,13 +192,8 @@ def render_command(file: str, output: str, backend: str | None) -> None:
     kubernetes: the ConfigMap, headless Service and Indexed Job
     azureml:    the command job YAML, for `az ml job create --file`
     """
-    from finetune_operator.render import backend_problems
-
-    valid, invalid = _jobs_in((file,), backend=backend)
-    refused = [(doc, p) for doc, job in valid for p in backend_problems(job)]
-    for doc, problem in refused:
-        click.echo(f"{doc.source}: {problem}", err=True)
-    if invalid or refused:
+    valid, invalid = _jobs_in((file,), "render", backend=backend)
+    if invalid:
         sys.exit(EXIT_INVALID)
     objects = [obj for _, job in valid for obj in render(job)]
     if output == "json":
@@ -202,19 +222,18 @@ def plan_command(file: str, gpu_type: str | None, output: str, offline: bool) ->
     from finetune_operator import planner
     from finetune_operator.planner import render as plan_render
 
-    valid, invalid = _jobs_in((file,), local=True)
+    valid, invalid = _jobs_in((file,), "here")
     if invalid or len(valid) != 1:
         if not invalid:
             click.echo(f"{file}: holds {len(valid)} FineTuneJobs — `finetune plan` takes one",
                        err=True)
         sys.exit(EXIT_INVALID)
-    _, job = valid[0]
+    doc, job = valid[0]
     if gpu_type:
         job = job.model_copy(deep=True)
         job.spec.resources.gpu_type = gpu_type
-    base_dir = Path.cwd() if file == "-" else Path(file).resolve().parent
     configs = planner.ModelConfigs(fetch=None if offline else planner.fetch_from_hub,
-                                   base_dir=base_dir)
+                                   base_dir=doc.folder)
     model = configs.resolve(job.spec.model.uri, job.spec.model.revision)
     result = plan_render.plan_with_notes(job, model)
     if output == "json":
@@ -259,17 +278,16 @@ def run_command(file: str, nproc: int | None, fresh: bool, verbose: bool) -> Non
     from finetune_operator.validation import InvalidJobError
     from finetune_trainer import trained_with
 
-    valid, invalid = _jobs_in((file,), local=True)
+    valid, invalid = _jobs_in((file,), "here")
     if invalid:
         sys.exit(EXIT_INVALID)
     if len(valid) != 1:
         click.echo(f"{file}: holds {len(valid)} FineTuneJobs — `finetune run` takes one", err=True)
         sys.exit(EXIT_INVALID)
     doc, job = valid[0]
-    base_dir = Path.cwd() if file == "-" else Path(file).resolve().parent
-    model = local.model_config(job, base_dir)
+    model = local.model_config(job, doc.folder)
     try:
-        config = local.local_config(job, base_dir, model)
+        config, step_settings = local.local_config(job, doc.folder, model)
     except InvalidJobError as error:
         for problem in error.problems:
             click.echo(f"{doc.source}: {problem}", err=True)
@@ -292,7 +310,7 @@ def run_command(file: str, nproc: int | None, fresh: bool, verbose: bool) -> Non
     click.echo(f"{doc.source}: {_summary(job, where='this machine')}")
     for difference in differences:
         click.echo(f"{doc.source}: {difference}", err=True)
-    for note in local.step_setting_notes(job, model, config):
+    for note in step_settings.notes:
         click.echo(f"{doc.source}: {note}")
     if warning := local.feasibility_warning(job, model):
         click.echo(f"{doc.source}: {warning}", err=True)
@@ -326,7 +344,9 @@ def run_command(file: str, nproc: int | None, fresh: bool, verbose: bool) -> Non
 @click.option("--health-port", type=int, default=8081, show_default=True,
               help="Port of /healthz (the liveness probe).")
 @click.option("--interval", type=float, default=10.0, show_default=True,
-              help="Seconds between looks at each job's workers.")
+              help="Seconds between looks at what no watch reports: rank 0's progress while "
+                   "a job runs, why pods are not created, Azure ML jobs (idle jobs are not "
+                   "polled).")
 @click.option("--peering", metavar="NAME", default=None,
               help="Run as one of several replicas: the kopf peering object NAME elects the "
                    "one that acts; the others stand by (the chart sets this when replicas > 1).")

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import TextIO
 
 from finetune_operator.api import FineTuneJob
-from finetune_operator.planner import ModelConfig, ModelConfigs, fetch_from_hub
+from finetune_operator.planner import ModelConfig, ModelConfigs, StepSettings, fetch_from_hub
 from finetune_operator.planner.render import plan_with_notes
-from finetune_operator.trainer_config import build_trainer_config
+from finetune_operator.trainer_config import trainer_config_and_step_settings
 from finetune_operator.validation import InvalidJobError, Problem
 from finetune_trainer.config import TrainerConfig
 from finetune_trainer.layout import checkpoint_root, latest_checkpoint, step_of
@@ -62,18 +62,11 @@ def feasibility_warning(job: FineTuneJob, model: ModelConfig | None) -> str | No
             "(`finetune plan` shows the breakdown; the operator would not launch this job)")
 
 
-def step_setting_notes(job: FineTuneJob, model: ModelConfig | None,
-                       config: TrainerConfig) -> list[str]:
-    """Why unset checkpointing and compile became what `config` says (nothing when set)."""
-    from finetune_operator.planner import choose_step_settings
-
-    return choose_step_settings(job, model, config.strategy.type).notes
-
-
-def local_config(job: FineTuneJob, base_dir: Path,
-                 model: ModelConfig | None = None) -> TrainerConfig:
-    """The trainer config with every location usable here (relative paths resolved);
-    `model` (its config.json) lets `strategy: auto` go through the planner."""
+def local_config(job: FineTuneJob, base_dir: Path, model: ModelConfig | None = None
+                 ) -> tuple[TrainerConfig, StepSettings]:
+    """The trainer config with every location usable here (relative paths resolved), and
+    the step settings it holds with why unset checkpointing and compile became what they
+    are (`notes`); `model` (its config.json) lets `strategy: auto` go through the planner."""
     problems: list[Problem] = []
 
     def locate(section: str, uri: str, schemes: tuple) -> str:
@@ -86,10 +79,10 @@ def local_config(job: FineTuneJob, base_dir: Path,
                                     "./relative) with `finetune run`"))
         return uri
 
-    config = build_trainer_config(job, locate, model)
+    config, settings = trainer_config_and_step_settings(job, locate, model)
     if problems:
         raise InvalidJobError(problems)
-    return config
+    return config, settings
 
 
 def default_processes(job: FineTuneJob) -> int:

@@ -10,11 +10,24 @@ from typing import Any
 import yaml
 
 
+def manifest_folder(path: str) -> Path:
+    """Where the relative paths of the manifest at `path` start: the manifest's own folder,
+    or the working directory for stdin (`-`)."""
+    return Path.cwd() if path == "-" else Path(path).resolve().parent
+
+
 @dataclass(frozen=True)
 class Document:
     source: str
     """Where it came from: `file`, or `file#N` for the N-th document of a multi-document file."""
     data: Any
+    path: str = "-"
+    """The file as given (`-`: stdin)."""
+
+    @property
+    def folder(self) -> Path:
+        """Where its relative paths start (`manifest_folder`)."""
+        return manifest_folder(self.path)
 
 
 class ManifestError(ValueError):
@@ -62,5 +75,5 @@ def read_documents(path: str) -> list[Document]:
                             "write it shorter") from error
     source = "<stdin>" if path == "-" else path
     if len(docs) == 1:
-        return [Document(source, docs[0])]
-    return [Document(f"{source}#{i}", d) for i, d in enumerate(docs, start=1)]
+        return [Document(source, docs[0], path)]
+    return [Document(f"{source}#{i}", d, path) for i, d in enumerate(docs, start=1)]

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from finetune_operator import planner
 from finetune_operator.api import FineTuneJob
-from finetune_operator.planner import ModelConfig
+from finetune_operator.planner import ModelConfig, StepSettings
 from finetune_trainer.config import (
     ConcreteStrategy,
     JobIdentity,
@@ -46,6 +46,14 @@ def build_trainer_config(job: FineTuneJob, locate: Locate = keep_location,
                          model: ModelConfig | None = None) -> TrainerConfig:
     """`model`: the model's config.json where the caller has read it (`finetune run`),
     for resolving `strategy: auto`, and unset checkpointing and compile."""
+    return trainer_config_and_step_settings(job, locate, model)[0]
+
+
+def trainer_config_and_step_settings(job: FineTuneJob, locate: Locate = keep_location,
+                                     model: ModelConfig | None = None
+                                     ) -> tuple[TrainerConfig, StepSettings]:
+    """`build_trainer_config`, and the step settings it chose with their reasons (the
+    notes `finetune run` prints come from this one decision)."""
     spec = job.spec
     chosen = resolve_strategy(job, model)
     settings = planner.choose_step_settings(job, model, chosen)
@@ -53,7 +61,7 @@ def build_trainer_config(job: FineTuneJob, locate: Locate = keep_location,
         "type": chosen, "gradient_checkpointing": settings.gradient_checkpointing,
         "gradient_checkpointing_policy": settings.checkpoint_policy,
         "compile": settings.compile})
-    return TrainerConfig(
+    config = TrainerConfig(
         job=JobIdentity(name=job.name, namespace=job.namespace, uid=job.metadata.uid),
         model=spec.model.model_copy(
             update={"uri": locate("model", spec.model.uri, MODEL_SCHEMES)}),
@@ -70,4 +78,5 @@ def build_trainer_config(job: FineTuneJob, locate: Locate = keep_location,
             require_infiniband=bool(spec.kubernetes and spec.kubernetes.infiniband
                                     and spec.backend == "kubernetes")),
     )
+    return config, settings
 

@@ -305,17 +305,34 @@ def backend_installed(job: FineTuneJob) -> Iterator[Problem]:
 RULES.append(Rule("backend_installed", backend_installed))
 
 
-def locations_are_supported(job: FineTuneJob) -> Iterator[Problem]:
+def _locations(job: FineTuneJob) -> tuple[tuple[str, str, tuple], ...]:
+    """(field, uri, accepted schemes) of the job's model, dataset and output."""
     spec = job.spec
-    relative: list[str] = []
-    for path, uri, schemes in (("spec.model.uri", spec.model.uri, MODEL_SCHEMES),
-                               ("spec.dataset.uri", spec.dataset.uri, DATASET_SCHEMES),
-                               ("spec.output.uri", spec.output.uri, OUTPUT_SCHEMES)):
+    return (("spec.model.uri", spec.model.uri, MODEL_SCHEMES),
+            ("spec.dataset.uri", spec.dataset.uri, DATASET_SCHEMES),
+            ("spec.output.uri", spec.output.uri, OUTPUT_SCHEMES))
+
+
+def relative_locations(job: FineTuneJob) -> list[str]:
+    """The location fields that hold a relative path (`finetune run` only)."""
+    relative = []
+    for path, uri, schemes in _locations(job):
         try:
             if parse_uri(uri, schemes).scheme == "relative":
                 relative.append(path)
+        except UriError:
+            continue
+    return relative
+
+
+def locations_are_supported(job: FineTuneJob) -> Iterator[Problem]:
+    spec = job.spec
+    for path, uri, schemes in _locations(job):
+        try:
+            parse_uri(uri, schemes)
         except UriError as error:
             yield Problem(path, error.what, error.fix)
+    relative = relative_locations(job)
     if relative:
         others = f" (also {', '.join(relative[1:])})" if relative[1:] else ""
         yield Problem(relative[0], f"relative paths{others} only work with `finetune run` on "

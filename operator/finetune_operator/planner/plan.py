@@ -196,12 +196,12 @@ def refused(job: FineTuneJob) -> str | None:
 def _option(shape: ModelShape, job: FineTuneJob, vm: VmSize, nodes: int, strategy: Strategy,
             headroom: float) -> Option | None:
     precision = _precision_on(vm.gpu.bf16, job.spec.strategy.precision)
-    if refused(as_recommended(job, vm, nodes, strategy, precision)):
-        return None
     setup = setup_for(job, strategy, vm.gpus * nodes, precision)
     setup = setup.model_copy(update={"device": "cuda"})
     estimate = estimate_memory(shape, setup)
-    if not _fits(estimate, vm, headroom):
+    # the validator only looks at what would be offered: options that fit
+    if not _fits(estimate, vm, headroom) or refused(
+            as_recommended(job, vm, nodes, strategy, precision)):
         return None
     speed = estimate_throughput(shape, setup, vm, nodes)
     cost = vm.price_per_hour * nodes / (speed.tokens_per_second * 3600) * 1e6
@@ -267,14 +267,18 @@ def auto_strategy(job: FineTuneJob, model: ModelConfig | None) -> Strategy | Non
     world = resources.nodes * resources.gpus_per_node
     precision = _precision_on(vm.gpu.bf16, job.spec.strategy.precision)
     estimates = {s: estimate_memory(shape, setup_for(job, s, world, precision))
-                 for s in allowed_strategies(job)
-                 if not refused(as_recommended(job, vm, resources.nodes, s, precision))}
-    if not estimates:
-        return None
+                 for s in allowed_strategies(job)}
+
+    def accepted(strategy: Strategy) -> bool:
+        return refused(as_recommended(job, vm, resources.nodes, strategy, precision)) is None
+
+    # the validator looks only at a strategy that would be chosen: the first that fits,
+    # else the least memory-hungry
     for strategy, estimate in estimates.items():
-        if _fits(estimate, vm, HEADROOM):
+        if _fits(estimate, vm, HEADROOM) and accepted(strategy):
             return strategy
-    return min(estimates, key=lambda s: estimates[s].total)
+    return next((s for s in sorted(estimates, key=lambda s: estimates[s].total)
+                 if accepted(s)), None)
 
 
 def fallback_strategy(job: FineTuneJob) -> Strategy:

@@ -35,11 +35,12 @@ class ModelConfig(BaseModel):
 
 
 def read_local(path: Path) -> ModelConfig | None:
-    """A folder holding config.json, or the config.json file itself."""
-    candidate = path / "config.json" if path.is_dir() else path
-    if not candidate.is_file():
-        return None
+    """A folder holding config.json, or the config.json file itself; None also when the
+    path cannot be looked at here (a name too long for this filesystem, no permission)."""
     try:
+        candidate = path / "config.json" if path.is_dir() else path
+        if not candidate.is_file():
+            return None
         return ModelConfig(config=json.loads(candidate.read_text(encoding="utf-8")),
                            source=f"path:{candidate}")
     except (OSError, ValueError):

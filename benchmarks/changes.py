@@ -84,6 +84,19 @@ GPU_CHANGES = [
            off={"strategy": {"type": "ddp"}},
            why="1B full on one GPU: FSDP2's bf16 parameters (vs fp32 weights under autocast)"),
 ]
+GPU_QLORA = replace(next(b for b in SUITES["gpu"].benches if b.name == "gpu-1b-qlora"),
+                    name="change-qlora", checkpointing=False, compile=False)
+GPU_CHANGES += [
+    Change("gpu-packed-attention", GPU_BASE, on={"strategy": {"packedAttention": True}},
+           off={"strategy": {"packedAttention": False}},
+           why="1B full: flash varlen over each packed sample (vs SDPA with a block mask)"),
+    Change("gpu-qlora-compile", replace(GPU_QLORA, steps=40, warmup=10),
+           on={"strategy": {"compile": True}}, off={"strategy": {"compile": False}},
+           why="1B QLoRA: torch.compile per decoder layer around the 4-bit matmuls"),
+    Change("gpu-qlora-bf16-norms", GPU_QLORA, on={}, off={},
+           env_on={"FINETUNE_QLORA_UPCAST": "0"}, env_off={"FINETUNE_QLORA_UPCAST": "1"},
+           why="1B QLoRA: norms and embeddings kept in bf16 (vs peft's upcast to fp32)"),
+]
 assert LLAMA_1B is GPU_BASE.shape
 
 

@@ -197,6 +197,8 @@ def trainer_config(bench: Bench, model: Path, data: Path, output: Path) -> dict:
 PLANNED_ON = "Standard_ND96isr_H100_v5"
 """The catalog's 80 GB H100 (8 per VM; the per-GPU estimate of a replicated job is the same
 on one)."""
+KEEP: Path | None = None
+"""--keep DIR: where each configuration's log and progress records are copied."""
 PLANNED_STEPS = 10_000
 """Unset settings are resolved as for a run this long (the benchmark itself runs fewer)."""
 
@@ -328,6 +330,10 @@ def compare(bench: Bench, work: Path, repeats: int, peers: tuple[str, ...]) -> d
                 runs[side].append(run_ours(bench, config, output))
             else:
                 runs[side].append(run_peer(bench, config, side))
+    if KEEP is not None:  # --keep: our last run's log and progress records
+        KEEP.mkdir(parents=True, exist_ok=True)
+        shutil.copy(config.with_suffix(".ours.log"), KEEP / f"{bench.name}.log")
+        shutil.copy(output / "progress.jsonl", KEEP / f"{bench.name}.progress.jsonl")
     ours = median_run(runs["ours"])
     row = {"config": asdict(bench), "ours": ours}
     for side in peers:
@@ -395,7 +401,8 @@ def libraries() -> dict[str, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite", choices=sorted(SUITES), default="cpu")
-    parser.add_argument("--only", default=None, help="run one configuration by name")
+    parser.add_argument("--only", default=None,
+                        help="run these configurations (comma-separated names)")
     parser.add_argument("--repeats", type=int, default=None,
                         help="runs of each side, alternating; the median is reported "
                         "(default: 3 on the CPU suite, 1 on the GPU suite)")
@@ -405,13 +412,21 @@ def main() -> None:
     parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
                         help="profile our warm-up steps (FINETUNE_PROFILE): the top "
                         "kernels per configuration under DIR/<name>/")
+    parser.add_argument("--keep", type=Path, default=None, metavar="DIR",
+                        help="copy our log and progress records of each configuration here")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/throughput.json")
     args = parser.parse_args()
-    chosen = [(suite, b) for suite in SUITES.values() for b in suite.benches
-              if b.name == args.only] if args.only else [
+    global KEEP
+    KEEP = args.keep
+    names = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else []
+    known = {b.name for suite in SUITES.values() for b in suite.benches}
+    if set(names) - known:
+        parser.error(f"--only {args.only}: no configuration named "
+                     f"{', '.join(sorted(set(names) - known))}; choose among "
+                     f"{', '.join(sorted(known))}")
+    chosen = [(suite, b) for name in names for suite in SUITES.values() for b in suite.benches
+              if b.name == name] if names else [
         (SUITES[args.suite], b) for b in SUITES[args.suite].benches]
-    if not chosen:
-        parser.error(f"--only {args.only}: no such configuration")
     suite = chosen[0][0]
     peers = tuple(p.strip() for p in args.peers.split(",") if p.strip()) \
         if args.peers is not None else suite.peers

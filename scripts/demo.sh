@@ -3,7 +3,8 @@
 #   1. a tiny Llama-architecture model and tokenizer are built locally (save_pretrained)
 #   2. the example manifests are validated; one is rendered into what the operator creates
 #   3. examples/01-tiny-cpu-lora.yaml is fine-tuned for real: 2 CPU processes over gloo
-#   4. the exported LoRA adapter is loaded back and answers a question
+#   4. the exported LoRA adapter is loaded back and answers a training question, beside
+#      the base model's answer to it
 #   5. a broken manifest is refused with every problem, its field and its fix
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,8 +26,9 @@ say "finetune run examples/01-tiny-cpu-lora.yaml   (a real fine-tune: 2 processe
 rm -rf build/demo/output
 "$BIN/finetune" run examples/01-tiny-cpu-lora.yaml
 
-say "the exported adapter, loaded back: what is FSDP?"
-"$BIN/python" -m finetune_trainer.generate build/demo/output/final "What is FSDP?" 2>/dev/null
+say "what is FSDP? the base model (random weights) beside the exported adapter, loaded back"
+printf 'base:    %s\n' "$("$BIN/python" -m finetune_trainer.generate build/demo/tiny-llama "What is FSDP?" 2>/dev/null)"
+printf 'adapter: %s\n' "$("$BIN/python" -m finetune_trainer.generate build/demo/output/final "What is FSDP?" 2>/dev/null)"
 
 say "a manifest with mistakes: every problem, with its field and fix (exit code 2)"
 set +e

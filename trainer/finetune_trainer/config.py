@@ -170,9 +170,14 @@ class StrategyConfig(ApiModel):
     compile: bool | None = None
     """Compile each decoder layer with `torch.compile` (torchtitan's per-block
     compilation): element-wise ops fused into fewer kernels (1.22x on a 1B full fine-tune
-    on one H100). Costs a compile of a minute or more at start (and one recompile when
-    sequence lengths vary). Unset (the default): on for GPU runs the planner expects to
-    last 20 minutes or more (ddp or fsdp, not qlora), off otherwise."""
+    on one H100). Costs a compile of a minute or more at start (packed rows are then padded
+    to `maxSeqLength`, so a shorter batch does not recompile). Unset (the default): on for
+    GPU runs the planner expects to last 20 minutes or more (ddp or fsdp, not qlora), off
+    otherwise."""
+    packed_attention: bool = True
+    """On CUDA, attend within each packed sample through flash attention's variable-length
+    kernel (the samples' bounds, no mask): no work on pairs of different samples. Models
+    it does not fit (sliding windows, soft-capping) and CPUs use SDPA with the mask."""
     fused_loss: bool = True
     """Compute the output layer and the cross-entropy together, a chunk of tokens at a
     time and over trained tokens only, never holding the whole batch x length x vocabulary

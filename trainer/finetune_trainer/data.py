@@ -562,8 +562,9 @@ class Prefetched:
         return key, value
 
 
-def collate(sequences: list[dict[str, list[int]]], pad_id: int):
-    """Tensors for one micro-batch, right-padded to its longest sequence.
+def collate(sequences: list[dict[str, list[int]]], pad_id: int, width: int | None = None):
+    """Tensors for one micro-batch, right-padded to its longest sequence (or to `width`
+    when that is longer).
 
     Padding restarts position_ids at 0, so it forms its own segment and never attends to
     or from real tokens. An empty micro-batch becomes one padding row with no loss: the
@@ -573,7 +574,7 @@ def collate(sequences: list[dict[str, list[int]]], pad_id: int):
 
     if not sequences:
         sequences = [{"input_ids": [pad_id], "labels": [IGNORE], "position_ids": [0]}]
-    width = max(len(s["input_ids"]) for s in sequences)
+    width = max(width or 0, *(len(s["input_ids"]) for s in sequences))
 
     def padded(key: str, fill: int, continue_positions: bool = False) -> torch.Tensor:
         rows = []

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from finetune_trainer.attention import forward_kwargs
 from finetune_trainer.data import IGNORE
 
 CHUNK_BYTES = 256 * 2**20
@@ -31,14 +32,14 @@ CHUNK_BYTES = 256 * 2**20
 MIN_CHUNK_ROWS = 256
 
 
-def _causal_lm(model):
+def base_causal_lm(model):
     """The transformers model under a peft wrapper (called before any strategy wraps it)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def fusable(model) -> str | None:
     """None when the loss can be taken from the output layer's input; else why not."""
-    causal_lm = _causal_lm(model)
+    causal_lm = base_causal_lm(model)
     head = causal_lm.get_output_embeddings()
     if head is None:
         return f"{type(causal_lm).__name__} has no output layer"
@@ -62,7 +63,7 @@ def fusable(model) -> str | None:
 def install(model) -> FusedLossHead:
     """Make the model's output layer able to return the summed loss (check `fusable`
     first); returns that layer."""
-    head = _causal_lm(model).get_output_embeddings()
+    head = base_causal_lm(model).get_output_embeddings()
     head.__class__ = FusedLossHead  # same parameters and hooks, one more way to run
     head.targets = None
     return head
@@ -78,12 +79,12 @@ def loss_targets(labels) -> dict[str, Any]:
 
 def summed_loss(model, batch, head: FusedLossHead | None):
     """Sum of the token cross-entropies of a micro-batch (on its device)."""
+    inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"],
+              "use_cache": False, **forward_kwargs(batch)}
     if head is not None:
         with head.computing_loss(batch["loss_rows"], batch["loss_targets"]):
-            return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                         use_cache=False).logits
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                   use_cache=False).logits
+            return model(**inputs).logits
+    logits = model(**inputs).logits
     # shift the labels, not the logits: slicing the logits would copy the largest tensor
     # of the step (batch x length x vocabulary) and its gradient
     targets = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE)

@@ -8,6 +8,7 @@ compute dtype to save memory, and QLoRA stores them in 4-bit.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -125,11 +126,15 @@ def load_model(source: ModelSource, method: MethodConfig, precision: Precision,
     if gradient_checkpointing:
         enable_activation_checkpointing(model, checkpoint_policy)
     if method.type == "qlora":
-        from peft import prepare_model_for_kbit_training
-
-        model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=gradient_checkpointing,
-            gradient_checkpointing_kwargs=checkpointing_options(checkpoint_policy))
+        model.requires_grad_(False)
+        if compute == torch.float16 or os.environ.get("FINETUNE_QLORA_UPCAST") == "1":
+            # fp16's narrow range wants the norms and embeddings in fp32 (peft's recipe);
+            # bf16 has fp32's range, and keeping them in bf16 saves a cast of every one of
+            # them (and of the 4-bit layers' inputs) in every forward and backward
+            for parameter in model.parameters():
+                if parameter.dtype in (torch.float16, torch.bfloat16) and \
+                        type(parameter).__name__ != "Params4bit":
+                    parameter.data = parameter.data.float()
     if method.type in ("lora", "qlora"):
         model = apply_lora(model, method.lora or LoraConfig())
     return model
@@ -160,7 +165,12 @@ def _saved_ops() -> set:
              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
              "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward",
              "_efficient_attention_forward")
-    return {getattr(aten, name).default for name in names if hasattr(aten, name)}
+    saved = {getattr(aten, name).default for name in names if hasattr(aten, name)}
+    with contextlib.suppress(ImportError, AttributeError):  # packed attention (attention.py)
+        import torch.nn.attention.varlen  # registers the op
+
+        saved.add(torch.ops.torch_attn._varlen_attn.default)
+    return saved
 
 
 def _keep_matmul_outputs():

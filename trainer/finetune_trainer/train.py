@@ -17,6 +17,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from finetune_trainer import checkpoint, flops, network_preflight, tracking, trained_with
 from finetune_trainer.collectives import CollectiveLog, merge
@@ -238,8 +239,8 @@ def _network_env(config: TrainerConfig, output_dir: Path) -> Path | None:
     return scratch
 
 
-def evaluate(strategy, sequences, micro_batch: int, pad_id: int, group,
-             head=None) -> float | None:
+def evaluate(strategy, sequences, micro_batch: int, collation: Collation, group
+             ) -> float | None:
     """Mean token loss over the eval split; every rank runs the same number of batches."""
     import torch
     import torch.distributed as dist
@@ -254,9 +255,10 @@ def evaluate(strategy, sequences, micro_batch: int, pad_id: int, group,
     with torch.no_grad():
         for start in range(0, len(sequences), micro_batch * world):
             mine = sequences[start + rank * micro_batch: start + (rank + 1) * micro_batch]
-            batch = micro_batch_tensors(mine, pad_id, head)
+            batch = collation.tensors(mine)
             with strategy.autocast():
-                total += float(summed_loss(strategy.model, _to(batch, strategy.device), head))
+                total += float(summed_loss(strategy.model, _to(batch, strategy.device),
+                                           collation.head))
             tokens += _label_tokens(batch)
     strategy.model.train()
     total, tokens = _all_ranks_sum([total, tokens], group)
@@ -304,14 +306,29 @@ def total_steps(config: TrainerConfig, batches: GlobalBatches) -> int:
     return max(1, math.ceil((hp.epochs or 1) * batches.steps_per_epoch))
 
 
-def micro_batch_tensors(sequences, pad_id: int, head) -> dict:
-    """A micro-batch's CPU tensors, with the trained positions when the loss is fused."""
-    from finetune_trainer import loss
+@dataclass(frozen=True)
+class Collation:
+    """How a micro-batch's sequences become the CPU tensors its forward takes."""
 
-    batch = collate(sequences, pad_id)
-    if head is not None:
-        batch.update(loss.loss_targets(batch["labels"]))
-    return batch
+    pad_id: int
+    head: Any = None
+    """The fused loss head (loss.install): the trained positions go with the batch."""
+    bounds: bool = False
+    """Packed attention (attention.install): the samples' bounds go with the batch."""
+    width: int | None = None
+    """Pad every row to this width (compiled layers on packed rows: one shape, so no
+    recompile when a batch comes out a little shorter); else to the longest row."""
+
+    def tensors(self, sequences) -> dict:
+        from finetune_trainer import loss
+        from finetune_trainer.attention import sequence_bounds
+
+        batch = collate(sequences, self.pad_id, self.width)
+        if self.head is not None:
+            batch.update(loss.loss_targets(batch["labels"]))
+        if self.bounds:
+            batch["cu_seq_lens"] = sequence_bounds(batch["position_ids"])
+        return batch
 
 
 def _to(batch, device):
@@ -331,7 +348,7 @@ def run(config: TrainerConfig, base_dir: Path) -> int:
     import torch.distributed as dist
     import transformers
 
-    from finetune_trainer import loss
+    from finetune_trainer import attention, loss
     from finetune_trainer.optim import build_optimizer, build_scheduler
     from finetune_trainer.parallel import build_strategy, init_distributed
 
@@ -358,6 +375,13 @@ def run(config: TrainerConfig, base_dir: Path) -> int:
     model = load_model(config.model, method, config.strategy.precision, checkpointing, base_dir,
                        sharded=strategy.name != "ddp", device=device,
                        checkpoint_policy=config.strategy.gradient_checkpointing_policy)
+    bounds = False  # packed attention: the samples' bounds go with every batch
+    if config.strategy.packed_attention:
+        if (why_not := attention.why_not(loss.base_causal_lm(model), device)) is None:
+            attention.install(loss.base_causal_lm(model))
+            bounds = True
+        elif device.type == "cuda":
+            _say(f"packed attention off: {why_not}; SDPA with a block-diagonal mask")
     if config.strategy.compile is True:
         layers = compile_layers(model, prepared.wrap_classes)
         _say(f"compiling {layers} decoder layers with torch.compile (the first steps are slow)")
@@ -367,6 +391,9 @@ def run(config: TrainerConfig, base_dir: Path) -> int:
             head = loss.install(model)
         else:
             _say(f"fused loss off: {why_not}; the logits are computed whole")
+    fixed = config.strategy.compile is True and config.dataset.packing
+    collation = Collation(pad_id, head, bounds,
+                          width=config.dataset.max_seq_length if fixed else None)
     flops_per_token = _model_flops_per_token(model, prepared.train)
     peak = flops.peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     learning_rate = hp.resolved_learning_rate(method.type)
@@ -405,7 +432,7 @@ def run(config: TrainerConfig, base_dir: Path) -> int:
     def load_step(key: tuple[int, int]):
         """This rank's micro-batches of one step, as CPU tensors (pinned on a GPU host)."""
         mine = batches.micro_batches(*key, rank)
-        tensors = [micro_batch_tensors([prepared.train[i] for i in indices], pad_id, head)
+        tensors = [collation.tensors([prepared.train[i] for i in indices])
                    for indices in mine]
         if pin:
             tensors = [{k: v.pin_memory() for k, v in batch.items()} for batch in tensors]
@@ -500,8 +527,8 @@ def run(config: TrainerConfig, base_dir: Path) -> int:
             tokens_window = 0
             window = LogWindow()
         if hp.eval_every_steps and state.step % hp.eval_every_steps == 0 and not done:
-            eval_loss = evaluate(strategy, prepared.eval, hp.batch_size_per_device, pad_id,
-                                 control, head)
+            eval_loss = evaluate(strategy, prepared.eval, hp.batch_size_per_device,
+                                 collation, control)
             _say(f"eval at step {state.step}: loss {eval_loss:.4f}")
         every = config.output.checkpoint_every_steps
         if done or stopping or (every and state.step % every == 0):
@@ -520,8 +547,8 @@ def run(config: TrainerConfig, base_dir: Path) -> int:
         profiler.stop()
         if profiler.written is not None:
             _say(f"profile of steps written to {profiler.written.parent}")
-    eval_loss = evaluate(strategy, prepared.eval, hp.batch_size_per_device, pad_id, control,
-                         head)
+    eval_loss = evaluate(strategy, prepared.eval, hp.batch_size_per_device, collation,
+                         control)
     if eval_loss is not None:
         _say(f"eval loss {eval_loss:.4f}")
     final = export(strategy, prepared.tokenizer, config, output_dir, base_dir)

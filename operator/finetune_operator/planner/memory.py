@@ -195,13 +195,16 @@ def estimate_memory(shape: ModelShape, setup: TrainingSetup) -> MemoryEstimate:
 
     if method == "qlora":
         q = quantized_params(shape)
-        # prepare_model_for_kbit_training casts every other parameter to fp32
-        base = NF4_BYTES_PER_PARAM * q + 4 * (total - trainable - q)
+        # the other frozen parameters (norms, embeddings, head) stay in bf16; fp16 casts
+        # them to fp32 for its range (finetune_trainer.model.load_model)
+        kept = 2 if setup.precision == "bf16" else 4
+        base = NF4_BYTES_PER_PARAM * q + kept * (total - trainable - q)
     else:
         base = None
 
     if strategy == "ddp":
-        residual = 4 if (method == "full" or method == "qlora" or not mixed) else p
+        residual = 4 if (method == "full" or not mixed
+                         or (method == "qlora" and setup.precision != "bf16")) else p
         if method == "full":
             weights = 4.0 * total
         elif method == "lora":

@@ -1,0 +1,56 @@
+"""The demo's promise (#19, item 11): example 01, fine-tuned as `make demo` runs it, gives
+an adapter that answers a question it was trained on, where the base model does not."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+EXAMPLE = REPO / "examples/01-tiny-cpu-lora.yaml"
+DATA = REPO / "examples/data/tiny-chat.jsonl"
+QUESTION = "What is FSDP?"
+
+
+def trained_answer(question: str) -> str:
+    for line in DATA.read_text().splitlines():
+        messages = json.loads(line)["messages"]
+        users = [m["content"] for m in messages if m["role"] == "user"]
+        if users == [question]:
+            return next(m["content"] for m in messages if m["role"] == "assistant")
+    raise AssertionError(f"{question!r} is not in {DATA.name}")
+
+
+def generate(model_dir, question: str) -> str:
+    result = subprocess.run([sys.executable, "-m", "finetune_trainer.generate", str(model_dir),
+                             question], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout.strip()
+
+
+def test_the_demo_adapter_answers_its_training_question_and_the_base_does_not(tmp_path):
+    model = tmp_path / "tiny-llama"  # what `make demo` builds under build/demo/
+    subprocess.run([sys.executable, "-m", "finetune_trainer.tiny", str(model), "--corpus",
+                    str(DATA)], check=True, capture_output=True, timeout=300)
+    job = yaml.safe_load(EXAMPLE.read_text())  # the example's settings, its paths here
+    job["spec"]["model"]["uri"] = str(model)
+    job["spec"]["dataset"]["uri"] = str(DATA)
+    job["spec"]["output"]["uri"] = str(tmp_path / "output")
+    manifest = tmp_path / "01-tiny-cpu-lora.yaml"
+    manifest.write_text(yaml.safe_dump(job))
+    run = subprocess.run([sys.executable, "-m", "finetune_operator.cli", "run", str(manifest)],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+
+    expected = trained_answer(QUESTION)
+    assert generate(tmp_path / "output/final", QUESTION) == expected
+    assert generate(model, QUESTION) != expected

@@ -93,7 +93,7 @@ def phased(plane, namespace: str) -> int:
 
 
 def run_one(plane, installed, name: str, command: Callable[[int], list[str]], env: dict,
-            jobs: int, steady: float, folder: Path, wait_gone: bool = False) -> dict:
+            jobs: int, steady: float, folder: Path) -> dict:
     """One operator (`command`, given its health port) through one burst of `jobs`."""
     namespace = f"load-{name}"
     plane.kubectl_run("create", "namespace", namespace)
@@ -140,11 +140,8 @@ def run_one(plane, installed, name: str, command: Callable[[int], list[str]], en
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
-        # the next run gets a namespace of its own; the control plane goes after both. The
-        # floor's jobs carry no finalizer: its namespace goes at once, and is waited for, or
-        # the next operator (watching every namespace) would spend the run on its jobs
-        plane.kubectl_run("delete", "namespace", namespace, f"--wait={wait_gone}".lower(),
-                          "--timeout=120s", check=False)
+        # the next run gets a namespace of its own; the control plane goes after both
+        plane.kubectl_run("delete", "namespace", namespace, "--wait=false", check=False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                     str(BIN / "python"), "-m", "kopf", "run", "--standalone", "--all-namespaces",
                     "--quiet", "--liveness", f"http://127.0.0.1:{port}/healthz",
                     str(REPO / "benchmarks" / "floor_operator.py")], env, args.jobs,
-                    args.steady, folder, wait_gone=True),
+                    args.steady, folder),
                 "ours": run_one(plane, installed, "ours", lambda port: [
                     str(BIN / "finetune"), "operator", "--log-level", "warning",
                     "--metrics-port", str(metrics), "--health-port", str(port)], env,

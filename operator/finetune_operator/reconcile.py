@@ -21,7 +21,6 @@ from finetune_operator.api import (
     FineTuneJob,
     FineTuneJobStatus,
     Progress,
-    RunPolicy,
 )
 
 # Spec sections that may change while a job runs; any other change is refused.
@@ -75,10 +74,6 @@ class Observation:
     missing: tuple[str, ...] = ()
     """Parts of the workload that are gone while it exists (a Service or ConfigMap deleted by
     hand), as `Kind name`: launching again puts them back (launch is idempotent)."""
-    polled: bool = False
-    """Part of what was seen can change without any watch event saying so (rank 0's
-    progress, the reason pods are not created): the caller looks again after its interval.
-    Not a decision input."""
 
 
 @dataclass(frozen=True)
@@ -466,29 +461,3 @@ def _watch_for_stall(b: _Builder) -> Decision:
         b.cond("Stalled", False, "Progressing", "")
     b.requeue(min(30.0, max(1.0, timeout - quiet)) if timeout else 30.0)
     return b.decision
-
-
-def next_deadline(policy: RunPolicy, status: FineTuneJobStatus, now: datetime) -> float | None:
-    """Seconds until a rule that only the clock can fire is due (activeDeadlineSeconds, the
-    startup deadline, a stall, the TTL after finishing), for `status` as `reconcile` left
-    it; None when no such rule applies. Everything else a job waits for is a change some
-    watch reports: a look at each idle job on a timer is not needed."""
-    due: list[float] = []
-    if status.phase in TERMINAL_PHASES:
-        if policy.ttl_seconds_after_finished is not None:
-            due.append(policy.ttl_seconds_after_finished
-                       - _seconds_since(status.completion_time, now))
-    else:
-        if policy.active_deadline_seconds and status.start_time:
-            due.append(policy.active_deadline_seconds - _seconds_since(status.start_time, now))
-        if status.phase == "Launching" and policy.startup_deadline_seconds and (
-                status.launch_time):
-            due.append(policy.startup_deadline_seconds
-                       - _seconds_since(status.launch_time, now))
-        if status.phase == "Running" and policy.stall_timeout_seconds:
-            progress = status.progress
-            marks = [t for t in (progress.last_step_time if progress else None,
-                                 status.launch_time) if t is not None]
-            due.append(policy.stall_timeout_seconds
-                       - _seconds_since(max(marks) if marks else None, now))
-    return max(0.0, min(due)) if due else None

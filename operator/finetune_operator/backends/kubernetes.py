@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import replace
-from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
@@ -19,7 +18,6 @@ import aiohttp
 from finetune_operator import naming, yamlio
 from finetune_operator.api import API_VERSION, KIND, FineTuneJob, Progress
 from finetune_operator.backends import BackendContext, BackendError
-from finetune_operator.backends.children import Children
 from finetune_operator.kube import KubeError
 from finetune_operator.reconcile import Failure, Observation
 from finetune_operator.settings import OperatorSettings, Taint
@@ -37,8 +35,6 @@ from finetune_trainer.uris import (
 logger = logging.getLogger("finetune_operator.kubernetes")
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 COMPLETION_INDEX_KEY = "batch.kubernetes.io/job-completion-index"
-CREATION_GRACE_SECONDS = 3.0
-"""How long a Job may lack pods before the operator asks the events why."""
 COMPLETION_INDEX = f"metadata.annotations['{COMPLETION_INDEX_KEY}']"
 CACHE_DIR = "/tmp/finetune"
 WORKER_UID = 1000
@@ -95,7 +91,7 @@ def trainer_config_map(job: FineTuneJob, config: TrainerConfig) -> dict[str, Any
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": object_meta(job, naming.trainer_config_map(job.name)),
-        "data": {naming.TRAINER_CONFIG_KEY: yamlio.dump(config.to_dict(), fast=True)},
+        "data": {naming.TRAINER_CONFIG_KEY: yamlio.dump(config.to_dict())},
     }
 
 
@@ -526,9 +522,6 @@ class KubernetesBackend:
         self.settings = context.settings
         self.kube = context.kube  # None offline: then only validate and render are used
         self.progress_port = context.progress_port or context.settings.metrics_port
-        self.children = Children()
-        """The workers as the operator's watches see them; until the controller attaches its
-        indexes (and outside the operator), `observe` asks the API server instead."""
 
     def validate(self, job: FineTuneJob) -> list[Problem]:
         return validate(job)
@@ -539,16 +532,10 @@ class KubernetesBackend:
     async def launch(self, job: FineTuneJob) -> None:
         if (unshared := output_claim_problem(job, await self._output_claim(job))) is not None:
             raise BackendError(unshared, retry_after=300)
-        config_map, service, workload = self.render(job)
-        # the pods mount the ConfigMap and resolve rank 0 through the Service: both first
-        await asyncio.gather(self._create(job, config_map), self._create(job, service))
-        await self._create(job, workload)
-
-    async def _create(self, job: FineTuneJob, obj: dict[str, Any]) -> None:
-        created = await self.kube.create(obj)
-        self.children.created(obj)
-        logger.info("%s %s %s/%s", "created" if created else "found", obj["kind"],
-                    job.namespace, obj["metadata"]["name"])
+        for obj in self.render(job):
+            created = await self.kube.create(obj)
+            logger.info("%s %s %s/%s", "created" if created else "found", obj["kind"],
+                        job.namespace, obj["metadata"]["name"])
 
     async def _output_claim(self, job: FineTuneJob) -> dict[str, Any] | None:
         """The output's PersistentVolumeClaim of a multi-node job (None otherwise, or when it
@@ -564,8 +551,6 @@ class KubernetesBackend:
             return None
 
     async def observe(self, job: FineTuneJob) -> Observation:
-        if self.children.ready:
-            return await self._observe_watched(job)
         children = (("Job", naming.worker_job(job.name)),
                     ("Service", naming.headless_service(job.name)),
                     ("ConfigMap", naming.trainer_config_map(job.name)))
@@ -586,42 +571,6 @@ class KubernetesBackend:
         missing = tuple(f"{kind} {name}" for (kind, name), found
                         in zip(children[1:], others, strict=True) if found is None)
         return replace(seen, missing=missing) if missing and not seen.deleting else seen
-
-    async def _observe_watched(self, job: FineTuneJob) -> Observation:
-        """The same observation from the watches: no API call, except the Job controller's
-        events while pods are missing (nothing else says why) and rank 0's /progress."""
-        children, ns = self.children, job.namespace
-        workload = children.get("Job", ns, job.name, naming.worker_job(job.name))
-        if workload is None:
-            return Observation()
-        pods = children.of("Pod", ns, job.name)
-        nodes = job.spec.resources.nodes
-        not_created, polled = None, False
-        if needs_creation_events(workload, pods, nodes):
-            # the Job controller creates pods within a second; later, only its events say why
-            # not (a refused PriorityClass, a quota), and no watch event says when to ask
-            polled = True
-            if self._age(workload) > CREATION_GRACE_SECONDS:
-                not_created = creation_failure(await self.kube.events(
-                    ns, "Job", naming.worker_job(job.name), workload["metadata"].get("uid")))
-        progress = await self.progress(pods)
-        seen = observe(workload, pods, nodes, progress, not_created)
-        missing = tuple(f"{kind} {name}" for kind, name in (
-            ("Service", naming.headless_service(job.name)),
-            ("ConfigMap", naming.trainer_config_map(job.name)))
-            if children.get(kind, ns, job.name, name) is None)
-        # rank 0's progress is read, never told: look again while it can be read
-        polled = polled or ((seen.running or progress is not None) and not seen.succeeded)
-        seen = replace(seen, polled=polled)
-        return replace(seen, missing=missing) if missing and not seen.deleting else seen
-
-    @staticmethod
-    def _age(obj: dict[str, Any]) -> float:
-        created = obj["metadata"].get("creationTimestamp")
-        if not created:
-            return 0.0
-        then = datetime.fromisoformat(created.replace("Z", "+00:00"))
-        return (datetime.now(UTC) - then).total_seconds()
 
     async def progress(self, pods: list[dict[str, Any]]) -> Progress | None:
         """Rank 0's latest progress record, or None when it cannot be read right now."""
@@ -653,7 +602,6 @@ class KubernetesBackend:
         # Foreground: the Job stays (deleting) until its pods are gone, so the next gang
         # never meets the old one's hostnames
         await self.kube.delete("Job", job.namespace, naming.worker_job(job.name))
-        self.children.deleted("Job", job.namespace, job.name, naming.worker_job(job.name))
 
     async def cancel(self, job: FineTuneJob) -> None:
         """Owner references would collect these too; deleting them now frees the name."""
@@ -662,4 +610,3 @@ class KubernetesBackend:
                                "Background")
         await self.kube.delete("ConfigMap", job.namespace, naming.trainer_config_map(job.name),
                                "Background")
-        self.children.forget(job.namespace, job.name)

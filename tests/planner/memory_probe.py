@@ -13,6 +13,8 @@ it on free, making resident memory track live tensors. VmHWM is reset (write 5 t
 gloo buffers) are left out; the resident memory before the model was loaded is
 subtracted. What remains is weights, gradients, optimizer states, activations and
 temporaries of steps 2-3, which is what the planner predicts (without a CUDA context).
+The weights the rank holds once the strategy is set up (its shards: bytes and elements)
+are reported too, beside the planner's `weights` line.
 """
 
 from __future__ import annotations
@@ -32,6 +34,21 @@ def _status(field: str) -> int:
 
 def _reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
+
+
+def _local_weights(model) -> tuple[int, int]:
+    """Bytes and elements of the weights this rank holds, as the planner's `weights` line
+    counts them: its shard under FSDP (a DTensor's local part) and ZeRO-3 (`ds_tensor`),
+    the whole parameter otherwise (the ZeRO-1/2 module; their fp32 master copy is an
+    optimizer state)."""
+    size = elements = 0
+    for parameter in model.parameters():
+        local = getattr(parameter, "ds_tensor", None)
+        if local is None:
+            local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
+        size += local.numel() * local.element_size()
+        elements += local.numel()
+    return size, elements
 
 
 def main() -> None:
@@ -89,6 +106,7 @@ def main() -> None:
         batch.update(fused.loss_targets(batch["labels"]))
     strategy.setup(model, lambda m: build_optimizer(m, hp, 1e-4))
     strategy.model.train()
+    weights, weight_elements = _local_weights(strategy.model)
     peaks = []
     for step in range(args.steps):
         if step == 1:
@@ -100,7 +118,8 @@ def main() -> None:
         if step >= 1:
             peaks.append(_status("VmHWM") - baseline)
     result = {"rank": dist.get_rank(), "world": dist.get_world_size(),
-              "peak_bytes": max(peaks), "baseline_bytes": baseline,
+              "peak_bytes": max(peaks), "baseline_bytes": baseline, "weight_bytes": weights,
+              "weight_elements": weight_elements,
               "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)

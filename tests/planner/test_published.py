@@ -51,6 +51,11 @@ RAN_SUCCESSFULLY = {
     "QLoRA Mistral 7B on one T4 (the Colab classic), 1024 tokens": job_for(
         "mistralai/Mistral-7B-v0.1", "qlora", "ddp", "Standard_NC4as_T4_v3", 1, 1, "fp16",
         seq=1024),
+    # #17: the Azure ML experiments' run; it fits only with the frozen base in bf16
+    "Llama 3.3 70B LoRA, FSDP, one node of 2 x H100 80GB": job_for(
+        "meta-llama/Llama-3.3-70B-Instruct", "lora", "fsdp", "H100-80GB", 1, 2),
+    "Llama 3.3 70B LoRA, ZeRO-3, one node of 2 x H100 80GB": job_for(
+        "meta-llama/Llama-3.3-70B-Instruct", "lora", "zero3", "H100-80GB", 1, 2),
 }
 IMPOSSIBLE = {
     "Llama 3.1 70B full, DDP, one 80GB GPU": job_for(
@@ -63,6 +68,10 @@ IMPOSSIBLE = {
         "meta-llama/Llama-3.1-8B", "full", "ddp", "A100-80GB", 1, 1),
     "Mistral 7B LoRA (16-bit base), one T4 16GB": job_for(
         "mistralai/Mistral-7B-v0.1", "lora", "ddp", "T4", 1, 1, "fp16"),
+    "Llama 3.3 70B LoRA, ZeRO-2, 2 x H100 80GB (the 16-bit module is whole on each)": job_for(
+        "meta-llama/Llama-3.3-70B-Instruct", "lora", "zero2", "H100-80GB", 1, 2),
+    "Llama 3.3 70B full, ZeRO-3, 2 x H100 80GB (16·70B/2 = 564 GB)": job_for(
+        "meta-llama/Llama-3.3-70B-Instruct", "full", "zero3", "H100-80GB", 1, 2),
 }
 
 
@@ -84,6 +93,20 @@ def test_70b_full_on_one_gpu_is_far_beyond_it():
     assert result.per_gpu_bytes > 14 * result.gpu_memory_bytes  # ~20 bytes per parameter
     assert result.recommendation.best is not None  # a sharded multi-node setup does fit
     assert result.recommendation.best.strategy in ("fsdp", "zero3")
+
+
+@pytest.mark.parametrize(("name", "adapter_bytes"), [
+    ("Llama 3.3 70B LoRA, FSDP, one node of 2 x H100 80GB", 4),
+    # the engine's module holds the adapters in bf16 too; their fp32 copy is an optimizer state
+    ("Llama 3.3 70B LoRA, ZeRO-3, one node of 2 x H100 80GB", 2)])
+def test_sharded_lora_holds_its_frozen_base_in_bf16(name, adapter_bytes):
+    """#17: 2 bytes a frozen weight under a sharded strategy, as under DDP: half of the fp32
+    base the 70B LoRA on 2 x H100 was refused for (131 GiB a GPU under FSDP)."""
+    result = plan(RAN_SUCCESSFULLY[name])
+    psi, adapters = result.total_params, result.trainable_params
+    assert result.breakdown["weights"] == pytest.approx(
+        (2 * psi + adapter_bytes * adapters) / 2, abs=16)
+    assert result.breakdown["weights"] < 0.51 * 4 * psi / 2
 
 
 def test_torchtitan_8b_throughput_on_h100():

@@ -22,9 +22,13 @@ def test_full_model_loads_in_fp32_without_cache(tiny_model_dir):
     assert all(p.requires_grad for p in model.parameters())
 
 
-def test_lora_freezes_the_base_in_compute_dtype_and_trains_fp32_adapters(tiny_model_dir):
+@pytest.mark.parametrize("sharded", [False, True], ids=["ddp", "fsdp-zero"])
+def test_lora_freezes_the_base_in_compute_dtype_and_trains_fp32_adapters(tiny_model_dir,
+                                                                         sharded):
+    """Under every strategy (#17): a sharded base in fp32 took twice the memory."""
     model = load_model(ModelSource(uri=str(tiny_model_dir)),
-                       MethodConfig(type="lora", lora=LoraConfig(r=4)), "bf16", False)
+                       MethodConfig(type="lora", lora=LoraConfig(r=4)), "bf16", False,
+                       sharded=sharded)
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     frozen = [p for p in model.parameters() if not p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)

@@ -125,9 +125,10 @@ def test_cpu_offload_trains_the_same_numbers(runs, strategy):
     assert losses(runs(strategy, offload="cpu")) == pytest.approx(losses(runs("ddp")), rel=1e-3)
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "zero2"])
+@pytest.mark.parametrize("strategy", ["fsdp", "zero2", "zero3"])
 def test_bf16_agrees_across_strategies(runs, strategy):
-    """bf16 compute with fp32 master weights: the same numbers whatever shards them."""
+    """bf16 compute with fp32 master weights: the same numbers whatever shards them (and
+    LoRA's frozen base stored in bf16 under each, #17)."""
     reference = losses(runs("ddp", precision="bf16"))
     fp32 = losses(runs("ddp"))
     assert reference != fp32 and reference == pytest.approx(fp32, rel=1e-2)  # bf16 really ran
@@ -238,6 +239,49 @@ def test_half_written_checkpoint_is_never_loaded(runs, tiny_model_dir, tmp_path)
     assert "resuming from" in result.stdout and "step-00000003 (step 3/6)" in result.stdout
     # the adapter, optimizer and schedule came back exactly: steps 4-6 repeat the original
     assert losses(tmp_path / "out") == pytest.approx(losses(finished)[3:], rel=1e-4)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+def test_sharded_lora_in_bf16_checkpoints_fp32_adapters_and_resumes_exactly(
+        runs, tiny_model_dir, tmp_path, strategy):
+    """#17: the bf16 frozen base is never checkpointed (it comes from the model again); the
+    fp32 adapters and their Adam moments are, and steps 4-6 after a resume repeat the run."""
+    import torch
+
+    finished = runs(strategy, precision="bf16")
+    names, dtypes = _checkpointed_weights(finished / "checkpoints/step-00000003/model", strategy)
+    assert names and all("lora_" in name for name in names), sorted(names)
+    assert dtypes == {torch.float32}
+
+    shutil.copytree(finished / "checkpoints", tmp_path / "out" / "checkpoints")
+    shutil.rmtree(tmp_path / "out/checkpoints/step-00000006")
+    result = finetune_run(manifest(tiny_model_dir, tmp_path / "out", strategy=strategy,
+                                   precision="bf16"), tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "step-00000003 (step 3/6)" in result.stdout
+    assert losses(tmp_path / "out") == pytest.approx(losses(finished)[3:], rel=1e-4)
+
+
+def _checkpointed_weights(folder: Path, strategy: str) -> tuple[set[str], set]:
+    """The names of the model weights a checkpoint holds, and the dtypes of the values a
+    resume trains on: DCP's metadata under fsdp; under ZeRO the engine's module states
+    (names; its 16-bit copies are empty) and the optimizer's fp32 master partitions."""
+    import torch
+
+    if strategy == "fsdp":
+        from torch.distributed.checkpoint import FileSystemReader
+
+        metadata = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+        weights = {key.removeprefix("model."): item.properties.dtype
+                   for key, item in metadata.items() if key.startswith("model.")}
+        return set(weights), set(weights.values())
+    states = torch.load(next(folder.glob("deepspeed/*rank_0_*model_states.pt")),
+                        map_location="cpu", weights_only=False)
+    optimizer = torch.load(next(folder.glob("deepspeed/*rank_0_*optim_states.pt")),
+                           map_location="cpu", weights_only=False)
+    assert not states["frozen_param_shapes"], "frozen weights in the checkpoint"
+    masters = optimizer["optimizer_state_dict"]["fp32_flat_groups"]
+    return set(states["module"]), {group.dtype for group in masters}
 
 
 def test_bad_data_fails_before_any_process_starts(tiny_model_dir, tmp_path):

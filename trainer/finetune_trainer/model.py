@@ -1,9 +1,10 @@
 """The model: a Hugging Face causal LM through `from_pretrained`, with LoRA/QLoRA adapters.
 
 Precision is set up once here so every strategy trains the same numbers: trainable
-weights stay in fp32 (the optimizer's master copy) and the forward pass runs under
-autocast in bf16/fp16; under ddp the frozen base weights of LoRA are stored in the
-compute dtype to save memory, and QLoRA stores them in 4-bit.
+weights stay in fp32 (the optimizer's master copy) and the forward pass runs in bf16/fp16
+(autocast under ddp, the strategy's own cast under fsdp and ZeRO); the frozen base weights
+of LoRA are stored in the compute dtype under every strategy, and QLoRA stores them in
+4-bit.
 """
 
 from __future__ import annotations
@@ -96,10 +97,14 @@ def load_model(source: ModelSource, method: MethodConfig, precision: Precision,
                device=None):
     """The model ready for training: adapters applied, cache off, checkpointing set.
 
-    `sharded` (fsdp, zero): every weight stays fp32, since FSDP2 shards one dtype per
-    layer and ZeRO keeps its own master copy; the strategy casts for compute.
-    `device`: a replica (not sharded) on a GPU is read straight onto it, never whole in
-    host memory (a bf16 checkpoint read as fp32 on the host took 2x its size there).
+    LoRA's frozen base is read in the compute dtype whatever the strategy: FSDP2 asks one
+    dtype only of a group's trainable parameters, so each decoder layer shards its 16-bit
+    base and fp32 adapters together; DeepSpeed casts the whole module to 16 bits itself and
+    keeps fp32 master copies of the adapters alone. A full fine-tune reads fp32 (every
+    weight is a master weight).
+    `sharded` (fsdp, zero): the strategy places the weights, shard by shard; `device`: a
+    replica (not sharded) on a GPU is read straight onto it, never whole in host memory (a
+    bf16 checkpoint read as fp32 on the host took 2x its size there).
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -111,8 +116,7 @@ def load_model(source: ModelSource, method: MethodConfig, precision: Precision,
         kwargs["quantization_config"] = _four_bit(compute)
         kwargs["dtype"] = compute
     else:
-        lora_on_replicas = method.type == "lora" and not sharded
-        kwargs["dtype"] = compute if lora_on_replicas else torch.float32
+        kwargs["dtype"] = compute if method.type == "lora" else torch.float32
     if device is not None and device.type == "cuda" and not sharded:
         kwargs["device_map"] = {"": device}
     try:

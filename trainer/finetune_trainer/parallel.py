@@ -184,7 +184,12 @@ class DDPStrategy(Strategy):
 
 
 class FSDPStrategy(Strategy):
-    """FSDP2: each decoder layer is its own shard group, then the root."""
+    """FSDP2: each decoder layer is its own shard group, then the root.
+
+    A LoRA layer's group holds its 16-bit frozen base and its fp32 adapters together:
+    FSDP2 asks one dtype only of a group's trainable parameters (torch >= 2.8), the
+    mixed-precision policy gathers both in the compute dtype, and gradients reach only
+    the adapters, reduced in fp32."""
 
     name = "fsdp"
 
@@ -202,8 +207,9 @@ class FSDPStrategy(Strategy):
                                                         reduce_dtype=torch.float32)
         if self.config.offload == "cpu" and self.device.type != "cpu":
             options["offload_policy"] = CPUOffloadPolicy()
-        else:  # on CPU workers the weights already live in host memory
-            model.to(self.device)
+        # the model comes from the host whole; fully_shard moves each group's parameters
+        # and buffers to the device as it shards them, so only one layer is ever whole on
+        # a GPU (a model.to() first would put all of it there: 131 GiB for a 70B base)
         for module in model.modules():
             if type(module).__name__ in self.wrap_classes:
                 fully_shard(module, **options)
@@ -226,7 +232,11 @@ class FSDPStrategy(Strategy):
 
 
 class DeepSpeedStrategy(Strategy):
-    """ZeRO stages 1-3 through deepspeed.initialize; the engine owns precision and clipping."""
+    """ZeRO stages 1-3 through deepspeed.initialize; the engine owns precision and clipping.
+
+    The engine holds the module in the compute dtype (LoRA's frozen base arrives in it;
+    the adapters are cast) and keeps fp32 master copies of the trainable weights alone,
+    partitioned with their gradients and Adam moments."""
 
     def __init__(self, config, hp, device) -> None:
         super().__init__(config, hp, device)
@@ -239,9 +249,12 @@ class DeepSpeedStrategy(Strategy):
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
-        self.base_optimizer = make_optimizer(model)
+        config = self.ds_config()
+        self.base_optimizer = make_optimizer(model)  # before partitioning: it reads shapes
+        if self.config.type == "zero3":
+            zero3_partition(model, config, self.compute_dtype, self.device)
         self.model, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=self.base_optimizer, config=self.ds_config())
+            model=model, optimizer=self.base_optimizer, config=config)
 
     def autocast(self):
         return contextlib.nullcontext()  # the engine runs the module in bf16/fp16 itself
@@ -274,6 +287,20 @@ class DeepSpeedStrategy(Strategy):
         else:
             state = self.model.module.state_dict() if dist.get_rank() == 0 else {}
         return {k: v.detach().cpu() for k, v in (state or {}).items()}
+
+
+def zero3_partition(model, config: dict[str, Any], dtype, device) -> None:
+    """ZeRO-3: each parameter cast to the compute dtype and partitioned on its way to the
+    device, which `deepspeed.initialize` does only after moving the whole module there
+    (more than one GPU holds for a 70B base); the engine then finds it partitioned."""
+    import deepspeed
+
+    for parameter in model.parameters():  # what the engine's own cast does: buffers stay
+        if parameter.is_floating_point() and parameter.dtype != dtype:
+            parameter.data = parameter.data.to(dtype)
+    for buffer in model.buffers():  # never partitioned; the engine no longer moves them
+        buffer.data = buffer.data.to(device)
+    deepspeed.zero.Init(module=model, config_dict_or_path=config)
 
 
 def deepspeed_config(strategy: StrategyConfig, hp: Hyperparameters) -> dict[str, Any]:

@@ -1,9 +1,10 @@
 """Per-GPU memory of one training process, as a breakdown a user can read.
 
 The model follows what this repository's trainer does (finetune_trainer.model and
-.parallel), not a generic textbook: trainable weights stay fp32 and compute runs under
-autocast; DDP keeps LoRA's frozen base in the compute dtype and allocates gradient
-buckets as large as the gradients; FSDP2 shards fp32 weights and gathers one decoder
+.parallel), not a generic textbook: trainable weights stay fp32 and compute runs in the
+compute dtype; every strategy keeps LoRA's frozen base in the compute dtype (2 bytes a
+weight in bf16/fp16: the adapters are the only fp32 weights); DDP allocates gradient
+buckets as large as the gradients; FSDP2 shards the weights and gathers one decoder
 layer at a time (two with prefetch) in the compute dtype, the root module (embeddings,
 head) staying gathered through forward and backward; DeepSpeed ZeRO keeps a 16-bit
 module and fp32 master weights, gradients and Adam moments partitioned as its own
@@ -133,8 +134,9 @@ def activation_bytes_per_layer_token(shape: ModelShape, setup: TrainingSetup,
     lora = 0.0
     if setup.method != "full" and setup.lora_dropout > 0:
         # each adapted linear drops out its own copy of the input: a mask byte and the
-        # (possibly cast) dropped input per element
-        per_element = 1 + p if residual == 4 else 5
+        # dropped input, cast to the adapters' dtype (peft): fp32 on replicas under
+        # autocast, the compute dtype where FSDP gathers the adapters in it (measured)
+        per_element = 1 + p if residual == 4 or setup.strategy == "fsdp" else 5
         targets = setup.lora_targets
         inputs = sum(x.fan_in for x in shape.layer_linears()
                      if targets == ["all-linear"] or x.name in targets)
@@ -180,7 +182,8 @@ def estimate_memory(shape: ModelShape, setup: TrainingSetup) -> MemoryEstimate:
     n = setup.world_size
     total = shape.total_params
     trainable = trainable_params(shape, setup)
-    frozen = total - trainable
+    # adapters come on top of the base, whose weights are all frozen
+    frozen = 0 if setup.method == "full" else total
     tokens = setup.micro_batch * setup.seq_len
     layer = shape.layer_params()
     root = shape.embedding_params + shape.head_params + shape.hidden_size
@@ -198,7 +201,7 @@ def estimate_memory(shape: ModelShape, setup: TrainingSetup) -> MemoryEstimate:
         # the other frozen parameters (norms, embeddings, head) stay in bf16; fp16 casts
         # them to fp32 for its range (finetune_trainer.model.load_model)
         kept = 2 if setup.precision == "bf16" else 4
-        base = NF4_BYTES_PER_PARAM * q + kept * (total - trainable - q)
+        base = NF4_BYTES_PER_PARAM * q + kept * (frozen - q)
     else:
         base = None
 
@@ -224,7 +227,10 @@ def estimate_memory(shape: ModelShape, setup: TrainingSetup) -> MemoryEstimate:
     elif strategy == "fsdp":
         compute = p
         residual = compute
-        weights = (base + 4.0 * trainable) / n if method == "qlora" else 4.0 * total / n
+        if method == "full":
+            weights = 4.0 * total / n
+        else:  # the frozen base in the compute dtype (4-bit for QLoRA), fp32 adapters
+            weights = ((base if method == "qlora" else p * frozen) + 4.0 * trainable) / n
         grads = 4.0 * trainable / n
         optimizer = 8.0 * trainable / n
         gathered = compute * (root + 2 * layer)  # root kept gathered, one layer prefetched
@@ -237,11 +243,13 @@ def estimate_memory(shape: ModelShape, setup: TrainingSetup) -> MemoryEstimate:
             forward_only["fsdpUnshardedRootGradients"] = compute * (
                 shape.head_params or shape.embedding_params)
         notes.append("FSDP2: weights, gradients and Adam sharded over "
-                     f"{n} rank{'s' if n > 1 else ''}; embeddings and head stay gathered")
+                     f"{n} rank{'s' if n > 1 else ''}; embeddings and head stay gathered"
+                     + (f"; the frozen base in {setup.precision}, adapters in fp32"
+                        if method == "lora" else ""))
     else:  # DeepSpeed ZeRO
         stage = int(strategy.removeprefix("zero"))
         residual = p
-        module = p * total if method != "qlora" else base + p * trainable
+        module = (base if method == "qlora" else p * frozen) + p * trainable
         # fp32 master copy of the trainable partition (a clone even when training in fp32)
         master = 4.0 * trainable / n
         grads32 = 4.0 * trainable / n

@@ -1,14 +1,18 @@
 """The operator at scale, on a real control plane: N FineTuneJobs applied by one `kubectl apply`,
 handled by our operator and, beside it on the same cluster, by a do-nothing kopf operator
-that only sets `status.phase` (benchmarks/floor_operator.py): the floor. Both log in as the
-chart's ServiceAccount, one after the other, each with a fresh namespace.
+that only sets `status.phase` (benchmarks/floor_operator.py): the floor; and by a kopf
+operator that only creates each job's three children, as ours renders them, and sets the
+phase (benchmarks/floor_children_operator.py): the launcher, what any operator that launches
+these jobs costs the cluster. All log in as the chart's ServiceAccount, one after the other,
+each with a fresh namespace.
 
-    .venv/bin/python benchmarks/operator_load.py [--jobs 1000] [--steady 30]
+    .venv/bin/python benchmarks/operator_load.py [--jobs 100,1000] [--steady 30]
 
-Prints, for each and as ratios (ours / floor): seconds from the apply until every job has a
-phase, the operator's peak RSS and CPU seconds, and its API requests (from the API server's
-audit log) per job during the burst and per second once every job waits (the steady state).
-Writes benchmarks/operator_load.json. Needs Go (the control plane is built from cluster/).
+Prints, for each burst size and as ratios (ours / floor, ours / launcher): seconds from
+the apply until every job has a phase, the operator's peak RSS and CPU seconds, its API
+requests (from the API server's audit log) per job during the burst, by verb and resource,
+and, once every job waits (the steady state), its API requests per second and CPU (% of one
+core). Writes benchmarks/operator_load.json. Needs Go (the control plane is built from cluster/).
 """
 
 from __future__ import annotations
@@ -73,6 +77,17 @@ def audited(plane, user: str, since: float, until: float) -> list[dict]:
     return out
 
 
+def by_kind(events: list[dict], jobs: int) -> dict[str, float]:
+    """Requests per job by verb and resource (e.g. "patch finetunejobs/status"), most first."""
+    counts: dict[str, int] = {}
+    for event in events:
+        ref = event.get("objectRef", {})
+        what = "/".join(filter(None, (ref.get("resource"), ref.get("subresource"))))
+        key = f"{event.get('verb')} {what}"
+        counts[key] = counts.get(key, 0) + 1
+    return {k: round(v / jobs, 2) for k, v in sorted(counts.items(), key=lambda kv: -kv[1])}
+
+
 def wait_healthy(process: subprocess.Popen, port: int, log: Path) -> None:
     deadline = time.monotonic() + 90
     while True:
@@ -120,38 +135,82 @@ def run_one(plane, installed, name: str, command: Callable[[int], list[str]], en
         seconds = time.time() - started
         peak, cpu = proc_figures(process.pid)
         burst = audited(plane, user, started, time.time())
+        time.sleep(2)  # the last status patches land
+        _, cpu_quiet = proc_figures(process.pid)
+        quiet_from = time.time()
         time.sleep(steady)
-        quiet_from = time.time() - steady
-        idle = audited(plane, user, quiet_from, time.time())
+        quiet_until = time.time()
+        _, cpu_after = proc_figures(process.pid)
+        idle = audited(plane, user, quiet_from, quiet_until)
         creates = [e for e in burst if e.get("verb") == "create"
                    and e.get("objectRef", {}).get("resource") in ("jobs", "services",
                                                                   "configmaps")]
-        return {"seconds_to_all_phased": round(seconds, 1),
+        figures = {"seconds_to_all_phased": round(seconds, 1),
                 "apply_seconds": round(applied, 1),
                 "peak_rss_mib": round(peak, 1),
                 "cpu_seconds_burst": round(cpu - cpu_before, 1),
                 "api_requests_per_job": round(len(burst) / jobs, 1),
                 "child_creates_refused_409": sum(1 for e in creates if e.get(
                     "responseStatus", {}).get("code") == 409),
-                "steady_api_requests_per_s": round(len(idle) / steady, 1)}
+                "api_requests_by_kind": by_kind(burst, jobs),
+                "steady_api_requests_per_s": round(len(idle) / steady, 1),
+                "steady_cpu_percent": round(100 * (cpu_after - cpu_quiet)
+                                            / (quiet_until - quiet_from), 1)}
     finally:
+        # emptied while the operator still runs (ours releases its finalizers) and waited
+        # for: the next operator watches every namespace and would spend its run on these
+        plane.kubectl_run("delete", "namespace", namespace, "--timeout=600s", check=False)
         process.send_signal(signal.SIGTERM)
         try:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
-        # the next run gets a namespace of its own; the control plane goes after both
-        plane.kubectl_run("delete", "namespace", namespace, "--wait=false", check=False)
+    # the whole run, teardown included (a deleted job's worker must not relaunch anything)
+    figures["errors_logged"] = sum(" ERROR " in line for line in log.read_text().splitlines())
+    return figures
+
+
+KEYS = (("seconds_to_all_phased", "seconds until every job has a phase"),
+        ("peak_rss_mib", "operator peak RSS (MiB)"),
+        ("cpu_seconds_burst", "operator CPU seconds"),
+        ("api_requests_per_job", "API requests per job"),
+        ("steady_api_requests_per_s", "steady API requests/s"),
+        ("steady_cpu_percent", "steady operator CPU (% of a core)"))
+
+
+def report(jobs: int, floor: dict, launcher: dict, ours: dict) -> dict:
+    ratios = {k: round(ours[k] / floor[k], 2) if floor[k] else None for k, _ in KEYS}
+    beyond = {k: round(ours[k] / launcher[k], 2) if launcher[k] else None for k, _ in KEYS}
+    print(f"\n{jobs} FineTuneJobs applied at once (kubectl apply took {floor['apply_seconds']} "
+          f"s / {launcher['apply_seconds']} s / {ours['apply_seconds']} s)")
+    print(f"{'':36}{'floor':>9}{'launcher':>10}{'ours':>9}{'ours/floor':>12}"
+          f"{'ours/launcher':>15}")
+
+    def cell(ratio: float | None, width: int) -> str:
+        return f"{(f'{ratio:.2f}x' if ratio is not None else '-'):>{width}}"
+
+    for key, label in KEYS:
+        print(f"{label:36}{floor[key]:>9}{launcher[key]:>10}{ours[key]:>9}"
+              f"{cell(ratios[key], 12)}{cell(beyond[key], 15)}")
+    print(f"child creates refused with 409 (a second launch): {ours['child_creates_refused_409']}"
+          f"; errors our operator logged, teardown included: {ours['errors_logged']}")
+    print("our API requests per job: " + ", ".join(
+        f"{k} {v:g}" for k, v in ours["api_requests_by_kind"].items()))
+    return {"jobs": jobs, "floor": floor, "launcher": launcher, "ours": ours,
+            "ratios": ratios, "ratios_to_launcher": beyond}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--jobs", type=int, default=1000)
+    parser.add_argument("--jobs", default="100,1000",
+                        help="burst sizes, comma-separated; each runs the floor, then ours")
     parser.add_argument("--steady", type=float, default=30.0,
                         help="seconds of the idle queue measured after the burst")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "operator_load.json")
     args = parser.parse_args(argv)
+    sizes = [int(n) for n in args.jobs.split(",") if n.strip()]
     controlplane.build()
+    results = []
     with tempfile.TemporaryDirectory(prefix="operator-load-") as tmp:
         folder = Path(tmp)
         plane = controlplane.ControlPlane(folder / "plane")
@@ -162,37 +221,26 @@ def main(argv: list[str] | None = None) -> int:
             env.update(installed.operator_env, KUBECONFIG=str(installed.operator_kubeconfig),
                        HF_HUB_OFFLINE="1")
             metrics = free_port()
-            runs = {
-                "floor": run_one(plane, installed, "floor", lambda port: [
+            def kopf_run(script: str) -> Callable[[int], list[str]]:
+                return lambda port: [
                     str(BIN / "python"), "-m", "kopf", "run", "--standalone", "--all-namespaces",
                     "--quiet", "--liveness", f"http://127.0.0.1:{port}/healthz",
-                    str(REPO / "benchmarks" / "floor_operator.py")], env, args.jobs,
-                    args.steady, folder),
-                "ours": run_one(plane, installed, "ours", lambda port: [
+                    str(REPO / "benchmarks" / script)]
+
+            for jobs in sizes:
+                floor = run_one(plane, installed, f"floor-{jobs}", kopf_run("floor_operator.py"),
+                                env, jobs, args.steady, folder)
+                launcher = run_one(plane, installed, f"launcher-{jobs}",
+                                   kopf_run("floor_children_operator.py"), env, jobs,
+                                   args.steady, folder)
+                ours = run_one(plane, installed, f"ours-{jobs}", lambda port: [
                     str(BIN / "finetune"), "operator", "--log-level", "warning",
                     "--metrics-port", str(metrics), "--health-port", str(port)], env,
-                    args.jobs, args.steady, folder),
-            }
+                    jobs, args.steady, folder)
+                results.append(report(jobs, floor, launcher, ours))
         finally:
             plane.stop()
-    floor, ours = runs["floor"], runs["ours"]
-    ratios = {k: round(ours[k] / floor[k], 2) if floor[k] else None
-              for k in ("seconds_to_all_phased", "peak_rss_mib", "cpu_seconds_burst",
-                        "api_requests_per_job", "steady_api_requests_per_s")}
-    print(f"{args.jobs} FineTuneJobs applied at once (kubectl apply took "
-          f"{floor['apply_seconds']} s / {ours['apply_seconds']} s)")
-    print(f"{'':34}{'floor':>10}{'ours':>10}{'ours/floor':>12}")
-    for key, label in (("seconds_to_all_phased", "seconds until every job has a phase"),
-                       ("peak_rss_mib", "operator peak RSS (MiB)"),
-                       ("cpu_seconds_burst", "operator CPU seconds"),
-                       ("api_requests_per_job", "API requests per job"),
-                       ("steady_api_requests_per_s", "steady API requests/s")):
-        ratio = ratios[key]
-        print(f"{label:34}{floor[key]:>10}{ours[key]:>10}"
-              f"{(f'{ratio:.2f}x' if ratio is not None else '-'):>12}")
-    print(f"child creates refused with 409 (a second launch): {ours['child_creates_refused_409']}")
-    args.out.write_text(json.dumps({"jobs": args.jobs, "floor": floor, "ours": ours,
-                                    "ratios": ratios}, indent=2) + "\n")
+    args.out.write_text(json.dumps({"runs": results}, indent=2) + "\n")
     print(f"wrote {os.path.relpath(args.out)}")
     return 0
 

@@ -344,7 +344,9 @@ def run_command(file: str, nproc: int | None, fresh: bool, verbose: bool) -> Non
 @click.option("--health-port", type=int, default=8081, show_default=True,
               help="Port of /healthz (the liveness probe).")
 @click.option("--interval", type=float, default=10.0, show_default=True,
-              help="Seconds between looks at each job's workers.")
+              help="Seconds between looks at what no watch reports: rank 0's progress while "
+                   "a job runs, why pods are not created, Azure ML jobs (idle jobs are not "
+                   "polled).")
 @click.option("--peering", metavar="NAME", default=None,
               help="Run as one of several replicas: the kopf peering object NAME elects the "
                    "one that acts; the others stand by (the chart sets this when replicas > 1).")

@@ -11,9 +11,11 @@ Every call has a timeout, and every failure (an error status, or no answer at al
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import kopf
@@ -166,8 +168,18 @@ def _reason(error: ApiException) -> str:
         return str(error.reason)
 
 
+CONNECTIONS = 16
+"""Calls in flight at once: the client is synchronous, so each runs in a thread of a pool of
+this size, with as many pooled connections (no "connection pool is full" churn, however
+many jobs reconcile at once; the rest wait their turn)."""
+
+
 class Kube:
-    def __init__(self, api: client.ApiClient, timeout: float = DEFAULT_TIMEOUT):
+    def __init__(self, api: client.ApiClient, timeout: float = DEFAULT_TIMEOUT,
+                 connections: int = CONNECTIONS):
+        api.configuration.connection_pool_maxsize = connections
+        api.rest_client.pool_manager.connection_pool_kw["maxsize"] = connections
+        self._pool = ThreadPoolExecutor(max_workers=connections, thread_name_prefix="kube")
         self.core = client.CoreV1Api(api)
         self.batch = client.BatchV1Api(api)
         self.custom = client.CustomObjectsApi(api)
@@ -187,10 +199,12 @@ class Kube:
         }
 
     async def _call(self, action: str, fn, *args, **kwargs) -> Any:
-        """`fn` in a thread, within the timeout; every failure is a KubeError (with the
-        status, None when no answer came)."""
+        """`fn` in a thread of the pool, within the timeout; every failure is a KubeError
+        (with the status, None when no answer came). Callers pass _preload_content=False
+        where they can: the client's model objects cost far more CPU than the JSON."""
+        call = functools.partial(fn, *args, _request_timeout=self.timeout, **kwargs)
         try:
-            return await asyncio.to_thread(fn, *args, _request_timeout=self.timeout, **kwargs)
+            return await asyncio.get_running_loop().run_in_executor(self._pool, call)
         except (ApiException, HTTPError) as error:
             raise KubeError(action, error) from error
 
@@ -199,7 +213,7 @@ class Kube:
         create = self._calls[obj["kind"]][0]
         try:
             await self._call(f"create {obj['kind']} {obj['metadata']['name']}", create,
-                             obj["metadata"]["namespace"], obj)
+                             obj["metadata"]["namespace"], obj, _preload_content=False)
         except KubeError as error:
             if error.status == 409:
                 return False
@@ -223,7 +237,7 @@ class Kube:
         delete = self._calls[kind][2]
         try:
             await self._call(f"delete {kind} {name}", delete, name, namespace,
-                             propagation_policy=propagation)
+                             propagation_policy=propagation, _preload_content=False)
         except KubeError as error:
             if error.status == 404:
                 return False
@@ -248,18 +262,22 @@ class Kube:
 
     async def suspend_job(self, namespace: str, name: str, suspend: bool) -> None:
         await self._call(f"suspend Job {name}", self.batch.patch_namespaced_job, name, namespace,
-                         {"spec": {"suspend": suspend}})
+                         {"spec": {"suspend": suspend}}, _preload_content=False)
 
     async def patch_finetunejob_status(self, namespace: str, name: str,
-                                       status: dict[str, Any]) -> None:
-        """A merge patch of the status (None removes a field); nothing when the job is gone."""
+                                       status: dict[str, Any]) -> dict[str, Any] | None:
+        """A merge patch of the status (None removes a field); the job as patched, None when
+        it is gone."""
         try:
-            await self._call(f"patch the status of FineTuneJob {name}",
-                             self.custom.patch_namespaced_custom_object_status, API_GROUP,
-                             VERSION, namespace, PLURAL, name, {"status": status})
+            response = await self._call(f"patch the status of FineTuneJob {name}",
+                                        self.custom.patch_namespaced_custom_object_status,
+                                        API_GROUP, VERSION, namespace, PLURAL, name,
+                                        {"status": status}, _preload_content=False)
         except KubeError as error:
             if error.status != 404:
                 raise
+            return None
+        return json.loads(response.data)
 
     async def delete_finetunejob(self, namespace: str, name: str) -> None:
         try:

@@ -21,6 +21,7 @@ from finetune_operator.api import (
     FineTuneJob,
     FineTuneJobStatus,
     Progress,
+    RunPolicy,
 )
 
 # Spec sections that may change while a job runs; any other change is refused.
@@ -74,6 +75,10 @@ class Observation:
     missing: tuple[str, ...] = ()
     """Parts of the workload that are gone while it exists (a Service or ConfigMap deleted by
     hand), as `Kind name`: launching again puts them back (launch is idempotent)."""
+    polled: bool = False
+    """Part of what was seen can change without any watch event saying so (rank 0's
+    progress, the reason pods are not created): the caller looks again after its interval.
+    Not a decision input."""
 
 
 @dataclass(frozen=True)
@@ -315,7 +320,9 @@ def reconcile(job: FineTuneJob, seen: Observation, now: datetime,
         status.launch_time = now
         status.start_time = status.start_time or now
         first = status.phase in (None, "Pending")
-        if first:
+        if first and _queued(job):  # created suspended: nothing runs before Kueue admits it
+            _wait_for_queue(b)
+        elif first:
             b.phase("Launching", "creating workers")
         elif status.phase == "Restarting":
             b.phase("Launching", f"restarting the gang (restart {status.restarts}); it resumes "
@@ -346,6 +353,10 @@ def reconcile(job: FineTuneJob, seen: Observation, now: datetime,
             status.progress.eta_seconds = 0
         return b.decision
 
+    if _queued(job) and not seen.suspended:  # admitted (before a failure is judged, so
+        b.cond("Admitted", True, "Admitted", "")  # a failed job's conditions are current)
+        if status.phase == "Queued":  # the startup deadline counts from here
+            b.phase("Launching", "admitted by Kueue; starting the workers")
     if seen.failure is not None:
         return _restart_or_fail(b, seen.failure)
     if seen.missing:  # the workers need them to start (after a restart, a resume, admission)
@@ -359,15 +370,28 @@ def reconcile(job: FineTuneJob, seen: Observation, now: datetime,
         status.launch_time = now  # the startup deadline counts from leaving the queue
         b.requeue(15)
         return b.decision
-    if seen.suspended:  # created suspended for Kueue, not yet admitted
-        b.cond("Admitted", False, "WaitingForQueue",
-               f"waiting for Kueue to admit the job from queue {job.spec.kubernetes.queue_name}"
-               if _queued(job) else "the workload is suspended")
-        b.phase("Queued", "waiting in the queue")
+    if seen.suspended:  # created suspended for Kueue and not admitted yet, or preempted
+        admitted = condition(status, "Admitted")
+        if _queued(job) and admitted is not None and admitted.status == "True":
+            message = (f"Kueue preempted the job (suspended its workers, which checkpoint "
+                       f"and stop); it waits in queue {job.spec.kubernetes.queue_name} to be "
+                       "admitted again and resumes from the last checkpoint (not counted "
+                       "against backoffLimit)")
+            b.event("Warning", "Preempted", message)
+            b.cond("Admitted", False, "Preempted", message)
+            b.cond("Running", False, "Preempted", message)
+            b.phase("Queued", message)
+        elif _queued(job) and admitted is not None and admitted.reason == "Preempted":
+            pass  # still waiting to be admitted again: the condition keeps saying why
+        elif _queued(job):
+            _wait_for_queue(b)
+        else:
+            b.cond("Admitted", False, "WaitingForQueue", "the workload is suspended")
+            b.phase("Queued", "waiting in the queue")
         status.launch_time = now  # the startup deadline counts from admission
         b.requeue(15)
         return b.decision
-    if _queued(job) or condition(status, "Admitted"):
+    if condition(status, "Admitted"):
         b.cond("Admitted", True, "Admitted", "")
 
     if seen.running or seen.progress is not None:
@@ -424,6 +448,13 @@ def _queued(job: FineTuneJob) -> bool:
     return bool(job.spec.kubernetes and job.spec.kubernetes.queue_name)
 
 
+def _wait_for_queue(b: _Builder) -> None:
+    queue = b.job.spec.kubernetes.queue_name if b.job.spec.kubernetes else None
+    message = f"waiting for Kueue to admit the job from queue {queue}"
+    b.cond("Admitted", False, "WaitingForQueue", message)
+    b.phase("Queued", message)
+
+
 def _restart_or_fail(b: _Builder, failure: Failure) -> Decision:
     status, limit = b.status, b.job.spec.run_policy.backoff_limit
     if failure.kind == "refused":
@@ -461,3 +492,29 @@ def _watch_for_stall(b: _Builder) -> Decision:
         b.cond("Stalled", False, "Progressing", "")
     b.requeue(min(30.0, max(1.0, timeout - quiet)) if timeout else 30.0)
     return b.decision
+
+
+def next_deadline(policy: RunPolicy, status: FineTuneJobStatus, now: datetime) -> float | None:
+    """Seconds until a rule that only the clock can fire is due (activeDeadlineSeconds, the
+    startup deadline, a stall, the TTL after finishing), for `status` as `reconcile` left
+    it; None when no such rule applies. Everything else a job waits for is a change some
+    watch reports: a look at each idle job on a timer is not needed."""
+    due: list[float] = []
+    if status.phase in TERMINAL_PHASES:
+        if policy.ttl_seconds_after_finished is not None:
+            due.append(policy.ttl_seconds_after_finished
+                       - _seconds_since(status.completion_time, now))
+    else:
+        if policy.active_deadline_seconds and status.start_time:
+            due.append(policy.active_deadline_seconds - _seconds_since(status.start_time, now))
+        if status.phase == "Launching" and policy.startup_deadline_seconds and (
+                status.launch_time):
+            due.append(policy.startup_deadline_seconds
+                       - _seconds_since(status.launch_time, now))
+        if status.phase == "Running" and policy.stall_timeout_seconds:
+            progress = status.progress
+            marks = [t for t in (progress.last_step_time if progress else None,
+                                 status.launch_time) if t is not None]
+            due.append(policy.stall_timeout_seconds
+                       - _seconds_since(max(marks) if marks else None, now))
+    return max(0.0, min(due)) if due else None

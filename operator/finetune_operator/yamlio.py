@@ -16,11 +16,20 @@ def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
     return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
 
 
-_Dumper.add_representer(str, _str)
+class _FastDumper(getattr(yaml, "CSafeDumper", yaml.SafeDumper)):  # type: ignore[misc]
+    """libyaml's emitter where PyYAML has it: 4x less CPU; it may wrap long strings
+    elsewhere than the pure-Python emitter, so it is for files read by programs."""
 
 
-def dump(obj: Any) -> str:
-    return yaml.dump(obj, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=100)
+for _dumper in (_Dumper, _FastDumper):
+    _dumper.add_representer(str, _str)
+
+
+def dump(obj: Any, *, fast: bool = False) -> str:
+    """`fast`: for a program to read (the operator writes one trainer config per launch);
+    otherwise the committed, reviewed text (CRDs, `finetune render`)."""
+    return yaml.dump(obj, Dumper=_FastDumper if fast else _Dumper, sort_keys=False,
+                     allow_unicode=True, width=100)
 
 
 def dump_all(objs: list[Any]) -> str:

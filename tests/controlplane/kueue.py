@@ -6,7 +6,9 @@ batch/job integration and nothing more:
   operator creates it so; Kueue's webhook would otherwise suspend it);
 - on admission, Kueue writes the node labels of the ResourceFlavor it assigned into the
   pod template's `nodeSelector` (allowed while the Job is suspended), then sets
-  `spec.suspend: false`; the Job controller creates the pods.
+  `spec.suspend: false`; the Job controller creates the pods;
+- on preemption (eviction), Kueue sets `spec.suspend: true` again (the Job controller stops
+  the pods) and, once they are gone, puts back the template's original node selector.
 
 `make kind-e2e` runs the real Kueue where Docker is available.
 """
@@ -30,3 +32,13 @@ def admit(kubectl: Any, namespace: str, job: str, flavor_node_labels: dict[str, 
         {"spec": {"template": {"spec": {"nodeSelector": flavor_node_labels}}}}))
     kubectl("patch", "job", job, "-n", namespace, "--type=merge", "-p",
             json.dumps({"spec": {"suspend": False}}))
+
+
+def preempt(kubectl: Any, namespace: str, job: str, original_node_selector: dict[str, str]
+            ) -> None:
+    """Evict one admitted Job the way Kueue does: suspend it, then restore its template."""
+    kubectl("patch", "job", job, "-n", namespace, "--type=merge", "-p",
+            json.dumps({"spec": {"suspend": True}}))
+    kubectl("patch", "job", job, "-n", namespace, "--type=json", "-p", json.dumps(
+        [{"op": "replace", "path": "/spec/template/spec/nodeSelector",
+          "value": original_node_selector}]))

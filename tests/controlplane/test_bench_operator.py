@@ -26,11 +26,18 @@ def test_the_operator_load_benchmark_measures_both_side_by_side(tmp_path):
                             capture_output=True, text=True, timeout=540)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "seconds until every job has a phase" in result.stdout
-    figures = json.loads(out.read_text())
-    for side in ("floor", "ours"):
+    (figures,) = json.loads(out.read_text())["runs"]
+    assert figures["jobs"] == 25
+    for side in ("floor", "launcher", "ours"):
         assert figures[side]["seconds_to_all_phased"] > 0
         assert figures[side]["peak_rss_mib"] > 20
     assert figures["floor"]["api_requests_per_job"] >= 1  # at least its status patch
     assert figures["ours"]["child_creates_refused_409"] == 0  # each job launched once
+    # and none was launched again while its namespace went (a 403 and an Error event each)
+    assert figures["ours"]["errors_logged"] == 0
+    # the launcher created the same three children per job that ours did
+    assert figures["launcher"]["api_requests_by_kind"]["create jobs"] == 1
+    assert figures["ours"]["api_requests_by_kind"]["create jobs"] == 1
+    assert figures["ours"]["steady_cpu_percent"] >= 0
     assert figures["ratios"]["peak_rss_mib"] == round(
         figures["ours"]["peak_rss_mib"] / figures["floor"]["peak_rss_mib"], 2)

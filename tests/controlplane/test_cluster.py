@@ -119,6 +119,19 @@ async def test_kueue_contract_to_queued_then_admitted_by_a_stand_in(control_plan
         "ndasrv4"}
     assert bed.jobs_created("demo") == 1
 
+    # preempted by a job of higher priority: Queued again, saying so, nothing counted (#24)
+    original = job["spec"]["template"]["spec"].get("nodeSelector") or {}
+    await asyncio.to_thread(kueue.preempt, kubectl, bed.namespace, "demo", original)
+    await bed.until(lambda: bed.condition("Admitted")["reason"] == "Preempted", "Preempted")
+    assert bed.status()["phase"] == "Queued"
+    assert bed.condition("Running")["status"] == "False"
+    await bed.until(lambda: not bed.running_pods("demo"), "the preempted pods stopped")
+    await asyncio.to_thread(kueue.admit, kubectl, bed.namespace, "demo",
+                            {"agentpool": "ndasrv4"})
+    await bed.until_phase("Running")
+    assert bed.status().get("restarts", 0) == 0
+    assert bed.jobs_created("demo") == 1  # the same Job, admitted again
+
 
 # Cases of tests/unit/test_bad_manifests.py that the CRD cannot see, and what the API server
 # says instead: only `finetune validate` (or the operator's Validated condition) names them.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import json
 import subprocess
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
@@ -57,6 +58,26 @@ def test_the_operator_runs_as_the_charts_service_account(installation, operator_
     user = json.loads(whoami.stdout)["status"]["userInfo"]["username"]
     assert user == f"system:serviceaccount:{OPERATOR_NAMESPACE}:{installation.service_account}"
     assert operator_process.process is not None and operator_process.process.poll() is None
+
+
+def test_it_lists_and_watches_only_its_own_children(installation, operator_process):
+    """The children's watches carry the managed-by label selector (#23): on a shared cluster
+    the API server sends the operator its own pods and Jobs, not every pod's every change.
+    From the API server's audit log of the operator's own requests."""
+    user = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{installation.service_account}"
+    seen: dict[str, list[str]] = {}
+    audit = installation.plane.folder / "logs" / "audit.jsonl"
+    for line in audit.read_text().splitlines():
+        event = json.loads(line)
+        resource = event.get("objectRef", {}).get("resource")
+        if (event.get("user", {}).get("username") == user and event.get("verb") in (
+                "list", "watch") and resource in ("pods", "jobs", "services", "configmaps")
+                and not event.get("objectRef", {}).get("name")):
+            seen.setdefault(resource, []).append(event["requestURI"])
+    assert set(seen) == {"pods", "jobs", "services", "configmaps"}, seen
+    unfiltered = [uri for uris in seen.values() for uri in uris if parse_qs(urlsplit(uri).query)
+                  .get("labelSelector") != ["app.kubernetes.io/managed-by=finetune-operator"]]
+    assert unfiltered == []
 
 
 def _operator_once(bin_dir, kubeconfig, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -188,6 +188,7 @@ class ApiServer(kmock.KubernetesEmulator):
 # --- the Job controller and kubelet, played by the test ----------------------------------
 
 COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
+CONTROLLER_UID = "batch.kubernetes.io/controller-uid"
 
 
 class Kubelet:
@@ -222,24 +223,24 @@ class Kubelet:
             await self.tick(seen)
             await asyncio.sleep(0.1)
 
-    def pods_by_job(self) -> dict[tuple[str, str], list[dict[str, Any]]]:
-        grouped: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    def pods_by_job(self) -> dict[str | None, list[dict[str, Any]]]:
+        """Pods by the uid of the Job that made them (its controller-uid label): a Job
+        recreated under the same name does not inherit the old one's pods."""
+        grouped: dict[str | None, list[dict[str, Any]]] = {}
         for pod in self.server.live("v1/pods"):
-            owner = (pod["metadata"]["namespace"],
-                     pod["metadata"].get("labels", {}).get("batch.kubernetes.io/job-name"))
-            grouped.setdefault(owner, []).append(pod)
+            grouped.setdefault(pod["metadata"].get("labels", {}).get(CONTROLLER_UID),
+                               []).append(pod)
         return grouped
 
     def pods_of(self, job: dict[str, Any]) -> list[dict[str, Any]]:
-        key = (job["metadata"]["namespace"], job["metadata"]["name"])
-        return self.pods_by_job().get(key, [])
+        return self.pods_by_job().get(job["metadata"]["uid"], [])
 
     async def tick(self, seen: set[str]) -> None:
         jobs = self.server.live("batch/v1/jobs")
         pods = self.pods_by_job()
-        live_names = {(j["metadata"]["namespace"], j["metadata"]["name"]) for j in jobs}
+        live = {j["metadata"]["uid"] for j in jobs}
         for owner, orphans in pods.items():  # garbage-collect the pods of deleted Jobs
-            if owner not in live_names:
+            if owner not in live:
                 for pod in orphans:
                     await self._delete_pod(pod)
         for job in jobs:
@@ -247,8 +248,7 @@ class Kubelet:
             if uid not in seen:
                 seen.add(uid)
                 self.created_jobs.append(job["metadata"]["name"])
-            key = (job["metadata"]["namespace"], job["metadata"]["name"])
-            await self._drive(job, pods.get(key, []))
+            await self._drive(job, pods.get(uid, []))
 
     async def _drive(self, job: dict[str, Any], pods: list[dict[str, Any]]) -> None:
         conditions = {c["type"] for c in job.get("status", {}).get("conditions", [])}
@@ -281,7 +281,8 @@ class Kubelet:
         template = job["spec"]["template"]
         name = f"{job['metadata']['name']}-{index}-{uuid.uuid4().hex[:5]}"
         labels = {**template["metadata"].get("labels", {}),
-                  "batch.kubernetes.io/job-name": job["metadata"]["name"]}
+                  "batch.kubernetes.io/job-name": job["metadata"]["name"],
+                  CONTROLLER_UID: job["metadata"]["uid"]}
         pod = {"apiVersion": "v1", "kind": "Pod",
                "metadata": {"name": name, "namespace": job["metadata"]["namespace"],
                             "labels": labels,

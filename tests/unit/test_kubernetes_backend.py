@@ -235,6 +235,9 @@ def test_a_resume_check_runs_before_torchrun_and_its_refusal_fails_the_job():
     rules = job["podFailurePolicy"]["rules"]
     assert {"action": "FailJob", "onExitCodes": {"operator": "In", "values": [4]}} in rules
     assert rules[0]["onPodConditions"] == [{"type": "DisruptionTarget", "status": "True"}]
+    # a suspension's SIGTERM (exit 143) must not end the Job: it is resumed later
+    assert {"action": "Ignore", "onExitCodes": {"containerName": "trainer", "operator": "In",
+                                                "values": [143]}} in rules
 
 
 def test_a_multi_node_jobs_output_claim_must_be_read_write_many():

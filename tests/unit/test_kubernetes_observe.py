@@ -180,3 +180,19 @@ def test_an_init_container_that_succeeded_is_not_the_cause():
     ran = pod("demo-0-a", "Failed", initContainerStatuses=[{
         "name": "resume-check", "state": {"terminated": {"exitCode": 0}}}], **terminated(1))
     assert pod_failure(ran).kind == "worker"
+
+
+def test_a_previous_gangs_pods_do_not_fail_the_new_job():
+    """A gang restart recreates the Job under its name: a failed pod of the old Job that is
+    still seen (its deletion not yet reported) belongs to another uid and is not a failure
+    of the new gang."""
+    new = job_object()
+    new["metadata"]["uid"] = "uid-2"
+    old = pod("demo-1-x", "Failed", **terminated(1, message="CUDA error"))
+    old["metadata"]["labels"] = {"batch.kubernetes.io/controller-uid": "uid-1"}
+    mine = pod("demo-0-y", "Running")
+    mine["metadata"]["labels"] = {"batch.kubernetes.io/controller-uid": "uid-2"}
+    seen = observe(new, [old, mine], nodes=1)
+    assert seen.failure is None and seen.running
+    old["metadata"]["labels"]["batch.kubernetes.io/controller-uid"] = "uid-2"
+    assert observe(new, [old, mine], nodes=1).failure.kind == "worker"

@@ -177,6 +177,51 @@ def test_kueue_queued_until_admitted():
     assert condition(admitted.status, "Admitted").status == "True"
 
 
+QUEUE = {"kubernetes": {"queueName": "team-a"}}
+
+
+def test_a_queued_job_says_queued_from_its_first_reconcile():
+    """#24: it showed Launching until the next look, though nothing runs before admission."""
+    d = reconcile(job(**QUEUE), Observation(), T0)
+    assert kinds(d) == ["launch"]
+    assert d.status.phase == "Queued" and "queue team-a" in d.status.message
+    assert condition(d.status, "Admitted").reason == "WaitingForQueue"
+
+
+def test_kueue_preemption_says_preempted_and_clears_running():
+    """#24: after preemption the job said Queued with Running=True and no word of why."""
+    running = reconcile(job(launched(**QUEUE), **QUEUE), Observation(exists=True, running=True),
+                        at(10))
+    assert running.status.phase == "Running"
+    preempted = reconcile(job(running.status, **QUEUE),
+                          Observation(exists=True, suspended=True, stopping=True), at(20))
+    assert preempted.status.phase == "Queued"
+    assert condition(preempted.status, "Admitted").reason == "Preempted"
+    assert condition(preempted.status, "Running").status == "False"
+    assert [e.reason for e in preempted.events] == ["Preempted", "Queued"]
+    assert preempted.status.restarts == 0 and kinds(preempted) == []
+    # still waiting: the condition keeps the reason, no second event
+    waiting = reconcile(job(preempted.status, **QUEUE), Observation(exists=True, suspended=True),
+                        at(30))
+    assert condition(waiting.status, "Admitted").reason == "Preempted" and waiting.events == []
+    admitted = reconcile(job(waiting.status, **QUEUE), Observation(exists=True), at(35))
+    assert admitted.status.phase == "Launching"  # pods not running yet: the startup deadline
+    assert condition(admitted.status, "Admitted").status == "True"
+    again = reconcile(job(admitted.status, **QUEUE), Observation(exists=True, running=True),
+                      at(40))
+    assert again.status.phase == "Running"
+    assert condition(again.status, "Admitted").status == "True"
+
+
+def test_a_job_failing_after_admission_has_no_stale_queue_condition():
+    """#24: it ended Failed still saying it waited for Kueue."""
+    queued = reconcile(job(**QUEUE), Observation(), T0)
+    failed = reconcile(job(queued.status, runPolicy={"backoffLimit": 0}, **QUEUE), Observation(
+        exists=True, failure=Failure("worker", "demo-0 exited 1 (Error)")), at(5))
+    assert failed.status.phase == "Failed"
+    assert condition(failed.status, "Admitted").status == "True"
+
+
 def test_spec_changes_after_launch_are_refused_except_run_policy():
     status = launched("Running")
     changed = reconcile(job(status, generation=2, method={"type": "full"}),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import replace
+from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
@@ -18,6 +19,7 @@ import aiohttp
 from finetune_operator import naming, yamlio
 from finetune_operator.api import API_VERSION, KIND, FineTuneJob, Progress
 from finetune_operator.backends import BackendContext, BackendError
+from finetune_operator.backends.children import CONTROLLER_UID_KEY, Children
 from finetune_operator.kube import KubeError
 from finetune_operator.reconcile import Failure, Observation
 from finetune_operator.settings import OperatorSettings, Taint
@@ -35,6 +37,8 @@ from finetune_trainer.uris import (
 logger = logging.getLogger("finetune_operator.kubernetes")
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 COMPLETION_INDEX_KEY = "batch.kubernetes.io/job-completion-index"
+CREATION_GRACE_SECONDS = 3.0
+"""How long a Job may lack pods before the operator asks the events why."""
 COMPLETION_INDEX = f"metadata.annotations['{COMPLETION_INDEX_KEY}']"
 CACHE_DIR = "/tmp/finetune"
 WORKER_UID = 1000
@@ -91,7 +95,7 @@ def trainer_config_map(job: FineTuneJob, config: TrainerConfig) -> dict[str, Any
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": object_meta(job, naming.trainer_config_map(job.name)),
-        "data": {naming.TRAINER_CONFIG_KEY: yamlio.dump(config.to_dict())},
+        "data": {naming.TRAINER_CONFIG_KEY: yamlio.dump(config.to_dict(), fast=True)},
     }
 
 
@@ -335,7 +339,10 @@ def worker_job(job: FineTuneJob, settings: OperatorSettings) -> dict[str, Any]:
             "podFailurePolicy": {"rules": [
                 {"action": "FailJob",
                  "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
-                {"action": "FailJob", "onExitCodes": {
+                # a trainer stopped by SIGTERM on a suspension (ours, or Kueue preempting)
+                # exits 143 after its checkpoint: the Job controller applies this policy to
+                # those pods too (seen on v1.36), and FailJob would end the suspended Job
+                {"action": "Ignore", "onExitCodes": {
                     "containerName": TRAINER_CONTAINER, "operator": "In",
                     "values": [STOPPED_EXIT_CODE]}},
                 {"action": "FailJob", "onExitCodes": {
@@ -387,6 +394,13 @@ def _terminated(pod: dict[str, Any]) -> dict[str, Any] | None:
         if state := container.get("state", {}).get("terminated"):
             return state
     return None
+
+
+def _made_by(pod: dict[str, Any], workload: dict[str, Any]) -> bool:
+    """The pod belongs to this Job, not to an earlier one of the same name (a gang restart
+    recreates the Job; a pod of the old one still seen must not fail the new one)."""
+    uid = (pod["metadata"].get("labels") or {}).get(CONTROLLER_UID_KEY)
+    return uid is None or uid == workload["metadata"].get("uid")
 
 
 def pod_failure(pod: dict[str, Any]) -> Failure | None:
@@ -487,6 +501,7 @@ def observe(workload: dict[str, Any] | None, pods: list[dict[str, Any]], nodes: 
         return Observation()
     if workload["metadata"].get("deletionTimestamp"):
         return Observation(exists=True, deleting=True)
+    pods = [p for p in pods if _made_by(p, workload)]  # not a previous gang's leftovers
     current = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
     failures = [f for f in map(pod_failure, current) if f is not None]
     # an evicted pod fails and goes: seen while it goes, it says it was preempted (other
@@ -522,6 +537,9 @@ class KubernetesBackend:
         self.settings = context.settings
         self.kube = context.kube  # None offline: then only validate and render are used
         self.progress_port = context.progress_port or context.settings.metrics_port
+        self.children = Children()
+        """The workers as the operator's watches see them; until the controller attaches its
+        indexes (and outside the operator), `observe` asks the API server instead."""
 
     def validate(self, job: FineTuneJob) -> list[Problem]:
         return validate(job)
@@ -532,10 +550,16 @@ class KubernetesBackend:
     async def launch(self, job: FineTuneJob) -> None:
         if (unshared := output_claim_problem(job, await self._output_claim(job))) is not None:
             raise BackendError(unshared, retry_after=300)
-        for obj in self.render(job):
-            created = await self.kube.create(obj)
-            logger.info("%s %s %s/%s", "created" if created else "found", obj["kind"],
-                        job.namespace, obj["metadata"]["name"])
+        config_map, service, workload = self.render(job)
+        # the pods mount the ConfigMap and resolve rank 0 through the Service: both first
+        await asyncio.gather(self._create(job, config_map), self._create(job, service))
+        await self._create(job, workload)
+
+    async def _create(self, job: FineTuneJob, obj: dict[str, Any]) -> None:
+        created = await self.kube.create(obj)
+        self.children.created(obj)
+        logger.info("%s %s %s/%s", "created" if created else "found", obj["kind"],
+                    job.namespace, obj["metadata"]["name"])
 
     async def _output_claim(self, job: FineTuneJob) -> dict[str, Any] | None:
         """The output's PersistentVolumeClaim of a multi-node job (None otherwise, or when it
@@ -551,6 +575,8 @@ class KubernetesBackend:
             return None
 
     async def observe(self, job: FineTuneJob) -> Observation:
+        if self.children.ready:
+            return await self._observe_watched(job)
         children = (("Job", naming.worker_job(job.name)),
                     ("Service", naming.headless_service(job.name)),
                     ("ConfigMap", naming.trainer_config_map(job.name)))
@@ -571,6 +597,42 @@ class KubernetesBackend:
         missing = tuple(f"{kind} {name}" for (kind, name), found
                         in zip(children[1:], others, strict=True) if found is None)
         return replace(seen, missing=missing) if missing and not seen.deleting else seen
+
+    async def _observe_watched(self, job: FineTuneJob) -> Observation:
+        """The same observation from the watches: no API call, except the Job controller's
+        events while pods are missing (nothing else says why) and rank 0's /progress."""
+        children, ns = self.children, job.namespace
+        workload = children.get("Job", ns, job.name, naming.worker_job(job.name))
+        if workload is None:
+            return Observation()
+        pods = children.of("Pod", ns, job.name)
+        nodes = job.spec.resources.nodes
+        not_created, polled = None, False
+        if needs_creation_events(workload, pods, nodes):
+            # the Job controller creates pods within a second; later, only its events say why
+            # not (a refused PriorityClass, a quota), and no watch event says when to ask
+            polled = True
+            if self._age(workload) > CREATION_GRACE_SECONDS:
+                not_created = creation_failure(await self.kube.events(
+                    ns, "Job", naming.worker_job(job.name), workload["metadata"].get("uid")))
+        progress = await self.progress(pods)
+        seen = observe(workload, pods, nodes, progress, not_created)
+        missing = tuple(f"{kind} {name}" for kind, name in (
+            ("Service", naming.headless_service(job.name)),
+            ("ConfigMap", naming.trainer_config_map(job.name)))
+            if children.get(kind, ns, job.name, name) is None)
+        # rank 0's progress is read, never told: look again while it can be read
+        polled = polled or ((seen.running or progress is not None) and not seen.succeeded)
+        seen = replace(seen, polled=polled)
+        return replace(seen, missing=missing) if missing and not seen.deleting else seen
+
+    @staticmethod
+    def _age(obj: dict[str, Any]) -> float:
+        created = obj["metadata"].get("creationTimestamp")
+        if not created:
+            return 0.0
+        then = datetime.fromisoformat(created.replace("Z", "+00:00"))
+        return (datetime.now(UTC) - then).total_seconds()
 
     async def progress(self, pods: list[dict[str, Any]]) -> Progress | None:
         """Rank 0's latest progress record, or None when it cannot be read right now."""
@@ -602,6 +664,7 @@ class KubernetesBackend:
         # Foreground: the Job stays (deleting) until its pods are gone, so the next gang
         # never meets the old one's hostnames
         await self.kube.delete("Job", job.namespace, naming.worker_job(job.name))
+        self.children.deleted("Job", job.namespace, job.name, naming.worker_job(job.name))
 
     async def cancel(self, job: FineTuneJob) -> None:
         """Owner references would collect these too; deleting them now frees the name."""
@@ -610,3 +673,4 @@ class KubernetesBackend:
                                "Background")
         await self.kube.delete("ConfigMap", job.namespace, naming.trainer_config_map(job.name),
                                "Background")
+        self.children.forget(job.namespace, job.name)

@@ -29,6 +29,8 @@ def test_bounds_are_the_samples_and_the_padding_over_the_flattened_batch():
 def test_a_row_that_does_not_start_a_sample_is_refused():
     with pytest.raises(ValueError, match="start every row with 0"):
         attention.sequence_bounds(torch.tensor([[1, 2, 0]]))
+    with pytest.raises(ValueError, match="start every row with 0"):  # not only the first row
+        attention.sequence_bounds(torch.tensor([[0, 1, 2], [3, 0, 1]]))
 
 
 def test_micro_batches_carry_bounds_only_when_asked():

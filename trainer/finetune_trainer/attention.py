@@ -29,10 +29,12 @@ _KERNEL_HEAD_DIMS = range(8, 257)
 def sequence_bounds(position_ids: torch.Tensor) -> torch.Tensor:
     """Cumulative sample lengths over the flattened batch (int32, starts with 0): a sample
     starts wherever position_ids restart at 0 (padding is its own segment, see data.py)."""
-    flat = position_ids.reshape(-1)
-    starts = torch.nonzero(flat == 0).flatten()
-    if starts.numel() == 0 or int(starts[0]) != 0:
+    rows = position_ids.reshape(-1, position_ids.shape[-1])
+    if rows.numel() == 0 or not bool((rows[:, 0] == 0).all()):
+        # a row that continues a sample would be attended together with the row before it
         raise ValueError("packed position_ids must start every row with 0")
+    flat = rows.reshape(-1)
+    starts = torch.nonzero(flat == 0).flatten()
     total = torch.tensor([flat.numel()], dtype=starts.dtype)
     return torch.cat([starts, total]).to(torch.int32)
 

@@ -331,6 +331,9 @@ def register(registry: kopf.OperatorRegistry, runtime: Runtime) -> None:
             with runtime.metrics.reconcile_seconds.labels(backend).time():
                 result = await look(runtime, body)
         except KubeError as error:
+            if error.namespace_terminating:  # its children went first; the job goes next
+                logger.info("not relaunched: its namespace is being deleted (%s)", error)
+                return None, None  # the job's deletion ends this worker
             raise _Retry(runtime, "the API server refused a call ({}); retrying in {:g}s",
                          error, error.retry_after) from error
         except BackendError as error:

@@ -34,14 +34,27 @@ class KubeError(RuntimeError):
     """An API call that failed (other than a 404 / 409 its caller expects) or got no answer."""
 
     def __init__(self, action: str, error: Exception):
+        self.namespace_terminating = False
+        """The namespace is being deleted: nothing can be created in it, ever again."""
         if isinstance(error, ApiException):
             super().__init__(f"{action}: {error.status} {error.reason}")
             self.status: int | None = error.status
             self.retry_after = _retry_after(error.headers)
+            self.namespace_terminating = error.status == 403 and _terminating(error.body)
         else:
             super().__init__(f"{action}: no answer from the API server "
                              f"({type(error).__name__}: {error})")
             self.status, self.retry_after = None, None
+
+
+def _terminating(body: Any) -> bool:
+    """The API server's refusal to create in a namespace being deleted (a `Status` whose
+    cause is NamespaceTerminating)."""
+    try:
+        details = json.loads(body).get("details") or {}
+    except (TypeError, ValueError, AttributeError):
+        return False
+    return any(c.get("reason") == "NamespaceTerminating" for c in details.get("causes") or [])
 
 
 def _retry_after(headers: Any) -> float | None:

@@ -257,3 +257,29 @@ def test_a_multi_node_jobs_output_claim_must_be_read_write_many():
     assert problem.startswith("spec.output.uri: claim 'ckpt' is ReadWriteOnce, but the 2 "
                               "nodes' ranks all write checkpoints into it — use a "
                               "ReadWriteMany claim")
+
+
+def test_a_refusal_in_a_namespace_being_deleted_is_told_apart():
+    """The API server's answer to a create in a terminating namespace (its Status as v1.36
+    writes it): the worker stops relaunching instead of retrying into every 403 (seen at
+    1,000 jobs: their namespace's children went before the jobs did)."""
+    import json
+
+    from kubernetes.client.exceptions import ApiException
+
+    from finetune_operator.kube import KubeError
+
+    body = json.dumps({
+        "kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Forbidden",
+        "message": 'configmaps "demo-trainer" is forbidden: unable to create new content in '
+                   "namespace t-1 because it is being terminated",
+        "details": {"name": "demo-trainer", "kind": "configmaps", "causes": [
+            {"reason": "NamespaceTerminating", "message": "namespace t-1 is being terminated",
+             "field": "metadata.namespace"}]}, "code": 403})
+    terminating = ApiException(status=403, reason="Forbidden")
+    terminating.body = body
+    assert KubeError("create ConfigMap demo-trainer", terminating).namespace_terminating
+    rbac = ApiException(status=403, reason="Forbidden")
+    rbac.body = json.dumps({"kind": "Status", "reason": "Forbidden", "code": 403,
+                            "message": "configmaps is forbidden: User cannot create"})
+    assert not KubeError("create ConfigMap demo-trainer", rbac).namespace_terminating

@@ -20,7 +20,6 @@ from finetune_operator.kube import Kube, connect
 from finetune_operator.settings import OperatorSettings
 from finetune_operator.validation import parse_job
 
-KUBE: Kube | None = None
 SETTINGS = OperatorSettings()
 
 
@@ -30,14 +29,12 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 
 
 @kopf.on.startup()
-def connected(**_: Any) -> None:
-    global KUBE
-    KUBE = Kube(connect())
+def connected(memo: kopf.Memo, **_: Any) -> None:
+    memo.kube = Kube(connect())
 
 
 @kopf.on.create("finetune.dev", "v1alpha1", "finetunejobs")
-async def launch(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
-    assert KUBE is not None
+async def launch(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
     for child in render(parse_job(dict(body)), SETTINGS):
-        await KUBE.create(child)
+        await memo.kube.create(child)
     patch.status["phase"] = "Launching"

@@ -17,6 +17,8 @@ from finetune_trainer.config import (
     API_GROUP,
     API_VERSION,
     ApiModel,
+    CheckpointPolicy,
+    ConcreteStrategy,
     DatasetSource,
     Hyperparameters,
     MethodConfig,
@@ -353,6 +355,23 @@ class CheckpointRef(StatusModel):
     """When it was completed."""
 
 
+class LaunchPlan(StatusModel):
+    """What the operator decided before the first launch where the spec leaves it open
+    (`strategy: auto`, unset gradient checkpointing and compile). Every launch and gang
+    restart renders from this record, so a planner that answers differently after an
+    operator upgrade never restarts a job under another strategy, whose checkpoints it
+    could not read."""
+
+    strategy: ConcreteStrategy
+    """`spec.strategy.type`, or what `auto` resolved to."""
+    gradient_checkpointing: bool
+    """Whether activations are recomputed in the backward pass."""
+    gradient_checkpointing_policy: CheckpointPolicy
+    """Which activations are recomputed, when checkpointing is on."""
+    compile: bool
+    """Whether the model runs under torch.compile."""
+
+
 class BackendRef(StatusModel):
     """The backend's own object for this job."""
 
@@ -390,6 +409,9 @@ class FineTuneJobStatus(StatusModel):
         Field(default_factory=dict))
     """A fingerprint per spec section as launched; changes other than runPolicy after
     launch are refused."""
+    plan: LaunchPlan | None = None
+    """The strategy and step settings the workers run with, decided once before the first
+    launch."""
     launch_time: datetime | None = None
     """When the current attempt's workers were created (startupDeadlineSeconds counts
     from here)."""

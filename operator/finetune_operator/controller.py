@@ -27,9 +27,9 @@ from finetune_operator import kube
 from finetune_operator.api import API_GROUP, PLURAL, TERMINAL_PHASES, VERSION, FineTuneJob
 from finetune_operator.backends import Backend, BackendContext, BackendError, load_backends
 from finetune_operator.backends.children import MANAGED, RESOURCES, owner_key
-from finetune_operator.kube import Kube, KubeError
+from finetune_operator.kube import Kube, KubeError, timestamp
 from finetune_operator.metrics import RESTART_CAUSES, OperatorMetrics
-from finetune_operator.planner import ModelConfigs, plan_job, resolve_strategy
+from finetune_operator.planner import ModelConfigs, plan_job
 from finetune_operator.reconcile import (
     Action,
     Decision,
@@ -39,6 +39,7 @@ from finetune_operator.reconcile import (
     reconcile,
 )
 from finetune_operator.settings import OperatorSettings
+from finetune_operator.trainer_config import launch_plan
 from finetune_operator.validation import check_document
 
 FINALIZER = f"{API_GROUP}/finalizer"
@@ -116,8 +117,9 @@ async def feasibility(runtime: Runtime, job: FineTuneJob, problems: list[str]
         return None
     def plan() -> Feasibility:
         model = runtime.model_configs.resolve(job.spec.model.uri, job.spec.model.revision)
-        verdict = plan_job(job, model, resolve_strategy(job), search_catalog=False)
-        return Feasibility(fits=verdict.fits, message=verdict.reason)
+        decided = launch_plan(job, model)
+        verdict = plan_job(job, model, decided.strategy, search_catalog=False)
+        return Feasibility(fits=verdict.fits, message=verdict.reason, plan=decided)
 
     return await asyncio.to_thread(plan)
 
@@ -150,6 +152,8 @@ async def look(runtime: Runtime, body: Any) -> Look:
     try:
         seen = Observation() if problems or backend is None else await backend.observe(job)
         decision = reconcile(job, seen, now, problems, await feasibility(runtime, job, problems))
+        # the backend renders from the status as decided (status.plan, recorded at launch)
+        job = job.model_copy(update={"status": decision.status})
         for action in decision.actions:
             logger.info("%s/%s: %s %s", job.namespace, job.name, action.kind, action.reason)
             assert backend is not None  # no action is decided for a job without one
@@ -163,9 +167,8 @@ async def look(runtime: Runtime, body: Any) -> Look:
     for event in decision.events:
         kopf.event(body, type=event.type, reason=event.reason, message=event.message)
     old, new = dict(body.get("status") or {}), decision.status.to_dict()
-    created = (body.get("metadata") or {}).get("creationTimestamp")
-    metrics.job_seen(job.namespace, job.name, job.spec.backend, old, new,
-                     datetime.fromisoformat(created) if created else None, now)
+    created = timestamp((body.get("metadata") or {}).get("creationTimestamp"))
+    metrics.job_seen(job.namespace, job.name, job.spec.backend, old, new, created, now)
     return Look(_status_patch(old, new), _wake_after(runtime, backend, job, decision, seen,
                                                       now))
 

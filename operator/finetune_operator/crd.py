@@ -31,6 +31,8 @@ PRINTER_COLUMNS = [
     {"name": "Nodes", "type": "integer", "jsonPath": ".spec.resources.nodes"},
     {"name": "GPUs", "type": "integer", "jsonPath": ".spec.resources.gpusPerNode",
      "description": "GPUs per node"},
+    {"name": "Strategy", "type": "string", "jsonPath": ".status.plan.strategy", "priority": 1,
+     "description": "The strategy the workers run (strategy auto resolved at launch)"},
     {"name": "Step", "type": "integer", "jsonPath": ".status.progress.step"},
     {"name": "Total", "type": "integer", "jsonPath": ".status.progress.totalSteps",
      "priority": 1},

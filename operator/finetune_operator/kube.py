@@ -16,6 +16,7 @@ import json
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from typing import Any
 
 import kopf
@@ -24,6 +25,10 @@ from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError, SSLError
 
 from finetune_operator.api import API_GROUP, PLURAL, VERSION
+
+KUEUE_GROUP, KUEUE_VERSION = "kueue.x-k8s.io", "v1beta2"  # served since Kueue v0.15
+KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
+"""Kueue labels the Workload it makes for a batch/v1 Job with that Job's uid."""
 
 DEFAULT_TIMEOUT = 30.0
 """Seconds an API call may take before it counts as failed (and is retried): a hung API
@@ -47,14 +52,26 @@ class KubeError(RuntimeError):
             self.status, self.retry_after = None, None
 
 
+def _status(body: Any) -> dict[str, Any]:
+    """The `Status` object an API server's error answer carries ({} when it carries none)."""
+    try:
+        status = json.loads(body)
+    except (TypeError, ValueError):
+        return {}
+    return status if isinstance(status, dict) else {}
+
+
 def _terminating(body: Any) -> bool:
     """The API server's refusal to create in a namespace being deleted (a `Status` whose
     cause is NamespaceTerminating)."""
-    try:
-        details = json.loads(body).get("details") or {}
-    except (TypeError, ValueError, AttributeError):
-        return False
+    details = _status(body).get("details") or {}
     return any(c.get("reason") == "NamespaceTerminating" for c in details.get("causes") or [])
+
+
+def timestamp(text: str | None) -> datetime | None:
+    """An API server timestamp (RFC 3339 with `Z`, which Python 3.10's fromisoformat does not
+    read) as an aware datetime."""
+    return datetime.fromisoformat(text.replace("Z", "+00:00")) if text else None
 
 
 def _retry_after(headers: Any) -> float | None:
@@ -175,10 +192,7 @@ def check_access(api: client.ApiClient, namespaces: tuple[str, ...] = ()) -> Non
 
 
 def _reason(error: ApiException) -> str:
-    try:
-        return json.loads(error.body).get("message", "") or str(error.reason)
-    except (TypeError, ValueError):
-        return str(error.reason)
+    return _status(error.body).get("message") or str(error.reason)
 
 
 CONNECTIONS = 16
@@ -276,6 +290,30 @@ class Kube:
     async def suspend_job(self, namespace: str, name: str, suspend: bool) -> None:
         await self._call(f"suspend Job {name}", self.batch.patch_namespaced_job, name, namespace,
                          {"spec": {"suspend": suspend}}, _preload_content=False)
+
+    async def kueue_workload(self, namespace: str, job_uid: str
+                             ) -> dict[str, Any] | None:
+        """Kueue's Workload for the batch/v1 Job with uid `job_uid`; None when there is none
+        (yet), or when Kueue's API is not served here (no Kueue installed)."""
+        try:
+            response = await self._call(
+                "list Kueue Workloads", self.custom.list_namespaced_custom_object,
+                KUEUE_GROUP, KUEUE_VERSION, namespace, "workloads",
+                label_selector=f"{KUEUE_JOB_UID_LABEL}={job_uid}", _preload_content=False)
+        except KubeError as error:
+            if error.status == 404:
+                return None
+            raise
+        items = json.loads(response.data).get("items", [])
+        return items[0] if items else None
+
+    async def activate_kueue_workload(self, namespace: str, name: str, active: bool) -> None:
+        """Kueue's own switch (`spec.active`): false evicts the workload and frees its quota,
+        true puts it back in its queue."""
+        await self._call(f"set Kueue Workload {name} active={active}",
+                         self.custom.patch_namespaced_custom_object, KUEUE_GROUP,
+                         KUEUE_VERSION, namespace, "workloads", name,
+                         {"spec": {"active": active}}, _preload_content=False)
 
     async def patch_finetunejob_status(self, namespace: str, name: str,
                                        status: dict[str, Any]) -> dict[str, Any] | None:

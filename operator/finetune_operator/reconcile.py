@@ -20,6 +20,7 @@ from finetune_operator.api import (
     Condition,
     FineTuneJob,
     FineTuneJobStatus,
+    LaunchPlan,
     Progress,
     RunPolicy,
 )
@@ -64,6 +65,12 @@ class Observation:
     queued: str | None = None
     """The backend holds the workload in its own queue, waiting for capacity (Azure ML
     `Queued`): phase Queued; the startup deadline counts from when it leaves."""
+    queue_active: bool | None = None
+    """Kueue's Workload for the job may be admitted (its `spec.active`, the switch that
+    suspends a queued job and frees its quota); None: no Workload (yet), or no Kueue."""
+    queue_message: str | None = None
+    """Why Kueue has not admitted the job, in Kueue's words (no flavor fits, quota), or why
+    it is not queued at all (no Workload: Kueue missing)."""
     degraded: str | None = None
     """The backend reports trouble that may pass (Azure ML `NotResponding`): a `Degraded`
     condition, nothing else changes."""
@@ -89,6 +96,8 @@ class Feasibility:
     """None: unknown (no model config, no known gpuType): the job launches."""
     message: str
     """The per-GPU breakdown and, when it does not fit, what would."""
+    plan: LaunchPlan | None = None
+    """The strategy and step settings the verdict is for: recorded at the first launch."""
 
 
 ActionKind = Literal["launch", "delete-workload", "suspend", "resume", "delete-job"]
@@ -284,12 +293,15 @@ def reconcile(job: FineTuneJob, seen: Observation, now: datetime,
 
     # 3. suspend and resume
     if policy.suspend:
-        if seen.exists and not seen.suspended:
+        # a queued job through Kueue's switch (Kueue then suspends the Job, frees the quota)
+        if seen.queue_active or (seen.exists and not seen.suspended
+                                 and seen.queue_active is None):
             b.act("suspend", "spec.runPolicy.suspend")
         if status.phase != "Suspended" and (status.launched_spec or not seen.exists):
+            freed = " and Kueue frees the job's quota" if _queued(job) else ""
             b.cond("Running", False, "Suspended", "")
-            b.cond("Suspended", True, "SuspendedByUser",
-                   "workers checkpoint and stop; set spec.runPolicy.suspend=false to resume")
+            b.cond("Suspended", True, "SuspendedByUser", f"workers checkpoint and stop{freed}; "
+                   "set spec.runPolicy.suspend=false to resume")
             b.phase("Suspended", "suspended by spec.runPolicy.suspend")
         return b.decision
     if status.phase == "Suspended":
@@ -300,9 +312,13 @@ def reconcile(job: FineTuneJob, seen: Observation, now: datetime,
             b.requeue(2)
             return b.decision
         b.cond("Suspended", False, "Resumed", "")
-        if seen.exists and seen.suspended and not _queued(job):
+        if seen.queue_active is False or (seen.exists and seen.suspended
+                                          and not _queued(job)):
             b.act("resume", "spec.runPolicy.suspend cleared")
-        b.phase("Launching", "resuming from the last checkpoint")
+        if _queued(job) and seen.exists:  # back in the queue: Kueue resumes it on admission
+            _wait_for_queue(b, seen.queue_message)
+        else:
+            b.phase("Launching", "resuming from the last checkpoint")
         status.launch_time = now
         return b.decision
 
@@ -316,6 +332,8 @@ def reconcile(job: FineTuneJob, seen: Observation, now: datetime,
         return b.decision
     if not seen.exists:
         b.act("launch")
+        if not status.launched_spec and feasibility is not None:
+            status.plan = feasibility.plan  # what this and every later launch renders
         status.launched_spec = fingerprint
         status.launch_time = now
         status.start_time = status.start_time or now
@@ -324,6 +342,12 @@ def reconcile(job: FineTuneJob, seen: Observation, now: datetime,
             _wait_for_queue(b)
         elif first:
             b.phase("Launching", "creating workers")
+        elif status.phase == "Restarting" and _queued(job):
+            # a new Job is a new Workload to Kueue: it queues again (docs/kueue.md says why
+            # the gang is not restarted inside the admitted Job)
+            _wait_for_queue(b, f"the gang restarts (restart {status.restarts}) as a new Job, "
+                            "which Kueue admits like any other; it resumes from the last "
+                            "checkpoint", reason="RequeuedByRestart")
         elif status.phase == "Restarting":
             b.phase("Launching", f"restarting the gang (restart {status.restarts}); it resumes "
                     "from the last checkpoint")
@@ -339,6 +363,8 @@ def reconcile(job: FineTuneJob, seen: Observation, now: datetime,
     if not status.launched_spec:
         # launched by an operator that stopped before it could record the launch
         status.launched_spec = fingerprint
+        if feasibility is not None:
+            status.plan = status.plan or feasibility.plan
         status.launch_time = status.launch_time or now
         status.start_time = status.start_time or now
         if status.phase in (None, "Pending"):
@@ -357,6 +383,7 @@ def reconcile(job: FineTuneJob, seen: Observation, now: datetime,
         b.cond("Admitted", True, "Admitted", "")  # a failed job's conditions are current)
         if status.phase == "Queued":  # the startup deadline counts from here
             b.phase("Launching", "admitted by Kueue; starting the workers")
+            status.launch_time = now
     if seen.failure is not None:
         return _restart_or_fail(b, seen.failure)
     if seen.missing:  # the workers need them to start (after a restart, a resume, admission)
@@ -373,23 +400,25 @@ def reconcile(job: FineTuneJob, seen: Observation, now: datetime,
     if seen.suspended:  # created suspended for Kueue and not admitted yet, or preempted
         admitted = condition(status, "Admitted")
         if _queued(job) and admitted is not None and admitted.status == "True":
-            message = (f"Kueue preempted the job (suspended its workers, which checkpoint "
-                       f"and stop); it waits in queue {job.spec.kubernetes.queue_name} to be "
-                       "admitted again and resumes from the last checkpoint (not counted "
-                       "against backoffLimit)")
+            why = f" ({seen.queue_message})" if seen.queue_message else ""
+            message = (f"Kueue evicted the job{why} and suspended its workers, which "
+                       f"checkpoint and stop; it waits in queue "
+                       f"{job.spec.kubernetes.queue_name} to be admitted again and resumes "
+                       "from the last checkpoint (not counted against backoffLimit)")
             b.event("Warning", "Preempted", message)
             b.cond("Admitted", False, "Preempted", message)
             b.cond("Running", False, "Preempted", message)
             b.phase("Queued", message)
-        elif _queued(job) and admitted is not None and admitted.reason == "Preempted":
-            pass  # still waiting to be admitted again: the condition keeps saying why
+        elif _queued(job) and admitted is not None and admitted.reason in (
+                "Preempted", "RequeuedByRestart"):
+            if seen.queue_message:  # Kueue's latest word; the reason says why it queues again
+                _wait_for_queue(b, seen.queue_message, reason=admitted.reason)
         elif _queued(job):
-            _wait_for_queue(b)
+            _wait_for_queue(b, seen.queue_message)
         else:
             b.cond("Admitted", False, "WaitingForQueue", "the workload is suspended")
             b.phase("Queued", "waiting in the queue")
-        status.launch_time = now  # the startup deadline counts from admission
-        b.requeue(15)
+        b.requeue(15)  # the startup deadline counts from admission (see above)
         return b.decision
     if condition(status, "Admitted"):
         b.cond("Admitted", True, "Admitted", "")
@@ -448,10 +477,14 @@ def _queued(job: FineTuneJob) -> bool:
     return bool(job.spec.kubernetes and job.spec.kubernetes.queue_name)
 
 
-def _wait_for_queue(b: _Builder) -> None:
+def _wait_for_queue(b: _Builder, why: str | None = None,
+                    reason: str = "WaitingForQueue") -> None:
+    """Phase Queued; `why`: Kueue's own words, or ours, shown in the status and describe."""
     queue = b.job.spec.kubernetes.queue_name if b.job.spec.kubernetes else None
     message = f"waiting for Kueue to admit the job from queue {queue}"
-    b.cond("Admitted", False, "WaitingForQueue", message)
+    if why:
+        message += f": {why}"
+    b.cond("Admitted", False, reason, message)
     b.phase("Queued", message)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from finetune_operator import planner
-from finetune_operator.api import FineTuneJob
+from finetune_operator.api import FineTuneJob, LaunchPlan
 from finetune_operator.planner import ModelConfig, StepSettings
 from finetune_trainer.config import (
     ConcreteStrategy,
@@ -35,6 +35,28 @@ def resolve_strategy(job: FineTuneJob, model: ModelConfig | None = None) -> Conc
     return planner.resolve_strategy(job, model)
 
 
+def launch_decisions(job: FineTuneJob, model: ModelConfig | None = None
+                     ) -> tuple[ConcreteStrategy, StepSettings]:
+    """The strategy and step settings the workers run with: as recorded in the status
+    (`status.plan`, decided before the first launch), else decided now."""
+    recorded = job.status.plan if job.status is not None else None
+    if recorded is not None:
+        return recorded.strategy, StepSettings(
+            gradient_checkpointing=recorded.gradient_checkpointing,
+            checkpoint_policy=recorded.gradient_checkpointing_policy,
+            compile=recorded.compile, notes=["as recorded in status.plan"])
+    chosen = resolve_strategy(job, model)
+    return chosen, planner.choose_step_settings(job, model, chosen)
+
+
+def launch_plan(job: FineTuneJob, model: ModelConfig | None = None) -> LaunchPlan:
+    """The record `launch_decisions` reads back."""
+    chosen, settings = launch_decisions(job, model)
+    return LaunchPlan(strategy=chosen, gradient_checkpointing=settings.gradient_checkpointing,
+                      gradient_checkpointing_policy=settings.checkpoint_policy,
+                      compile=settings.compile)
+
+
 def _explicit_lora(method: MethodConfig) -> MethodConfig:
     """Workers get the adapter settings spelled out, defaults included."""
     if method.type == "full" or method.lora is not None:
@@ -55,8 +77,7 @@ def trainer_config_and_step_settings(job: FineTuneJob, locate: Locate = keep_loc
     """`build_trainer_config`, and the step settings it chose with their reasons (the
     notes `finetune run` prints come from this one decision)."""
     spec = job.spec
-    chosen = resolve_strategy(job, model)
-    settings = planner.choose_step_settings(job, model, chosen)
+    chosen, settings = launch_decisions(job, model)
     strategy: StrategyConfig = spec.strategy.model_copy(update={
         "type": chosen, "gradient_checkpointing": settings.gradient_checkpointing,
         "gradient_checkpointing_policy": settings.checkpoint_policy,

@@ -94,43 +94,113 @@ async def test_kubectl_shows_columns_conditions_and_events(control_plane_testbed
     assert "Launching" in events and "creating workers" in events
 
 
+FLAVOR = {"agentpool": "ndasrv4"}
+UNPLACEABLE = ("couldn't assign flavors to pod set main: flavor ndasrv4 doesn't match node "
+               "affinity")
+
+
+def _queued_manifest(bed: ControlPlaneTestbed) -> dict:
+    return bed.manifest(kubernetes={"queueName": "team-a", "annotations": {
+        "fake.finetune.dev/run-time": "1h"}})
+
+
 @pytest.mark.asyncio
-async def test_kueue_contract_to_queued_then_admitted_by_a_stand_in(control_plane_testbed):
-    """Up to Queued on the real API server; admission by tests/controlplane/kueue.py, a
-    stand-in doing what Kueue documents (the real Kueue cannot be built here)."""
+async def test_kueue_queues_admits_and_preempts(control_plane_testbed):
+    """Queued from the first look, with Kueue's reason when it cannot place the job; admitted
+    onto the flavor's nodes; preempted and admitted again without a new Job or a counted
+    restart. Kueue is tests/controlplane/kueue.py, a stand-in doing what Kueue documents
+    (the real Kueue cannot be built here)."""
     bed: ControlPlaneTestbed = control_plane_testbed
-    await bed.apply(bed.manifest(kubernetes={"queueName": "team-a", "annotations": {
-        "fake.finetune.dev/run-time": "1h"}}))
-    await bed.until_phase("Queued")
-    job = bed.get("batch/v1/jobs", "demo")
-    assert job["spec"]["suspend"] is True
-    assert job["metadata"]["labels"][kueue.QUEUE_LABEL] == "team-a"
-    assert bed.condition("Admitted")["reason"] == "WaitingForQueue"
-    await asyncio.sleep(2)
-    assert not await asyncio.to_thread(bed.running_pods, "demo")  # held while suspended
+    with kueue.KueueStandIn(bed.installation.kubectl, bed.namespace) as stand_in:
+        await bed.apply(_queued_manifest(bed))
+        await bed.until_phase("Queued")
+        job = bed.get("batch/v1/jobs", "demo")
+        assert job["spec"]["suspend"] is True
+        assert job["metadata"]["labels"][kueue.QUEUE_LABEL] == "team-a"
+        assert bed.condition("Admitted")["reason"] == "WaitingForQueue"
 
-    kubectl = bed.installation.kubectl
-    assert [j["metadata"]["name"] for j in kueue.queued_jobs(kubectl, bed.namespace)] == ["demo"]
-    await asyncio.to_thread(kueue.admit, kubectl, bed.namespace, "demo",
-                            {"agentpool": "ndasrv4"})
-    await bed.until_phase("Running")
-    assert bed.condition("Admitted")["status"] == "True"
-    assert {p["spec"]["nodeSelector"]["agentpool"] for p in bed.running_pods("demo")} == {
-        "ndasrv4"}
-    assert bed.jobs_created("demo") == 1
+        await asyncio.to_thread(stand_in.pend, "demo", UNPLACEABLE)
+        await bed.until(lambda: UNPLACEABLE in bed.condition("Admitted")["message"],
+                        "Kueue's reason in the Admitted condition", timeout=30)
+        assert UNPLACEABLE in bed.status()["message"]
+        assert not await asyncio.to_thread(bed.running_pods, "demo")  # held while suspended
 
-    # preempted by a job of higher priority: Queued again, saying so, nothing counted (#24)
-    original = job["spec"]["template"]["spec"].get("nodeSelector") or {}
-    await asyncio.to_thread(kueue.preempt, kubectl, bed.namespace, "demo", original)
-    await bed.until(lambda: bed.condition("Admitted")["reason"] == "Preempted", "Preempted")
-    assert bed.status()["phase"] == "Queued"
-    assert bed.condition("Running")["status"] == "False"
-    await bed.until(lambda: not bed.running_pods("demo"), "the preempted pods stopped")
-    await asyncio.to_thread(kueue.admit, kubectl, bed.namespace, "demo",
-                            {"agentpool": "ndasrv4"})
-    await bed.until_phase("Running")
-    assert bed.status().get("restarts", 0) == 0
-    assert bed.jobs_created("demo") == 1  # the same Job, admitted again
+        await asyncio.to_thread(stand_in.admit, "demo", FLAVOR)
+        await bed.until_phase("Running")
+        assert bed.condition("Admitted")["status"] == "True"
+        assert {p["spec"]["nodeSelector"]["agentpool"] for p in bed.running_pods("demo")} == {
+            "ndasrv4"}
+
+        # preempted by a job of higher priority: Queued again, saying so, nothing counted
+        await asyncio.to_thread(stand_in.preempt, "demo")
+        await bed.until(lambda: bed.condition("Admitted")["reason"] == "Preempted", "Preempted")
+        assert "higher priority" in bed.condition("Admitted")["message"]  # Kueue's words
+        assert bed.status()["phase"] == "Queued"
+        assert bed.condition("Running")["status"] == "False"
+        assert "Preempted" in bed.event_reasons()
+        await bed.until(lambda: not bed.running_pods("demo"), "the preempted pods stopped")
+        await asyncio.to_thread(stand_in.admit, "demo", FLAVOR)
+        await bed.until_phase("Running")
+        assert bed.status().get("restarts", 0) == 0
+        assert bed.jobs_created("demo") == 1  # the same Job, admitted again
+        assert stand_in.errors == []
+
+
+@pytest.mark.asyncio
+async def test_kueue_suspend_frees_the_quota_and_resume_queues_again(control_plane_testbed):
+    """runPolicy.suspend on an admitted job goes through Kueue's switch (the Workload's
+    spec.active): Kueue evicts it and frees its quota, and does not undo the suspension
+    (a suspended Job it would unsuspend at once); resume puts it back in its queue."""
+    bed: ControlPlaneTestbed = control_plane_testbed
+    with kueue.KueueStandIn(bed.installation.kubectl, bed.namespace) as stand_in:
+        await bed.apply(_queued_manifest(bed))
+        await asyncio.to_thread(stand_in.admit, "demo", FLAVOR)
+        await bed.until_phase("Running")
+
+        await bed.patch_spec("demo", {"runPolicy": {"suspend": True}})
+        await bed.until_phase("Suspended")
+        await bed.until(lambda: stand_in.workload("demo")["spec"]["active"] is False,
+                        "the Workload deactivated")
+        await bed.until(lambda: not bed.running_pods("demo"), "the workers stopped")
+        await asyncio.sleep(2)  # Kueue would unsuspend a Job still admitted: it must not
+        assert bed.get("batch/v1/jobs", "demo")["spec"]["suspend"] is True
+        assert not bed.running_pods("demo")
+        reserved = kueue._condition(stand_in.workload("demo"), "QuotaReserved")
+        assert reserved["status"] == "False"  # the quota is free for other jobs
+        assert bed.status()["phase"] == "Suspended"
+
+        await bed.patch_spec("demo", {"runPolicy": {"suspend": False}})
+        await bed.until(lambda: stand_in.workload("demo")["spec"]["active"] is True,
+                        "the Workload active again")
+        await bed.until_phase("Queued")
+        assert bed.condition("Admitted")["status"] == "False"
+        await asyncio.to_thread(stand_in.admit, "demo", FLAVOR)
+        await bed.until_phase("Running")
+        assert bed.jobs_created("demo") == 1
+        assert bed.status().get("restarts", 0) == 0
+        assert stand_in.errors == []
+
+
+@pytest.mark.asyncio
+async def test_kueue_gang_restart_queues_again_and_says_so(control_plane_testbed):
+    """A worker failure of an admitted job restarts the gang as a new Job, which Kueue queues
+    as a new Workload (the documented alternative to restarting inside the admitted Job,
+    docs/kueue.md): Restarting, then Queued with the reason, then admitted and counted."""
+    bed: ControlPlaneTestbed = control_plane_testbed
+    with kueue.KueueStandIn(bed.installation.kubectl, bed.namespace) as stand_in:
+        await bed.apply(_queued_manifest(bed))
+        await asyncio.to_thread(stand_in.admit, "demo", FLAVOR)
+        await bed.until_phase("Running")
+        await bed.fail_worker("demo", 1, "CUDA error: an illegal memory access")
+        await bed.until(lambda: bed.condition("Admitted")["reason"] == "RequeuedByRestart",
+                        "queued again by the restart", timeout=60)
+        assert bed.status()["phase"] == "Queued"
+        assert "new Job" in bed.condition("Admitted")["message"]
+        await bed.until(lambda: bed.jobs_created("demo") == 2, "the second Job")
+        await asyncio.to_thread(stand_in.admit, "demo", FLAVOR)
+        await bed.until_phase("Running")
+        assert bed.status()["restarts"] == 1
+        assert stand_in.errors == []
 
 
 # Cases of tests/unit/test_bad_manifests.py that the CRD cannot see, and what the API server

@@ -4,12 +4,16 @@ its azureml backend driving the real azure-ai-ml client, whose HTTP goes to a fa
 
 from __future__ import annotations
 
+import base64
+import json
+
 import aiohttp
 import pytest
 import pytest_asyncio
 
-from finetune_operator import controller
+from finetune_operator import controller, planner
 from finetune_operator.backends import BackendContext, load_backends
+from finetune_operator.backends.azureml.jobspec import CONFIG_INPUT
 from finetune_operator.kube import Kube, connect
 from finetune_operator.settings import OperatorSettings
 from tests.azureml_fake import (
@@ -207,3 +211,35 @@ async def test_a_refused_identity_is_a_condition_not_a_crash(cluster, aml_operat
     await submitted(cluster, azure)
     await eventually(lambda: condition(cluster, "Degraded")["status"] == "False",
                      what="Degraded cleared")
+
+
+def sent_strategy(azure: FakeAzureML, name: str) -> str:
+    """The strategy in the trainer config an attempt was submitted with."""
+    literal = azure.jobs[name]["properties"]["inputs"][CONFIG_INPUT]["value"]
+    return json.loads(base64.b64decode(literal))["strategy"]["type"]
+
+
+async def test_a_restart_renders_the_strategy_recorded_at_launch(
+        cluster, aml_operator, azure, monkeypatch):
+    """#16: `strategy: auto` is decided once and recorded in status.plan; a gang restart after
+    the planner's answer changed (an operator upgrade) still runs what the job launched with,
+    whose checkpoints it can read."""
+    await apply(cluster, azureml_job())
+    first = await submitted(cluster, azure)
+    await eventually(lambda: status(cluster).get("plan"), what="status.plan")
+    launched = status(cluster)["plan"]["strategy"]
+    assert sent_strategy(azure, first) == launched
+    other = "zero3" if launched != "zero3" else "fsdp"
+    monkeypatch.setattr(planner, "resolve_strategy", lambda job, model=None: other)
+
+    azure.set_state(first, "Running")
+    await eventually(phase_is(cluster, "Running"), what="Running")
+    azure.set_state(first, "Failed")
+    second = f"{first}-2"
+    await eventually(lambda: second in azure.jobs, what="the restart submitted")
+    assert sent_strategy(azure, second) == launched
+    assert status(cluster)["plan"]["strategy"] == launched
+    # the planner's new answer is what a new job gets: the record, not chance, kept it
+    await apply(cluster, azureml_job("fresh"))
+    await eventually(lambda: status(cluster, "fresh").get("plan"), what="the new job's plan")
+    assert status(cluster, "fresh")["plan"]["strategy"] == other

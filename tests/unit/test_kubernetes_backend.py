@@ -283,3 +283,17 @@ def test_a_refusal_in_a_namespace_being_deleted_is_told_apart():
     rbac.body = json.dumps({"kind": "Status", "reason": "Forbidden", "code": 403,
                             "message": "configmaps is forbidden: User cannot create"})
     assert not KubeError("create ConfigMap demo-trainer", rbac).namespace_terminating
+
+
+def test_kueues_word_on_a_queued_job_is_read_from_its_workload():
+    why = "couldn't assign flavors to pod set main: insufficient quota for nvidia.com/gpu"
+    waiting = {"spec": {"active": True}, "status": {"conditions": [
+        {"type": "QuotaReserved", "status": "False", "reason": "Pending", "message": why}]}}
+    assert backend.queue_state(waiting, 5.0) == (True, why)
+    admitted = {"spec": {}, "status": {"conditions": [
+        {"type": "QuotaReserved", "status": "True", "reason": "QuotaReserved", "message": "x"}]}}
+    assert backend.queue_state(admitted, 5.0) == (True, None)  # active unless set false
+    assert backend.queue_state({"spec": {"active": False}}, 5.0) == (False, None)
+    assert backend.queue_state(None, 5.0) == (None, None)  # Kueue makes it within a second or two
+    active, message = backend.queue_state(None, 300.0)
+    assert active is None and "is Kueue installed" in message

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from finetune_operator.api import FineTuneJobStatus, Progress
+from finetune_operator.api import FineTuneJobStatus, LaunchPlan, Progress
 from finetune_operator.reconcile import (
     Failure,
+    Feasibility,
     Observation,
     condition,
     reconcile,
@@ -213,6 +214,78 @@ def test_kueue_preemption_says_preempted_and_clears_running():
     assert condition(again.status, "Admitted").status == "True"
 
 
+def test_a_queued_job_shows_kueues_reason_for_not_admitting_it():
+    """#24: a job Kueue could not place stayed Queued for ever without the reason."""
+    queued = reconcile(job(**QUEUE), Observation(), T0)
+    why = "couldn't assign flavors to pod set main: flavor a100 doesn't match node affinity"
+    d = reconcile(job(queued.status, **QUEUE), Observation(
+        exists=True, suspended=True, queue_active=True, queue_message=why), at(5))
+    assert d.status.phase == "Queued" and why in d.status.message
+    assert why in condition(d.status, "Admitted").message
+
+
+def test_suspending_a_queued_job_goes_through_kueues_switch():
+    """#24: the operator suspended the Job, which Kueue unsuspended at once (quota held);
+    a queued job is suspended by deactivating its Workload, and resumed into the queue."""
+    running = reconcile(job(launched(**QUEUE), **QUEUE), Observation(exists=True, running=True),
+                        at(10))
+    suspend = {"runPolicy": {"suspend": True}, **QUEUE}
+    d = reconcile(job(running.status, **suspend),
+                  Observation(exists=True, running=True, queue_active=True), at(20))
+    assert kinds(d) == ["suspend"] and d.status.phase == "Suspended"
+    assert "quota" in condition(d.status, "Suspended").message
+    # Kueue suspends the Job itself: nothing more to do, whatever the Job shows
+    for seen in (Observation(exists=True, running=True, queue_active=False),
+                 Observation(exists=True, suspended=True, queue_active=False)):
+        assert kinds(reconcile(job(d.status, **suspend), seen, at(25))) == []
+    resumed = reconcile(job(d.status, **QUEUE),
+                        Observation(exists=True, suspended=True, queue_active=False), at(30))
+    assert kinds(resumed) == ["resume"]
+    assert resumed.status.phase == "Queued"  # not Launching: Kueue decides when it runs
+    assert condition(resumed.status, "Admitted").status == "False"
+
+
+def test_a_queued_job_without_a_workload_is_suspended_by_its_job():
+    """No Kueue Workload (Kueue not installed, or not yet): the Job's own switch."""
+    suspend = {"runPolicy": {"suspend": True}, **QUEUE}
+    d = reconcile(job(launched(**QUEUE), **suspend), Observation(exists=True, running=True),
+                  at(20))
+    assert kinds(d) == ["suspend"]
+
+
+def test_a_gang_restart_of_a_queued_job_queues_again_and_says_why():
+    """#24: the new Job is a new Workload to Kueue; the status says so, not Launching."""
+    failed = reconcile(job(launched("Running", **QUEUE), **QUEUE), Observation(
+        exists=True, failure=Failure("worker", "demo-1 exited 1 (Error)")), at(10))
+    assert failed.status.phase == "Restarting"
+    relaunched = reconcile(job(failed.status, **QUEUE), Observation(), at(15))
+    assert kinds(relaunched) == ["launch"] and relaunched.status.phase == "Queued"
+    admitted = condition(relaunched.status, "Admitted")
+    assert admitted.reason == "RequeuedByRestart" and "new Job" in admitted.message
+    waiting = reconcile(job(relaunched.status, **QUEUE), Observation(exists=True, suspended=True),
+                        at(20))
+    assert condition(waiting.status, "Admitted").reason == "RequeuedByRestart"
+
+
+def test_the_startup_deadline_counts_from_admission_not_from_each_look_in_the_queue():
+    queued = reconcile(job(launched(**QUEUE), **QUEUE), Observation(exists=True, suspended=True),
+                       at(10))
+    assert queued.status.launch_time == T0  # unchanged while queued: no status churn
+    admitted = reconcile(job(queued.status, **QUEUE), Observation(exists=True), at(500))
+    assert admitted.status.launch_time == at(500)
+
+
+def test_an_eviction_says_kueues_reason():
+    """Kueue evicts for preemption, and for pods not ready in time: its words say which."""
+    running = reconcile(job(launched(**QUEUE), **QUEUE), Observation(exists=True, running=True),
+                        at(10))
+    why = "Exceeded the PodsReady timeout default/demo"
+    evicted = reconcile(job(running.status, **QUEUE), Observation(
+        exists=True, suspended=True, queue_active=True, queue_message=why), at(20))
+    assert condition(evicted.status, "Admitted").reason == "Preempted"
+    assert why in condition(evicted.status, "Admitted").message
+
+
 def test_a_job_failing_after_admission_has_no_stale_queue_condition():
     """#24: it ended Failed still saying it waited for Kueue."""
     queued = reconcile(job(**QUEUE), Observation(), T0)
@@ -313,3 +386,24 @@ def test_a_refused_output_folder_fails_the_job_at_once_without_using_the_budget(
     assert condition(d.status, "Failed").reason == "OtherSettingsCheckpoints"
     assert condition(d.status, "Failed").message == why
     assert kinds(d) == ["delete-workload"]
+
+
+PLAN = LaunchPlan(strategy="fsdp", gradient_checkpointing=True,
+                  gradient_checkpointing_policy="selective", compile=False)
+
+
+def test_the_plan_is_recorded_at_the_first_launch_and_kept_through_restarts():
+    """#16: `auto` decided once; later launches render from the record."""
+    d = reconcile(job(), Observation(), T0, feasibility=Feasibility(True, "fits", PLAN))
+    assert kinds(d) == ["launch"] and d.status.plan == PLAN
+    failed = reconcile(job(d.status), Observation(
+        exists=True, failure=Failure("worker", "demo-1 exited 1 (Error)")), at(10))
+    relaunched = reconcile(job(failed.status), Observation(), at(15), feasibility=Feasibility(
+        True, "fits", PLAN.model_copy(update={"strategy": "zero3"})))
+    assert kinds(relaunched) == ["launch"] and relaunched.status.plan == PLAN
+
+
+def test_the_plan_is_recorded_when_workers_are_adopted():
+    d = reconcile(job(), Observation(exists=True, running=True), T0,
+                  feasibility=Feasibility(True, "fits", PLAN))
+    assert d.status.plan == PLAN

@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from finetune_operator import naming
-from finetune_operator.api import MAX_NAME_LENGTH
+from finetune_operator.api import MAX_NAME_LENGTH, FineTuneJobStatus, LaunchPlan
 from finetune_operator.render import render
 from finetune_operator.trainer_config import build_trainer_config, resolve_strategy
 from finetune_operator.validation import parse_job
@@ -66,3 +66,18 @@ def test_derived_names_fit_kubernetes_labels():
     longest = "a" * MAX_NAME_LENGTH
     for name in naming.all_names(longest, nodes=1024):
         assert len(name) <= 63, name
+
+
+def test_workers_are_told_the_recorded_plan_not_a_fresh_decision():
+    """#16: the strategy and step settings in status.plan win over what the planner would
+    say now (for `auto` and unset checkpointing/compile)."""
+    job = parse_job(minimal_job(method={"type": "lora"}))
+    fresh = build_trainer_config(job).strategy
+    recorded = LaunchPlan(strategy="zero3" if fresh.type != "zero3" else "fsdp",
+                          gradient_checkpointing=not fresh.gradient_checkpointing,
+                          gradient_checkpointing_policy="selective", compile=False)
+    job.status = FineTuneJobStatus(plan=recorded)
+    told = build_trainer_config(job).strategy
+    assert (told.type, told.gradient_checkpointing, told.gradient_checkpointing_policy,
+            told.compile) == (recorded.strategy, recorded.gradient_checkpointing, "selective",
+                              False)

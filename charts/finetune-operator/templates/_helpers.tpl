@@ -55,6 +55,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch", "list"]   # list: the Job controller's FailedCreate events
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads"]
+  verbs: ["list", "patch"]             # a queued job waits and suspends through its Workload
 {{- if and (gt (int .Values.replicas) 1) .Values.watchNamespaces }}
 - apiGroups: ["kopf.dev"]
   resources: ["kopfpeerings"]

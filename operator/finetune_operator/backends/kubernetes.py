@@ -20,7 +20,7 @@ from finetune_operator import naming, yamlio
 from finetune_operator.api import API_VERSION, KIND, FineTuneJob, Progress
 from finetune_operator.backends import BackendContext, BackendError
 from finetune_operator.backends.children import CONTROLLER_UID_KEY, Children
-from finetune_operator.kube import KubeError
+from finetune_operator.kube import KubeError, timestamp
 from finetune_operator.reconcile import Failure, Observation
 from finetune_operator.settings import OperatorSettings, Taint
 from finetune_operator.trainer_config import build_trainer_config
@@ -40,6 +40,9 @@ COMPLETION_INDEX_KEY = "batch.kubernetes.io/job-completion-index"
 CREATION_GRACE_SECONDS = 3.0
 """How long a Job may lack pods before the operator asks the events why."""
 COMPLETION_INDEX = f"metadata.annotations['{COMPLETION_INDEX_KEY}']"
+NO_WORKLOAD_GRACE_SECONDS = 30.0
+"""How long a queued Job may wait for Kueue to make its Workload before the status asks
+whether Kueue is there at all."""
 CACHE_DIR = "/tmp/finetune"
 WORKER_UID = 1000
 
@@ -526,6 +529,25 @@ def observe(workload: dict[str, Any] | None, pods: list[dict[str, Any]], nodes: 
     return Observation(exists=True, running=running >= nodes, waiting=waiting, progress=progress)
 
 
+def queued(job: FineTuneJob) -> bool:
+    return bool(job.spec.kubernetes and job.spec.kubernetes.queue_name)
+
+
+def queue_state(kueue_workload: dict[str, Any] | None, job_age: float
+                ) -> tuple[bool | None, str | None]:
+    """Kueue's word on a queued Job (pure): whether its Workload is active, and why it is
+    not admitted (the scheduler's message, such as no flavor fitting), if it says."""
+    if kueue_workload is None:
+        if job_age > NO_WORKLOAD_GRACE_SECONDS:
+            return None, ("Kueue has made no Workload for the Job: is Kueue installed, with "
+                          "its batch/job integration enabled?")
+        return None, None
+    active = kueue_workload.get("spec", {}).get("active") is not False
+    reserved = next((c for c in kueue_workload.get("status", {}).get("conditions") or []
+                     if c.get("type") == "QuotaReserved" and c.get("status") == "False"), None)
+    return active, (reserved or {}).get("message") or None
+
+
 # --- the backend: the pure parts above, plus the API calls ------------------------------
 
 class KubernetesBackend:
@@ -593,7 +615,8 @@ class KubernetesBackend:
             not_created = creation_failure(await self.kube.events(
                 job.namespace, "Job", naming.worker_job(job.name),
                 workload["metadata"].get("uid")))
-        seen = observe(workload, pods, nodes, await self.progress(pods), not_created)
+        seen = await self._with_queue(job, workload, observe(
+            workload, pods, nodes, await self.progress(pods), not_created))
         missing = tuple(f"{kind} {name}" for (kind, name), found
                         in zip(children[1:], others, strict=True) if found is None)
         return replace(seen, missing=missing) if missing and not seen.deleting else seen
@@ -616,23 +639,50 @@ class KubernetesBackend:
                 not_created = creation_failure(await self.kube.events(
                     ns, "Job", naming.worker_job(job.name), workload["metadata"].get("uid")))
         progress = await self.progress(pods)
-        seen = observe(workload, pods, nodes, progress, not_created)
+        seen = await self._with_queue(job, workload, observe(
+            workload, pods, nodes, progress, not_created))
         missing = tuple(f"{kind} {name}" for kind, name in (
             ("Service", naming.headless_service(job.name)),
             ("ConfigMap", naming.trainer_config_map(job.name)))
             if children.get(kind, ns, job.name, name) is None)
         # rank 0's progress is read, never told: look again while it can be read
-        polled = polled or ((seen.running or progress is not None) and not seen.succeeded)
+        polled = polled or seen.polled or (
+            (seen.running or progress is not None) and not seen.succeeded)
         seen = replace(seen, polled=polled)
         return replace(seen, missing=missing) if missing and not seen.deleting else seen
 
+    async def _with_queue(self, job: FineTuneJob, workload: dict[str, Any],
+                          seen: Observation) -> Observation:
+        """Add Kueue's word while it matters: the job waits to be admitted, or is to be
+        suspended (one API call; the Workload is not watched)."""
+        if not queued(job) or seen.deleting or not (
+                seen.suspended or job.spec.run_policy.suspend):
+            return seen
+        try:
+            found = await self.kube.kueue_workload(job.namespace, workload["metadata"]["uid"])
+        except KubeError as error:  # 403: a chart without the Workload rule
+            logger.warning("cannot read the Kueue Workload of %s/%s: %s", job.namespace,
+                           job.name, error)
+            return seen
+        active, message = queue_state(found, self._age(workload))
+        # no watch event says when Kueue's answer changes: look again while it is awaited
+        return replace(seen, queue_active=active, queue_message=message,
+                       polled=seen.polled or not job.spec.run_policy.suspend)
+
+    async def _kueue_workload(self, job: FineTuneJob) -> dict[str, Any] | None:
+        if not queued(job):
+            return None
+        name = naming.worker_job(job.name)
+        workload = (self.children.get("Job", job.namespace, job.name, name)
+                    if self.children.ready else await self.kube.get("Job", job.namespace, name))
+        if workload is None:
+            return None
+        return await self.kube.kueue_workload(job.namespace, workload["metadata"]["uid"])
+
     @staticmethod
     def _age(obj: dict[str, Any]) -> float:
-        created = obj["metadata"].get("creationTimestamp")
-        if not created:
-            return 0.0
-        then = datetime.fromisoformat(created.replace("Z", "+00:00"))
-        return (datetime.now(UTC) - then).total_seconds()
+        created = timestamp(obj["metadata"].get("creationTimestamp"))
+        return (datetime.now(UTC) - created).total_seconds() if created else 0.0
 
     async def progress(self, pods: list[dict[str, Any]]) -> Progress | None:
         """Rank 0's latest progress record, or None when it cannot be read right now."""
@@ -655,9 +705,20 @@ class KubernetesBackend:
         return progress_from_record(record)
 
     async def suspend(self, job: FineTuneJob) -> None:
+        """A queued job is suspended through Kueue's own switch: Kueue unsuspends an admitted
+        Job that anyone else suspends, and only a deactivated Workload frees its quota."""
+        if (kueue_workload := await self._kueue_workload(job)) is not None:
+            await self.kube.activate_kueue_workload(
+                job.namespace, kueue_workload["metadata"]["name"], False)
+            return
         await self.kube.suspend_job(job.namespace, naming.worker_job(job.name), True)
 
     async def resume(self, job: FineTuneJob) -> None:
+        """A queued job goes back into its queue; Kueue unsuspends the Job on admission."""
+        if (kueue_workload := await self._kueue_workload(job)) is not None:
+            await self.kube.activate_kueue_workload(
+                job.namespace, kueue_workload["metadata"]["name"], True)
+            return
         await self.kube.suspend_job(job.namespace, naming.worker_job(job.name), False)
 
     async def restart(self, job: FineTuneJob) -> None:

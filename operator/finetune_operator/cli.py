@@ -12,10 +12,11 @@ from typing import Literal
 import click
 
 from finetune_operator import yamlio
+from finetune_operator.admission import admit, offline_backends
 from finetune_operator.api import KIND, FineTuneJob
 from finetune_operator.manifests import Document, ManifestError, read_documents
-from finetune_operator.render import check_for_backend, render
-from finetune_operator.validation import Problem, check_document, short_repr
+from finetune_operator.render import render
+from finetune_operator.validation import Problem, short_repr
 
 EXIT_INVALID = 2
 
@@ -36,13 +37,14 @@ def _jobs_in(paths: tuple[str, ...], use: Use, backend: str | None = None,
              ) -> tuple[list[tuple[Document, FineTuneJob]], int]:
     """Check every FineTuneJob in `paths`, telling `say` each problem; returns the valid
     jobs and the number of invalid documents. `use`: `validate` and `render` check what the
-    operator checks, the backend's refusals included (`render.check_for_backend`), so the
+    operator checks, the backend's refusals included (`admission.admit`), so the
     two agree; `validate` leaves out the backend's refusal of relative paths, which it
     reports as one warning (they are for `finetune run`). `here`: `finetune run` and
     `finetune plan` on this machine, without the cluster-only rules. `backend`: check them
     as if `spec.backend` said so (`render --backend`)."""
     valid: list[tuple[Document, FineTuneJob]] = []
     invalid = 0
+    installed = offline_backends()
     for path in paths:
         try:
             documents = read_documents(path)
@@ -59,14 +61,11 @@ def _jobs_in(paths: tuple[str, ...], use: Use, backend: str | None = None,
             jobs_here += 1
             if backend and isinstance(doc.data, dict) and isinstance(doc.data.get("spec"), dict):
                 doc.data["spec"]["backend"] = backend
-            if use == "here":
-                job, problems = check_document(doc.data)
-                problems = [p for p in problems if not p.cluster_only]
-            else:
-                job, problems = check_for_backend(doc.data)
-                if use == "validate":  # said once, by validation's warning
-                    problems = [p for p in problems
-                                if not (p.cluster_only and p.severity == "error")]
+            admission = admit(doc.data, installed, "here" if use == "here" else "cluster")
+            job, problems = admission.job, admission.problems
+            if use == "validate":  # said once, by validation's warning
+                problems = [p for p in problems
+                            if not (p.cluster_only and p.severity == "error")]
             errors = [p for p in problems if p.severity == "error"]
             for problem in problems:
                 say(doc.source, problem)

@@ -24,6 +24,7 @@ from typing import Any
 import kopf
 
 from finetune_operator import kube
+from finetune_operator.admission import admit
 from finetune_operator.api import API_GROUP, PLURAL, TERMINAL_PHASES, VERSION, FineTuneJob
 from finetune_operator.backends import Backend, BackendContext, BackendError, load_backends
 from finetune_operator.backends.children import MANAGED, RESOURCES, owner_key
@@ -40,7 +41,6 @@ from finetune_operator.reconcile import (
 )
 from finetune_operator.settings import OperatorSettings
 from finetune_operator.trainer_config import launch_plan
-from finetune_operator.validation import check_document
 
 FINALIZER = f"{API_GROUP}/finalizer"
 logger = logging.getLogger("finetune_operator")
@@ -97,16 +97,8 @@ def _problems(runtime: Runtime, body: dict[str, Any]
     doc["metadata"] = {k: v for k, v in (body.get("metadata") or {}).items()
                        if k in ("name", "namespace", "uid", "generation", "labels",
                                 "annotations")}
-    job, problems = check_document(doc)
-    errors = [str(p) for p in problems if p.severity == "error"]
-    backend = runtime.backends.get(job.spec.backend) if job is not None else None
-    if job is not None and not errors:
-        if backend is None:
-            errors.append(f"spec.backend: {job.spec.backend!r} is not served by this operator "
-                          f"— use one of: {', '.join(sorted(runtime.backends))}")
-        else:
-            errors += [str(p) for p in backend.validate(job)]
-    return job, backend, errors
+    admission = admit(doc, runtime.backends)
+    return admission.job, admission.backend, [str(p) for p in admission.errors]
 
 
 async def feasibility(runtime: Runtime, job: FineTuneJob, problems: list[str]

@@ -19,7 +19,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
-from finetune_operator import backends
 from finetune_operator.api import (
     API_VERSION,
     DNS_1035_LABEL,
@@ -293,16 +292,6 @@ def gpu_type_is_known(job: FineTuneJob) -> Iterator[Problem]:
 
 
 RULES.append(Rule("gpu_type_is_known", gpu_type_is_known))
-
-
-def backend_installed(job: FineTuneJob) -> Iterator[Problem]:
-    installed = backends.installed_names()
-    if job.spec.backend not in installed:
-        yield Problem("spec.backend", f"{job.spec.backend!r} is not an installed backend",
-                      "use one of: " + ", ".join(sorted(installed)))
-
-
-RULES.append(Rule("backend_installed", backend_installed))
 
 
 def _locations(job: FineTuneJob) -> tuple[tuple[str, str, tuple], ...]:

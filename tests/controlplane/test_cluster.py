@@ -83,7 +83,8 @@ async def test_kubectl_shows_columns_conditions_and_events(control_plane_testbed
                                 "AGE"]
     assert table[1].split()[:7] == ["demo", "Running", "kubernetes", "2", "8", "40", "1.25"]
     wide = kubectl("get", "finetunejobs", "-o", "wide", "-n", bed.namespace).stdout
-    assert wide.splitlines()[0].split()[6:8] == ["TOTAL", "LOSS"]
+    assert wide.splitlines()[0].split()[5:9] == ["STRATEGY", "STEP", "TOTAL", "LOSS"]
+    assert wide.splitlines()[1].split()[5] == bed.status()["plan"]["strategy"]  # auto, decided
     assert "52000" in wide  # tokens/s
     described = kubectl("describe", "ftj", "demo", "-n", bed.namespace).stdout
     assert "Conditions:" in described and "WorkersRunning" in described

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from finetune_operator.admission import admit, offline_backends
 from finetune_operator.validation import check_document
 from tests.conftest import minimal_job
 from tests.crd_schema import cel_failures, schema_errors
@@ -140,6 +141,9 @@ CASES = [
 ]
 
 
+INSTALLED = offline_backends()
+
+
 def test_enough_distinct_cases():
     assert len({c.id for c in CASES}) == len(CASES) >= 25
 
@@ -147,8 +151,8 @@ def test_enough_distinct_cases():
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_bad_manifest_is_refused_with_an_actionable_message(case: Case, committed_crd):
     doc = edit(minimal_job(), case.changes)
-    job, problems = check_document(doc)
-    errors = [p for p in problems if p.severity == "error"]
+    admission = admit(doc, INSTALLED)  # what every command and the operator refuse
+    job, errors = admission.job, admission.errors
     assert errors, "the manifest was accepted"
     matching = [p for p in errors if p.path == case.path]
     assert matching, f"no problem at {case.path}: {[str(p) for p in errors]}"

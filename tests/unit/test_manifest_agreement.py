@@ -15,9 +15,9 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from finetune_operator.admission import admit, offline_backends
 from finetune_operator.cli import main, missing_local_paths
 from finetune_operator.manifests import read_documents
-from finetune_operator.render import check_for_backend
 from finetune_operator.validation import parse_job
 from tests.conftest import REPO, minimal_job
 from tests.fuzz_manifests import check
@@ -107,16 +107,26 @@ def test_validate_and_render_agree_on_every_example_on_either_backend(tmp_path, 
 
 
 def test_the_check_is_the_operators_for_a_job_the_api_accepts():
-    """What `check_for_backend` adds to `check_document`: the backend's refusals."""
+    """What admission adds to `check_document`: the backend's refusals, and whether the
+    backend is there at all, beside the API's own problems."""
     doc = minimal_job(model={"uri": "azureml://registries/azureml/models/m/versions/1"})
-    job, problems = check_for_backend(doc)
-    assert job is not None
-    assert [(p.path, p.severity, p.cluster_only) for p in problems] == [
+    admission = admit(doc, offline_backends())
+    assert admission.job is not None and admission.backend is not None
+    assert [(p.path, p.severity, p.cluster_only) for p in admission.problems] == [
         ("spec.model.uri", "error", False)]
     relative = minimal_job(output={"uri": "./out"})
-    _, problems = check_for_backend(relative)
+    problems = admit(relative, offline_backends()).problems
     assert {(p.path, p.severity, p.cluster_only) for p in problems} == {
         ("spec.output.uri", "warning", True), ("spec.output.uri", "error", True)}
+    # on one machine the backend's rules and the cluster's do not apply
+    assert admit(relative, offline_backends(), "here").problems == []
+    unknown = admit(minimal_job(backend="slurm", hyperparameters={"epochs": 1, "maxSteps": 5}),
+                    offline_backends())
+    assert {p.path for p in unknown.errors} == {"spec.backend", "spec.hyperparameters.maxSteps"}
+    served = admit(minimal_job(backend="azureml", azureml=dict(AZUREML)),
+                   {"kubernetes": offline_backends()["kubernetes"]})
+    assert [str(p) for p in served.errors] == [
+        "spec.backend: 'azureml' is not served by this operator — use one of: kubernetes"]
 
 
 @pytest.mark.skipif(not CONSOLE_SCRIPT.exists(), reason="the finetune console script is not "

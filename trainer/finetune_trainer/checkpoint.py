@@ -10,18 +10,29 @@ Older checkpoints are deleted (`keepLast`) only after the new one is renamed com
 a write that fails (a full volume) leaves every earlier checkpoint as it was; the failure
 is a `CheckpointError` naming the folder, the free space and the checkpoint a rerun
 resumes from. Leftover `.partial` folders are removed when the next checkpoint starts.
+
+Periodic checkpoints are written in the background under ddp and fsdp (`Checkpointer`,
+#17) where the host has room for a copy of the state: the loop waits only while the state
+is copied to host memory, and the rename that makes a checkpoint complete waits for every
+rank's write. DeepSpeed writes synchronously.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import shutil
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from finetune_trainer import trained_with
+from finetune_trainer.config import AsyncCheckpoints
 from finetune_trainer.layout import (  # the layout is named once, in layout.py
     STATE_FILE,
     checkpoint_root,
@@ -31,6 +42,7 @@ from finetune_trainer.layout import (  # the layout is named once, in layout.py
 
 SCHEDULER_FILE = "scheduler.pt"
 MODEL_DIR = "model"
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 @dataclass
@@ -54,49 +66,245 @@ def read_state(checkpoint: Path) -> TrainerState:
 
 def save(strategy, scheduler, state: TrainerState, output_dir: Path, keep_last: int,
          settings: dict[str, Any] | None = None) -> Path:
-    """Write a checkpoint taken after `state.step` steps; collective: every rank calls it.
-    `settings`: what it is trained with (`trained_with.record`), kept beside its state."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.api import CheckpointException
+    """Write a complete checkpoint taken after `state.step` steps before returning (the
+    loop's saves go through a `Checkpointer`, which writes in the background)."""
+    return Checkpointer(strategy, scheduler, output_dir, keep_last, settings).save(
+        state, background=False)
 
-    rank = dist.get_rank()
-    root = checkpoint_root(output_dir)
-    final = root / f"step-{state.step:08d}"
-    partial = root / f"step-{state.step:08d}.partial"
 
-    def writing(write) -> None:
+@dataclass
+class _Pending:
+    """A checkpoint started and not yet complete: its model and optimizer state may still
+    be being written by a background thread (`write`; None once written synchronously)."""
+
+    state: TrainerState
+    partial: Path
+    final: Path
+    began: float  # perf_counter when the model's save began
+    write: Future | None = None
+    staged: float = 0.0  # seconds the loop was held: staging, or the whole synchronous write
+    written_at: float | None = None  # perf_counter when the background write ended
+
+
+class Checkpointer:
+    """The run's checkpoints, written while training goes on; collective: every rank makes
+    the same calls in the same order.
+
+    #17: synchronous saves stalled training for the whole write and could miss the
+    eviction window. Under ddp and fsdp (DCP) a periodic save now holds the loop only to
+    stage the model and optimizer state in host memory (where the host has room for that
+    copy: `staging_refused`); a thread writes them while the next steps train. The
+    checkpoint is made complete (renamed, `trainer_state.json` written) only in `finish`,
+    after every rank's write ended: at the next save, at the end of training and before a
+    SIGTERM exit. So a checkpoint is still complete or absent, at most one is in flight,
+    `keepLast` prunes only after the newer one is complete, and a failed write is a
+    `CheckpointError` (raised when its write is waited for). DeepSpeed saves through its
+    engine's own synchronous `save_checkpoint`: under ZeRO the loop still waits for the
+    whole write.
+    """
+
+    def __init__(self, strategy, scheduler, output_dir: Path, keep_last: int,
+                 settings: dict[str, Any] | None = None,
+                 say: Callable[[str], None] | None = None,
+                 observe: Callable[[float], None] | None = None,
+                 behind: AsyncCheckpoints = "auto") -> None:
+        """`settings`: what it is trained with (`trained_with.record`), kept beside its
+        state. `say`: where the line about each completed checkpoint goes; `observe`: gets
+        the seconds each one took to write (staging and background write together).
+        `behind`: `output.asyncCheckpoints`."""
+        self.mode = behind
+        self.strategy, self.scheduler = strategy, scheduler
+        self.output_dir, self.keep_last, self.settings = output_dir, keep_last, settings
+        self.say = say or (lambda text: None)
+        self.observe = observe or (lambda seconds: None)
+        self._pending: _Pending | None = None
+        self._behind: bool | None = None  # whether saves go in the background, once decided
+
+    def save(self, state: TrainerState, *, background: bool = True) -> Path:
+        """Start the checkpoint of `state.step` steps, after completing the one in flight.
+        `background=False` (SIGTERM: the pod is about to go) completes it before returning,
+        as does a strategy that wrote synchronously anyway (DeepSpeed): a checkpoint that
+        is written is made complete at once. Returns its folder, which exists once it is
+        complete."""
+        import torch
+        import torch.distributed as dist
+
+        self.finish()
+        rank = dist.get_rank()
+        root = checkpoint_root(self.output_dir)
+        name = f"step-{state.step:08d}"
+        pending = _Pending(state, root / f"{name}.partial", root / name, time.perf_counter())
+        partial = pending.partial
+        if rank == 0:
+            self._guarded(partial, lambda: _start(root, partial))
+        dist.barrier()
+        # the RNG and schedule as of this step, beside the model: small, written at once
+        self._guarded(partial, lambda: torch.save(rng_state(), partial / f"rng-{rank}.pt"))
+        if rank == 0:
+            self._guarded(partial, lambda: torch.save(self.scheduler.state_dict(),
+                                                      partial / SCHEDULER_FILE))
+        pending.began = time.perf_counter()
+        if background and self._writes_behind():
+            pending.write = self._guarded(
+                partial, lambda: self.strategy.save_async(partial / MODEL_DIR))
+        else:
+            self._guarded(partial, lambda: self.strategy.save(partial / MODEL_DIR))
+        pending.staged = time.perf_counter() - pending.began
+        if pending.write is not None:
+            pending.write.add_done_callback(
+                lambda _: setattr(pending, "written_at", time.perf_counter()))
+        self._pending = pending
+        if pending.write is None:  # written already (SIGTERM's, or DeepSpeed's): complete it
+            self.finish()
+        return pending.final
+
+    def finish(self) -> Path | None:
+        """Collective: complete the checkpoint in flight, if one is. Waits for this rank's
+        write (its failure raised here), then for every rank's (a barrier); then rank 0
+        names it complete and prunes the oldest. Returns its folder."""
+        import torch.distributed as dist
+
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        waited = time.perf_counter()
+        if pending.write is not None:
+            self._guarded(pending.partial, pending.write.result)
+        waited = time.perf_counter() - waited
+        dist.barrier()
+        if dist.get_rank() == 0:
+            self._complete(pending)
+        dist.barrier()
+        self._report(pending, waited)
+        return pending.final
+
+    def _writes_behind(self) -> bool:
+        """Whether saves go in the background, decided at the first one, the same on every
+        rank (one writing behind while another waits would pair their collectives wrong).
+
+        A background save holds a host copy of the rank's checkpointed state until it is
+        written (#22 had made the synchronous write stream it one tensor at a time), so it
+        goes behind only where that copy is affordable (`staging_refused`), unless
+        `output.asyncCheckpoints` says `on` or `off`."""
+        import torch
+        import torch.distributed as dist
+
+        if self._behind is not None:
+            return self._behind
+        capable = getattr(self.strategy, "background_saves", False)  # not DeepSpeed
+        if not capable or self.mode != "auto":
+            self._behind = capable and self.mode == "on"
+            return self._behind
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        why_not = staging_refused(self.strategy.checkpoint_bytes(),
+                                  self.strategy.device.type, local_ranks)
+        votes = torch.tensor([0 if why_not else 1])
+        dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=self.strategy.save_group())
+        self._behind = bool(votes.item())
+        if not self._behind:
+            self.say("checkpoints are written synchronously: "
+                     + (why_not or "another rank has no host memory to stage its part"))
+        return self._behind
+
+    @contextlib.contextmanager
+    def writing_beside(self) -> Iterator[None]:
+        """Around the loop's own writes to the output folder (its progress files) while a
+        checkpoint is written behind them: a volume that fills up mid-checkpoint may refuse
+        those first, and then the checkpoint's failure is the one to report (which
+        checkpoint, the free space, where a rerun resumes from), as a synchronous save did."""
         try:
-            write()
+            yield
+        except OSError as error:
+            pending = self._pending
+            if error.errno not in DISK_FULL or pending is None or pending.write is None:
+                raise
+            self._guarded(pending.partial, pending.write.result)  # its CheckpointError
+            raise  # the checkpoint was written after all: the volume filled up since
+
+    def _complete(self, pending: _Pending) -> None:
+        """Rank 0, once every rank's part is written: the state file last, then the rename
+        that makes the checkpoint complete, then (only now) the oldest may go."""
+        partial, final = pending.partial, pending.final
+        if self.settings is not None:
+            self._guarded(partial, lambda: (partial / trained_with.FILE).write_text(
+                json.dumps(self.settings, indent=2)))
+        self._guarded(partial, lambda: _write_state(partial, pending.state))
+        if final.exists():  # a rerun of the same step: the new one replaces it whole
+            shutil.rmtree(final)
+        os.rename(partial, final)
+        _fsync_dir(final.parent)
+        for old in complete_checkpoints(self.output_dir)[:-self.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _report(self, pending: _Pending, waited: float) -> None:
+        """One line per checkpoint: how long the loop was held, and how long the write
+        took behind it (the measure of #17)."""
+        ended = pending.written_at or time.perf_counter()
+        self.observe(ended - pending.began)
+        if pending.write is None:
+            self.say(f"checkpoint {pending.final}: written in {pending.staged:.3f} s while "
+                     "training waited")
+            return
+        held = f"; training waited {waited:.3f} s more for it" if waited >= 0.001 else ""
+        self.say(f"checkpoint {pending.final}: staged in {pending.staged:.3f} s, written in "
+                 f"{ended - pending.began - pending.staged:.3f} s in the background{held}")
+
+    def _guarded(self, partial: Path, write: Callable[[], Any]) -> Any:
+        """`write()`, a storage failure turned into a CheckpointError naming the folder."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            return write()
         # torch reports a full disk as a RuntimeError ("unexpected pos"), DCP as a
         # CheckpointException (a BaseException) carrying each rank's error
         except (OSError, RuntimeError, CheckpointException) as error:
             if peer_failure(error):  # a rank died mid-save: the gang restart handles it
                 raise
-            raise CheckpointError(write_failure(output_dir, partial, error)) from error
+            raise CheckpointError(write_failure(self.output_dir, partial, error)) from error
 
-    if rank == 0:
-        writing(lambda: _start(root, partial))
-    dist.barrier()
-    writing(lambda: strategy.save(partial / MODEL_DIR))
-    writing(lambda: torch.save(rng_state(), partial / f"rng-{rank}.pt"))
-    if rank == 0:
-        writing(lambda: torch.save(scheduler.state_dict(), partial / SCHEDULER_FILE))
-    dist.barrier()
-    if rank == 0:
-        if settings is not None:
-            writing(lambda: (partial / trained_with.FILE).write_text(
-                json.dumps(settings, indent=2)))
-        writing(lambda: _write_state(partial, state))
-        if final.exists():  # a rerun of the same step: the new one replaces it whole
-            shutil.rmtree(final)
-        os.rename(partial, final)
-        _fsync_dir(root)
-        # only now, with a newer checkpoint complete, may the oldest go
-        for old in complete_checkpoints(output_dir)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
-    return final
+
+def staging_refused(staged: int, device_type: str, local_ranks: int) -> str | None:
+    """Why a background save's host copy of `staged` bytes (per rank, `local_ranks` on this
+    host at once) is not affordable, or None. It must fit in half the host memory left (the
+    pod's cgroup limit included). On CPU workers the state lives in host memory already, so
+    the copy is pure growth: allowed only under a twentieth of the process's resident set,
+    within the tenth over a bare training loop that #22 holds the trainer to (LoRA's
+    adapters pass; a full fine-tune's weights and Adam moments do not)."""
+    free = host_memory_free()
+    if free is not None and staged * local_ranks > free // 2:
+        return (f"staging {_size(staged)} per rank on {local_ranks} rank(s) would take more "
+                f"than half of the {_size(free)} of host memory free")
+    if device_type == "cpu":
+        resident = _resident_bytes()
+        if resident is not None and staged * 20 > resident:
+            return (f"on CPU workers a background save would copy the state it saves "
+                    f"({_size(staged)}) in host memory, more than a twentieth of the "
+                    f"{_size(resident)} this process holds")
+    return None
+
+
+def host_memory_free() -> int | None:
+    """Host memory still free to this process: the kernel's MemAvailable, or less where the
+    container's cgroup (v2 or v1) limit leaves less. None where neither can be read."""
+    found = []
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        lines = Path("/proc/meminfo").read_text().splitlines()
+        found.append(int(next(ln for ln in lines if ln.startswith("MemAvailable:")).split()[1])
+                     * 1024)
+    for limit, usage in (("memory.max", "memory.current"),
+                         ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        with contextlib.suppress(OSError, ValueError):
+            cgroup = Path("/sys/fs/cgroup")
+            found.append(int((cgroup / limit).read_text()) - int((cgroup / usage).read_text()))
+            break  # "max" (no limit) raises ValueError and falls through to v1
+    return max(0, min(found)) if found else None
+
+
+def _resident_bytes() -> int | None:
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _start(root: Path, partial: Path) -> None:

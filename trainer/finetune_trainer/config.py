@@ -30,6 +30,7 @@ ConcreteStrategy = Literal["ddp", "fsdp", "zero1", "zero2", "zero3"]
 Offload = Literal["none", "cpu", "nvme"]
 Precision = Literal["bf16", "fp16", "fp32"]
 CheckpointPolicy = Literal["full", "selective"]
+AsyncCheckpoints = Literal["auto", "on", "off"]
 DatasetFormat = Literal["auto", "chat", "instruction", "text"]
 Scheduler = Literal["cosine", "linear", "constant"]
 
@@ -233,6 +234,10 @@ class OutputConfig(ApiModel):
     """Complete checkpoints kept; older ones are deleted once a newer one is complete."""
     merge_adapter: bool = False
     """Also export the base model with the LoRA adapter merged in (lora and qlora)."""
+    async_checkpoints: AsyncCheckpoints = "auto"
+    """Write periodic checkpoints behind training (ddp and fsdp; DeepSpeed always waits):
+    `auto` where the host has memory for the staged copy of the state, `on` always, `off`
+    never. The checkpoint taken on SIGTERM is always complete before the process exits."""
 
 
 class JobIdentity(ApiModel):

@@ -409,6 +409,10 @@ def run(config: TrainerConfig, base_dir: Path) -> int:
 
     state = checkpoint.TrainerState(step=0, epoch=0, step_in_epoch=0, tokens_seen=0,
                                     total_steps=steps)
+    checkpoints = checkpoint.Checkpointer(
+        strategy, scheduler, output_dir, config.output.keep_last, trained_with.record(config),
+        say=_say, observe=metrics.checkpoint_save.observe,
+        behind=config.output.async_checkpoints)
     metrics.total_steps.set(steps)
     if (latest := checkpoint.latest_checkpoint(output_dir)) is not None:
         started = time.perf_counter()
@@ -508,10 +512,11 @@ def run(config: TrainerConfig, base_dir: Path) -> int:
             seconds = window.seconds()
             mfu = (flops_per_token * window.inputs / seconds / (peak * world)
                    if peak and seconds > 0 else None)
-            record = reporter.report(state.step, state.step / batches.steps_per_epoch,
-                                     window_loss / max(tokens_window, 1),
-                                     scheduler.get_last_lr()[0], mfu=mfu,
-                                     peak_memory=peak_memory_bytes(device))
+            with checkpoints.writing_beside():  # a full volume: the checkpoint's doing
+                record = reporter.report(state.step, state.step / batches.steps_per_epoch,
+                                         window_loss / max(tokens_window, 1),
+                                         scheduler.get_last_lr()[0], mfu=mfu,
+                                         peak_memory=peak_memory_bytes(device))
             split = phases.drain() if phases is not None else {}
             if collective_log is not None:
                 timed = merge([collective_log.drain(), *sampled])
@@ -532,17 +537,16 @@ def run(config: TrainerConfig, base_dir: Path) -> int:
             _say(f"eval at step {state.step}: loss {eval_loss:.4f}")
         every = config.output.checkpoint_every_steps
         if done or stopping or (every and state.step % every == 0):
-            started = time.perf_counter()
-            where = checkpoint.save(strategy, scheduler, state, output_dir,
-                                    config.output.keep_last, trained_with.record(config))
-            metrics.checkpoint_save.observe(time.perf_counter() - started)
-            _say(f"checkpoint {where}")
+            # in the background, but not on SIGTERM: the pod has seconds left, and the
+            # checkpoint of this very step must be complete before it exits
+            checkpoints.save(state, background=not stopping)
         if stopping:
             _say(f"stopped by SIGTERM after step {state.step}; a restart resumes from the "
                  "checkpoint above")
             reporter.finish("Stopped")
             return EXIT_PREEMPTED
 
+    checkpoints.finish()  # the last checkpoint complete before anything else can fail
     if profiler is not None:
         profiler.stop()
         if profiler.written is not None:

@@ -1,0 +1,293 @@
+"""Checkpoints written in the background (#17): training goes on while DCP writes the
+previous checkpoint, and every guarantee of the synchronous saves still holds: a checkpoint
+is complete or absent, at most one is in flight, `keepLast` prunes only after the newer one
+is complete, a failed write is a CheckpointError, SIGTERM leaves a complete newest
+checkpoint and exits 143, and a resume repeats the uninterrupted run exactly.
+
+The `Checkpointer` itself on 2 gloo ranks (torchrun, a toy model), then real `finetune run`s
+on the tiny model checkpointing every step or two.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from finetune_trainer.checkpoint import complete_checkpoints
+from tests.trainer.test_faults import assert_same_weights
+from tests.trainer.test_training import finetune_run, losses, manifest
+
+GIB, MIB = 2**30, 2**20
+BACKGROUND = re.compile(r"^checkpoint (\S+)/step-(\d{8}): staged in ([\d.]+) s, written in "
+                        r"([\d.]+) s in the background", re.MULTILINE)
+WAITED = re.compile(r"^checkpoint (\S+)/step-(\d{8}): written in ([\d.]+) s while training "
+                    r"waited", re.MULTILINE)
+
+def test_a_background_save_stages_only_where_the_host_has_room(monkeypatch):
+    """The staged copy stays in host memory until written: half of what is free, and on CPU
+    workers (whose state is that memory) a twentieth of the process, #22's budget."""
+    from finetune_trainer import checkpoint
+
+    monkeypatch.setattr(checkpoint, "host_memory_free", lambda: 64 * GIB)
+    monkeypatch.setattr(checkpoint, "_resident_bytes", lambda: 4 * GIB)
+    assert checkpoint.staging_refused(17 * GIB, "cuda", 1) is None  # a 1.5B full fine-tune
+    assert "more than half of the 64.0 GiB of host memory free" in checkpoint.staging_refused(
+        17 * GIB, "cuda", 2)
+    assert checkpoint.staging_refused(100 * MIB, "cpu", 2) is None  # LoRA adapters
+    assert "more than a twentieth of the 4.0 GiB" in checkpoint.staging_refused(2 * GIB, "cpu", 1)
+    monkeypatch.setattr(checkpoint, "host_memory_free", lambda: None)  # not Linux
+    assert checkpoint.staging_refused(17 * GIB, "cuda", 8) is None
+
+
+# --- the Checkpointer on 2 ranks ---------------------------------------------------------
+
+SCRIPT = r'''
+import resource, sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from finetune_trainer.checkpoint import (CheckpointError, Checkpointer, TrainerState,
+                                         complete_checkpoints, load)
+from finetune_trainer.config import Hyperparameters, StrategyConfig
+from finetune_trainer.parallel import build_strategy, init_distributed
+
+out, kind = Path(sys.argv[1]), sys.argv[2]
+root = out / "checkpoints"
+device = init_distributed()
+rank = dist.get_rank()
+
+
+def make():
+    torch.manual_seed(0)
+    strategy = build_strategy(StrategyConfig(type=kind, precision="fp32"),
+                              Hyperparameters(max_steps=8), device, ["Linear"])
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    strategy.setup(model, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2))
+    return strategy, torch.optim.lr_scheduler.LambdaLR(strategy.base_optimizer, lambda s: 1.0)
+
+
+def train(strategy, scheduler):
+    loss = strategy.model(torch.randn(8, 256)).pow(2).mean()
+    strategy.backward(loss, boundary=True)
+    strategy.step()
+    scheduler.step()
+
+
+def weights(strategy):  # collective under fsdp (full_tensor)
+    return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for name, p in strategy.model.named_parameters()}
+
+
+def moments(strategy):  # Adam's step and moments, in parameter order (collective under fsdp)
+    optimizer = strategy.optimizer
+    return [(v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for group in optimizer.param_groups for p in group["params"]
+            for _, v in sorted(optimizer.state[p].items())]
+
+
+def state(step):
+    return TrainerState(step=step, epoch=0, step_in_epoch=step, tokens_seen=step, total_steps=8)
+
+
+def expect(complete, partial):
+    dist.barrier()  # every rank looks after rank 0 renamed and pruned
+    found = ([p.name for p in complete_checkpoints(out)],
+             sorted(p.name for p in root.glob("*.partial")))
+    assert found == (complete, partial), found
+
+
+strategy, scheduler = make()
+said = []
+checkpoints = Checkpointer(strategy, scheduler, out, keep_last=1, settings={"job": "t"},
+                           say=said.append)
+train(strategy, scheduler)
+checkpoints.save(state(1))
+# in flight: not complete until finished, whatever the thread has written meanwhile
+expect([], ["step-00000001.partial"])
+train(strategy, scheduler)
+at_two, moments_at_two = weights(strategy), moments(strategy)
+checkpoints.save(state(2))  # completes step 1 first: never two in flight
+expect(["step-00000001"], ["step-00000002.partial"])
+train(strategy, scheduler)  # the weights change while step 2 is written
+train(strategy, scheduler)
+assert checkpoints.finish().name == "step-00000002"
+expect(["step-00000002"], [])  # keepLast 1, pruned once 2 completed
+assert checkpoints.finish() is None
+assert all(" in the background" in line for line in said), said
+
+fresh, fresh_scheduler = make()
+assert load(fresh, fresh_scheduler, root / "step-00000002").step == 2
+restored = weights(fresh)
+assert all(torch.equal(restored[n], at_two[n]) for n in at_two)  # as staged, not as later
+restored = moments(fresh)
+assert len(restored) == len(moments_at_two) > 0
+assert all(torch.equal(a, b) for a, b in zip(restored, moments_at_two))
+
+checkpoints.save(state(3), background=False)  # SIGTERM's: complete on return
+expect(["step-00000003"], [])
+assert "while training waited" in said[-1], said
+
+# a write that fails in the background: a shard file over the size limit (EFBIG)
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))  # above the RNG file
+train(strategy, scheduler)
+checkpoints.save(state(4))  # staging succeeds; the failure comes with the write
+try:
+    checkpoints.finish()
+    raise AssertionError("a failed background write went unnoticed")
+except CheckpointError as error:
+    message = str(error)
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+assert f"{out}: writing checkpoint step-00000004.partial failed" in message, message
+# DCP's per-rank failure (torch words EFBIG as "unexpected pos"): from the thread's write
+assert "failed (rank 0: " in message or "failed (rank 1: " in message, message
+assert "it resumes from step-00000003, which is complete and untouched" in message, message
+expect(["step-00000003"], ["step-00000004.partial"])
+if rank == 0:
+    print("CHECKPOINTER OK " + " | ".join(said), flush=True)
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_the_checkpointer_completes_one_write_at_a_time_and_surfaces_its_failure(
+        tmp_path, strategy):
+    script = tmp_path / "checkpointer.py"
+    script.write_text(SCRIPT)
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(script), str(tmp_path / "out"), strategy],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "CHECKPOINTER OK" in result.stdout, result.stdout
+
+
+# --- real runs ---------------------------------------------------------------------------
+
+STEPS = 20
+
+
+def every_step_job(model_dir: Path, output: Path) -> dict:
+    """A full fine-tune (weights compared whole) checkpointing after every step, so a write
+    is in flight at almost any moment."""
+    job = manifest(model_dir, output, method="full", steps=STEPS, checkpoint_every=1)
+    job["metadata"]["name"] = "t-async"
+    return job
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_model_dir, tmp_path_factory) -> tuple[Path, str]:
+    where = tmp_path_factory.mktemp("async-uninterrupted")
+    result = finetune_run(every_step_job(tiny_model_dir, where / "out"), where)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return where / "out", result.stdout
+
+
+@pytest.mark.slow
+def test_checkpoints_every_step_are_written_behind_training_and_complete(uninterrupted):
+    output, log = uninterrupted
+    names = sorted(p.name for p in (output / "checkpoints").iterdir())
+    assert names == [f"step-{STEPS - 1:08d}", f"step-{STEPS:08d}"]  # keepLast 2, no .partial
+    assert all((output / "checkpoints" / name / "trainer_state.json").is_file()
+               for name in names)
+    background = BACKGROUND.findall(log)
+    assert [int(step) for _, step, _, _ in background] == list(range(1, STEPS + 1)), log
+    assert not WAITED.findall(log)
+    staged = [float(s) for _, _, s, _ in background]
+    written = [float(w) for _, _, _, w in background]
+    print(f"\nddp, tiny model, {STEPS} checkpoints: training held {sum(staged) / STEPS:.3f} s "
+          f"a save to stage it, {sum(written) / STEPS:.3f} s written in the background")
+
+
+@pytest.mark.slow
+def test_sigterm_with_a_write_in_flight_leaves_a_complete_checkpoint_and_resumes_exactly(
+        uninterrupted, tiny_model_dir, tmp_path):
+    reference, _ = uninterrupted
+    output = tmp_path / "out"
+    job = every_step_job(tiny_model_dir, output)
+    process = finetune_run(job, tmp_path, wait=False)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if json.loads((output / "progress.json").read_text())["step"] >= 3:
+                break
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.02)
+    process.send_signal(signal.SIGTERM)
+    log, _ = process.communicate(timeout=300)
+    assert process.returncode == 143, log
+    stopped_at = json.loads((output / "progress.json").read_text())["step"]
+    assert 3 <= stopped_at < STEPS, log
+    assert complete_checkpoints(output)[-1].name == f"step-{stopped_at:08d}"
+    assert not list((output / "checkpoints").glob("*.partial"))
+    # the write in flight completed first, then this step's was written before the exit
+    in_background = [int(step) for _, step, _, _ in BACKGROUND.findall(log)]
+    assert in_background == list(range(1, stopped_at)), log
+    assert [int(step) for _, step, _ in WAITED.findall(log)] == [stopped_at], log
+    assert log.rstrip().splitlines()[-1].startswith(f"interrupted; checkpoint at step "
+                                                    f"{stopped_at} in "), log
+
+    resumed = finetune_run(job, tmp_path)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"step-{stopped_at:08d} (step {stopped_at}/{STEPS})" in resumed.stdout
+    assert not list((output / "checkpoints").glob("*.partial"))
+    assert losses(output) == pytest.approx(losses(reference), rel=1e-6)
+    assert_same_weights(output, reference)
+
+
+@pytest.mark.slow
+def test_fsdp_resumes_exactly_from_a_checkpoint_written_in_the_background(
+        tiny_model_dir, tmp_path):
+    """FSDP2's sharded (DTensor) state staged and written behind training: a resume from the
+    middle checkpoint repeats the last steps."""
+    first = tmp_path / "first"
+    job = manifest(tiny_model_dir, first / "out", strategy="fsdp", method="full", steps=6,
+                   checkpoint_every=2)
+    job["spec"]["output"]["keepLast"] = 3
+    result = finetune_run(job, first)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert [int(step) for _, step, _, _ in BACKGROUND.findall(result.stdout)] == [2, 4, 6]
+    assert [p.name for p in complete_checkpoints(first / "out")] == [
+        "step-00000002", "step-00000004", "step-00000006"]
+    assert not list((first / "out" / "checkpoints").glob("*.partial"))
+
+    again = tmp_path / "again"
+    shutil.copytree(first / "out" / "checkpoints", again / "out" / "checkpoints")
+    shutil.rmtree(again / "out" / "checkpoints" / "step-00000006")
+    job = manifest(tiny_model_dir, again / "out", strategy="fsdp", method="full", steps=6,
+                   checkpoint_every=2)
+    job["spec"]["output"]["keepLast"] = 3
+    resumed = finetune_run(job, again)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "step-00000004 (step 4/6)" in resumed.stdout
+    assert losses(again / "out") == pytest.approx(losses(first / "out")[4:], rel=1e-6)
+    assert_same_weights(again / "out", first / "out")
+
+
+@pytest.mark.slow
+def test_deepspeed_writes_synchronously_and_completes_each_checkpoint_at_once(
+        tiny_model_dir, tmp_path):
+    """ZeRO saves through the engine's own `save_checkpoint`: the loop waits for it, as
+    before, and the checkpoint is complete before the next step (not at the next save)."""
+    job = manifest(tiny_model_dir, tmp_path / "out", strategy="zero2", steps=4,
+                   checkpoint_every=2)
+    result = finetune_run(job, tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert not BACKGROUND.findall(result.stdout)
+    assert [int(step) for _, step, _ in WAITED.findall(result.stdout)] == [2, 4]
+    log = result.stdout
+    assert log.index("/step-00000002: written in") < log.index("step 3/4 |"), log
+    assert [p.name for p in complete_checkpoints(tmp_path / "out")] == [
+        "step-00000002", "step-00000004"]

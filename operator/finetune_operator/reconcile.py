@@ -415,10 +415,11 @@ def reconcile(job: FineTuneJob, seen: Observation, now: datetime,
                 _wait_for_queue(b, seen.queue_message, reason=admitted.reason)
         elif _queued(job):
             _wait_for_queue(b, seen.queue_message)
-        else:
+        else:  # suspended by someone else: the startup deadline counts once it runs
             b.cond("Admitted", False, "WaitingForQueue", "the workload is suspended")
             b.phase("Queued", "waiting in the queue")
-        b.requeue(15)  # the startup deadline counts from admission (see above)
+            status.launch_time = now
+        b.requeue(15)  # under Kueue the startup deadline counts from admission (see above)
         return b.decision
     if condition(status, "Admitted"):
         b.cond("Admitted", True, "Admitted", "")

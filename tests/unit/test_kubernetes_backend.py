@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+from datetime import UTC, datetime, timedelta
+
 import kubernetes_validate
 import pytest
 
 from finetune_operator.api import FineTuneJobStatus
+from finetune_operator.backends import BackendContext
 from finetune_operator.backends import kubernetes as backend
+from finetune_operator.reconcile import Observation
 from finetune_operator.settings import OperatorSettings, Taint
 from finetune_operator.validation import parse_job
 from tests.conftest import EXAMPLES, load_yaml, minimal_job
@@ -297,3 +302,36 @@ def test_kueues_word_on_a_queued_job_is_read_from_its_workload():
     assert backend.queue_state(None, 5.0) == (None, None)  # Kueue makes it within a second or two
     active, message = backend.queue_state(None, 300.0)
     assert active is None and "is Kueue installed" in message
+
+
+def test_a_queued_jobs_workload_is_read_seldom_once_kueue_has_had_its_minute():
+    """#23's steady state: 1,000 queued jobs must not cost a Workload read per job per look
+    (100 requests/s at the default interval); admission arrives through the Job's watch."""
+    class CountingKube:
+        reads = 0
+
+        async def kueue_workload(self, namespace, uid):
+            self.reads += 1
+            return {"metadata": {"name": "job-demo-1", "labels": {
+                "kueue.x-k8s.io/job-uid": uid}}, "spec": {"active": True}}
+
+    kube = CountingKube()
+    k8s = backend.KubernetesBackend(BackendContext(settings=OperatorSettings(), kube=kube))
+    queued = parse_job(minimal_job(kubernetes={"queueName": "team-a"}))
+    created = (datetime.now(UTC) - timedelta(minutes=10)).isoformat()
+    workload = {"metadata": {"uid": "u1", "creationTimestamp": created}}
+    waiting = Observation(exists=True, suspended=True)
+
+    async def looks(job, count):
+        return [await k8s._with_queue(job, workload, waiting) for _ in range(count)]
+
+    seen = asyncio.run(looks(queued, 5))
+    assert kube.reads == 1 and all(s.queue_active is True and s.polled for s in seen)
+    young = {"metadata": {"uid": "u2", "creationTimestamp": datetime.now(UTC).isoformat()}}
+    asyncio.run(k8s._with_queue(queued, young, waiting))
+    asyncio.run(k8s._with_queue(queued, young, waiting))
+    assert kube.reads == 3  # Kueue answers a new Job within its first minutes: each look
+    suspend = parse_job(minimal_job(kubernetes={"queueName": "team-a"},
+                                    runPolicy={"suspend": True}))
+    asyncio.run(looks(suspend, 2))
+    assert kube.reads == 5  # to be suspended: the switch's state is read every time

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
@@ -20,7 +21,7 @@ from finetune_operator import naming, yamlio
 from finetune_operator.api import API_VERSION, KIND, FineTuneJob, Progress
 from finetune_operator.backends import BackendContext, BackendError
 from finetune_operator.backends.children import CONTROLLER_UID_KEY, Children
-from finetune_operator.kube import KubeError, timestamp
+from finetune_operator.kube import KUEUE_JOB_UID_LABEL, KubeError, timestamp
 from finetune_operator.reconcile import Failure, Observation
 from finetune_operator.settings import OperatorSettings, Taint
 from finetune_operator.trainer_config import build_trainer_config
@@ -40,6 +41,10 @@ COMPLETION_INDEX_KEY = "batch.kubernetes.io/job-completion-index"
 CREATION_GRACE_SECONDS = 3.0
 """How long a Job may lack pods before the operator asks the events why."""
 COMPLETION_INDEX = f"metadata.annotations['{COMPLETION_INDEX_KEY}']"
+QUEUE_LOOK_SECONDS = 120.0
+"""How often a queued Job's Kueue Workload is read once the Job is older than that: its
+message (why Kueue waits) changes seldom, admission itself arrives through the Job's watch,
+and a read every look would cost 1,000 queued jobs 100 requests/s at the default interval."""
 NO_WORKLOAD_GRACE_SECONDS = 30.0
 """How long a queued Job may wait for Kueue to make its Workload before the status asks
 whether Kueue is there at all."""
@@ -559,6 +564,8 @@ class KubernetesBackend:
         self.settings = context.settings
         self.kube = context.kube  # None offline: then only validate and render are used
         self.progress_port = context.progress_port or context.settings.metrics_port
+        self._queue_looks: dict[str, tuple[float, bool | None, str | None]] = {}
+        """Job uid → (when, active, message) of its Kueue Workload's last read."""
         self.children = Children()
         """The workers as the operator's watches see them; until the controller attaches its
         indexes (and outside the operator), `observe` asks the API server instead."""
@@ -658,15 +665,20 @@ class KubernetesBackend:
         if not queued(job) or seen.deleting or not (
                 seen.suspended or job.spec.run_policy.suspend):
             return seen
-        try:
-            found = await self.kube.kueue_workload(job.namespace, workload["metadata"]["uid"])
-        except KubeError as error:  # 403: a chart without the Workload rule
-            logger.warning("cannot read the Kueue Workload of %s/%s: %s", job.namespace,
-                           job.name, error)
-            return seen
-        active, message = queue_state(found, self._age(workload))
+        uid, now = workload["metadata"]["uid"], time.monotonic()
+        last = self._queue_looks.get(uid)
+        if last is None or job.spec.run_policy.suspend or now - last[0] > QUEUE_LOOK_SECONDS \
+                or self._age(workload) < QUEUE_LOOK_SECONDS:
+            try:
+                found = await self.kube.kueue_workload(job.namespace, uid)
+            except KubeError as error:  # 403: a chart without the Workload rule
+                logger.warning("cannot read the Kueue Workload of %s/%s: %s", job.namespace,
+                               job.name, error)
+                return seen
+            last = (now, *queue_state(found, self._age(workload)))
+            self._queue_looks[uid] = last
         # no watch event says when Kueue's answer changes: look again while it is awaited
-        return replace(seen, queue_active=active, queue_message=message,
+        return replace(seen, queue_active=last[1], queue_message=last[2],
                        polled=seen.polled or not job.spec.run_policy.suspend)
 
     async def _kueue_workload(self, job: FineTuneJob) -> dict[str, Any] | None:
@@ -710,6 +722,8 @@ class KubernetesBackend:
         if (kueue_workload := await self._kueue_workload(job)) is not None:
             await self.kube.activate_kueue_workload(
                 job.namespace, kueue_workload["metadata"]["name"], False)
+            self._queue_looks.pop(kueue_workload["metadata"]["labels"][KUEUE_JOB_UID_LABEL],
+                                  None)
             return
         await self.kube.suspend_job(job.namespace, naming.worker_job(job.name), True)
 
@@ -718,17 +732,25 @@ class KubernetesBackend:
         if (kueue_workload := await self._kueue_workload(job)) is not None:
             await self.kube.activate_kueue_workload(
                 job.namespace, kueue_workload["metadata"]["name"], True)
+            self._queue_looks.pop(kueue_workload["metadata"]["labels"][KUEUE_JOB_UID_LABEL],
+                                  None)
             return
         await self.kube.suspend_job(job.namespace, naming.worker_job(job.name), False)
 
     async def restart(self, job: FineTuneJob) -> None:
         # Foreground: the Job stays (deleting) until its pods are gone, so the next gang
         # never meets the old one's hostnames
+        if (old := self.children.get("Job", job.namespace, job.name,
+                                     naming.worker_job(job.name))) is not None:
+            self._queue_looks.pop(old["metadata"]["uid"], None)
         await self.kube.delete("Job", job.namespace, naming.worker_job(job.name))
         self.children.deleted("Job", job.namespace, job.name, naming.worker_job(job.name))
 
     async def cancel(self, job: FineTuneJob) -> None:
         """Owner references would collect these too; deleting them now frees the name."""
+        if (workload := self.children.get("Job", job.namespace, job.name,
+                                          naming.worker_job(job.name))) is not None:
+            self._queue_looks.pop(workload["metadata"]["uid"], None)
         await self.kube.delete("Job", job.namespace, naming.worker_job(job.name))
         await self.kube.delete("Service", job.namespace, naming.headless_service(job.name),
                                "Background")

@@ -298,7 +298,7 @@ def reconcile(job: FineTuneJob, seen: Observation, now: datetime,
                                  and seen.queue_active is None):
             b.act("suspend", "spec.runPolicy.suspend")
         if status.phase != "Suspended" and (status.launched_spec or not seen.exists):
-            freed = " and Kueue frees the job's quota" if _queued(job) else ""
+            freed = " and Kueue frees the job's quota" if queued(job) else ""
             b.cond("Running", False, "Suspended", "")
             b.cond("Suspended", True, "SuspendedByUser", f"workers checkpoint and stop{freed}; "
                    "set spec.runPolicy.suspend=false to resume")
@@ -313,9 +313,9 @@ def reconcile(job: FineTuneJob, seen: Observation, now: datetime,
             return b.decision
         b.cond("Suspended", False, "Resumed", "")
         if seen.queue_active is False or (seen.exists and seen.suspended
-                                          and not _queued(job)):
+                                          and not queued(job)):
             b.act("resume", "spec.runPolicy.suspend cleared")
-        if _queued(job) and seen.exists:  # back in the queue: Kueue resumes it on admission
+        if queued(job) and seen.exists:  # back in the queue: Kueue resumes it on admission
             _wait_for_queue(b, seen.queue_message)
         else:
             b.phase("Launching", "resuming from the last checkpoint")
@@ -338,11 +338,11 @@ def reconcile(job: FineTuneJob, seen: Observation, now: datetime,
         status.launch_time = now
         status.start_time = status.start_time or now
         first = status.phase in (None, "Pending")
-        if first and _queued(job):  # created suspended: nothing runs before Kueue admits it
+        if first and queued(job):  # created suspended: nothing runs before Kueue admits it
             _wait_for_queue(b)
         elif first:
             b.phase("Launching", "creating workers")
-        elif status.phase == "Restarting" and _queued(job):
+        elif status.phase == "Restarting" and queued(job):
             # a new Job is a new Workload to Kueue: it queues again (docs/kueue.md says why
             # the gang is not restarted inside the admitted Job)
             _wait_for_queue(b, f"the gang restarts (restart {status.restarts}) as a new Job, "
@@ -379,7 +379,7 @@ def reconcile(job: FineTuneJob, seen: Observation, now: datetime,
             status.progress.eta_seconds = 0
         return b.decision
 
-    if _queued(job) and not seen.suspended:  # admitted (before a failure is judged, so
+    if queued(job) and not seen.suspended:  # admitted (before a failure is judged, so
         b.cond("Admitted", True, "Admitted", "")  # a failed job's conditions are current)
         if status.phase == "Queued":  # the startup deadline counts from here
             b.phase("Launching", "admitted by Kueue; starting the workers")
@@ -399,7 +399,7 @@ def reconcile(job: FineTuneJob, seen: Observation, now: datetime,
         return b.decision
     if seen.suspended:  # created suspended for Kueue and not admitted yet, or preempted
         admitted = condition(status, "Admitted")
-        if _queued(job) and admitted is not None and admitted.status == "True":
+        if queued(job) and admitted is not None and admitted.status == "True":
             why = f" ({seen.queue_message})" if seen.queue_message else ""
             message = (f"Kueue evicted the job{why} and suspended its workers, which "
                        f"checkpoint and stop; it waits in queue "
@@ -409,11 +409,11 @@ def reconcile(job: FineTuneJob, seen: Observation, now: datetime,
             b.cond("Admitted", False, "Preempted", message)
             b.cond("Running", False, "Preempted", message)
             b.phase("Queued", message)
-        elif _queued(job) and admitted is not None and admitted.reason in (
+        elif queued(job) and admitted is not None and admitted.reason in (
                 "Preempted", "RequeuedByRestart"):
             if seen.queue_message:  # Kueue's latest word; the reason says why it queues again
                 _wait_for_queue(b, seen.queue_message, reason=admitted.reason)
-        elif _queued(job):
+        elif queued(job):
             _wait_for_queue(b, seen.queue_message)
         else:  # suspended by someone else: the startup deadline counts once it runs
             b.cond("Admitted", False, "WaitingForQueue", "the workload is suspended")
@@ -474,7 +474,8 @@ def _feasible(b: _Builder, plan: Feasibility) -> bool:
     return False
 
 
-def _queued(job: FineTuneJob) -> bool:
+def queued(job: FineTuneJob) -> bool:
+    """The job waits in a Kueue queue (`spec.kubernetes.queueName`)."""
     return bool(job.spec.kubernetes and job.spec.kubernetes.queue_name)
 
 

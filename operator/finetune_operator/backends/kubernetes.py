@@ -22,7 +22,7 @@ from finetune_operator.api import API_VERSION, KIND, FineTuneJob, Progress
 from finetune_operator.backends import BackendContext, BackendError
 from finetune_operator.backends.children import CONTROLLER_UID_KEY, Children
 from finetune_operator.kube import KUEUE_JOB_UID_LABEL, KubeError, timestamp
-from finetune_operator.reconcile import Failure, Observation
+from finetune_operator.reconcile import Failure, Observation, queued
 from finetune_operator.settings import OperatorSettings, Taint
 from finetune_operator.trainer_config import build_trainer_config
 from finetune_operator.validation import Problem
@@ -534,10 +534,6 @@ def observe(workload: dict[str, Any] | None, pods: list[dict[str, Any]], nodes: 
     return Observation(exists=True, running=running >= nodes, waiting=waiting, progress=progress)
 
 
-def queued(job: FineTuneJob) -> bool:
-    return bool(job.spec.kubernetes and job.spec.kubernetes.queue_name)
-
-
 def queue_state(kueue_workload: dict[str, Any] | None, job_age: float
                 ) -> tuple[bool | None, str | None]:
     """Kueue's word on a queued Job (pure): whether its Workload is active, and why it is
@@ -691,6 +687,12 @@ class KubernetesBackend:
             return None
         return await self.kube.kueue_workload(job.namespace, workload["metadata"]["uid"])
 
+    def _forget_queue_look(self, job: FineTuneJob) -> None:
+        """The Job goes (a restart, a deletion): its Workload's last read with it."""
+        workload = self.children.get("Job", job.namespace, job.name, naming.worker_job(job.name))
+        if workload is not None:
+            self._queue_looks.pop(workload["metadata"]["uid"], None)
+
     @staticmethod
     def _age(obj: dict[str, Any]) -> float:
         created = timestamp(obj["metadata"].get("creationTimestamp"))
@@ -719,38 +721,32 @@ class KubernetesBackend:
     async def suspend(self, job: FineTuneJob) -> None:
         """A queued job is suspended through Kueue's own switch: Kueue unsuspends an admitted
         Job that anyone else suspends, and only a deactivated Workload frees its quota."""
-        if (kueue_workload := await self._kueue_workload(job)) is not None:
-            await self.kube.activate_kueue_workload(
-                job.namespace, kueue_workload["metadata"]["name"], False)
-            self._queue_looks.pop(kueue_workload["metadata"]["labels"][KUEUE_JOB_UID_LABEL],
-                                  None)
-            return
-        await self.kube.suspend_job(job.namespace, naming.worker_job(job.name), True)
+        await self._switch(job, run=False)
 
     async def resume(self, job: FineTuneJob) -> None:
         """A queued job goes back into its queue; Kueue unsuspends the Job on admission."""
+        await self._switch(job, run=True)
+
+    async def _switch(self, job: FineTuneJob, run: bool) -> None:
+        """The Workload's `spec.active` where Kueue has one, else the Job's `suspend`."""
         if (kueue_workload := await self._kueue_workload(job)) is not None:
             await self.kube.activate_kueue_workload(
-                job.namespace, kueue_workload["metadata"]["name"], True)
+                job.namespace, kueue_workload["metadata"]["name"], run)
             self._queue_looks.pop(kueue_workload["metadata"]["labels"][KUEUE_JOB_UID_LABEL],
                                   None)
             return
-        await self.kube.suspend_job(job.namespace, naming.worker_job(job.name), False)
+        await self.kube.suspend_job(job.namespace, naming.worker_job(job.name), not run)
 
     async def restart(self, job: FineTuneJob) -> None:
         # Foreground: the Job stays (deleting) until its pods are gone, so the next gang
         # never meets the old one's hostnames
-        if (old := self.children.get("Job", job.namespace, job.name,
-                                     naming.worker_job(job.name))) is not None:
-            self._queue_looks.pop(old["metadata"]["uid"], None)
+        self._forget_queue_look(job)
         await self.kube.delete("Job", job.namespace, naming.worker_job(job.name))
         self.children.deleted("Job", job.namespace, job.name, naming.worker_job(job.name))
 
     async def cancel(self, job: FineTuneJob) -> None:
         """Owner references would collect these too; deleting them now frees the name."""
-        if (workload := self.children.get("Job", job.namespace, job.name,
-                                          naming.worker_job(job.name))) is not None:
-            self._queue_looks.pop(workload["metadata"]["uid"], None)
+        self._forget_queue_look(job)
         await self.kube.delete("Job", job.namespace, naming.worker_job(job.name))
         await self.kube.delete("Service", job.namespace, naming.headless_service(job.name),
                                "Background")

@@ -16,7 +16,7 @@ from typing import Any
 import kopf
 
 from finetune_operator.backends.kubernetes import render
-from finetune_operator.kube import Kube, connect
+from finetune_operator.kube import Kube
 from finetune_operator.settings import OperatorSettings
 from finetune_operator.validation import parse_job
 
@@ -30,7 +30,7 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 
 @kopf.on.startup()
 def connected(memo: kopf.Memo, **_: Any) -> None:
-    memo.kube = Kube(connect())
+    memo.kube = Kube()
 
 
 @kopf.on.create("finetune.dev", "v1alpha1", "finetunejobs")

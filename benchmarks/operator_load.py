@@ -9,7 +9,8 @@ each with a fresh namespace.
     .venv/bin/python benchmarks/operator_load.py [--jobs 100,1000] [--steady 30]
 
 Prints, for each burst size and as ratios (ours / floor, ours / launcher): seconds from
-the apply until every job has a phase, the operator's peak RSS and CPU seconds, its API
+the apply until every job has a phase and (launcher and ours) until every job's workers
+(its batch/v1 Job) exist, the operator's peak RSS and CPU seconds, its API
 requests (from the API server's audit log) per job during the burst, by verb and resource,
 and, once every job waits (the steady state), its API requests per second and CPU (% of one
 core). Writes benchmarks/operator_load.json. Needs Go (the control plane is built from cluster/).
@@ -107,6 +108,15 @@ def phased(plane, namespace: str) -> int:
     return sum(1 for line in listed.stdout.splitlines() if line.strip())
 
 
+def launched(plane, namespace: str) -> int:
+    """How many batch/v1 Jobs the namespace holds, read cheaply (one item and the count of
+    the rest)."""
+    answer = json.loads(plane.kubectl_run(
+        "get", "--raw", f"/apis/batch/v1/namespaces/{namespace}/jobs?limit=1").stdout)
+    return len(answer.get("items") or []) + int(
+        (answer.get("metadata") or {}).get("remainingItemCount") or 0)
+
+
 def run_one(plane, installed, name: str, command: Callable[[int], list[str]], env: dict,
             jobs: int, steady: float, folder: Path) -> dict:
     """One operator (`command`, given its health port) through one burst of `jobs`."""
@@ -133,6 +143,13 @@ def run_one(plane, installed, name: str, command: Callable[[int], list[str]], en
                 raise SystemExit(f"{name}: only {done}/{jobs} have a phase after 30 minutes")
             time.sleep(1)
         seconds = time.time() - started
+        workers_seconds = None
+        if not name.startswith("floor"):
+            while launched(plane, namespace) < jobs:
+                if time.time() - started > 1800:
+                    raise SystemExit(f"{name}: not every job launched after 30 minutes")
+                time.sleep(1)
+            workers_seconds = time.time() - started
         peak, cpu = proc_figures(process.pid)
         burst = audited(plane, user, started, time.time())
         time.sleep(2)  # the last status patches land
@@ -146,6 +163,8 @@ def run_one(plane, installed, name: str, command: Callable[[int], list[str]], en
                    and e.get("objectRef", {}).get("resource") in ("jobs", "services",
                                                                   "configmaps")]
         figures = {"seconds_to_all_phased": round(seconds, 1),
+                "seconds_to_all_launched": round(workers_seconds, 1)
+                if workers_seconds is not None else None,
                 "apply_seconds": round(applied, 1),
                 "peak_rss_mib": round(peak, 1),
                 "cpu_seconds_burst": round(cpu - cpu_before, 1),
@@ -157,8 +176,8 @@ def run_one(plane, installed, name: str, command: Callable[[int], list[str]], en
                 "steady_cpu_percent": round(100 * (cpu_after - cpu_quiet)
                                             / (quiet_until - quiet_from), 1)}
     finally:
-        # emptied while the operator still runs (ours releases its finalizers) and waited
-        # for: the next operator watches every namespace and would spend its run on these
+        # emptied while the operator still runs (a finalizer would need it) and waited for:
+        # the next operator watches every namespace and would spend its run on these
         plane.kubectl_run("delete", "namespace", namespace, "--timeout=600s", check=False)
         process.send_signal(signal.SIGTERM)
         try:
@@ -168,7 +187,8 @@ def run_one(plane, installed, name: str, command: Callable[[int], list[str]], en
     # the whole run, teardown included: a job's reconcile that failed (a deleted job's worker
     # must not relaunch anything into its terminating namespace). kopf's own retries of
     # events it cannot post there are not counted.
-    errors = [line for line in log.read_text().splitlines() if " ERROR kopf.objects" in line]
+    errors = [line for line in log.read_text().splitlines()
+              if " ERROR kopf.objects" in line or " ERROR finetune_operator" in line]
     figures["errors_logged"] = len(errors)
     for line in errors[:3]:
         print(f"{name} logged: {line[:300]}")
@@ -176,6 +196,7 @@ def run_one(plane, installed, name: str, command: Callable[[int], list[str]], en
 
 
 KEYS = (("seconds_to_all_phased", "seconds until every job has a phase"),
+        ("seconds_to_all_launched", "seconds until every job's workers exist"),
         ("peak_rss_mib", "operator peak RSS (MiB)"),
         ("cpu_seconds_burst", "operator CPU seconds"),
         ("api_requests_per_job", "API requests per job"),
@@ -186,6 +207,10 @@ KEYS = (("seconds_to_all_phased", "seconds until every job has a phase"),
 def report(jobs: int, floor: dict, launcher: dict, ours: dict) -> dict:
     ratios = {k: round(ours[k] / floor[k], 2) if floor[k] else None for k, _ in KEYS}
     beyond = {k: round(ours[k] / launcher[k], 2) if launcher[k] else None for k, _ in KEYS}
+
+    def figure(value: float | None, width: int) -> str:
+        return f"{'-' if value is None else value:>{width}}"
+
     print(f"\n{jobs} FineTuneJobs applied at once (kubectl apply took {floor['apply_seconds']} "
           f"s / {launcher['apply_seconds']} s / {ours['apply_seconds']} s)")
     print(f"{'':36}{'floor':>9}{'launcher':>10}{'ours':>9}{'ours/floor':>12}"
@@ -195,8 +220,8 @@ def report(jobs: int, floor: dict, launcher: dict, ours: dict) -> dict:
         return f"{(f'{ratio:.2f}x' if ratio is not None else '-'):>{width}}"
 
     for key, label in KEYS:
-        print(f"{label:36}{floor[key]:>9}{launcher[key]:>10}{ours[key]:>9}"
-              f"{cell(ratios[key], 12)}{cell(beyond[key], 15)}")
+        print(f"{label:36}{figure(floor[key], 9)}{figure(launcher[key], 10)}"
+              f"{figure(ours[key], 9)}{cell(ratios[key], 12)}{cell(beyond[key], 15)}")
     print(f"child creates refused with 409 (a second launch): {ours['child_creates_refused_409']}"
           f"; failed reconciles logged, teardown included: {ours['errors_logged']}")
     print("our API requests per job: " + ", ".join(

@@ -346,11 +346,14 @@ def run_command(file: str, nproc: int | None, fresh: bool, verbose: bool) -> Non
               help="Seconds between looks at what no watch reports: rank 0's progress while "
                    "a job runs, why pods are not created, Azure ML jobs (idle jobs are not "
                    "polled).")
+@click.option("--reconcilers", type=click.IntRange(1, 256), default=16, show_default=True,
+              help="FineTuneJobs reconciled at once: what bounds the operator's API calls in "
+                   "flight however many jobs change together.")
 @click.option("--peering", metavar="NAME", default=None,
               help="Run as one of several replicas: the kopf peering object NAME elects the "
                    "one that acts; the others stand by (the chart sets this when replicas > 1).")
 def operator_command(all_namespaces: bool, namespaces: tuple[str, ...], log_level: str,
-                     metrics_port: int, health_port: int, interval: float,
+                     metrics_port: int, health_port: int, interval: float, reconcilers: int,
                      peering: str | None) -> None:
     """Run the controller: watches FineTuneJobs and runs them on their backend.
 
@@ -368,24 +371,30 @@ def operator_command(all_namespaces: bool, namespaces: tuple[str, ...], log_leve
         raise click.UsageError("use either --all-namespaces or --namespace, not both")
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:  # one clear line, not kopf's retry loop, when the cluster cannot be used at all
-        api = kube.connect()
-        kube.check_access(api, namespaces)
-    except kube.LoginError as error:
-        click.echo(f"finetune operator: {error}", err=True)
-        sys.exit(1)
-    runtime = controller.Runtime.build(kube.Kube(api), OperatorSettings.from_env(),
-                                       interval=interval)
+    client = kube.Kube()
+    runtime = controller.Runtime.build(client, OperatorSettings.from_env(), interval=interval,
+                                       reconcilers=reconcilers)
     # the planner reads config.json from the hub (HF_HUB_OFFLINE=1 turns that off)
     runtime.model_configs = planner.ModelConfigs(fetch=planner.fetch_from_hub)
-    for port, option in ((health_port, "--health-port"), (metrics_port, "--metrics-port")):
-        if port and not _port_free(port):
-            click.echo(f"finetune operator: port {port} is in use ({option}) — choose "
-                       f"another with {option}", err=True)
+
+    async def serve() -> None:
+        try:  # one clear line, not kopf's retry loop, when the cluster cannot be used at all
+            await kube.check_access(client, namespaces)
+        except kube.LoginError as error:
+            click.echo(f"finetune operator: {error}", err=True)
             sys.exit(1)
-    runtime.metrics.serve(metrics_port)
-    asyncio.run(controller.run(runtime, namespaces=namespaces, liveness_port=health_port,
-                               peering=controller.Peering(peering) if peering else None))
+        finally:
+            await client.close()  # the operator opens its own connections
+        for port, option in ((health_port, "--health-port"), (metrics_port, "--metrics-port")):
+            if port and not _port_free(port):
+                click.echo(f"finetune operator: port {port} is in use ({option}) — choose "
+                           f"another with {option}", err=True)
+                sys.exit(1)
+        runtime.metrics.serve(metrics_port)
+        await controller.run(runtime, namespaces=namespaces, liveness_port=health_port,
+                             peering=controller.Peering(peering) if peering else None)
+
+    asyncio.run(serve())
 
 
 def _port_free(port: int) -> bool:

@@ -1,22 +1,28 @@
-"""The kopf controller: thin handlers around `reconcile`.
+"""The kopf controller: watches that fill a queue, and a few reconcilers that drain it.
 
-Each FineTuneJob has one worker (a kopf daemon), the only writer of its status. It does the
-same four things each time it is woken: observe the backend, ask `reconcile` what to do,
-do it, and patch the status if it changed. It is woken as controller-runtime's informers
-wake a reconciler: by a new generation of the job (a spec change), by a change of one of
-its children (the kubernetes backend's Jobs, pods, Services and ConfigMaps, watched and
-held in kopf indexes: `backends/children.py`), when a deadline falls due, and on an
-interval only for what no watch reports (see `Runtime.interval`). The decisions
-themselves are in `reconcile.py` (pure, table-tested); what a backend does, in its plugin
-(`backends/`).
+kopf watches the FineTuneJobs and, for the kubernetes backend, their children (Jobs, pods,
+Services, ConfigMaps, held in kopf indexes: `backends/children.py`). A watch event only puts
+the job's key in the work queue (`workqueue.py`), as controller-runtime's informers do: a new
+job, a new generation (a spec change), a change of one of its children. A fixed number of
+reconcilers (`Runtime.reconcilers`) take keys from the queue, one job at a time each, and do the
+same four things: observe the backend, ask `reconcile` what to do (pure, table-tested), do it,
+and patch the status if it changed. A job is looked at again without a change only when a
+deadline falls due or something no watch reports may have moved (`Runtime.interval`).
+
+No task per job, and no finalizer for a job whose children the garbage collector removes
+(owner references): a job costs the operator one cache entry while it waits, and one
+`kubectl delete` is all a deletion takes. A backend with something outside the cluster to
+stop (Azure ML) keeps a finalizer, and stops it before the job goes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
-from collections.abc import Collection
+import socket
+from collections.abc import Collection, Hashable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -25,7 +31,14 @@ import kopf
 
 from finetune_operator import kube
 from finetune_operator.admission import admit
-from finetune_operator.api import API_GROUP, PLURAL, TERMINAL_PHASES, VERSION, FineTuneJob
+from finetune_operator.api import (
+    API_GROUP,
+    KIND,
+    PLURAL,
+    TERMINAL_PHASES,
+    VERSION,
+    FineTuneJob,
+)
 from finetune_operator.backends import Backend, BackendContext, BackendError, load_backends
 from finetune_operator.backends.children import MANAGED, RESOURCES, owner_key
 from finetune_operator.kube import Kube, KubeError, timestamp
@@ -34,6 +47,7 @@ from finetune_operator.planner import ModelConfigs, plan_job
 from finetune_operator.reconcile import (
     Action,
     Decision,
+    Event,
     Feasibility,
     Observation,
     next_deadline,
@@ -41,6 +55,7 @@ from finetune_operator.reconcile import (
 )
 from finetune_operator.settings import OperatorSettings
 from finetune_operator.trainer_config import launch_plan
+from finetune_operator.workqueue import WorkQueue
 
 FINALIZER = f"{API_GROUP}/finalizer"
 logger = logging.getLogger("finetune_operator")
@@ -63,6 +78,9 @@ class Runtime:
     retry_delay: float = 1.0
     """Seconds before the first retry of a failed API call; doubled on each failure after."""
     max_retry_delay: float = 60.0
+    reconcilers: int = 16
+    """Jobs reconciled at once (controller-runtime's MaxConcurrentReconciles): what bounds
+    the operator's API calls in flight, however many jobs change together."""
 
     def backoff(self, retry: int, asked: float | None = None) -> float:
         """How long to wait after the `retry`-th consecutive failure (0: the first): what the
@@ -73,10 +91,10 @@ class Runtime:
 
     @classmethod
     def build(cls, kube: Kube, settings: OperatorSettings, interval: float = 10.0,
-              progress_port: int | None = None) -> Runtime:
+              progress_port: int | None = None, reconcilers: int = 16) -> Runtime:
         context = BackendContext(settings=settings, kube=kube, progress_port=progress_port)
         backends = load_backends(context)
-        return cls(backends=backends, kube=kube, interval=interval,
+        return cls(backends=backends, kube=kube, interval=interval, reconcilers=reconcilers,
                    metrics=OperatorMetrics(backends=set(backends)))
 
 
@@ -125,11 +143,13 @@ def _status_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass
 class Look:
-    """One reconcile: the status changes as a merge patch (empty when nothing changed) and
-    when to look again without being told (None: only a change wakes the job)."""
+    """One reconcile: the status changes as a merge patch (empty when nothing changed), the
+    events to post once the status says so, and when to look again without being told
+    (None: only a change wakes the job)."""
 
     changes: dict[str, Any]
     wake_after: float | None = None
+    events: list[Event] = field(default_factory=list)
 
 
 async def look(runtime: Runtime, body: Any) -> Look:
@@ -156,13 +176,11 @@ async def look(runtime: Runtime, body: Any) -> Look:
     except (KubeError, BackendError):
         metrics.backend_errors.labels(job.spec.backend, operation).inc()
         raise
-    for event in decision.events:
-        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
     old, new = dict(body.get("status") or {}), decision.status.to_dict()
     created = timestamp((body.get("metadata") or {}).get("creationTimestamp"))
     metrics.job_seen(job.namespace, job.name, job.spec.backend, old, new, created, now)
     return Look(_status_patch(old, new), _wake_after(runtime, backend, job, decision, seen,
-                                                      now))
+                                                      now), decision.events)
 
 
 def _wake_after(runtime: Runtime, backend: Backend | None, job: FineTuneJob,
@@ -183,6 +201,244 @@ def _wake_after(runtime: Runtime, backend: Backend | None, job: FineTuneJob,
     return min((d for d in due if d is not None), default=None)
 
 
+# --- the reconcilers ------------------------------------------------------------------------
+
+Key = tuple[str, str]
+"""(namespace, name) of a FineTuneJob: what the queue holds."""
+SETTLE_SECONDS = 0.05
+"""How long a job whose child changed waits in the queue before it is looked at."""
+
+
+class Controller:
+    """The jobs as the watch last showed them, the queue of jobs to look at, and the
+    reconcilers that look. The watch handlers only record and enqueue; the reconcilers are
+    the only writers of the jobs' status, and never two of them at one job."""
+
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+        self.queue = WorkQueue()
+        self.jobs: dict[Key, dict[str, Any]] = {}
+        """Every FineTuneJob watched, slimmed (`slim_job`): what a reconcile starts from."""
+        self.failures: dict[Key, int] = {}
+        """Reconciles of a job that failed in a row: how long its retry waits."""
+        self.acting = asyncio.Event()
+        """This replica acts (always, standalone; with peering, while it leads): the
+        reconcilers wait while it is clear."""
+        self.acting.set()
+        self._reconcilers: list[asyncio.Task] = []
+        runtime.metrics.watch_queue(self.queue)
+
+    # --- fed by the watches
+
+    def seen(self, event_type: str | None, body: dict[str, Any]) -> None:
+        """A watch event of a FineTuneJob (None: listed when the watch (re)started)."""
+        key = _key(body)
+        if event_type == "DELETED":
+            self.gone(key)
+            return
+        current, before = slim_job(body), self.jobs.get(key)
+        if before is not None and _newer(before, current):
+            return  # our own status patch has already shown us this and more
+        self.jobs[key] = current
+        meta = current["metadata"]
+        if meta.get("deletionTimestamp"):
+            self.queue.forget(key)  # nothing more to do for it (its finalizer, if any, aside)
+        elif before is None or (before["metadata"].get("generation")
+                                != meta.get("generation")):
+            self.queue.add(key)  # new to us, or its spec changed: its own status does not
+
+    def changed(self, key: Key) -> None:
+        """One of the job's children changed: look at the job (if it is one we know), once
+        kopf has stored the change in its index (the index function calls this before), and
+        once for the rest of a burst (a Job and its pods change together)."""
+        if key in self.jobs:
+            self.queue.add_after(key, SETTLE_SECONDS)
+
+    def gone(self, key: Key) -> None:
+        self.jobs.pop(key, None)
+        self.failures.pop(key, None)
+        self.queue.forget(key)
+        for backend in self.runtime.backends.values():
+            forget = getattr(backend, "forget", None)
+            if forget is not None:
+                forget(*key)
+        self.runtime.metrics.job_gone(*key)
+
+    # --- the reconcilers
+
+    def start(self) -> list[asyncio.Task]:
+        self._reconcilers = [asyncio.create_task(self._reconciler(), name=f"reconciler-{n}")
+                             for n in range(self.runtime.reconcilers)]
+        return self._reconcilers
+
+    async def stop(self) -> None:
+        """Finish the looks in progress (each within the API timeout), start no new one."""
+        self.queue.shut_down()
+        if not self._reconcilers:
+            return
+        _done, pending = await asyncio.wait(self._reconcilers,
+                                            timeout=self.runtime.kube.timeout + 5)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+    async def _reconciler(self) -> None:
+        while (key := await self._next()) is not None:
+            try:
+                await self.reconcile(key)  # type: ignore[arg-type]
+            except Exception:  # a bug must not stop this reconciler: log it, retry the job
+                logger.exception("%s/%s: the reconcile failed", *key)
+                self.queue.hold(key, self._retry_delay(key, None))
+            finally:
+                self.queue.done(key)
+
+    async def _next(self) -> Hashable | None:
+        """The next key to look at, once this replica acts (None: shut down)."""
+        while True:
+            await self.acting.wait()
+            key = await self.queue.get()
+            if key is None or self.acting.is_set():
+                return key
+            self.queue.done(key)  # a standby now: whoever leads looks at it
+
+    def stand_by(self) -> None:
+        """Another replica leads now: forget every job (it looks after them) until this one
+        leads again and lists them anew."""
+        self.acting.clear()
+        for key in list(self.jobs):
+            self.queue.forget(key)
+        self.jobs.clear()
+        self.failures.clear()
+
+    async def lead(self) -> None:
+        """This replica leads (again): act, starting from every job there is now (kopf
+        lists them too when its watches resume; the first listing wins, the other is a
+        no-op)."""
+        if self.acting.is_set():
+            return
+        self.acting.set()
+        try:
+            listed = await self.runtime.kube.list(KIND, None)
+        except KubeError as error:
+            logger.warning("listing the FineTuneJobs after taking over failed (%s): the "
+                           "watch's own listing brings them", error)
+            return
+        for body in listed:
+            self.seen(None, {"apiVersion": f"{API_GROUP}/{VERSION}", "kind": KIND, **body})
+
+    def _retry_delay(self, key: Hashable, error: _Retry | None) -> float:
+        retry = self.failures.get(key, 0)  # type: ignore[call-overload]
+        self.failures[key] = retry + 1  # type: ignore[index]
+        return error.delay(retry) if error is not None else self.runtime.backoff(retry)
+
+    async def reconcile(self, key: Key) -> None:
+        """One look at one job, its status patch and its events; then when to look again."""
+        body = self.jobs.get(key)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return
+        try:
+            look_, patched = await self._look(body)
+        except _Retry as error:
+            wait = self._retry_delay(key, error)
+            logger.error("%s/%s: %s", *key, error.message(wait))
+            await self._post(body, Event("Warning", "Retrying", error.message(wait)))
+            self.queue.hold(key, wait)
+            return
+        self.failures.pop(key, None)
+        if patched is not None and key in self.jobs and _newer(slim_job(patched),
+                                                               self.jobs[key]):
+            self.jobs[key] = slim_job(patched)
+        for event in look_.events:
+            await self._post(patched or body, event)
+        if look_.wake_after is not None:
+            self.queue.add_after(key, look_.wake_after)
+
+    async def _look(self, body: dict[str, Any]) -> tuple[Look, dict[str, Any] | None]:
+        """`look` and the status patch; a failure that may pass is a _Retry."""
+        runtime = self.runtime
+        backend = (body.get("spec") or {}).get("backend", "kubernetes")
+        try:
+            with runtime.metrics.reconcile_seconds.labels(backend).time():
+                result = await look(runtime, body)
+        except KubeError as error:
+            if error.namespace_terminating:  # its children went first; the job goes next
+                logger.info("%s/%s: not relaunched: its namespace is being deleted (%s)",
+                            *_key(body), error)
+                return Look({}), None
+            raise _Retry(runtime, "the API server refused a call ({}); retrying in {:g}s",
+                         error, error.retry_after) from error
+        except BackendError as error:
+            raise _Retry(runtime, "{}; retrying in {:g}s", error, error.retry_after,
+                         fixed=True) from error
+        if not result.changes:
+            return result, None
+        namespace, name = _key(body)
+        try:
+            patched = await runtime.kube.patch_finetunejob_status(namespace, name,
+                                                                  result.changes)
+        except KubeError as error:
+            runtime.metrics.backend_errors.labels(backend, "status").inc()
+            raise _Retry(runtime, "the API server refused the status update ({}); retrying "
+                         "in {:g}s", error, error.retry_after) from error
+        return result, patched
+
+    async def _post(self, body: dict[str, Any], event: Event) -> None:
+        """Post an event on the job; one that cannot be posted is logged, not retried."""
+        try:
+            await self.runtime.kube.post_event(body, event.type, event.reason, event.message)
+        except KubeError as error:
+            logger.warning("%s/%s: event %s not posted: %s", *_key(body), event.reason, error)
+
+    async def cleanup(self, body: dict[str, Any], retry: int) -> None:
+        """The job is being deleted and its backend has something to stop (the finalizer
+        holds the deletion until it is stopped): after any look in progress, stop it."""
+        key = _key(body)
+        self.queue.forget(key)
+        await self.queue.settled(key)
+        job, backend, _problems_found = _problems(self.runtime, dict(body))
+        if job is None or backend is None:  # nothing was launched for it
+            return
+        try:
+            await backend.cancel(job)
+        except KubeError as error:
+            delay = self.runtime.backoff(retry, error.retry_after)
+            raise kopf.TemporaryError(f"deleting the workers failed ({error}); retrying in "
+                                      f"{delay:g}s", delay=delay) from error
+        except BackendError as error:
+            raise kopf.TemporaryError(f"stopping the workers failed: {error}",
+                                      delay=error.retry_after) from error
+
+
+def slim_job(body: Any) -> dict[str, Any]:
+    """What a reconcile reads of a FineTuneJob: its spec and status, and the metadata that
+    names it. managedFields and kubectl's last-applied copy stay out of the cache: they
+    make up most of a job's size."""
+    meta = body.get("metadata") or {}
+    kept = {k: meta[k] for k in ("name", "namespace", "uid", "generation", "resourceVersion",
+                                 "creationTimestamp", "deletionTimestamp", "labels")
+            if meta.get(k) is not None}
+    annotations = {k: v for k, v in (meta.get("annotations") or {}).items()
+                   if k != "kubectl.kubernetes.io/last-applied-configuration"}
+    if annotations:
+        kept["annotations"] = annotations
+    return {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"), "metadata": kept,
+            "spec": body.get("spec"), "status": body.get("status")}
+
+
+def _key(body: Any) -> Key:
+    meta = body.get("metadata") or {}
+    return meta.get("namespace", ""), meta.get("name", "")
+
+
+def _newer(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """`a` is a later version of the job than `b` (resourceVersions are etcd revisions,
+    compared as numbers where both are)."""
+    try:
+        return int(a["metadata"]["resourceVersion"]) > int(b["metadata"]["resourceVersion"])
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
 # --- registration --------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -196,7 +452,59 @@ class Peering:
     lifetime: int = 60
     """Seconds a replica's record lasts without a refresh: how long a takeover can take."""
     identity: str | None = None
-    """Who this replica is in the peering object (kopf derives it from the pod by default)."""
+    """Who this replica is in the peering object (default: the pod's name and a random
+    suffix)."""
+
+
+def default_identity() -> str:
+    return f"{socket.gethostname()}-{random.SystemRandom().getrandbits(32):08x}"
+
+
+def leads(status: dict[str, Any] | None, identity: str, priority: int,
+          now: datetime) -> bool:
+    """Whether this replica acts, by kopf's rule on the peering object's status (each
+    replica's priority, lastseen and lifetime): no other live replica has a higher
+    priority, or the same one (then kopf pauses every one of them)."""
+    for peer, record in (status or {}).items():
+        if peer == identity or not isinstance(record, dict):
+            continue
+        seen = timestamp(str(record.get("lastseen") or "")) if record.get("lastseen") else None
+        if seen is not None and seen.tzinfo is None:
+            seen = seen.replace(tzinfo=UTC)
+        alive = seen is not None and (now - seen).total_seconds() <= float(
+            record.get("lifetime") or 60)
+        if alive and int(record.get("priority") or 0) >= priority:
+            return False
+    return True
+
+
+PEERING_LOOK_SECONDS = 2.0
+"""How often a replica reads the peering object to learn whether it leads. kopf pauses its
+own handlers at once; the reconcilers, which also act on timers, follow within this."""
+
+
+async def follow_peering(controller: Controller, peering: Peering, identity: str,
+                         priority: int, namespaces: tuple[str, ...]) -> None:
+    """Keep `controller.acting` to whether this replica leads (kopf's peering decides which
+    one acts; its watches pause, and the reconcilers must too, or a demoted replica would go
+    on acting on its timers beside the new leader)."""
+    kube_ = controller.runtime.kube
+    where = [("ClusterKopfPeering", None)] if not namespaces else [
+        ("KopfPeering", ns) for ns in namespaces]
+    while True:
+        try:
+            objects = [await kube_.get(kind, ns, peering.name) for kind, ns in where]
+        except KubeError as error:
+            logger.warning("cannot read the peering object %s (%s): acting as before",
+                           peering.name, error)
+        else:
+            now = datetime.now(UTC)
+            if all(leads((o or {}).get("status"), identity, priority, now) for o in objects):
+                await controller.lead()
+            elif controller.acting.is_set():
+                logger.info("another replica leads: standing by")
+                controller.stand_by()
+        await asyncio.sleep(min(PEERING_LOOK_SECONDS, peering.lifetime / 4))
 
 
 async def run(runtime: Runtime, *, namespaces: tuple[str, ...] = (),
@@ -207,11 +515,11 @@ async def run(runtime: Runtime, *, namespaces: tuple[str, ...] = (),
     standalone unless `peering` is given. It logs in as `kube.configuration(kubeconfig)` says
     (the service account in a pod, else KUBECONFIG), as `runtime.kube` does.
 
-    When it stops, kopf cancels the tasks that appeared while it ran, except `spare`
-    (by default: the tasks that existed before it started).
+    When it stops, the looks in progress finish; kopf cancels the tasks that appeared while
+    it ran, except `spare` (by default: the tasks that existed before it started).
     """
     registry = kopf.OperatorRegistry()
-    register(registry, runtime)
+    controller = register(registry, runtime)
 
     @kopf.on.login(registry=registry)
     def login(**_: Any) -> kopf.ConnectionInfo:
@@ -223,7 +531,10 @@ async def run(runtime: Runtime, *, namespaces: tuple[str, ...] = (),
             raise kopf.LoginError(str(error)) from error
     if peering is not None:
         priority = peering.priority or random.SystemRandom().randint(1, 2**31 - 1)
-        logger.info("peering through %r with priority %d", peering.name, priority)
+        identity = peering.identity or default_identity()
+        logger.info("peering through %r as %s with priority %d", peering.name, identity,
+                    priority)
+        controller.acting.clear()  # until the peering object says this replica leads
 
         @kopf.on.startup(registry=registry)
         async def peer(settings: kopf.OperatorSettings, **_: Any) -> None:
@@ -238,41 +549,51 @@ async def run(runtime: Runtime, *, namespaces: tuple[str, ...] = (),
                     f"({', '.join(missing)}); create it (the Helm chart does when replicas > "
                     "1), or run a single replica without --peering")
     spare = set(asyncio.all_tasks()) if spare is None else spare
-    tasks = await kopf.spawn_tasks(
-        registry=registry, standalone=peering is None, clusterwide=not namespaces,
-        namespaces=namespaces,
-        peering_name=peering.name if peering else None,
-        priority=priority if peering else None,
-        identity=peering.identity if peering else None,  # a NewType of str in kopf
-        liveness_endpoint=f"http://0.0.0.0:{liveness_port}/healthz" if liveness_port else None,
-        stop_flag=stop_flag, ready_flag=ready_flag)
-    await kopf.run_tasks(tasks, ignored=spare)
+    ours = controller.start()
+    follower = None if peering is None else asyncio.create_task(
+        follow_peering(controller, peering, identity, priority, namespaces),
+        name="peering follower")
+    if follower is not None:
+        ours.append(follower)
+    try:
+        tasks = await kopf.spawn_tasks(
+            registry=registry, standalone=peering is None, clusterwide=not namespaces,
+            namespaces=namespaces,
+            peering_name=peering.name if peering else None,
+            priority=priority if peering else None,
+            identity=identity if peering else None,  # a NewType of str in kopf
+            liveness_endpoint=f"http://0.0.0.0:{liveness_port}/healthz" if liveness_port
+            else None, stop_flag=stop_flag, ready_flag=ready_flag)
+        await kopf.run_tasks(tasks, ignored=_Either(spare, ours))
+    finally:
+        if follower is not None:
+            follower.cancel()
+        await controller.stop()
+        with contextlib.suppress(Exception):
+            await runtime.kube.close()
 
 
-def register(registry: kopf.OperatorRegistry, runtime: Runtime) -> None:
-    """Attach the handlers to `registry` (one per operator process, or per test)."""
+def register(registry: kopf.OperatorRegistry, runtime: Runtime) -> Controller:
+    """Attach the watch handlers to `registry` (one per operator process, or per test); the
+    returned controller's reconcilers are started by `run`."""
     on = {"group": API_GROUP, "version": VERSION, "plural": PLURAL, "registry": registry}
+    controller = Controller(runtime)
 
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         settings.persistence.finalizer = FINALIZER
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
         settings.persistence.diffbase_storage = _NoDiffBase()
-        # our own events are posted explicitly; kopf's warnings and errors about an object
-        # (a call the API server refused, and the retry) become its Warning / Error events
+        # kopf's warnings and errors about an object (a cleanup the API server refused, and
+        # the retry) become its Warning / Error events; ours are posted by the reconcilers
         settings.posting.level = logging.WARNING
         settings.posting.loggers = True
-        # kopf's own calls (status patches, events) give up on a hung API server as ours do,
-        # and retry; its default waits five minutes
+        # kopf's own calls (watches, events, finalizers) give up on a hung API server as
+        # ours do, and retry; its default waits five minutes
         settings.networking.request_timeout = runtime.kube.timeout
-        # a deletion that finds a job's worker mid-reconcile waits for it to finish, and
-        # kopf looks again only after this long: its default (60 s) kept `kubectl delete`
-        # waiting a minute whenever the two met
+        # a deletion that finds its cleanup waiting for a look in progress is looked at
+        # again this soon (kopf's default, 60 s, kept `kubectl delete` waiting a minute)
         settings.background.cancellation_polling = 1.0
-        # a job's worker that is mid-reconcile when the operator stops (SIGTERM) or the job
-        # is deleted finishes that reconcile (its calls time out in runtime.kube.timeout)
-        # before it is cancelled: no status patch or launch is cut in half
-        settings.background.instant_exit_timeout = runtime.kube.timeout
         # kopf keeps a task (and the object's latest event) per watched object until it has
         # been idle this long: with every job's pods and Jobs watched, its default (5 s)
         # held thousands of them through a burst
@@ -284,91 +605,28 @@ def register(registry: kopf.OperatorRegistry, runtime: Runtime) -> None:
             settings.watching.label_selectors[(group, version, plural) if group
                                               else (version, plural)] = selector
 
-    wakers: dict[tuple[str, str], Waker] = {}
-    """(namespace, name) → the worker of that FineTuneJob."""
-
-    async def worker(body: kopf.Body, stopped: kopf.DaemonStopped, logger: logging.Logger,
-                     **indexes: Any) -> None:
-        """One job's reconciles, one at a time, each when the job or one of its children
-        changed, a deadline comes due, or something only polling shows may have moved: the
-        only writer of the job's status, so no two reconciles of a job ever race."""
+    async def job_event(type: str | None, body: kopf.Body, **indexes: Any) -> None:
+        # kopf calls this once every child index is listed in full, and passes the indexes
         for backend in runtime.backends.values():
             _attach(backend, indexes)
-        meta = body.get("metadata") or {}
-        key = (meta.get("namespace", ""), meta.get("name", ""))
-        waker = wakers[key] = Waker()
-        retry, wait, latest = 0, 0.0, None
-        try:
-            while not stopped:
-                # after a failure, the backoff (or the server's Retry-After) holds: changes
-                # seen meanwhile are looked at once it ends
-                if not await waker.sleep(wait, stopped, changes=not retry):
-                    break
-                current = _fresher(body, latest)
-                if (current.get("metadata") or {}).get("deletionTimestamp"):
-                    break  # being deleted: `cleanup` stops the workers; nothing relaunches them
-                waker.generation = (current.get("metadata") or {}).get("generation")
-                try:
-                    patched, wait = await reconciled(current, logger)
-                    latest, retry = patched or latest, 0
-                except _Retry as error:
-                    wait, retry = error.delay(retry), retry + 1
-                    logger.error(error.message(wait))  # an Error event on the job
-        finally:
-            if wakers.get(key) is waker:
-                del wakers[key]
+        controller.seen(type, body)
 
-    async def reconciled(body: dict[str, Any], logger: logging.Logger
-                         ) -> tuple[dict[str, Any] | None, float | None]:
-        """One reconcile and its status patch: (the job as patched, when to look again)."""
-        backend = (body.get("spec") or {}).get("backend", "kubernetes")
-        try:
-            with runtime.metrics.reconcile_seconds.labels(backend).time():
-                result = await look(runtime, body)
-        except KubeError as error:
-            if error.namespace_terminating:  # its children went first; the job goes next
-                logger.info("not relaunched: its namespace is being deleted (%s)", error)
-                return None, None  # the job's deletion ends this worker
-            raise _Retry(runtime, "the API server refused a call ({}); retrying in {:g}s",
-                         error, error.retry_after) from error
-        except BackendError as error:
-            raise _Retry(runtime, "{}; retrying in {:g}s", error, error.retry_after,
-                         fixed=True) from error
-        if not result.changes:
-            return None, result.wake_after
-        meta = body.get("metadata") or {}
-        try:
-            patched = await runtime.kube.patch_finetunejob_status(
-                meta["namespace"], meta["name"], result.changes)
-        except KubeError as error:
-            runtime.metrics.backend_errors.labels(backend, "status").inc()
-            raise _Retry(runtime, "the API server refused the status update ({}); retrying "
-                         "in {:g}s", error, error.retry_after) from error
-        return patched, result.wake_after
+    def needs_cleanup(spec: kopf.Spec, **_: Any) -> bool:
+        """A finalizer only where the garbage collector cannot clean up (Azure ML's jobs)."""
+        backend = runtime.backends.get(spec.get("backend", "kubernetes"))
+        return backend is not None and getattr(backend, "cleanup_on_delete", True)
 
-    def wake(key: tuple[str, str]) -> None:
-        if (waker := wakers.get(key)) is not None:
-            waker.wake()
-
-    def spec_changed(body: kopf.Body, **_: Any) -> bool:
-        """A spec change (generation) wakes the worker; its own status patches do not. A
-        filter, not the handler, so that most events cost kopf no handler call."""
-        meta = body.get("metadata") or {}
-        waker = wakers.get((meta.get("namespace", ""), meta.get("name", "")))
-        return waker is not None and meta.get("generation") != waker.generation
-
-    async def job_changed(body: kopf.Body, **_: Any) -> None:
-        meta = body.get("metadata") or {}
-        wake((meta.get("namespace", ""), meta.get("name", "")))
+    async def cleanup(body: kopf.Body, retry: int, **_: Any) -> None:
+        await controller.cleanup(dict(body), retry)
 
     async def child_deleted(body: kopf.Body, **_: Any) -> None:
         """kopf drops a deleted object from its index without calling the index function:
         this wakes its job instead (every other change wakes it from the index function)."""
         if (key := owner_key(body)) is not None:
-            wake(key)
+            controller.changed(key)
 
-    kopf.daemon(**on, id="reconcile", cancellation_timeout=1.0)(worker)
-    kopf.on.event(**on, id="wake", when=spec_changed)(job_changed)
+    kopf.on.event(**on, id="watch")(job_event)
+    kopf.on.delete(**on, id="cleanup", when=needs_cleanup)(cleanup)
     watched: set[str] = set()
     for backend in runtime.backends.values():
         children = getattr(backend, "children", None)
@@ -377,65 +635,27 @@ def register(registry: kopf.OperatorRegistry, runtime: Runtime) -> None:
                 continue
             watched.add(plural)
             kopf.index(group, version, plural, id=f"children_{plural}", labels=MANAGED,
-                       registry=registry)(children.indexer(kind, wake))
+                       registry=registry)(children.indexer(kind, controller.changed))
             kopf.on.event(group, version, plural, id=f"wake-{plural}", labels=MANAGED,
                           when=_is_deletion, registry=registry)(child_deleted)
-
-    @kopf.on.delete(**on, id="cleanup")
-    async def cleanup(body: kopf.Body, retry: int, **_: Any) -> None:
-        job, backend, _problems_found = _problems(runtime, dict(body))
-        if job is not None and backend is not None:  # else nothing was launched for it
-            await cancelled(job, backend, retry)
-
-    async def cancelled(job: FineTuneJob, backend: Backend, retry: int) -> None:
-        try:
-            await backend.cancel(job)
-        except KubeError as error:
-            delay = runtime.backoff(retry, error.retry_after)
-            raise kopf.TemporaryError(f"deleting the workers failed ({error}); retrying in "
-                                      f"{delay:g}s", delay=delay) from error
-        except BackendError as error:
-            raise kopf.TemporaryError(f"stopping the workers failed: {error}",
-                                      delay=error.retry_after) from error
-        runtime.metrics.job_gone(job.namespace, job.name)
+    return controller
 
 
-# --- a job's worker: woken by changes, the clock, or polling --------------------------------
+class _Either(Collection):
+    """Tasks kopf must leave alone when it stops: the caller's, and the reconcilers (which
+    `run` stops itself, after their looks in progress)."""
 
-class Waker:
-    """Wakes one job's worker: a change reported by a watch, else its own timeout."""
+    def __init__(self, *collections: Collection[asyncio.Task]):
+        self.collections = collections
 
-    settle = 0.05
-    """Seconds a woken worker waits for the rest of a burst of changes (a Job and its pods
-    change together) before it looks once at all of them."""
+    def __contains__(self, task: object) -> bool:
+        return any(task in c for c in self.collections)
 
-    def __init__(self) -> None:
-        self._changed = asyncio.Event()
-        self.generation: int | None = None
-        """The job's generation at the worker's last look: a spec change is a new one."""
+    def __iter__(self):
+        return (t for c in self.collections for t in c)
 
-    def wake(self) -> None:
-        self._changed.set()
-
-    async def sleep(self, timeout: float | None, stopped: kopf.DaemonStopped,
-                    changes: bool = True) -> bool:
-        """Until woken (unless not `changes`), `timeout` passes (None: no timeout) or the
-        worker is stopped (then False). A change during the last look wakes at once."""
-        if not changes:
-            await stopped.wait(timeout)
-        elif timeout is None or timeout > 0:
-            changed = asyncio.ensure_future(self._changed.wait())
-            stopping = asyncio.ensure_future(stopped.wait())
-            try:
-                await asyncio.wait((changed, stopping), timeout=timeout,
-                                   return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                changed.cancel()
-                stopping.cancel()
-            if self._changed.is_set() and not stopped:
-                await asyncio.sleep(self.settle)
-        self._changed.clear()
-        return not stopped
+    def __len__(self) -> int:
+        return sum(len(c) for c in self.collections)
 
 
 class _Retry(Exception):
@@ -461,8 +681,8 @@ class _Retry(Exception):
 class _NoDiffBase(kopf.DiffBaseStorage):
     """kopf keeps a copy of each object's spec (the last-handled-configuration annotation)
     to tell create, update and field handlers what changed. This operator has none of those
-    (a job's worker reconciles the whole state, and wakes on a new generation): the copy
-    would be one write per job for nothing."""
+    (a reconciler reads the whole state, and is woken by a new generation): the copy would
+    be one write per job for nothing."""
 
     def build(self, *, body: kopf.Body, extra_fields: Any = None) -> Any:
         return {}  # kopf would deep-copy the whole job on every event to compare it
@@ -472,21 +692,6 @@ class _NoDiffBase(kopf.DiffBaseStorage):
 
     def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: Any) -> None:
         return None
-
-
-def _fresher(body: kopf.Body, patched: dict[str, Any] | None) -> dict[str, Any]:
-    """The newer of the watched job and the one our last status patch returned: the watch
-    may not have shown that patch yet (resourceVersions are etcd revisions, compared as
-    numbers where both are)."""
-    live = dict(body)
-    if patched is None:
-        return live
-    try:
-        newer = int(patched["metadata"]["resourceVersion"]) > int(
-            live["metadata"]["resourceVersion"])
-    except (KeyError, TypeError, ValueError):
-        return live
-    return patched if newer else live
 
 
 def _is_deletion(type: str | None, **_: Any) -> bool:  # `type`: kopf's name for it

@@ -1,30 +1,44 @@
-"""The few Kubernetes API calls the operator makes, async over the official client.
+"""The few Kubernetes API calls the operator makes: async, over aiohttp, as kopf's own.
 
-Logs in as kubectl does (`configuration`): the in-cluster service account, else KUBECONFIG /
-~/.kube/config (which covers AKS's exec-based logins); kopf's watch streams use the same
-credentials (`connection_info`). Reads return plain dicts, exactly as the API
-serves them, so the pure code (render, observe) sees what `kubectl get -o json` shows.
-Every call has a timeout, and every failure (an error status, or no answer at all) is a
-`KubeError` carrying the status and any Retry-After, which the handlers turn into a retry.
+Logs in as kubectl does (`configuration`, read by the official client's kubeconfig loader):
+the in-cluster service account, else KUBECONFIG / ~/.kube/config (which covers AKS's
+exec-based logins); kopf's watch streams use the same credentials (`connection_info`).
+Requests and answers are plain JSON dicts, exactly as the API serves them, so the pure code
+(render, observe) sees what `kubectl get -o json` shows. Every call has a timeout, and every
+failure (an error status, or no answer at all) is a `KubeError` carrying the status and any
+Retry-After, which the controller turns into a retry.
+
+Why not the official client's API classes: their calls are synchronous (a thread each, and a
+pool that runs dry under a burst), and building them costs ~24 MiB and a second (a pydantic
+validator for each of their methods): more than the rest of the operator's own state for a
+thousand jobs. One aiohttp session, with a bounded number of connections, does the same.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import importlib.metadata
 import json
-import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime
+import ssl
+from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
+import aiohttp
 import kopf
 from kubernetes import client, config
-from kubernetes.client.exceptions import ApiException
-from urllib3.exceptions import HTTPError, SSLError
 
-from finetune_operator.api import API_GROUP, PLURAL, VERSION
+from finetune_operator.api import API_GROUP, API_VERSION, KIND, PLURAL, VERSION
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("finetune-operator")
+    except importlib.metadata.PackageNotFoundError:
+        return "dev"
+
 
 KUEUE_GROUP, KUEUE_VERSION = "kueue.x-k8s.io", "v1beta2"  # served since Kueue v0.15
 KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
@@ -32,24 +46,57 @@ KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 
 DEFAULT_TIMEOUT = 30.0
 """Seconds an API call may take before it counts as failed (and is retried): a hung API
-server must not hold a handler, or a thread of the operator's small pool, for ever."""
+server must not hold a reconcile for ever."""
+CONNECTIONS = 16
+"""Connections to the API server at once (HTTP/1.1: one request each); more requests wait
+for a free one. As many as the controller's reconcilers: each TLS connection holds a
+256 KiB read buffer, so a larger pool costs memory and saves little."""
+COMPONENT = "finetune-operator"
+"""Who the operator's events say they come from (`kubectl describe`'s From column)."""
+USER_AGENT = f"{COMPONENT}/{_version()}"
+"""How the operator's calls read in the API server's audit log (kopf's say `kopf/...`)."""
+
+PATHS: dict[str, tuple[str, str]] = {  # kind: (API prefix, plural)
+    "ConfigMap": ("api/v1", "configmaps"),
+    "Service": ("api/v1", "services"),
+    "Pod": ("api/v1", "pods"),
+    "Event": ("api/v1", "events"),
+    "PersistentVolumeClaim": ("api/v1", "persistentvolumeclaims"),
+    "Job": ("apis/batch/v1", "jobs"),
+    KIND: (f"apis/{API_GROUP}/{VERSION}", PLURAL),
+    "Workload": (f"apis/{KUEUE_GROUP}/{KUEUE_VERSION}", "workloads"),
+    "KopfPeering": ("apis/kopf.dev/v1", "kopfpeerings"),
+    "ClusterKopfPeering": ("apis/kopf.dev/v1", "clusterkopfpeerings"),
+}
+
+
+def path(kind: str, namespace: str | None = None, name: str | None = None,
+         subresource: str | None = None) -> str:
+    """The URL path of a kind's collection, or of one object (and its subresource)."""
+    prefix, plural = PATHS[kind]
+    parts = [prefix, *(("namespaces", namespace) if namespace else ()), plural,
+             *((name,) if name else ()), *((subresource,) if subresource else ())]
+    return "/" + "/".join(parts)
 
 
 class KubeError(RuntimeError):
     """An API call that failed (other than a 404 / 409 its caller expects) or got no answer."""
 
-    def __init__(self, action: str, error: Exception):
-        self.namespace_terminating = False
-        """The namespace is being deleted: nothing can be created in it, ever again."""
-        if isinstance(error, ApiException):
-            super().__init__(f"{action}: {error.status} {error.reason}")
-            self.status: int | None = error.status
-            self.retry_after = _retry_after(error.headers)
-            self.namespace_terminating = error.status == 403 and _terminating(error.body)
-        else:
+    def __init__(self, action: str, status: int | None = None, reason: str = "",
+                 body: Any = None, headers: Any = None, cause: BaseException | None = None):
+        if status is None:
             super().__init__(f"{action}: no answer from the API server "
-                             f"({type(error).__name__}: {error})")
-            self.status, self.retry_after = None, None
+                             f"({type(cause).__name__}: {cause})")
+        else:
+            super().__init__(f"{action}: {status} {reason}")
+        self.status = status
+        self.cause = cause
+        """Why no answer came (a refused connection, TLS, a timeout); None when one did."""
+        self.retry_after = _retry_after(headers) if status is not None else None
+        self.message = _status(body).get("message") or reason
+        """What the API server said (its Status message), else the HTTP reason."""
+        self.namespace_terminating = status == 403 and _terminating(body)
+        """The namespace is being deleted: nothing can be created in it, ever again."""
 
 
 def _status(body: Any) -> dict[str, Any]:
@@ -112,20 +159,15 @@ def configuration(kubeconfig: str | None = None) -> client.Configuration:
         except config.ConfigException as error:
             raise LoginError(f"the pod's service account cannot be used ({error}) — check "
                              "automountServiceAccountToken on the operator's pod") from error
-    path = kubeconfig_path(kubeconfig)
+    where = kubeconfig_path(kubeconfig)
     try:
-        config.load_kube_config(config_file=path, client_configuration=configured,
+        config.load_kube_config(config_file=where, client_configuration=configured,
                                 persist_config=False)
     except (config.ConfigException, OSError, ValueError, TypeError) as error:
         raise LoginError(f"no usable Kubernetes credentials: not inside a cluster, and the "
-                         f"kubeconfig {path} cannot be used ({error}) — set KUBECONFIG to a "
+                         f"kubeconfig {where} cannot be used ({error}) — set KUBECONFIG to a "
                          "kubeconfig that works with kubectl") from error
     return configured
-
-
-def connect(kubeconfig: str | None = None) -> client.ApiClient:
-    """An API client logged in as `configuration` says."""
-    return client.ApiClient(configuration(kubeconfig))
 
 
 def connection_info(configured: client.Configuration) -> kopf.ConnectionInfo:
@@ -147,134 +189,165 @@ def connection_info(configured: client.Configuration) -> kopf.ConnectionInfo:
     )
 
 
-def check_access(api: client.ApiClient, namespaces: tuple[str, ...] = ()) -> None:
-    """List FineTuneJobs once, where the operator will watch them, and turn every way that
-    can fail (no server, TLS, 401, 403, no CRD) into a LoginError naming the fix."""
-    host = api.configuration.host
-    custom = client.CustomObjectsApi(api)
-    # urllib3 logs each retry of a refused connection; the one line below says it all
-    quiet = logging.getLogger("urllib3.connectionpool")
-    level, quiet.level = quiet.level, logging.ERROR
-    try:
-        if namespaces:
-            for namespace in namespaces:
-                custom.list_namespaced_custom_object(API_GROUP, VERSION, namespace, PLURAL,
-                                                     limit=1, _request_timeout=15)
-        else:
-            custom.list_cluster_custom_object(API_GROUP, VERSION, PLURAL, limit=1,
-                                              _request_timeout=15)
-    except ApiException as error:
-        where = f"in namespace {', '.join(namespaces)}" if namespaces else "in all namespaces"
-        fixes = {
-            401: f"the API server at {host} refused the credentials (401 Unauthorized): the "
-                 "token is expired or wrong — get a new one (`kubectl create token <service "
-                 "account>`, or `az aks get-credentials` again)",
-            403: f"the credentials may not list finetunejobs {where} (403 Forbidden) — "
-                 "install the chart's RBAC, or bind its ClusterRole to this identity "
-                 f"({_reason(error)})",
-            404: f"the FineTuneJob CRD is not installed on {host} (404 for "
-                 f"{API_GROUP}/{VERSION} {PLURAL}) — `kubectl apply -f crds/`, or install "
-                 "the Helm chart",
-        }
-        raise LoginError(fixes.get(error.status, f"listing finetunejobs on {host} failed: "
-                                   f"{error.status} {error.reason} ({_reason(error)})")
-                         ) from error
-    except HTTPError as error:
-        # urllib3 gives up with MaxRetryError; what went wrong is its `reason`
-        cause = error.reason if isinstance(getattr(error, "reason", None), Exception) else error
-        fix = ("the server's certificate does not match the kubeconfig's certificate-authority"
-               if isinstance(cause, SSLError) else
-               "is the cluster up, and is KUBECONFIG the one you meant?")
-        raise LoginError(f"cannot reach the API server at {host} ({type(cause).__name__}: "
-                         f"{cause}) — {fix}") from error
-    finally:
-        quiet.setLevel(level)
 
 
-def _reason(error: ApiException) -> str:
-    return _status(error.body).get("message") or str(error.reason)
+def _tls(configured: client.Configuration) -> ssl.SSLContext | bool:
+    """TLS as the kubeconfig says: its CA, a client certificate if any, or no check at all
+    (`insecure-skip-tls-verify`); False for a plain-HTTP server."""
+    if not configured.host.startswith("https:"):
+        return False
+    context = ssl.create_default_context(cafile=configured.ssl_ca_cert or None)
+    if configured.cert_file:
+        context.load_cert_chain(configured.cert_file, configured.key_file or None)
+    if not configured.verify_ssl:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
 
 
-CONNECTIONS = 16
-"""Calls in flight at once: the client is synchronous, so each runs in a thread of a pool of
-this size, with as many pooled connections (no "connection pool is full" churn, however
-many jobs reconcile at once; the rest wait their turn)."""
+def _authorization(configured: client.Configuration) -> dict[str, str]:
+    """The Authorization header: a bearer token (an exec plugin's is fetched again here once
+    it expires), else basic auth, else none (client certificates)."""
+    token = (configured.get_api_key_with_prefix("BearerToken")
+             or configured.get_api_key_with_prefix("authorization"))
+    if token:
+        return {"Authorization": token if " " in token else f"Bearer {token}"}
+    if configured.username:
+        return {"Authorization": aiohttp.BasicAuth(configured.username,
+                                                   configured.password or "").encode()}
+    return {}
 
 
 class Kube:
-    def __init__(self, api: client.ApiClient, timeout: float = DEFAULT_TIMEOUT,
-                 connections: int = CONNECTIONS):
-        api.configuration.connection_pool_maxsize = connections
-        api.rest_client.pool_manager.connection_pool_kw["maxsize"] = connections
-        self._pool = ThreadPoolExecutor(max_workers=connections, thread_name_prefix="kube")
-        self.core = client.CoreV1Api(api)
-        self.batch = client.BatchV1Api(api)
-        self.custom = client.CustomObjectsApi(api)
+    """The operator's API client: one aiohttp session per event loop, logged in lazily (so
+    an offline `finetune render` never needs credentials) and again after a 401 (a rotated
+    service-account token)."""
+
+    def __init__(self, kubeconfig: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
+                 connections: int = CONNECTIONS,
+                 login: Callable[[], client.Configuration] | None = None):
+        self._login = login or functools.partial(configuration, kubeconfig)
         self.timeout = timeout
         """Seconds each call may take (kopf's own calls get the same limit)."""
-        self._calls = {
-            "ConfigMap": (self.core.create_namespaced_config_map,
-                          self.core.read_namespaced_config_map,
-                          self.core.delete_namespaced_config_map),
-            "Service": (self.core.create_namespaced_service,
-                        self.core.read_namespaced_service,
-                        self.core.delete_namespaced_service),
-            "Job": (self.batch.create_namespaced_job, self.batch.read_namespaced_job,
-                    self.batch.delete_namespaced_job),
-            "PersistentVolumeClaim": (None, self.core.read_namespaced_persistent_volume_claim,
-                                      None),  # read only: the users' own volumes
-        }
+        self.connections = connections
+        self._configured: client.Configuration | None = None
+        self._auth_header: dict[str, str] | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._session_loop: asyncio.AbstractEventLoop | None = None
 
-    async def _call(self, action: str, fn, *args, **kwargs) -> Any:
-        """`fn` in a thread of the pool, within the timeout; every failure is a KubeError
-        (with the status, None when no answer came). Callers pass _preload_content=False
-        where they can: the client's model objects cost far more CPU than the JSON."""
-        call = functools.partial(fn, *args, _request_timeout=self.timeout, **kwargs)
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, call)
-        except (ApiException, HTTPError) as error:
-            raise KubeError(action, error) from error
+    @property
+    def configured(self) -> client.Configuration:
+        """The credentials in use (raises LoginError when there are none)."""
+        if self._configured is None:
+            self._configured = self._login()
+        return self._configured
+
+    def _headers(self, merge_patch: bool) -> dict[str, str]:
+        # worked out once per login: an expired token (an exec plugin's, a rotated service
+        # account's) answers 401, and the call logs in again
+        if self._auth_header is None:
+            self._auth_header = _authorization(self.configured)
+        headers = {"Accept": "application/json", **self._auth_header}
+        if merge_patch:
+            headers["Content-Type"] = "application/merge-patch+json"
+        return headers
+
+    def _connection(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._session_loop is not loop:
+            connector = aiohttp.TCPConnector(limit=self.connections,
+                                             ssl=_tls(self.configured))
+            self._session = aiohttp.ClientSession(
+                base_url=self.configured.host.rstrip("/"), connector=connector,
+                json_serialize=json.dumps, headers={"User-Agent": USER_AGENT})
+            self._session_loop = loop
+        return self._session
+
+    async def _relogin(self) -> None:
+        """Read the credentials anew (the old session's TLS material may be stale too)."""
+        self._configured = self._auth_header = None
+        if self._session is not None:
+            await self._session.close()
+        self._session = None
+
+    async def close(self) -> None:
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+        self._session = None
+
+    async def request(self, action: str, method: str, url: str, *, body: Any = None,
+                      params: dict[str, Any] | None = None, merge_patch: bool = False,
+                      answer: bool = True) -> Any:
+        """One call: the answer's JSON (None when empty, or not wanted: `answer` False
+        spares decoding what the caller ignores); every failure is a KubeError."""
+        for attempt in (1, 2):
+            session = self._connection()
+            try:
+                async with session.request(
+                        method, url, json=body, params=params,
+                        headers=self._headers(merge_patch),
+                        proxy=self.configured.proxy or None,
+                        server_hostname=getattr(self.configured, "tls_server_name", None),
+                        timeout=aiohttp.ClientTimeout(total=self.timeout)) as response:
+                    data = await response.read()
+                    if response.status == 401 and attempt == 1:
+                        await self._relogin()
+                        continue
+                    if response.status >= 400:
+                        raise KubeError(action, response.status, response.reason or "", data,
+                                        response.headers)
+                    return json.loads(data) if data and answer else None
+            except (aiohttp.ClientError, TimeoutError, ssl.SSLError, OSError) as error:
+                raise KubeError(action, cause=error) from error
+        raise AssertionError("unreachable")  # the second attempt returns or raises
+
+    # --- what the operator asks --------------------------------------------------------------
 
     async def create(self, obj: dict[str, Any]) -> bool:
         """Create `obj`; False when it already exists (launch is idempotent)."""
-        create = self._calls[obj["kind"]][0]
+        meta = obj["metadata"]
         try:
-            await self._call(f"create {obj['kind']} {obj['metadata']['name']}", create,
-                             obj["metadata"]["namespace"], obj, _preload_content=False)
+            await self.request(f"create {obj['kind']} {meta['name']}", "POST",
+                               path(obj["kind"], meta["namespace"]), body=obj, answer=False)
         except KubeError as error:
             if error.status == 409:
                 return False
             raise
         return True
 
-    async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-        read = self._calls[kind][1]
+    async def get(self, kind: str, namespace: str | None, name: str
+                  ) -> dict[str, Any] | None:
         try:
-            response = await self._call(f"get {kind} {name}", read, name, namespace,
-                                        _preload_content=False)
+            return await self.request(f"get {kind} {name}", "GET", path(kind, namespace, name))
         except KubeError as error:
             if error.status == 404:
                 return None
             raise
-        return json.loads(response.data)
 
     async def delete(self, kind: str, namespace: str, name: str,
                      propagation: str = "Foreground") -> bool:
         """Delete; False when it was already gone."""
-        delete = self._calls[kind][2]
         try:
-            await self._call(f"delete {kind} {name}", delete, name, namespace,
-                             propagation_policy=propagation, _preload_content=False)
+            await self.request(f"delete {kind} {name}", "DELETE", path(kind, namespace, name),
+                               body={"propagationPolicy": propagation}, answer=False)
         except KubeError as error:
             if error.status == 404:
                 return False
             raise
         return True
 
+    async def list(self, kind: str, namespace: str | None = None, *,
+                   labels: str | None = None, fields: str | None = None,
+                   limit: int | None = None, action: str | None = None
+                   ) -> list[dict[str, Any]]:
+        params = {k: v for k, v in (("labelSelector", labels), ("fieldSelector", fields),
+                                    ("limit", limit)) if v is not None}
+        answer = await self.request(action or f"list {PATHS[kind][1]}", "GET",
+                                    path(kind, namespace), params=params)
+        return (answer or {}).get("items") or []
+
     async def pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
-        response = await self._call("list pods", self.core.list_namespaced_pod, namespace,
-                                    label_selector=selector, _preload_content=False)
-        return json.loads(response.data).get("items", [])
+        return await self.list("Pod", namespace, labels=selector)
 
     async def events(self, namespace: str, kind: str, name: str,
                      uid: str | None = None) -> list[dict[str, Any]]:
@@ -282,75 +355,118 @@ class Kube:
         selector = f"involvedObject.kind={kind},involvedObject.name={name}"
         if uid:
             selector += f",involvedObject.uid={uid}"
-        response = await self._call(f"list the events of {kind} {name}",
-                                    self.core.list_namespaced_event, namespace,
-                                    field_selector=selector, _preload_content=False)
-        return json.loads(response.data).get("items", [])
+        return await self.list("Event", namespace, fields=selector,
+                               action=f"list the events of {kind} {name}")
+
+    async def post_event(self, about: dict[str, Any], type_: str, reason: str,
+                         message: str) -> None:
+        """An event on `about` (a FineTuneJob), as `kubectl describe` lists them."""
+        meta = about.get("metadata") or {}
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        event = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"generateName": f"{meta.get('name')}.",
+                         "namespace": meta.get("namespace")},
+            "involvedObject": {"apiVersion": API_VERSION, "kind": KIND,
+                               "name": meta.get("name"), "namespace": meta.get("namespace"),
+                               "uid": meta.get("uid")},
+            "type": type_, "reason": reason, "message": message[:1024],
+            "source": {"component": COMPONENT}, "reportingComponent": COMPONENT,
+            "reportingInstance": os.environ.get("HOSTNAME") or COMPONENT,
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1}
+        await self.request(f"post the {reason} event of {meta.get('name')}", "POST",
+                           path("Event", meta.get("namespace")), body=event, answer=False)
 
     async def suspend_job(self, namespace: str, name: str, suspend: bool) -> None:
-        await self._call(f"suspend Job {name}", self.batch.patch_namespaced_job, name, namespace,
-                         {"spec": {"suspend": suspend}}, _preload_content=False)
+        await self.request(f"suspend Job {name}", "PATCH", path("Job", namespace, name),
+                           body={"spec": {"suspend": suspend}}, merge_patch=True)
 
     async def kueue_workload(self, namespace: str, job_uid: str
                              ) -> dict[str, Any] | None:
         """Kueue's Workload for the batch/v1 Job with uid `job_uid`; None when there is none
         (yet), or when Kueue's API is not served here (no Kueue installed)."""
         try:
-            response = await self._call(
-                "list Kueue Workloads", self.custom.list_namespaced_custom_object,
-                KUEUE_GROUP, KUEUE_VERSION, namespace, "workloads",
-                label_selector=f"{KUEUE_JOB_UID_LABEL}={job_uid}", _preload_content=False)
+            items = await self.list("Workload", namespace, action="list Kueue Workloads",
+                                    labels=f"{KUEUE_JOB_UID_LABEL}={job_uid}")
         except KubeError as error:
             if error.status == 404:
                 return None
             raise
-        items = json.loads(response.data).get("items", [])
         return items[0] if items else None
 
     async def activate_kueue_workload(self, namespace: str, name: str, active: bool) -> None:
         """Kueue's own switch (`spec.active`): false evicts the workload and frees its quota,
         true puts it back in its queue."""
-        await self._call(f"set Kueue Workload {name} active={active}",
-                         self.custom.patch_namespaced_custom_object, KUEUE_GROUP,
-                         KUEUE_VERSION, namespace, "workloads", name,
-                         {"spec": {"active": active}}, _preload_content=False)
+        await self.request(f"set Kueue Workload {name} active={active}", "PATCH",
+                           path("Workload", namespace, name),
+                           body={"spec": {"active": active}}, merge_patch=True)
 
     async def patch_finetunejob_status(self, namespace: str, name: str,
                                        status: dict[str, Any]) -> dict[str, Any] | None:
         """A merge patch of the status (None removes a field); the job as patched, None when
         it is gone."""
         try:
-            response = await self._call(f"patch the status of FineTuneJob {name}",
-                                        self.custom.patch_namespaced_custom_object_status,
-                                        API_GROUP, VERSION, namespace, PLURAL, name,
-                                        {"status": status}, _preload_content=False)
+            return await self.request(f"patch the status of FineTuneJob {name}", "PATCH",
+                                      path(KIND, namespace, name, "status"),
+                                      body={"status": status}, merge_patch=True)
         except KubeError as error:
             if error.status != 404:
                 raise
             return None
-        return json.loads(response.data)
 
     async def delete_finetunejob(self, namespace: str, name: str) -> None:
         try:
-            await self._call(f"delete FineTuneJob {name}",
-                             self.custom.delete_namespaced_custom_object, API_GROUP, VERSION,
-                             namespace, PLURAL, name)
+            await self.request(f"delete FineTuneJob {name}", "DELETE",
+                               path(KIND, namespace, name))
         except KubeError as error:
             if error.status != 404:
                 raise
 
     async def peering_missing(self, name: str, namespaces: tuple[str, ...]) -> list[str]:
         """Where kopf's peering object `name` does not exist: "cluster-wide" or namespaces."""
-        lookups = ([("cluster-wide", self.custom.get_cluster_custom_object,
-                     ("kopf.dev", "v1", "clusterkopfpeerings", name))] if not namespaces else
-                   [(ns, self.custom.get_namespaced_custom_object,
-                     ("kopf.dev", "v1", ns, "kopfpeerings", name)) for ns in namespaces])
+        lookups = ([("cluster-wide", path("ClusterKopfPeering", None, name))] if not namespaces
+                   else [(ns, path("KopfPeering", ns, name)) for ns in namespaces])
         missing = []
-        for where, read, args in lookups:
+        for where, url in lookups:
             try:
-                await self._call(f"get the peering object {name} ({where})", read, *args)
+                await self.request(f"get the peering object {name} ({where})", "GET", url)
             except KubeError as error:
                 if error.status != 404:
                     raise
                 missing.append(where)
         return missing
+
+
+async def check_access(kube: Kube, namespaces: tuple[str, ...] = ()) -> None:
+    """List FineTuneJobs once, where the operator will watch them, and turn every way that
+    can fail (no server, TLS, 401, 403, no CRD) into a LoginError naming the fix."""
+    host = kube.configured.host
+    where = f"in namespace {', '.join(namespaces)}" if namespaces else "in all namespaces"
+    saved, kube.timeout = kube.timeout, 15.0
+    try:
+        for namespace in namespaces or (None,):
+            await kube.list(KIND, namespace, limit=1)
+    except KubeError as error:
+        fixes = {
+            401: f"the API server at {host} refused the credentials (401 Unauthorized): the "
+                 "token is expired or wrong — get a new one (`kubectl create token <service "
+                 "account>`, or `az aks get-credentials` again)",
+            403: f"the credentials may not list finetunejobs {where} (403 Forbidden) — "
+                 "install the chart's RBAC, or bind its ClusterRole to this identity "
+                 f"({error.message})",
+            404: f"the FineTuneJob CRD is not installed on {host} (404 for "
+                 f"{API_GROUP}/{VERSION} {PLURAL}) — `kubectl apply -f crds/`, or install "
+                 "the Helm chart",
+        }
+        if error.status is None:
+            cause = error.cause
+            fix = ("the server's certificate does not match the kubeconfig's "
+                   "certificate-authority" if isinstance(
+                       cause, ssl.SSLError | aiohttp.ClientSSLError) else
+                   "is the cluster up, and is KUBECONFIG the one you meant?")
+            raise LoginError(f"cannot reach the API server at {host} "
+                             f"({type(cause).__name__}: {cause}) — {fix}") from error
+        raise LoginError(fixes.get(error.status, f"listing finetunejobs on {host} failed: "
+                                   f"{error.status} ({error.message})")) from error
+    finally:
+        kube.timeout = saved

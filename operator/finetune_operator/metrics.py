@@ -12,9 +12,9 @@ import threading
 from collections import Counter as Tally
 from collections.abc import Iterator
 from datetime import datetime
-from typing import get_args
+from typing import Any, get_args
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -82,6 +82,13 @@ class OperatorMetrics:
         self.backend_errors = Counter(
             "finetune_operator_backend_errors", "Calls to a backend's API that failed (and "
             "will be retried)", ["backend", "operation"], registry=self.registry)
+        self.queue_depth = Gauge(
+            "finetune_operator_workqueue_depth", "FineTuneJobs waiting for a reconciler (a "
+            "lasting depth: more jobs change than --reconcilers keep up with)",
+            registry=self.registry)
+        self.queue_busy = Gauge(
+            "finetune_operator_workqueue_busy", "FineTuneJobs being reconciled now (at most "
+            "--reconcilers)", registry=self.registry)
         self.registry.register(_JobsByPhase(self))
         for backend in self.backends:  # series from the start, so rate() has a baseline
             for cause in RESTART_CAUSES:
@@ -97,6 +104,11 @@ class OperatorMetrics:
         if phase == "Running" and old.get("phase") != "Running" and created is not None \
                 and _first_run(old):
             self.time_to_running.labels(backend).observe((now - created).total_seconds())
+
+    def watch_queue(self, queue: Any) -> None:
+        """Report the controller's work queue at each scrape."""
+        self.queue_depth.set_function(lambda: len(queue))
+        self.queue_busy.set_function(lambda: queue.busy)
 
     def restarted(self, backend: str, cause: str) -> None:
         self.restarts.labels(backend, cause).inc()

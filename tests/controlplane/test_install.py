@@ -4,6 +4,7 @@ without the training stack, one clear line for every way a login can fail."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import subprocess
@@ -190,8 +191,15 @@ def test_inside_a_pod_it_logs_in_with_the_mounted_service_account(
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
     monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(plane.ports["apiserver"]))
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "not-there"))  # never read in a pod
-    api = kube.connect()
-    kube.check_access(api)  # lists FineTuneJobs cluster-wide under the chart's RBAC
+    client = kube.Kube()
+
+    async def check() -> None:
+        try:
+            await kube.check_access(client)  # lists FineTuneJobs cluster-wide (chart's RBAC)
+        finally:
+            await client.close()
+
+    asyncio.run(check())
     info = kube.connection_info(kube.configuration())
     assert info.server == plane.server and info.token == token
     assert info.scheme.lower() == "bearer"  # the in-cluster loader writes it lowercase

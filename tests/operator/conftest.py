@@ -11,7 +11,7 @@ import pytest
 import pytest_asyncio
 
 from finetune_operator import controller
-from finetune_operator.kube import Kube, connect
+from finetune_operator.kube import Kube
 from finetune_operator.settings import OperatorSettings
 from finetune_trainer.progress import ProgressServer
 from tests.controlplane.fixtures import controlplane
@@ -72,7 +72,7 @@ class Operator:
                  peering: controller.Peering | None = None):
         self.kubeconfig = cluster.kubeconfig
         self.peering = peering
-        self.runtime = controller.Runtime.build(Kube(connect(self.kubeconfig)), OperatorSettings(),
+        self.runtime = controller.Runtime.build(Kube(self.kubeconfig), OperatorSettings(),
                                                 interval=0.3, progress_port=rank0.port)
         self.task: asyncio.Task | None = None
         self.stop_flag: asyncio.Event | None = None

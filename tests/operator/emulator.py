@@ -189,6 +189,8 @@ class ApiServer(kmock.KubernetesEmulator):
 
 COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
 CONTROLLER_UID = "batch.kubernetes.io/controller-uid"
+GC_OWNERS = ("finetune.dev/v1alpha1/finetunejobs", "batch/v1/jobs")
+GC_DEPENDENTS = ("batch/v1/jobs", "v1/services", "v1/configmaps")
 
 
 class Kubelet:
@@ -197,6 +199,10 @@ class Kubelet:
     By default pods start running a moment after they appear. A test can hold them
     pending with a reason (`stuck`), fail one (`fail`), preempt one (`preempt`) or let
     all of them succeed (`succeed`); Job conditions follow the pods (backoffLimit 0).
+
+    It also plays kube-controller-manager's garbage collector (a stand-in, named so): an
+    object whose owner reference names a uid that no longer exists is deleted, as the
+    collector does with the children of a deleted FineTuneJob.
     """
 
     def __init__(self, server: ApiServer):
@@ -235,7 +241,28 @@ class Kubelet:
     def pods_of(self, job: dict[str, Any]) -> list[dict[str, Any]]:
         return self.pods_by_job().get(job["metadata"]["uid"], [])
 
+    async def collect_garbage(self) -> None:
+        """Delete the objects whose every owner is gone (the collector's background
+        propagation)."""
+        owners = {o["metadata"]["uid"] for resource in GC_OWNERS
+                  for o in self.server.live(resource)}
+        for resource in GC_DEPENDENTS:
+            for obj in self.server.live(resource):
+                refs = obj["metadata"].get("ownerReferences") or []
+                if refs and not any(r.get("uid") in owners for r in refs):
+                    await self._delete(resource, obj)
+
+    async def _delete(self, resource: str, obj: dict[str, Any]) -> None:
+        group_version, plural = resource.rsplit("/", 1)
+        prefix = "/api/" if group_version == "v1" else "/apis/"
+        meta = obj["metadata"]
+        url = f"{prefix}{group_version}/namespaces/{meta['namespace']}/{plural}/{meta['name']}"
+        async with self.session.delete(url) as response:
+            if response.status not in (200, 404):
+                response.raise_for_status()
+
     async def tick(self, seen: set[str]) -> None:
+        await self.collect_garbage()
         jobs = self.server.live("batch/v1/jobs")
         pods = self.pods_by_job()
         live = {j["metadata"]["uid"] for j in jobs}

@@ -2,7 +2,7 @@
 test injects while the real operator runs against it.
 
 A `Fault` picks requests by method and path (a regular expression on the whole path), by
-default only the operator's own (kopf's client and the official Kubernetes client, told apart
+default only the operator's own (kopf's client and the operator's own, told apart
 by their User-Agent, so the simulated kubelet and the test's own calls pass untouched), and
 answers them with a status (409, 429 with Retry-After, 500, ...), after a delay, or holds them
 until the test lets go. A faulted request changes nothing unless `committed`: then the change
@@ -31,8 +31,8 @@ import kmock
 
 from tests.operator.emulator import ApiServer
 
-OPERATOR_AGENTS = ("kopf/", "OpenAPI-Generator/")
-"""User-Agent prefixes of the operator's two API clients (kopf's and the official one)."""
+OPERATOR_AGENTS = ("kopf/", "finetune-operator/")
+"""User-Agent prefixes of the operator's two API clients (kopf's and its own)."""
 REASONS = {409: "Conflict", 410: "Gone", 422: "Invalid", 429: "TooManyRequests",
            500: "InternalError", 503: "ServiceUnavailable", 504: "Timeout"}
 DropHow = Literal["eof", "reset", "expired"]

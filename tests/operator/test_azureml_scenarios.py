@@ -14,7 +14,7 @@ import pytest_asyncio
 from finetune_operator import controller, planner
 from finetune_operator.backends import BackendContext, load_backends
 from finetune_operator.backends.azureml.jobspec import CONFIG_INPUT
-from finetune_operator.kube import Kube, connect
+from finetune_operator.kube import Kube
 from finetune_operator.settings import OperatorSettings
 from tests.azureml_fake import (
     RESOURCE_GROUP,
@@ -57,7 +57,7 @@ def azure() -> FakeAzureML:
 async def aml_operator(cluster: ApiServer, rank0, azure: FakeAzureML):
     """The operator, its azureml backend talking to the fake through the transport hook."""
     running = Operator(cluster, rank0)
-    kube = Kube(connect(running.kubeconfig))
+    kube = Kube(running.kubeconfig)
     context = BackendContext(settings=OperatorSettings(), kube=kube,
                              azure_credential=StaticCredential(), azure_transport=azure)
     running.runtime = controller.Runtime(backends=load_backends(context), kube=kube,

@@ -25,7 +25,7 @@ from azure.core.credentials import AccessToken
 
 from finetune_operator import controller
 from finetune_operator.backends import BackendContext, load_backends
-from finetune_operator.kube import Kube, connect
+from finetune_operator.kube import Kube
 from finetune_operator.settings import OperatorSettings
 from tests.azureml_fake import FakeAzureML, StaticCredential
 from tests.operator.conftest import Operator
@@ -117,7 +117,7 @@ class CanaryCredential(StaticCredential):
 @pytest_asyncio.fixture()
 async def aml_operator(cluster: ApiServer, rank0, azure: FakeAzureML):
     running = Operator(cluster, rank0)
-    kube = Kube(connect(running.kubeconfig))
+    kube = Kube(running.kubeconfig)
     context = BackendContext(settings=OperatorSettings(), kube=kube,
                              azure_credential=CanaryCredential(), azure_transport=azure)
     backends = load_backends(context)

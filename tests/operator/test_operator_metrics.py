@@ -38,4 +38,5 @@ async def test_a_restart_and_the_phases_show_on_the_metrics_endpoint(emulated_te
 
     await testbed.delete("demo")
     await testbed.until(lambda: testbed.ftj() is None, "deleted")
-    assert scrape(port)[("finetune_operator_jobs", (kubernetes, ("phase", "Running")))] == 0
+    await testbed.until(lambda: scrape(port)[("finetune_operator_jobs", (
+        kubernetes, ("phase", "Running")))] == 0, "the deletion seen by the watch")

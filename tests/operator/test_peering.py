@@ -14,7 +14,8 @@ import aiohttp
 import pytest
 
 from finetune_operator import controller
-from finetune_operator.controller import Peering
+from finetune_operator.controller import PEERING_LOOK_SECONDS, Peering
+from finetune_trainer.progress import Progress
 from tests.operator.conftest import NotKopfs, Operator
 from tests.operator.emulator import ApiServer
 from tests.operator.testbed import EmulatedTestbed
@@ -62,3 +63,55 @@ async def test_without_the_peering_object_a_replica_stops_and_says_why(cluster, 
     message = " ".join(str(o.exception) for o in failure.value.outcomes.values())
     assert "no ClusterKopfPeering 'finetune-operator' (cluster-wide)" in message
     assert "the Helm chart does when replicas > 1" in message
+
+
+async def test_a_replica_that_loses_the_lead_stops_acting(cluster, kubelet, rank0):
+    """A rolling update starts a replica with a higher priority: the one that led stands by,
+    and no timer of its own (rank 0's progress is polled) makes it act beside the new one."""
+    async with aiohttp.ClientSession(base_url=str(cluster.url)) as session:
+        async with session.post(PEERINGS, json={
+                "apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering",
+                "metadata": {"name": "finetune-operator"}}) as response:
+            assert response.status == 200, await response.text()
+    leader = Operator(cluster, rank0, Peering("finetune-operator", priority=100, lifetime=60,
+                                              identity="replica-b"))
+    await leader.start()
+    testbed = EmulatedTestbed(cluster, kubelet, leader, rank0)
+    try:
+        await testbed.apply(testbed.manifest())
+        await testbed.until_phase("Running", timeout=30)
+        rank0.publish(progress(10))
+        await testbed.until(lambda: testbed.status().get("progress", {}).get("step") == 10,
+                            "progress polled while leading")
+
+        newer = datetime.datetime.now(datetime.UTC).isoformat()
+        async with aiohttp.ClientSession(base_url=str(cluster.url)) as session:
+            async with session.patch(f"{PEERINGS}/finetune-operator", json={"status": {
+                    "replica-a": {"priority": 200, "lifetime": 60, "lastseen": newer}}},
+                    headers={"Content-Type": "application/merge-patch+json"}) as response:
+                assert response.status == 200, await response.text()
+        await asyncio.sleep(PEERING_LOOK_SECONDS + 1)
+        rank0.publish(progress(20))
+        await asyncio.sleep(2)
+        assert testbed.status()["progress"]["step"] == 10, "a standby went on acting"
+    finally:
+        await leader.stop()
+
+
+def progress(step: int) -> Progress:
+    return Progress(step=step, totalSteps=100, epoch=0.1, loss=1.0, learningRate=1e-4,
+                    tokensPerSecond=1000.0, etaSeconds=60)
+
+
+async def test_who_leads_follows_kopfs_rule():
+    now = datetime.datetime(2026, 11, 23, 12, 0, tzinfo=datetime.UTC)
+    fresh, stale = "2026-11-23T11:59:50+00:00", "2026-11-23T11:58:00Z"
+
+    def peer(priority: int, lastseen: str) -> dict:
+        return {"priority": priority, "lifetime": 60, "lastseen": lastseen}
+
+    assert controller.leads(None, "b", 100, now)
+    assert controller.leads({"b": peer(100, fresh), "a": peer(50, fresh)}, "b", 100, now)
+    assert not controller.leads({"a": peer(200, fresh)}, "b", 100, now)
+    assert not controller.leads({"a": peer(100, fresh)}, "b", 100, now)  # kopf pauses both
+    assert controller.leads({"a": peer(200, stale)}, "b", 100, now)  # its record expired

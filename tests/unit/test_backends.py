@@ -6,7 +6,6 @@ import inspect
 from importlib.metadata import entry_points
 
 import pytest
-from kubernetes.client import ApiClient
 
 from finetune_operator.backends import (
     ENTRY_POINT_GROUP,
@@ -21,7 +20,7 @@ from finetune_operator.validation import parse_job
 from tests.conftest import minimal_job
 
 ASYNC_METHODS = ("launch", "observe", "suspend", "resume", "restart", "cancel")
-CONTEXT = BackendContext(settings=OperatorSettings(), kube=Kube(ApiClient()))
+CONTEXT = BackendContext(settings=OperatorSettings(), kube=Kube())
 BACKENDS = load_backends(CONTEXT)
 # What each backend needs beyond the minimal job to run it at all.
 RUNNABLE = {"azureml": {

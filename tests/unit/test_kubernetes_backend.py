@@ -270,8 +270,6 @@ def test_a_refusal_in_a_namespace_being_deleted_is_told_apart():
     1,000 jobs: their namespace's children went before the jobs did)."""
     import json
 
-    from kubernetes.client.exceptions import ApiException
-
     from finetune_operator.kube import KubeError
 
     body = json.dumps({
@@ -281,13 +279,13 @@ def test_a_refusal_in_a_namespace_being_deleted_is_told_apart():
         "details": {"name": "demo-trainer", "kind": "configmaps", "causes": [
             {"reason": "NamespaceTerminating", "message": "namespace t-1 is being terminated",
              "field": "metadata.namespace"}]}, "code": 403})
-    terminating = ApiException(status=403, reason="Forbidden")
-    terminating.body = body
-    assert KubeError("create ConfigMap demo-trainer", terminating).namespace_terminating
-    rbac = ApiException(status=403, reason="Forbidden")
-    rbac.body = json.dumps({"kind": "Status", "reason": "Forbidden", "code": 403,
-                            "message": "configmaps is forbidden: User cannot create"})
-    assert not KubeError("create ConfigMap demo-trainer", rbac).namespace_terminating
+    assert KubeError("create ConfigMap demo-trainer", 403, "Forbidden",
+                     body).namespace_terminating
+    rbac = json.dumps({"kind": "Status", "reason": "Forbidden", "code": 403,
+                       "message": "configmaps is forbidden: User cannot create"})
+    refused = KubeError("create ConfigMap demo-trainer", 403, "Forbidden", rbac)
+    assert not refused.namespace_terminating
+    assert refused.message == "configmaps is forbidden: User cannot create"
 
 
 def test_kueues_word_on_a_queued_job_is_read_from_its_workload():

@@ -60,6 +60,10 @@ class Backend(Protocol):
     repeated call finds what an earlier one made instead of making it twice."""
 
     name: str
+    cleanup_on_delete: bool
+    """True: the operator holds a finalizer on each job and calls `cancel` before the job
+    goes (workers outside the cluster). False: the job's children are owned by it and the
+    garbage collector removes them; `forget` is called once it is gone."""
 
     def validate(self, job: FineTuneJob) -> list[Problem]:
         """What this backend cannot run (beyond the API's own rules)."""
@@ -84,6 +88,9 @@ class Backend(Protocol):
 
     async def cancel(self, job: FineTuneJob) -> None:
         """Remove everything the job created (the job is being deleted)."""
+
+    def forget(self, namespace: str, name: str) -> None:
+        """The job is gone: drop whatever the backend keeps about it in memory."""
 
 
 @functools.cache

@@ -40,6 +40,10 @@ QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 COMPLETION_INDEX_KEY = "batch.kubernetes.io/job-completion-index"
 CREATION_GRACE_SECONDS = 3.0
 """How long a Job may lack pods before the operator asks the events why."""
+CREATION_EVENTS_SECONDS = 10.0
+"""How long one read of a namespace's FailedCreate events serves every job in it that
+waits for pods: a burst of a thousand Jobs the Job controller is slow to fill costs one
+list per namespace this often, not one per job."""
 COMPLETION_INDEX = f"metadata.annotations['{COMPLETION_INDEX_KEY}']"
 QUEUE_LOOK_SECONDS = 120.0
 """How often a queued Job's Kueue Workload is read once the Job is older than that: its
@@ -555,6 +559,9 @@ class KubernetesBackend:
     """torchrun pods in an Indexed Job on this cluster."""
 
     name = "kubernetes"
+    cleanup_on_delete = False
+    """Every child is owned by its FineTuneJob: the garbage collector removes them, and a
+    deleted job needs no finalizer (nor this operator running) to go."""
 
     def __init__(self, context: BackendContext):
         self.settings = context.settings
@@ -562,6 +569,8 @@ class KubernetesBackend:
         self.progress_port = context.progress_port or context.settings.metrics_port
         self._queue_looks: dict[str, tuple[float, bool | None, str | None]] = {}
         """Job uid → (when, active, message) of its Kueue Workload's last read."""
+        self._creation_events: dict[str, tuple[float, asyncio.Future]] = {}
+        """Namespace → (when, the read) of its FailedCreate events (`_failed_creates`)."""
         self.children = Children()
         """The workers as the operator's watches see them; until the controller attaches its
         indexes (and outside the operator), `observe` asks the API server instead."""
@@ -639,8 +648,8 @@ class KubernetesBackend:
             # not (a refused PriorityClass, a quota), and no watch event says when to ask
             polled = True
             if self._age(workload) > CREATION_GRACE_SECONDS:
-                not_created = creation_failure(await self.kube.events(
-                    ns, "Job", naming.worker_job(job.name), workload["metadata"].get("uid")))
+                failed = await self._failed_creates(ns)
+                not_created = creation_failure(failed.get(workload["metadata"].get("uid"), []))
         progress = await self.progress(pods)
         seen = await self._with_queue(job, workload, observe(
             workload, pods, nodes, progress, not_created))
@@ -653,6 +662,28 @@ class KubernetesBackend:
             (seen.running or progress is not None) and not seen.succeeded)
         seen = replace(seen, polled=polled)
         return replace(seen, missing=missing) if missing and not seen.deleting else seen
+
+    async def _failed_creates(self, namespace: str) -> dict[str | None, list[dict[str, Any]]]:
+        """The Job controller's FailedCreate events in `namespace`, by the uid of their Job:
+        one list, shared by every look within CREATION_EVENTS_SECONDS (and by the looks
+        that ask while it is on its way)."""
+        now = time.monotonic()
+        cached = self._creation_events.get(namespace)
+        if cached is None or now - cached[0] > CREATION_EVENTS_SECONDS or (
+                cached[1].done() and cached[1].exception() is not None):
+            cached = (now, asyncio.ensure_future(self._read_failed_creates(namespace)))
+            self._creation_events[namespace] = cached
+        return await asyncio.shield(cached[1])
+
+    async def _read_failed_creates(self, namespace: str
+                                   ) -> dict[str | None, list[dict[str, Any]]]:
+        events = await self.kube.list("Event", namespace,
+                                      fields="involvedObject.kind=Job,reason=FailedCreate",
+                                      action=f"list the FailedCreate events of {namespace}")
+        by_job: dict[str | None, list[dict[str, Any]]] = {}
+        for event in events:
+            by_job.setdefault((event.get("involvedObject") or {}).get("uid"), []).append(event)
+        return by_job
 
     async def _with_queue(self, job: FineTuneJob, workload: dict[str, Any],
                           seen: Observation) -> Observation:
@@ -743,6 +774,14 @@ class KubernetesBackend:
         self._forget_queue_look(job)
         await self.kube.delete("Job", job.namespace, naming.worker_job(job.name))
         self.children.deleted("Job", job.namespace, job.name, naming.worker_job(job.name))
+
+    def forget(self, namespace: str, name: str) -> None:
+        """The FineTuneJob is gone: what the backend remembered of it goes too."""
+        workload = self.children.get("Job", namespace, name, naming.worker_job(name)) \
+            if self.children.ready else None
+        if workload is not None:
+            self._queue_looks.pop(workload["metadata"].get("uid"), None)
+        self.children.forget(namespace, name)
 
     async def cancel(self, job: FineTuneJob) -> None:
         """Owner references would collect these too; deleting them now frees the name."""

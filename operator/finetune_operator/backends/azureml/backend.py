@@ -57,6 +57,8 @@ class AzureMLBackend:
     """Jobs as Azure ML command jobs (compute clusters, or attached AKS compute)."""
 
     name = "azureml"
+    cleanup_on_delete = True
+    """A deleted FineTuneJob's Azure ML job is canceled before the FineTuneJob goes."""
 
     def __init__(self, context: BackendContext, retry: RetrySettings | None = None):
         self.settings = context.settings
@@ -111,6 +113,9 @@ class AzureMLBackend:
     async def restart(self, job: FineTuneJob) -> None:
         self._refused.pop(job.metadata.uid or job.name, None)
         await self._cancel_newest(job)
+
+    def forget(self, namespace: str, name: str) -> None:
+        """Nothing to drop: `cancel` has already forgotten the job."""
 
     async def cancel(self, job: FineTuneJob) -> None:
         """The FineTuneJob is being deleted: cancel what runs; outputs stay in the datastore.

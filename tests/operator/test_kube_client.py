@@ -1,0 +1,118 @@
+"""The operator's own API client (`finetune_operator.kube.Kube`) against a small HTTP server
+that answers as an API server does: a token rotated while the operator runs, refusals with
+their Status, Retry-After, a server that never answers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import aiohttp.web
+import pytest
+import pytest_asyncio
+
+from finetune_operator.kube import Kube, KubeError
+from tests.controlplane.fixtures import controlplane
+
+pytestmark = pytest.mark.asyncio
+
+
+class Server:
+    """Serves FineTuneJobs to the token it currently accepts; records what it was asked."""
+
+    def __init__(self) -> None:
+        self.token = "first"
+        self.seen: list[tuple[str, str, str]] = []  # (method, path, Authorization)
+        self.answers: dict[str, aiohttp.web.Response] = {}
+        self.hang = False
+
+    async def handle(self, request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
+        self.seen.append((request.method, request.path, request.headers.get("Authorization")))
+        if self.hang:
+            await asyncio.sleep(2)
+        if request.headers.get("Authorization") != f"Bearer {self.token}":
+            return status(401, "Unauthorized", "Unauthorized")
+        if request.path in self.answers:
+            return self.answers[request.path]
+        return aiohttp.web.json_response({"kind": "FineTuneJobList", "items": []})
+
+
+def status(code: int, reason: str, message: str, headers: dict | None = None,
+           **extra) -> aiohttp.web.Response:
+    body = {"apiVersion": "v1", "kind": "Status", "status": "Failure", "code": code,
+            "reason": reason, "message": message, **extra}
+    return aiohttp.web.Response(status=code, text=json.dumps(body),
+                                content_type="application/json", headers=headers)
+
+
+@pytest_asyncio.fixture()
+async def server():
+    served = Server()
+    app = aiohttp.web.Application()
+    app.router.add_route("*", "/{tail:.*}", served.handle)
+    runner = aiohttp.web.AppRunner(app)
+    await runner.setup()
+    site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    served.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    yield served
+    await runner.cleanup()
+
+
+def write_kubeconfig(path: Path, server: Server) -> None:
+    path.write_text(json.dumps(controlplane.kubeconfig(server.url, "operator", server.token)))
+
+
+async def test_a_token_rotated_while_running_is_read_again_after_a_401(server, tmp_path):
+    kubeconfig = tmp_path / "kubeconfig"
+    write_kubeconfig(kubeconfig, server)
+    kube = Kube(str(kubeconfig))
+    try:
+        assert await kube.list("FineTuneJob", "default") == []
+        server.token = "second"  # rotated: the old one is refused, the file holds the new one
+        write_kubeconfig(kubeconfig, server)
+        assert await kube.list("FineTuneJob", "default") == []
+        assert [auth for _m, _p, auth in server.seen] == [
+            "Bearer first", "Bearer first", "Bearer second"]
+    finally:
+        await kube.close()
+
+
+async def test_refusals_carry_the_servers_words_and_what_it_asks(server, tmp_path):
+    kubeconfig = tmp_path / "kubeconfig"
+    write_kubeconfig(kubeconfig, server)
+    jobs = "/apis/batch/v1/namespaces/gone/jobs"
+    server.answers[jobs] = status(
+        403, "Forbidden", 'jobs.batch "x" is forbidden: unable to create new content in '
+        "namespace gone because it is being terminated",
+        details={"causes": [{"reason": "NamespaceTerminating"}]})
+    server.answers["/apis/batch/v1/namespaces/busy/jobs"] = status(
+        429, "TooManyRequests", "too many requests", headers={"Retry-After": "3"})
+    kube = Kube(str(kubeconfig))
+    try:
+        job = {"kind": "Job", "metadata": {"name": "x", "namespace": "gone"}}
+        with pytest.raises(KubeError) as refused:
+            await kube.create(job)
+        assert refused.value.status == 403 and refused.value.namespace_terminating
+        assert "being terminated" in refused.value.message
+        with pytest.raises(KubeError) as throttled:
+            await kube.create({**job, "metadata": {"name": "x", "namespace": "busy"}})
+        assert throttled.value.status == 429 and throttled.value.retry_after == 3
+        assert str(throttled.value).startswith("create Job x: 429")
+    finally:
+        await kube.close()
+
+
+async def test_a_server_that_never_answers_is_a_kube_error_within_the_timeout(server, tmp_path):
+    kubeconfig = tmp_path / "kubeconfig"
+    write_kubeconfig(kubeconfig, server)
+    server.hang = True
+    kube = Kube(str(kubeconfig), timeout=0.3)
+    try:
+        with pytest.raises(KubeError) as failed:
+            await asyncio.wait_for(kube.get("Job", "default", "x"), timeout=5)
+        assert failed.value.status is None
+        assert "no answer from the API server" in str(failed.value)
+    finally:
+        await kube.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal
@@ -156,10 +157,15 @@ def condition(status: FineTuneJobStatus, type_: str) -> Condition | None:
 
 
 class _Builder:
-    """Accumulates one decision; keeps the transitions readable below."""
+    """Accumulates one decision from what the guards below see; keeps the transitions
+    readable."""
 
-    def __init__(self, job: FineTuneJob, now: datetime):
+    def __init__(self, job: FineTuneJob, now: datetime, seen: Observation | None = None,
+                 problems: list[str] | None = None, feasibility: Feasibility | None = None):
         self.job, self.now = job, now
+        self.seen = seen or Observation()
+        self.problems = problems or []
+        self.feasibility = feasibility
         self.generation = job.metadata.generation
         self.status = (job.status or FineTuneJobStatus()).model_copy(deep=True)
         self.decision = Decision(status=self.status)
@@ -233,33 +239,48 @@ def reconcile(job: FineTuneJob, seen: Observation, now: datetime,
               feasibility: Feasibility | None = None) -> Decision:
     """Decide what to do about `job`. `problems` are validation errors found by the caller
     (the API's rules and the backend's own), each `path: what — fix`. `feasibility` is the
-    planner's verdict, computed by the caller before the first launch."""
-    b = _Builder(job, now)
-    status, policy = b.status, job.spec.run_policy
-    status.observed_generation = b.generation
+    planner's verdict, computed by the caller before the first launch.
 
-    if status.phase in TERMINAL_PHASES:
-        ttl = policy.ttl_seconds_after_finished
-        if ttl is not None:
-            left = ttl - _seconds_since(status.completion_time, now)
-            if left <= 0:
-                b.act("delete-job", "ttlSecondsAfterFinished")
-            else:
-                b.requeue(left)
-        return b.decision
+    A chain of guards, in the order a job's life asks them: each adds to the decision and
+    either ends it (True) or lets the next one look."""
+    b = _Builder(job, now, seen, problems or [], feasibility)
+    b.status.observed_generation = b.generation
+    for guard in GUARDS:
+        if guard(b):
+            break
+    return b.decision
 
-    # 1. the spec must be valid, and unchanged since launch except where allowed
+
+def _finished(b: _Builder) -> bool:
+    """A finished job only waits for its ttlSecondsAfterFinished."""
+    if b.status.phase not in TERMINAL_PHASES:
+        return False
+    ttl = b.job.spec.run_policy.ttl_seconds_after_finished
+    if ttl is not None:
+        left = ttl - _seconds_since(b.status.completion_time, b.now)
+        if left <= 0:
+            b.act("delete-job", "ttlSecondsAfterFinished")
+        else:
+            b.requeue(left)
+    return True
+
+
+def _admitted(b: _Builder) -> bool:
+    """The spec must be valid, fit (before launch), and unchanged since launch except where
+    allowed."""
+    status, problems = b.status, b.problems
     if problems:
         b.cond("Validated", False, "InvalidSpec", "; ".join(problems))
         if not status.launched_spec:
-            return b.fail("InvalidSpec", "the spec is invalid: " + "; ".join(problems),
-                          stop_workload=False)
-        return b.decision  # keep running what was launched; the condition says why
+            b.fail("InvalidSpec", "the spec is invalid: " + "; ".join(problems),
+                   stop_workload=False)
+        return True  # after launch: keep running what was launched; the condition says why
     b.cond("Validated", True, "Valid", "")
-    if feasibility is not None and not status.launched_spec and not _feasible(b, feasibility):
-        return b.decision
-    fingerprint = spec_fingerprint(job)
+    if b.feasibility is not None and not status.launched_spec and not _feasible(
+            b, b.feasibility):
+        return True
     if status.launched_spec:
+        fingerprint = spec_fingerprint(b.job)
         changed = sorted(k for k in set(fingerprint) | set(status.launched_spec)
                          if k not in MUTABLE_SECTIONS
                          and fingerprint.get(k) != status.launched_spec.get(k))
@@ -270,8 +291,13 @@ def reconcile(job: FineTuneJob, seen: Observation, now: datetime,
                    "delete and re-create the job to start over")
         elif condition(status, "SpecChangeRefused"):
             b.cond("SpecChangeRefused", False, "SpecMatchesLaunch", "")
+    return False
 
-    # what the backend says about itself: its object, and whether it can be trusted now
+
+def _backend_health(b: _Builder) -> bool:
+    """What the backend says about itself: its object, and whether it can be trusted now
+    (nothing is decided while it cannot be asked)."""
+    seen, status = b.seen, b.status
     if seen.backend_ref is not None:
         status.backend_ref = seen.backend_ref
     if seen.unreachable:
@@ -279,169 +305,245 @@ def reconcile(job: FineTuneJob, seen: Observation, now: datetime,
         status.phase = status.phase or "Pending"
         status.message = f"cannot reach the backend: {seen.unreachable}"
         b.requeue(60)
-        return b.decision
+        return True
     if seen.degraded:
         _degraded(b, "BackendDegraded", seen.degraded)
     elif (degraded := condition(status, "Degraded")) and degraded.status == "True":
         b.cond("Degraded", False, "Recovered", "")
+    return False
 
-    # 2. deadlines that end the job whatever the workers do
-    if policy.active_deadline_seconds and status.start_time and _seconds_since(
-            status.start_time, now) > policy.active_deadline_seconds:
-        return b.fail("DeadlineExceeded", f"the job ran longer than activeDeadlineSeconds "
-                      f"({policy.active_deadline_seconds}s)", stop_workload=seen.exists)
 
-    # 3. suspend and resume
-    if policy.suspend:
-        # a queued job through Kueue's switch (Kueue then suspends the Job, frees the quota)
-        if seen.queue_active or (seen.exists and not seen.suspended
-                                 and seen.queue_active is None):
-            b.act("suspend", "spec.runPolicy.suspend")
-        if status.phase != "Suspended" and (status.launched_spec or not seen.exists):
-            freed = " and Kueue frees the job's quota" if queued(job) else ""
-            b.cond("Running", False, "Suspended", "")
-            b.cond("Suspended", True, "SuspendedByUser", f"workers checkpoint and stop{freed}; "
-                   "set spec.runPolicy.suspend=false to resume")
-            b.phase("Suspended", "suspended by spec.runPolicy.suspend")
-        return b.decision
-    if status.phase == "Suspended":
-        if seen.exists and seen.suspended and seen.stopping:
-            # a new gang now would resume from an older checkpoint than the one being written
-            status.message = ("resuming once the suspended workers have stopped (they write "
-                              "a checkpoint first)")
-            b.requeue(2)
-            return b.decision
-        b.cond("Suspended", False, "Resumed", "")
-        if seen.queue_active is False or (seen.exists and seen.suspended
-                                          and not queued(job)):
-            b.act("resume", "spec.runPolicy.suspend cleared")
-        if queued(job) and seen.exists:  # back in the queue: Kueue resumes it on admission
-            _wait_for_queue(b, seen.queue_message)
-        else:
-            b.phase("Launching", "resuming from the last checkpoint")
-        status.launch_time = now
-        return b.decision
+def _active_deadline(b: _Builder) -> bool:
+    """activeDeadlineSeconds ends the job whatever the workers do."""
+    limit, started = b.job.spec.run_policy.active_deadline_seconds, b.status.start_time
+    if limit and started and _seconds_since(started, b.now) > limit:
+        b.fail("DeadlineExceeded", f"the job ran longer than activeDeadlineSeconds ({limit}s)",
+               stop_workload=b.seen.exists)
+        return True
+    return False
 
-    _merge_progress(b, seen.progress)
 
-    # 4. nothing running: launch (first time, or the next attempt after a restart)
-    if seen.deleting or (seen.exists and status.phase == "Restarting"):
-        if not seen.deleting:  # the delete was asked for but has not shown yet: ask again
-            b.act("delete-workload", "restart")
+def _suspended(b: _Builder) -> bool:
+    """spec.runPolicy.suspend: stop the workers (a queued job through Kueue's switch, which
+    frees its quota), and say so."""
+    if not b.job.spec.run_policy.suspend:
+        return False
+    seen, status = b.seen, b.status
+    if seen.queue_active or (seen.exists and not seen.suspended and seen.queue_active is None):
+        b.act("suspend", "spec.runPolicy.suspend")
+    if status.phase != "Suspended" and (status.launched_spec or not seen.exists):
+        freed = " and Kueue frees the job's quota" if queued(b.job) else ""
+        b.cond("Running", False, "Suspended", "")
+        b.cond("Suspended", True, "SuspendedByUser", f"workers checkpoint and stop{freed}; "
+               "set spec.runPolicy.suspend=false to resume")
+        b.phase("Suspended", "suspended by spec.runPolicy.suspend")
+    return True
+
+
+def _resumed(b: _Builder) -> bool:
+    """suspend cleared: start again (or queue again) once the old workers have stopped."""
+    seen, status = b.seen, b.status
+    if status.phase != "Suspended":
+        return False
+    if seen.exists and seen.suspended and seen.stopping:
+        # a new gang now would resume from an older checkpoint than the one being written
+        status.message = ("resuming once the suspended workers have stopped (they write "
+                          "a checkpoint first)")
         b.requeue(2)
-        return b.decision
-    if not seen.exists:
-        b.act("launch")
-        if not status.launched_spec and feasibility is not None:
-            status.plan = feasibility.plan  # what this and every later launch renders
-        status.launched_spec = fingerprint
-        status.launch_time = now
-        status.start_time = status.start_time or now
-        first = status.phase in (None, "Pending")
-        if first and queued(job):  # created suspended: nothing runs before Kueue admits it
-            _wait_for_queue(b)
-        elif first:
-            b.phase("Launching", "creating workers")
-        elif status.phase == "Restarting" and queued(job):
-            # a new Job is a new Workload to Kueue: it queues again (docs/kueue.md says why
-            # the gang is not restarted inside the admitted Job)
-            _wait_for_queue(b, f"the gang restarts (restart {status.restarts}) as a new Job, "
-                            "which Kueue admits like any other; it resumes from the last "
-                            "checkpoint", reason="RequeuedByRestart")
-        elif status.phase == "Restarting":
-            b.phase("Launching", f"restarting the gang (restart {status.restarts}); it resumes "
-                    "from the last checkpoint")
-        else:  # launched, not finished, and nothing there: removed outside the operator
-            message = ("the workers were deleted outside the operator; launching them again "
-                       "(not counted against backoffLimit); they resume from the last checkpoint")
-            b.event("Warning", "WorkersMissing", message)
-            b.phase("Launching", message)
-        b.requeue(5)
-        return b.decision
+        return True
+    b.cond("Suspended", False, "Resumed", "")
+    if seen.queue_active is False or (seen.exists and seen.suspended and not queued(b.job)):
+        b.act("resume", "spec.runPolicy.suspend cleared")
+    if queued(b.job) and seen.exists:  # back in the queue: Kueue resumes it on admission
+        _wait_for_queue(b, seen.queue_message)
+    else:
+        b.phase("Launching", "resuming from the last checkpoint")
+    status.launch_time = b.now
+    return True
 
-    # 5. the workload exists: adopt it if need be, put back what it lost, read its state
-    if not status.launched_spec:
-        # launched by an operator that stopped before it could record the launch
-        status.launched_spec = fingerprint
-        if feasibility is not None:
-            status.plan = status.plan or feasibility.plan
-        status.launch_time = status.launch_time or now
-        status.start_time = status.start_time or now
-        if status.phase in (None, "Pending"):
-            b.phase("Launching", "adopted workers launched before an operator restart")
-    if seen.succeeded:
-        b.cond("Running", False, "Completed", "")
-        b.cond("Complete", True, "TrainingFinished", "the export is in spec.output.uri/final")
-        b.phase("Succeeded", "training finished; the model is in "
-                f"{job.spec.output.uri}/final")
-        status.completion_time = now
-        if status.progress:
-            status.progress.eta_seconds = 0
-        return b.decision
 
-    if queued(job) and not seen.suspended:  # admitted (before a failure is judged, so
-        b.cond("Admitted", True, "Admitted", "")  # a failed job's conditions are current)
-        if status.phase == "Queued":  # the startup deadline counts from here
+def _progress(b: _Builder) -> bool:
+    _merge_progress(b, b.seen.progress)
+    return False
+
+
+def _restarting(b: _Builder) -> bool:
+    """A gang restart waits until the old workload is gone."""
+    seen = b.seen
+    if not (seen.deleting or (seen.exists and b.status.phase == "Restarting")):
+        return False
+    if not seen.deleting:  # the delete was asked for but has not shown yet: ask again
+        b.act("delete-workload", "restart")
+    b.requeue(2)
+    return True
+
+
+def _launch(b: _Builder) -> bool:
+    """Nothing running: launch (the first time, or the next attempt after a restart)."""
+    if b.seen.exists:
+        return False
+    status, job = b.status, b.job
+    b.act("launch")
+    if not status.launched_spec and b.feasibility is not None:
+        status.plan = b.feasibility.plan  # what this and every later launch renders
+    status.launched_spec = spec_fingerprint(job)
+    status.launch_time = b.now
+    status.start_time = status.start_time or b.now
+    first = status.phase in (None, "Pending")
+    if first and queued(job):  # created suspended: nothing runs before Kueue admits it
+        _wait_for_queue(b)
+    elif first:
+        b.phase("Launching", "creating workers")
+    elif status.phase == "Restarting" and queued(job):
+        # a new Job is a new Workload to Kueue: it queues again (docs/kueue.md says why the
+        # gang is not restarted inside the admitted Job)
+        _wait_for_queue(b, f"the gang restarts (restart {status.restarts}) as a new Job, "
+                        "which Kueue admits like any other; it resumes from the last "
+                        "checkpoint", reason="RequeuedByRestart")
+    elif status.phase == "Restarting":
+        b.phase("Launching", f"restarting the gang (restart {status.restarts}); it resumes "
+                "from the last checkpoint")
+    else:  # launched, not finished, and nothing there: removed outside the operator
+        message = ("the workers were deleted outside the operator; launching them again "
+                   "(not counted against backoffLimit); they resume from the last checkpoint")
+        b.event("Warning", "WorkersMissing", message)
+        b.phase("Launching", message)
+    b.requeue(5)
+    return True
+
+
+def _adopted(b: _Builder) -> bool:
+    """The workload exists but the status never recorded its launch: an operator that
+    stopped before it could. Take it over as if this one had launched it."""
+    status = b.status
+    if status.launched_spec:
+        return False
+    status.launched_spec = spec_fingerprint(b.job)
+    if b.feasibility is not None:
+        status.plan = status.plan or b.feasibility.plan
+    status.launch_time = status.launch_time or b.now
+    status.start_time = status.start_time or b.now
+    if status.phase in (None, "Pending"):
+        b.phase("Launching", "adopted workers launched before an operator restart")
+    return False
+
+
+def _succeeded(b: _Builder) -> bool:
+    if not b.seen.succeeded:
+        return False
+    status = b.status
+    b.cond("Running", False, "Completed", "")
+    b.cond("Complete", True, "TrainingFinished", "the export is in spec.output.uri/final")
+    b.phase("Succeeded", f"training finished; the model is in {b.job.spec.output.uri}/final")
+    status.completion_time = b.now
+    if status.progress:
+        status.progress.eta_seconds = 0
+    return True
+
+
+def _admitted_by_kueue(b: _Builder) -> bool:
+    """Kueue unsuspended the Job (before a failure is judged, so a failed job's conditions
+    are current); the startup deadline counts from here."""
+    if queued(b.job) and not b.seen.suspended:
+        b.cond("Admitted", True, "Admitted", "")
+        if b.status.phase == "Queued":
             b.phase("Launching", "admitted by Kueue; starting the workers")
-            status.launch_time = now
-    if seen.failure is not None:
-        return _restart_or_fail(b, seen.failure)
-    if seen.missing:  # the workers need them to start (after a restart, a resume, admission)
-        what = ", ".join(seen.missing)
+            b.status.launch_time = b.now
+    return False
+
+
+def _failed(b: _Builder) -> bool:
+    if b.seen.failure is None:
+        return False
+    _restart_or_fail(b, b.seen.failure)
+    return True
+
+
+def _parts_missing(b: _Builder) -> bool:
+    """The workers need them to start (after a restart, a resume, admission): put back what
+    was deleted by hand (launch is idempotent)."""
+    if b.seen.missing:
+        what = ", ".join(b.seen.missing)
         b.event("Warning", "ChildRecreated", f"{what} deleted outside the operator; recreating it")
         b.act("launch", f"recreate {what}")
+    return False
 
-    if seen.queued:  # the backend's own queue (Azure ML waiting for compute)
-        b.cond("Admitted", False, "WaitingForCapacity", seen.queued)
-        b.phase("Queued", seen.queued)
-        status.launch_time = now  # the startup deadline counts from leaving the queue
-        b.requeue(15)
-        return b.decision
-    if seen.suspended:  # created suspended for Kueue and not admitted yet, or preempted
-        admitted = condition(status, "Admitted")
-        if queued(job) and admitted is not None and admitted.status == "True":
-            why = f" ({seen.queue_message})" if seen.queue_message else ""
-            message = (f"Kueue evicted the job{why} and suspended its workers, which "
-                       f"checkpoint and stop; it waits in queue "
-                       f"{job.spec.kubernetes.queue_name} to be admitted again and resumes "
-                       "from the last checkpoint (not counted against backoffLimit)")
-            b.event("Warning", "Preempted", message)
-            b.cond("Admitted", False, "Preempted", message)
-            b.cond("Running", False, "Preempted", message)
-            b.phase("Queued", message)
-        elif queued(job) and admitted is not None and admitted.reason in (
-                "Preempted", "RequeuedByRestart"):
-            if seen.queue_message:  # Kueue's latest word; the reason says why it queues again
-                _wait_for_queue(b, seen.queue_message, reason=admitted.reason)
-        elif queued(job):
-            _wait_for_queue(b, seen.queue_message)
-        else:  # suspended by someone else: the startup deadline counts once it runs
-            b.cond("Admitted", False, "WaitingForQueue", "the workload is suspended")
-            b.phase("Queued", "waiting in the queue")
-            status.launch_time = now
-        b.requeue(15)  # under Kueue the startup deadline counts from admission (see above)
-        return b.decision
-    if condition(status, "Admitted"):
+
+def _in_backend_queue(b: _Builder) -> bool:
+    """The backend's own queue (Azure ML waiting for compute)."""
+    if not b.seen.queued:
+        return False
+    b.cond("Admitted", False, "WaitingForCapacity", b.seen.queued)
+    b.phase("Queued", b.seen.queued)
+    b.status.launch_time = b.now  # the startup deadline counts from leaving the queue
+    b.requeue(15)
+    return True
+
+
+def _held_suspended(b: _Builder) -> bool:
+    """The workload exists suspended: created so for Kueue and not admitted yet, evicted by
+    Kueue, or suspended by someone else."""
+    seen, job = b.seen, b.job
+    if not seen.suspended:
+        return False
+    admitted = condition(b.status, "Admitted")
+    if queued(job) and admitted is not None and admitted.status == "True":
+        why = f" ({seen.queue_message})" if seen.queue_message else ""
+        message = (f"Kueue evicted the job{why} and suspended its workers, which checkpoint "
+                   f"and stop; it waits in queue {job.spec.kubernetes.queue_name} to be "
+                   "admitted again and resumes from the last checkpoint (not counted against "
+                   "backoffLimit)")
+        b.event("Warning", "Preempted", message)
+        b.cond("Admitted", False, "Preempted", message)
+        b.cond("Running", False, "Preempted", message)
+        b.phase("Queued", message)
+    elif queued(job) and admitted is not None and admitted.reason in (
+            "Preempted", "RequeuedByRestart"):
+        if seen.queue_message:  # Kueue's latest word; the reason says why it queues again
+            _wait_for_queue(b, seen.queue_message, reason=admitted.reason)
+    elif queued(job):
+        _wait_for_queue(b, seen.queue_message)
+    else:  # suspended by someone else: the startup deadline counts once it runs
+        b.cond("Admitted", False, "WaitingForQueue", "the workload is suspended")
+        b.phase("Queued", "waiting in the queue")
+        b.status.launch_time = b.now
+    b.requeue(15)  # under Kueue the startup deadline counts from admission (see above)
+    return True
+
+
+def _running(b: _Builder) -> bool:
+    if condition(b.status, "Admitted"):
         b.cond("Admitted", True, "Admitted", "")
+    if not (b.seen.running or b.seen.progress is not None):
+        return False
+    if b.status.phase != "Running":
+        b.cond("Running", True, "WorkersRunning", "")
+        b.phase("Running", "training")
+    _watch_for_stall(b)
+    return True
 
-    if seen.running or seen.progress is not None:
-        if status.phase != "Running":
-            b.cond("Running", True, "WorkersRunning", "")
-            b.phase("Running", "training")
-        return _watch_for_stall(b)
 
-    # 6. launched but not running yet: the startup deadline
-    deadline = policy.startup_deadline_seconds
-    waited = _seconds_since(status.launch_time, now)
+def _starting(b: _Builder) -> bool:
+    """Launched but not running yet: the startup deadline."""
+    deadline = b.job.spec.run_policy.startup_deadline_seconds
+    waited = _seconds_since(b.status.launch_time, b.now)
     if deadline and waited > deadline:
-        why = seen.waiting or "workers did not start"
-        return b.fail("StartupDeadlineExceeded", f"workers did not start within "
-                      f"startupDeadlineSeconds ({deadline}s): {why}", stop_workload=True)
-    if seen.waiting:
-        b.cond("Running", False, "WorkersWaiting", seen.waiting)
-        status.message = f"waiting for workers: {seen.waiting}"
+        why = b.seen.waiting or "workers did not start"
+        b.fail("StartupDeadlineExceeded", f"workers did not start within "
+               f"startupDeadlineSeconds ({deadline}s): {why}", stop_workload=True)
+        return True
+    if b.seen.waiting:
+        b.cond("Running", False, "WorkersWaiting", b.seen.waiting)
+        b.status.message = f"waiting for workers: {b.seen.waiting}"
     b.requeue(min(10.0, max(1.0, deadline - waited)) if deadline else 10.0)
-    return b.decision
+    return True
+
+
+GUARDS: tuple[Callable[[_Builder], bool], ...] = (
+    _finished, _admitted, _backend_health, _active_deadline, _suspended, _resumed,
+    _progress, _restarting, _launch, _adopted, _succeeded, _admitted_by_kueue, _failed,
+    _parts_missing, _in_backend_queue, _held_suspended, _running, _starting)
+"""`reconcile`'s questions, in order."""
 
 
 def _degraded(b: _Builder, reason: str, message: str) -> None:

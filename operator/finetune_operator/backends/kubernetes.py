@@ -224,10 +224,10 @@ def _user_volumes(job: FineTuneJob) -> tuple[list[dict[str, Any]], list[dict[str
     return volumes, mounts
 
 
-def worker_pod_template(job: FineTuneJob, settings: OperatorSettings) -> dict[str, Any]:
-    spec = job.spec
-    k8s = spec.kubernetes
-    resources = spec.resources
+def _container_resources(job: FineTuneJob, settings: OperatorSettings
+                         ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The trainer container's requests / limits (GPUs, RDMA), and its capabilities."""
+    resources, k8s = job.spec.resources, job.spec.kubernetes
     requests: dict[str, Any] = {}
     limits: dict[str, Any] = {}
     if resources.cpu is not None:
@@ -240,7 +240,14 @@ def worker_pod_template(job: FineTuneJob, settings: OperatorSettings) -> dict[st
     if k8s and k8s.infiniband:
         limits[settings.infiniband_resource] = "1"
         capabilities["add"] = ["IPC_LOCK"]  # RDMA pins memory
+    return ({k: v for k, v in (("requests", requests), ("limits", limits)) if v},
+            capabilities)
 
+
+def _worker_volumes(job: FineTuneJob) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The trainer config, /dev/shm in memory, a writable scratch folder, the claims the
+    locations name and the user's own volumes; and where each is mounted."""
+    k8s = job.spec.kubernetes
     shm: dict[str, Any] = {"medium": "Memory"}
     if k8s and k8s.shm_size is not None:
         shm["sizeLimit"] = k8s.shm_size
@@ -259,6 +266,14 @@ def worker_pod_template(job: FineTuneJob, settings: OperatorSettings) -> dict[st
         {"name": "cache", "mountPath": CACHE_DIR},
         *pvc_mounts, *user_mounts,
     ]
+    return volumes, mounts
+
+
+def _trainer_container(job: FineTuneJob, settings: OperatorSettings,
+                       mounts: list[dict[str, Any]]) -> dict[str, Any]:
+    """torchrun with the PET_* flags Kubeflow users know, non-root, read-only root."""
+    k8s = job.spec.kubernetes
+    resources, capabilities = _container_resources(job, settings)
     container: dict[str, Any] = {
         "name": TRAINER_CONTAINER,
         "image": (k8s.image if k8s and k8s.image else settings.trainer_image),
@@ -269,8 +284,8 @@ def worker_pod_template(job: FineTuneJob, settings: OperatorSettings) -> dict[st
                  "--config=$(FINETUNE_CONFIG)"],
         "env": _env(job, settings),
         "ports": [{"name": "rendezvous", "containerPort": settings.rendezvous_port},
-                  *_metrics_ports(resources.processes(), settings.metrics_port)],
-        "resources": {k: v for k, v in (("requests", requests), ("limits", limits)) if v},
+                  *_metrics_ports(job.spec.resources.processes(), settings.metrics_port)],
+        "resources": resources,
         # a failed worker's last log lines land in its status, and so in our message
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": mounts,
@@ -282,21 +297,54 @@ def worker_pod_template(job: FineTuneJob, settings: OperatorSettings) -> dict[st
     }
     if k8s and k8s.image_pull_policy:
         container["imagePullPolicy"] = k8s.image_pull_policy
-    # before torchrun (which reports any worker's failure as its own exit 1): a job changed
-    # after its first run must not resume from the old settings' checkpoints
-    resume_check = {
-        **{k: v for k, v in container.items() if k in (
+    return container
+
+
+def _resume_check_container(trainer: dict[str, Any]) -> dict[str, Any]:
+    """Runs before torchrun (which reports any worker's failure as its own exit 1): a job
+    changed after its first run must not resume from the old settings' checkpoints."""
+    return {
+        **{k: v for k, v in trainer.items() if k in (
             "image", "imagePullPolicy", "volumeMounts", "securityContext",
             "terminationMessagePolicy")},
         "name": RESUME_CHECK_CONTAINER,
         "command": ["python", "-m", "finetune_trainer", "--check-resume",
                     "--config=$(FINETUNE_CONFIG)"],
-        "env": [e for e in container["env"] if e["name"] in ("FINETUNE_CONFIG", "HF_HOME")],
+        "env": [e for e in trainer["env"] if e["name"] in ("FINETUNE_CONFIG", "HF_HOME")],
     }
 
+
+def _placement(job: FineTuneJob, settings: OperatorSettings) -> dict[str, Any]:
+    """Where the pods may run: the GPU taint tolerated, spot nodes only on `spot`, the
+    user's selector, tolerations, priority class and service account."""
+    k8s = job.spec.kubernetes
+    placement: dict[str, Any] = {}
     tolerations = []
-    if resources.gpus_per_node and settings.gpu_taint is not None:
+    if job.spec.resources.gpus_per_node and settings.gpu_taint is not None:
         tolerations.append(_toleration(settings.gpu_taint))
+    if k8s:
+        if k8s.spot:
+            tolerations.append(_toleration(settings.spot_taint))
+            placement["affinity"] = {"nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{
+                    "matchExpressions": [{"key": settings.spot_node_label, "operator": "In",
+                                          "values": [settings.spot_taint.value or "spot"]}]}]}}}
+        tolerations += [t.to_dict() for t in k8s.tolerations]
+        if k8s.node_selector:
+            placement["nodeSelector"] = dict(k8s.node_selector)
+        if k8s.priority_class_name:
+            placement["priorityClassName"] = k8s.priority_class_name
+        if k8s.service_account_name:
+            placement["serviceAccountName"] = k8s.service_account_name
+    if tolerations:
+        placement["tolerations"] = tolerations
+    return placement
+
+
+def worker_pod_template(job: FineTuneJob, settings: OperatorSettings) -> dict[str, Any]:
+    k8s = job.spec.kubernetes
+    volumes, mounts = _worker_volumes(job)
+    trainer = _trainer_container(job, settings, mounts)
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",  # a failed worker fails the gang; the operator restarts it
         "subdomain": naming.headless_service(job.name),
@@ -304,26 +352,11 @@ def worker_pod_template(job: FineTuneJob, settings: OperatorSettings) -> dict[st
         "securityContext": {"runAsNonRoot": True, "runAsUser": WORKER_UID,
                             "runAsGroup": WORKER_UID, "fsGroup": WORKER_UID,
                             "seccompProfile": {"type": "RuntimeDefault"}},
-        "initContainers": [resume_check],
-        "containers": [container],
+        "initContainers": [_resume_check_container(trainer)],
+        "containers": [trainer],
         "volumes": volumes,
+        **_placement(job, settings),
     }
-    if k8s:
-        if k8s.spot:
-            tolerations.append(_toleration(settings.spot_taint))
-            pod_spec["affinity"] = {"nodeAffinity": {
-                "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{
-                    "matchExpressions": [{"key": settings.spot_node_label, "operator": "In",
-                                          "values": [settings.spot_taint.value or "spot"]}]}]}}}
-        tolerations += [t.to_dict() for t in k8s.tolerations]
-        if k8s.node_selector:
-            pod_spec["nodeSelector"] = dict(k8s.node_selector)
-        if k8s.priority_class_name:
-            pod_spec["priorityClassName"] = k8s.priority_class_name
-        if k8s.service_account_name:
-            pod_spec["serviceAccountName"] = k8s.service_account_name
-    if tolerations:
-        pod_spec["tolerations"] = tolerations
     pod_meta: dict[str, Any] = {"labels": {**(k8s.labels if k8s else {}), **labels(job)}}
     if k8s and k8s.annotations:
         pod_meta["annotations"] = dict(k8s.annotations)

@@ -22,9 +22,11 @@ class FakeClock:
         return self.now
 
 
-def child(kind: str, name: str, uid: str, job: str = "demo", **extra) -> dict:
+def child(kind: str, name: str, uid: str, job: str = "demo",
+          metadata_extra: dict | None = None, **extra) -> dict:
     return {"kind": kind, "metadata": {"name": name, "namespace": "ns", "uid": uid,
-                                       "labels": {naming.LABEL_JOB: job}}, **extra}
+                                       "labels": {naming.LABEL_JOB: job},
+                                       **(metadata_extra or {})}, **extra}
 
 
 def store(children: Children, *objects: dict) -> None:
@@ -74,6 +76,17 @@ def test_a_job_being_deleted_reads_as_deleting_until_the_watch_says_so():
     assert children.get("Job", "ns", "demo", "demo") is None
     store(children, child("Job", "demo", uid="u2"))  # the next gang is not "deleting"
     assert "deletionTimestamp" not in children.get("Job", "ns", "demo", "demo")["metadata"]
+
+
+def test_children_of_a_deleted_job_of_the_same_name_are_not_taken_for_its_own():
+    children = Children(FakeClock())
+    owned = {"ownerReferences": [{"uid": "old", "controller": True, "kind": "FineTuneJob"}]}
+    store(children, child("Job", "demo", uid="j1", metadata_extra=owned),
+          child("ConfigMap", "demo-trainer", uid="c1", metadata_extra=owned))
+    assert children.foreign("ns", "demo", "new") == ["Job demo", "ConfigMap demo-trainer"]
+    assert children.foreign("ns", "demo", "old") == []  # its own
+    store(children)  # the garbage collector took them
+    assert children.foreign("ns", "demo", "new") == []
 
 
 def test_slim_keeps_what_observe_reads_and_drops_the_rest():

@@ -10,6 +10,8 @@ are set, on that cluster with real trainer pods (see testbed.py): the `[emulator
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from tests.operator.emulator import ApiServer
@@ -145,6 +147,30 @@ async def test_delete_removes_the_children(testbed: Testbed):
     await testbed.until(lambda: testbed.ftj() is None, "FineTuneJob gone")
     for kind, name in CHILDREN:  # owned: the garbage collector removes them
         await testbed.until(lambda kind=kind, name=name: testbed.get(kind, name) is None, kind)
+
+
+async def test_a_job_made_again_under_its_name_gets_workers_of_its_own(testbed: Testbed):
+    """No finalizer holds a deleted job: made again at once, it finds the old job's children
+    still there (the garbage collector takes them a moment later) and must neither adopt
+    them nor be left without workers."""
+    await testbed.apply(testbed.manifest())
+    await testbed.until_phase("Running")
+    old = testbed.ftj()["metadata"]["uid"]
+    held = testbed.hold_garbage_collection(True)  # a slow collector, where the test plays it
+    await testbed.delete("demo")
+    await testbed.until(lambda: testbed.ftj() is None, "the first job gone")
+    await testbed.apply(testbed.manifest())
+    if held:
+        await asyncio.sleep(2)
+        assert not testbed.status().get("launchedSpec"), "the old job's workers adopted"
+        testbed.hold_garbage_collection(False)
+    await testbed.until_phase("Running", timeout=60)
+    new = testbed.ftj()["metadata"]["uid"]
+    assert new != old
+    for kind, name in CHILDREN:
+        owner = testbed.get(kind, name)["metadata"]["ownerReferences"][0]["uid"]
+        assert owner == new, f"{kind} {name} belongs to the deleted job"
+    assert testbed.jobs_created("demo") == 2
 
 
 async def test_an_operator_restart_adopts_and_creates_nothing_twice(testbed: Testbed):

@@ -120,6 +120,11 @@ class Testbed:
         """Make rank 0 publish a record and return it; None where the real trainer reports."""
         return None
 
+    def hold_garbage_collection(self, held: bool) -> bool:
+        """Stop (or restart) the garbage collector, where the test plays it; False where a
+        real one runs."""
+        return False
+
     def unpullable(self, doc: dict[str, Any]) -> dict[str, Any]:
         """`doc`, changed so its pods stay waiting on an image pull."""
         raise NotImplementedError
@@ -212,6 +217,10 @@ class EmulatedTestbed(Testbed):
                           tokensPerSecond=52000.0, etaSeconds=600)
         self.rank0.publish(record)
         return record
+
+    def hold_garbage_collection(self, held):
+        self.kubelet.collecting = not held
+        return True
 
     def unpullable(self, doc):
         self.kubelet.stuck_reason = ("ImagePullBackOff",

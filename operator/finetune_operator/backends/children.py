@@ -50,6 +50,12 @@ def _pick(source: Mapping[str, Any] | None, *keys: str) -> dict[str, Any]:
     return {k: source[k] for k in keys if source and source.get(k) is not None}
 
 
+def owner_uid(body: Mapping[str, Any]) -> str | None:
+    """The uid of the FineTuneJob a child belongs to (its controlling owner reference)."""
+    refs = (body.get("metadata") or {}).get("ownerReferences") or []
+    return next((r.get("uid") for r in refs if r.get("controller")), None)
+
+
 def slim(kind: str, body: Mapping[str, Any]) -> dict[str, Any]:
     """The part of a child the observation reads (a Pod's spec, a Job's template and every
     managedFields entry stay out of memory)."""
@@ -58,6 +64,8 @@ def slim(kind: str, body: Mapping[str, Any]) -> dict[str, Any]:
         **_pick(meta, "name", "namespace", "uid", "creationTimestamp", "deletionTimestamp"),
         "labels": _pick(meta.get("labels"), naming.LABEL_JOB, CONTROLLER_UID_KEY),
         "annotations": _pick(meta.get("annotations"), COMPLETION_INDEX_KEY)}}
+    if (owner := owner_uid(body)) is not None:
+        out["metadata"]["ownerReferences"] = [{"uid": owner, "controller": True}]
     status = body.get("status") or {}
     if kind == "Job":
         out["spec"] = _pick(body.get("spec"), "suspend")
@@ -136,6 +144,14 @@ class Children:
             else:
                 found[i] = {**obj, "metadata": {**meta, "deletionTimestamp": "expected"}}
         return found
+
+    def foreign(self, namespace: str, job: str, uid: str | None) -> list[str]:
+        """Children of an earlier FineTuneJob of the same name (deleted and made again
+        before the garbage collector removed them): `Kind name` of each."""
+        if not uid:
+            return []
+        return [f"{kind} {o['metadata']['name']}" for kind in ("Job", "Service", "ConfigMap")
+                for o in self.of(kind, namespace, job) if owner_uid(o) not in (None, uid)]
 
     def get(self, kind: str, namespace: str, job: str, name: str) -> dict[str, Any] | None:
         return next((o for o in self.of(kind, namespace, job)

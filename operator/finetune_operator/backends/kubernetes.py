@@ -670,6 +670,12 @@ class KubernetesBackend:
         """The same observation from the watches: no API call, except the Job controller's
         events while pods are missing (nothing else says why) and rank 0's /progress."""
         children, ns = self.children, job.namespace
+        if leftovers := children.foreign(ns, job.name, job.metadata.uid):
+            # an earlier job of this name was deleted and this one made before the garbage
+            # collector took its children: wait for them to go (their deletion wakes it)
+            logger.info("%s/%s waits for the children of a deleted job of its name to go: "
+                        "%s", ns, job.name, ", ".join(leftovers))
+            return Observation(exists=True, deleting=True)
         workload = children.get("Job", ns, job.name, naming.worker_job(job.name))
         if workload is None:
             return Observation()

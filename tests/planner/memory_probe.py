@@ -76,7 +76,8 @@ def main() -> None:
         ModelSource,
         StrategyConfig,
     )
-    from finetune_trainer.model import inspect_architecture, load_model
+    from finetune_trainer.loading import load_for
+    from finetune_trainer.model import inspect_architecture
     from finetune_trainer.optim import build_optimizer
     from finetune_trainer.parallel import build_strategy, init_distributed
 
@@ -97,14 +98,14 @@ def main() -> None:
         import deepspeed  # noqa: F401  (imported before the baseline: its import is large)
     dist.barrier()
     baseline = _status("VmRSS")
-    model = load_model(source, method, args.precision, args.checkpointing != "off",
-                       sharded=strategy.name != "ddp",
-                       checkpoint_policy="selective" if args.checkpointing == "selective"
-                       else "full")
+    model, sent = load_for(strategy, source, method, args.precision,
+                           args.checkpointing != "off",
+                           checkpoint_policy="selective" if args.checkpointing == "selective"
+                           else "full")
     head = fused.install(model) if args.fused_loss else None
     if head is not None:
         batch.update(fused.loss_targets(batch["labels"]))
-    strategy.setup(model, lambda m: build_optimizer(m, hp, 1e-4))
+    strategy.setup(model, lambda m: build_optimizer(m, hp, 1e-4), sent)
     strategy.model.train()
     weights, weight_elements = _local_weights(strategy.model)
     peaks = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -22,13 +23,14 @@ def test_full_model_loads_in_fp32_without_cache(tiny_model_dir):
     assert all(p.requires_grad for p in model.parameters())
 
 
-@pytest.mark.parametrize("sharded", [False, True], ids=["ddp", "fsdp-zero"])
+@pytest.mark.parametrize("loading", ["host", "meta"])
 def test_lora_freezes_the_base_in_compute_dtype_and_trains_fp32_adapters(tiny_model_dir,
-                                                                         sharded):
-    """Under every strategy (#17): a sharded base in fp32 took twice the memory."""
+                                                                         loading):
+    """Under every strategy (#17): a sharded base in fp32 took twice the memory; and built
+    empty (FSDP's ranks before rank 0's weights arrive) with the same dtypes."""
     model = load_model(ModelSource(uri=str(tiny_model_dir)),
                        MethodConfig(type="lora", lora=LoraConfig(r=4)), "bf16", False,
-                       sharded=sharded)
+                       loading=loading)
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     frozen = [p for p in model.parameters() if not p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
@@ -38,6 +40,47 @@ def test_lora_freezes_the_base_in_compute_dtype_and_trains_fp32_adapters(tiny_mo
     adapted = {n.split(".lora_A")[0].rsplit(".", 1)[-1] for n in trainable if "lora_A" in n}
     assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                        "down_proj"}
+    assert all(p.is_meta for p in frozen) == (loading == "meta")
+    assert not any(p.is_meta for p in trainable.values())
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_a_model_built_empty_is_the_read_one_without_its_weights(tiny_model_dir, method):
+    """`meta` (every FSDP rank before rank 0's weights arrive, #17): the same names, shapes
+    and dtypes as a read model, tied weights tied, the very adapters a read model draws,
+    and the random generator left where reading leaves it (dropout draws the same)."""
+    source = ModelSource(uri=str(tiny_model_dir))
+    config = MethodConfig(type=method, lora=LoraConfig(r=4) if method == "lora" else None)
+    built = {}
+    for loading in ("host", "meta"):
+        torch.manual_seed(7)
+        model = load_model(source, config, "fp32", True, loading=loading)
+        built[loading] = (model, torch.get_rng_state())
+    (read, read_rng), (empty, empty_rng) = built["host"], built["meta"]
+    assert torch.equal(read_rng, empty_rng)
+    read_params, empty_params = dict(read.named_parameters()), dict(empty.named_parameters())
+    assert [(n, p.shape, p.dtype) for n, p in read_params.items()] == [
+        (n, p.shape, p.dtype) for n, p in empty_params.items()]
+    for name, parameter in empty_params.items():
+        assert parameter.is_meta != parameter.requires_grad or method == "full"
+        if not parameter.is_meta:
+            assert torch.equal(parameter, read_params[name]), name
+    for name, buffer in empty.named_buffers():
+        assert torch.equal(buffer, dict(read.named_buffers())[name])
+    assert empty.training == read.training
+    assert empty.generation_config.to_dict() == read.generation_config.to_dict()
+
+
+def test_tied_weights_stay_tied_built_empty(tmp_path):
+    from finetune_trainer.tiny import build_tiny_llama
+
+    corpus = ["a tied model", "the head is the embedding"]
+    folder = build_tiny_llama(tmp_path / "tied", corpus)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    model = load_model(ModelSource(uri=str(folder)), MethodConfig(type="full"), "fp32", False,
+                       loading="meta")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
 def test_named_target_modules(tiny_model_dir):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from finetune_trainer.config import (
     CheckpointPolicy,
@@ -23,6 +23,17 @@ from finetune_trainer.config import (
 )
 
 COMPUTE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+Loading = Literal["host", "device", "meta", "zero3"]
+"""Where a rank's weights come from, as its strategy places them (`Strategy.loading`), so
+that a node holds one copy of the model in host memory at most, not one per rank (#17):
+- `host`: read whole into host memory (CPU replicas, an FSDP world of one, QLoRA);
+- `device`: read straight onto the rank's GPU (replicas on GPUs: ddp, zero1, zero2);
+- `meta`: nothing read, the model built on the meta device with its LoRA adapters (FSDP:
+  once sharded, rank 0 reads the weights one at a time and every rank keeps its slice,
+  loading.py);
+- `zero3`: built partitioned under deepspeed.zero.Init with rank 0 alone reading the
+  values (transformers' ZeRO-3 loading; the strategy holds the HfDeepSpeedConfig)."""
 
 
 class ModelError(ValueError):
@@ -93,7 +104,7 @@ def load_tokenizer(source: ModelSource, base_dir: Path | None = None):
 
 def load_model(source: ModelSource, method: MethodConfig, precision: Precision,
                gradient_checkpointing: bool, base_dir: Path | None = None,
-               sharded: bool = False, checkpoint_policy: CheckpointPolicy = "full",
+               loading: Loading = "host", checkpoint_policy: CheckpointPolicy = "full",
                device=None):
     """The model ready for training: adapters applied, cache off, checkpointing set.
 
@@ -102,25 +113,26 @@ def load_model(source: ModelSource, method: MethodConfig, precision: Precision,
     base and fp32 adapters together; DeepSpeed casts the whole module to 16 bits itself and
     keeps fp32 master copies of the adapters alone. A full fine-tune reads fp32 (every
     weight is a master weight).
-    `sharded` (fsdp, zero): the strategy places the weights, shard by shard; `device`: a
-    replica (not sharded) on a GPU is read straight onto it, never whole in host memory (a
-    bf16 checkpoint read as fp32 on the host took 2x its size there).
+    `loading` (see `Loading`): `device` reads a replica straight onto `device`, never whole
+    in host memory (a bf16 checkpoint read as fp32 on the host took 2x its size there);
+    `meta` reads nothing and builds the same model (same dtypes, same adapters) without
+    storage.
     """
     import torch
     from transformers import AutoModelForCausalLM
 
     location = model_location(source, base_dir)
-    kwargs: dict[str, Any] = _hub_kwargs(source)
     compute = getattr(torch, COMPUTE_DTYPES[precision])
-    if method.type == "qlora":
-        kwargs["quantization_config"] = _four_bit(compute)
-        kwargs["dtype"] = compute
-    else:
-        kwargs["dtype"] = compute if method.type == "lora" else torch.float32
-    if device is not None and device.type == "cuda" and not sharded:
+    kwargs = _load_kwargs(source, method, compute)
+    if loading == "device" and device is not None and device.type == "cuda":
         kwargs["device_map"] = {"": device}
+    if loading == "zero3":
+        _check_zero3_enabled()
     try:
-        model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
+        if loading == "meta":
+            model = _empty_model(location, source, kwargs["dtype"])
+        else:
+            model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
     except ModelError:
         raise
     except Exception as error:
@@ -130,18 +142,132 @@ def load_model(source: ModelSource, method: MethodConfig, precision: Precision,
     if gradient_checkpointing:
         enable_activation_checkpointing(model, checkpoint_policy)
     if method.type == "qlora":
-        model.requires_grad_(False)
-        if compute == torch.float16 or os.environ.get("FINETUNE_QLORA_UPCAST") == "1":
-            # fp16's narrow range wants the norms and embeddings in fp32 (peft's recipe);
-            # bf16 has fp32's range, and keeping them in bf16 saves a cast of every one of
-            # them (and of the 4-bit layers' inputs) in every forward and backward
-            for parameter in model.parameters():
-                if parameter.dtype in (torch.float16, torch.bfloat16) and \
-                        type(parameter).__name__ != "Params4bit":
-                    parameter.data = parameter.data.float()
+        _prepare_four_bit(model, compute)
     if method.type in ("lora", "qlora"):
-        model = apply_lora(model, method.lora or LoraConfig())
+        adapt = _apply_lora_to_empty if loading == "meta" else apply_lora
+        model = adapt(model, method.lora or LoraConfig())
     return model
+
+
+def read_base_model(source: ModelSource, method: MethodConfig, precision: Precision,
+                    base_dir: Path | None = None):
+    """The transformers model as `load_model` reads it, weights in host memory, nothing
+    applied (what rank 0 sends from where a checkpoint cannot be streamed: loading.py)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    location = model_location(source, base_dir)
+    compute = getattr(torch, COMPUTE_DTYPES[precision])
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            location, **_load_kwargs(source, method, compute))
+    except Exception as error:
+        raise _load_error(location, source, error) from error
+
+
+def _load_kwargs(source: ModelSource, method: MethodConfig, compute) -> dict[str, Any]:
+    """from_pretrained's arguments: the base in the compute dtype for LoRA (4-bit for
+    QLoRA), fp32 for a full fine-tune."""
+    import torch
+
+    kwargs: dict[str, Any] = _hub_kwargs(source)
+    if method.type == "qlora":
+        kwargs["quantization_config"] = _four_bit(compute)
+        kwargs["dtype"] = compute
+    else:
+        kwargs["dtype"] = compute if method.type == "lora" else torch.float32
+    return kwargs
+
+
+def _check_zero3_enabled() -> None:
+    """transformers builds the model partitioned and reads it on rank 0 alone only while a
+    HfDeepSpeedConfig of stage 3 is alive (a global weak reference): without it, every
+    rank would read the whole model, silently."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if not is_deepspeed_zero3_enabled():
+        raise RuntimeError("zero3 loading needs the strategy's HfDeepSpeedConfig alive "
+                           "(DeepSpeedStrategy.loading makes it)")
+
+
+def _empty_model(location: str, source: ModelSource, dtype):
+    """The model from its config alone, parameters on the meta device: no weight is read
+    and no memory taken. Buffers stay real (rotary frequencies are computed, not stored),
+    as does every attribute tensor computed at construction."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(location, **_hub_kwargs(source))
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, trust_remote_code=source.trust_remote_code)
+    _finish_as_read(model, location, source)
+    return model
+
+
+def _finish_as_read(model, location: str, source: ModelSource) -> None:
+    """What from_pretrained does after reading, done to a model built from its config:
+    weights tied (on meta, transformers leaves them apart), eval mode, and the checkpoint's
+    generation config (the export carries it on)."""
+    from transformers import GenerationConfig
+
+    model.tie_weights()
+    model.eval()
+    if model.can_generate():
+        hub = _hub_kwargs(source)
+        with contextlib.suppress(OSError):  # none saved: the one made from the config stays
+            model.generation_config = GenerationConfig.from_pretrained(
+                location, revision=hub["revision"], token=hub["token"])
+
+
+def _apply_lora_to_empty(model, lora: LoraConfig):
+    """LoRA on an empty (meta) base, with the adapters peft makes on a read one: peft
+    initialises each adapter on the host, then moves it to its base layer's device, where
+    on meta its values would be lost. So the base first becomes host tensors of its shapes
+    and dtypes that hold nothing (one element broadcast to the shape: peft only asks their
+    device and dtype, and a write would fail), peft draws the adapters as it does on a
+    loaded model (the same random numbers, in the same dtype: every rank the same adapters,
+    as when each read the model), and the base goes back to the meta device."""
+    import torch
+
+    empty = swap_parameters(model, lambda p: torch.empty((), dtype=p.dtype).expand(p.shape),
+                            lambda p: p.is_meta)
+    model = apply_lora(model, lora)
+    swap_parameters(model, lambda p: torch.empty_like(p, device="meta"),
+                    lambda p: id(p) in empty)
+    return model
+
+
+def swap_parameters(model, make, which) -> set[int]:
+    """Each parameter `which` selects replaced by a new one holding `make(parameter)`, its
+    trainable flag kept and tied parameters still shared (a tensor's `.data` cannot move
+    between the meta device and the host); returns the ids of the new parameters."""
+    import torch
+
+    swapped: dict[int, tuple[Any, Any]] = {}  # old id -> (old, kept alive: ids stay unique; new)
+    for module in model.modules():
+        for attribute, parameter in module._parameters.items():
+            if parameter is None or not (id(parameter) in swapped or which(parameter)):
+                continue
+            if id(parameter) not in swapped:
+                swapped[id(parameter)] = (parameter, torch.nn.Parameter(
+                    make(parameter.data), requires_grad=parameter.requires_grad))
+            module._parameters[attribute] = swapped[id(parameter)][1]
+    return {id(new) for _, new in swapped.values()}
+
+
+def _prepare_four_bit(model, compute) -> None:
+    import torch
+
+    model.requires_grad_(False)
+    if compute == torch.float16 or os.environ.get("FINETUNE_QLORA_UPCAST") == "1":
+        # fp16's narrow range wants the norms and embeddings in fp32 (peft's recipe);
+        # bf16 has fp32's range, and keeping them in bf16 saves a cast of every one of
+        # them (and of the 4-bit layers' inputs) in every forward and backward
+        for parameter in model.parameters():
+            if parameter.dtype in (torch.float16, torch.bfloat16) and \
+                    type(parameter).__name__ != "Params4bit":
+                parameter.data = parameter.data.float()
 
 
 def enable_activation_checkpointing(model, policy: CheckpointPolicy = "full") -> None:

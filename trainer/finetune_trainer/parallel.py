@@ -19,7 +19,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from finetune_trainer.config import Hyperparameters, StrategyConfig
+from finetune_trainer.config import Hyperparameters, MethodType, StrategyConfig
+from finetune_trainer.model import Loading
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -65,6 +66,8 @@ class Strategy:
     name = ""
     background_saves = True
     """`save_async` writes behind training (DCP); False where it only waits for `save`."""
+    fused_optimizer = True
+    """torch's fused AdamW where every trainable weight is on a GPU (optim.build_optimizer)."""
 
     def __init__(self, config: StrategyConfig, hp: Hyperparameters, device) -> None:
         import torch
@@ -81,7 +84,14 @@ class Strategy:
         """The process group of `save_async`'s writing thread (gloo), once one ran."""
 
     # set up
-    def setup(self, model, make_optimizer) -> None:
+    def loading(self, method: MethodType) -> Loading:
+        """How this rank reads the model (model.Loading), asked once before `load_model`:
+        a replica is read straight onto its GPU, or whole into host memory on CPU."""
+        return "device" if self.device.type == "cuda" else "host"
+
+    def setup(self, model, make_optimizer, weights=None) -> None:
+        """Wrap the model, make the optimizer; `weights`: what rank 0 reads for a model
+        built empty (FSDP's `loading`), None elsewhere."""
         raise NotImplementedError
 
     # one micro-step
@@ -214,7 +224,7 @@ class DDPStrategy(Strategy):
         lives, one shard at a time (a gathered CPU copy would hold all of it on the host)."""
         return None
 
-    def setup(self, model, make_optimizer) -> None:
+    def setup(self, model, make_optimizer, weights=None) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
         model.to(self.device)
@@ -248,10 +258,49 @@ class FSDPStrategy(Strategy):
     def __init__(self, config, hp, device, wrap_classes: list[str]) -> None:
         super().__init__(config, hp, device)
         self.wrap_classes = set(wrap_classes)
+        self.from_rank0 = False
+        """Set by `loading`: every rank's model is empty, filled from rank 0's reads."""
 
-    def setup(self, model, make_optimizer) -> None:
+    def loading(self, method: MethodType) -> Loading:
+        """Every rank builds the model empty and, once it is sharded, keeps its slice of
+        each weight rank 0 reads (`setup`, loading.py): the node holds its shards, not one
+        model per rank (#17). QLoRA stays as transformers places it (bitsandbytes
+        quantizes each rank's weights on its own GPU as they are read)."""
+        import torch.distributed as dist
+
+        self.from_rank0 = method != "qlora" and dist.get_world_size() > 1
+        return "meta" if self.from_rank0 else "host"
+
+    def setup(self, model, make_optimizer, weights=None) -> None:
+        """`weights`: rank 0's (loading.load_for) when the model was built empty."""
+        import torch.distributed as dist
+        from torch.distributed.fsdp import fully_shard
+
+        from finetune_trainer import loading
+
+        options = self._shard_options()
+        if self.from_rank0 and dist.get_rank() == 0 and weights is None:
+            raise ValueError("every rank built the model empty: rank 0 sends the weights "
+                             "(loading.load_for gives them)")
+        layout = loading.agree_on_layout(model, weights) if self.from_rank0 else None
+        # the model comes from the host whole (or empty); fully_shard moves each group's
+        # parameters and buffers to the device as it shards them, so only one layer is
+        # ever whole on a GPU (a model.to() first would put all of it there: 131 GiB for
+        # a 70B base)
+        for module in model.modules():
+            if type(module).__name__ in self.wrap_classes:
+                fully_shard(module, **options)
+        fully_shard(model, **options)
+        if self.from_rank0:
+            offloaded = "offload_policy" in options
+            loading.receive_weights(model, layout, weights, self.device,
+                                    shard_device="cpu" if offloaded else self.device)
+        self.model = model
+        self.optimizer = self.base_optimizer = make_optimizer(model)
+
+    def _shard_options(self) -> dict[str, Any]:
         import torch
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
         options: dict[str, Any] = {}
         if self.compute_dtype != torch.float32:
@@ -259,15 +308,7 @@ class FSDPStrategy(Strategy):
                                                         reduce_dtype=torch.float32)
         if self.config.offload == "cpu" and self.device.type != "cpu":
             options["offload_policy"] = CPUOffloadPolicy()
-        # the model comes from the host whole; fully_shard moves each group's parameters
-        # and buffers to the device as it shards them, so only one layer is ever whole on
-        # a GPU (a model.to() first would put all of it there: 131 GiB for a 70B base)
-        for module in model.modules():
-            if type(module).__name__ in self.wrap_classes:
-                fully_shard(module, **options)
-        fully_shard(model, **options)
-        self.model = model
-        self.optimizer = self.base_optimizer = make_optimizer(model)
+        return options
 
     def autocast(self):
         return contextlib.nullcontext()  # the mixed-precision policy casts per layer
@@ -291,20 +332,47 @@ class DeepSpeedStrategy(Strategy):
     partitioned with their gradients and Adam moments."""
 
     background_saves = False  # the engine's own save_checkpoint: see save_async
+    fused_optimizer = False
+    """The engine steps its own flat fp32 partitions (on the host under offload) with the
+    torch optimizer it is given: the foreach AdamW, as it always was."""
 
     def __init__(self, config, hp, device) -> None:
         super().__init__(config, hp, device)
         self.name = config.type
+        self.hf_deepspeed_config: Any = None
+        """transformers' view of the ZeRO-3 config, alive from `loading` to `setup`."""
 
     def ds_config(self) -> dict[str, Any]:
         return deepspeed_config(self.config, self.hp)
 
-    def setup(self, model, make_optimizer) -> None:
+    def loading(self, method: MethodType) -> Loading:
+        """ZeRO-3 builds the model partitioned (deepspeed.zero.Init) and rank 0 alone reads
+        the checkpoint into it, module by module: transformers does both while a stage-3
+        HfDeepSpeedConfig is alive (a global weak reference), which this strategy holds
+        until `setup`. ZeRO-1/2 hold a replica per GPU."""
+        if self.config.type != "zero3" or method == "qlora":
+            return super().loading(method)
+        from transformers.integrations import HfDeepSpeedConfig
+
+        self._init_deepspeed()
+        self.hf_deepspeed_config = HfDeepSpeedConfig(self.ds_config())
+        return "zero3"
+
+    def _init_deepspeed(self) -> None:
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
+
+    def setup(self, model, make_optimizer, weights=None) -> None:
+        import deepspeed
+
+        # read: let go of transformers' ZeRO-3 switch, or a later from_pretrained (the
+        # merged export, on rank 0 alone) would wait for the other ranks to partition it
+        self.hf_deepspeed_config = None
+        self._init_deepspeed()
         config = self.ds_config()
-        self.base_optimizer = make_optimizer(model)  # before partitioning: it reads shapes
+        # before partitioning the rest (adapters; the whole model when not built partitioned)
+        self.base_optimizer = make_optimizer(model)
         if self.config.type == "zero3":
             zero3_partition(model, config, self.compute_dtype, self.device)
         self.model, self.optimizer, _, _ = deepspeed.initialize(
@@ -350,12 +418,16 @@ class DeepSpeedStrategy(Strategy):
 
 
 def zero3_partition(model, config: dict[str, Any], dtype, device) -> None:
-    """ZeRO-3: each parameter cast to the compute dtype and partitioned on its way to the
-    device, which `deepspeed.initialize` does only after moving the whole module there
-    (more than one GPU holds for a 70B base); the engine then finds it partitioned."""
+    """ZeRO-3: each parameter not yet partitioned (LoRA's adapters, added after the model
+    was built partitioned; every one when it was read whole) cast to the compute dtype and
+    partitioned on its way to the device, which `deepspeed.initialize` does only after
+    moving the whole module there (more than one GPU holds for a 70B base); the engine
+    then finds it partitioned."""
     import deepspeed
 
     for parameter in model.parameters():  # what the engine's own cast does: buffers stay
+        if hasattr(parameter, "ds_id"):
+            continue  # partitioned already, in the compute dtype
         if parameter.is_floating_point() and parameter.dtype != dtype:
             parameter.data = parameter.data.to(dtype)
     for buffer in model.buffers():  # never partitioned; the engine no longer moves them

@@ -35,11 +35,11 @@ from finetune_trainer.data import (
     resolve_format,
     tokenize_records,
 )
+from finetune_trainer.loading import load_for
 from finetune_trainer.metrics import TrainerMetrics, peak_memory_bytes
 from finetune_trainer.model import (
     compile_layers,
     inspect_architecture,
-    load_model,
     load_tokenizer,
 )
 from finetune_trainer.profiling import StepProfiler
@@ -372,9 +372,10 @@ def run(config: TrainerConfig, base_dir: Path) -> int:
     strategy = build_strategy(config.strategy, hp, device, prepared.wrap_classes)
     # unset (the operator resolves both before a worker starts): checkpointing on, no compile
     checkpointing = config.strategy.gradient_checkpointing is not False
-    model = load_model(config.model, method, config.strategy.precision, checkpointing, base_dir,
-                       sharded=strategy.name != "ddp", device=device,
-                       checkpoint_policy=config.strategy.gradient_checkpointing_policy)
+    # built empty under fsdp: rank 0 reads `weights` one at a time in setup (loading.py)
+    model, weights = load_for(strategy, config.model, method, config.strategy.precision,
+                              checkpointing, base_dir, device=device,
+                              checkpoint_policy=config.strategy.gradient_checkpointing_policy)
     bounds = False  # packed attention: the samples' bounds go with every batch
     if config.strategy.packed_attention:
         if (why_not := attention.why_not(loss.base_causal_lm(model), device)) is None:
@@ -397,7 +398,8 @@ def run(config: TrainerConfig, base_dir: Path) -> int:
     flops_per_token = _model_flops_per_token(model, prepared.train)
     peak = flops.peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     learning_rate = hp.resolved_learning_rate(method.type)
-    strategy.setup(model, lambda m: build_optimizer(m, hp, learning_rate))
+    strategy.setup(model, lambda m: build_optimizer(m, hp, learning_rate,
+                                                    fused=strategy.fused_optimizer), weights)
     instrumented = config.metrics.enabled
     collective_log = CollectiveLog(device, world) if instrumented else None
     sampler = strategy.time_collectives(collective_log) if instrumented and world > 1 else None

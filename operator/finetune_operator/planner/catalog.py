@@ -1,7 +1,8 @@
 """The Azure GPU VM sizes users pick from, as data.
 
 Sources: Azure's VM size pages (learn.microsoft.com/azure/virtual-machines/sizes/gpu-
-accelerated/*) for GPUs per VM, GPU memory and interconnect; NVIDIA's data sheets for
+accelerated/*) for GPUs per VM, GPU memory, host memory (GiB) and interconnect; NVIDIA's
+data sheets for
 dense (non-sparse) tensor-core peaks; memory per GPU is what `nvidia-smi` reports as
 total (MiB), not the marketing gigabytes. Prices are indicative Linux pay-as-you-go
 list prices in USD per VM-hour (East US, 2025) and are only used to rank options:
@@ -40,6 +41,8 @@ class VmSize(BaseModel):
     series: str
     gpu: Gpu
     gpus: int
+    memory_bytes: int
+    """Host memory (RAM) of the VM, as Azure's size tables list it (GiB)."""
     infiniband_gbps: int = 0
     """InfiniBand bandwidth per VM in Gbit/s (0: none, Ethernet only)."""
     price_per_hour: float
@@ -81,37 +84,42 @@ H200 = Gpu(name="H200-141GB", memory_bytes=143771 * MiB, peak_flops_16bit=989e12
            nvlink_busbw=400e9)
 
 VM_SIZES: tuple[VmSize, ...] = (
-    VmSize(name="Standard_NC4as_T4_v3", series="NCasT4_v3", gpu=T4, gpus=1, price_per_hour=0.526),
-    VmSize(name="Standard_NC8as_T4_v3", series="NCasT4_v3", gpu=T4, gpus=1, price_per_hour=0.752),
+    VmSize(name="Standard_NC4as_T4_v3", series="NCasT4_v3", gpu=T4, gpus=1,
+           memory_bytes=28 * GiB, price_per_hour=0.526),
+    VmSize(name="Standard_NC8as_T4_v3", series="NCasT4_v3", gpu=T4, gpus=1,
+           memory_bytes=56 * GiB, price_per_hour=0.752),
     VmSize(name="Standard_NC16as_T4_v3", series="NCasT4_v3", gpu=T4, gpus=1,
-           price_per_hour=1.204),
+           memory_bytes=110 * GiB, price_per_hour=1.204),
     VmSize(name="Standard_NC64as_T4_v3", series="NCasT4_v3", gpu=T4, gpus=4,
-           price_per_hour=4.352),
-    VmSize(name="Standard_NC6s_v3", series="NCv3", gpu=V100_16, gpus=1, price_per_hour=3.06),
-    VmSize(name="Standard_NC12s_v3", series="NCv3", gpu=V100_16, gpus=2, price_per_hour=6.12),
-    VmSize(name="Standard_NC24s_v3", series="NCv3", gpu=V100_16, gpus=4, price_per_hour=12.24),
-    VmSize(name="Standard_NC24rs_v3", series="NCv3", gpu=V100_16, gpus=4, infiniband_gbps=100,
-           price_per_hour=13.46),
-    VmSize(name="Standard_ND40rs_v2", series="NDv2", gpu=V100_32, gpus=8, infiniband_gbps=100,
-           price_per_hour=22.03),
+           memory_bytes=440 * GiB, price_per_hour=4.352),
+    VmSize(name="Standard_NC6s_v3", series="NCv3", gpu=V100_16, gpus=1,
+           memory_bytes=112 * GiB, price_per_hour=3.06),
+    VmSize(name="Standard_NC12s_v3", series="NCv3", gpu=V100_16, gpus=2,
+           memory_bytes=224 * GiB, price_per_hour=6.12),
+    VmSize(name="Standard_NC24s_v3", series="NCv3", gpu=V100_16, gpus=4,
+           memory_bytes=448 * GiB, price_per_hour=12.24),
+    VmSize(name="Standard_NC24rs_v3", series="NCv3", gpu=V100_16, gpus=4,
+           memory_bytes=448 * GiB, infiniband_gbps=100, price_per_hour=13.46),
+    VmSize(name="Standard_ND40rs_v2", series="NDv2", gpu=V100_32, gpus=8,
+           memory_bytes=672 * GiB, infiniband_gbps=100, price_per_hour=22.03),
     VmSize(name="Standard_NC24ads_A100_v4", series="NC_A100_v4", gpu=A100_80_PCIE, gpus=1,
-           price_per_hour=3.673),
+           memory_bytes=220 * GiB, price_per_hour=3.673),
     VmSize(name="Standard_NC48ads_A100_v4", series="NC_A100_v4", gpu=A100_80_PCIE, gpus=2,
-           price_per_hour=7.346),
+           memory_bytes=440 * GiB, price_per_hour=7.346),
     VmSize(name="Standard_NC96ads_A100_v4", series="NC_A100_v4", gpu=A100_80_PCIE, gpus=4,
-           price_per_hour=14.692),
+           memory_bytes=880 * GiB, price_per_hour=14.692),
     VmSize(name="Standard_ND96asr_v4", series="NDasrA100_v4", gpu=A100_40, gpus=8,
-           infiniband_gbps=1600, price_per_hour=27.197),
+           memory_bytes=900 * GiB, infiniband_gbps=1600, price_per_hour=27.197),
     VmSize(name="Standard_ND96amsr_A100_v4", series="NDm_A100_v4", gpu=A100_80, gpus=8,
-           infiniband_gbps=1600, price_per_hour=32.77),
+           memory_bytes=1900 * GiB, infiniband_gbps=1600, price_per_hour=32.77),
     VmSize(name="Standard_NC40ads_H100_v5", series="NCads_H100_v5", gpu=H100_NVL, gpus=1,
-           price_per_hour=6.98),
+           memory_bytes=320 * GiB, price_per_hour=6.98),
     VmSize(name="Standard_NC80adis_H100_v5", series="NCads_H100_v5", gpu=H100_NVL, gpus=2,
-           price_per_hour=13.96),
+           memory_bytes=640 * GiB, price_per_hour=13.96),
     VmSize(name="Standard_ND96isr_H100_v5", series="ND_H100_v5", gpu=H100_80, gpus=8,
-           infiniband_gbps=3200, price_per_hour=98.32),
+           memory_bytes=1900 * GiB, infiniband_gbps=3200, price_per_hour=98.32),
     VmSize(name="Standard_ND96isr_H200_v5", series="ND_H200_v5", gpu=H200, gpus=8,
-           infiniband_gbps=3200, price_per_hour=110.24),
+           memory_bytes=1850 * GiB, infiniband_gbps=3200, price_per_hour=110.24),
 )
 GPUS: tuple[Gpu, ...] = (T4, V100_16, V100_32, A100_40, A100_80_PCIE, A100_80, H100_NVL,
                          H100_80, H200)

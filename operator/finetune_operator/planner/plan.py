@@ -13,6 +13,7 @@ from finetune_operator.planner import catalog
 from finetune_operator.planner.architecture import ConfigError, ModelShape, from_hf_config
 from finetune_operator.planner.catalog import VmSize
 from finetune_operator.planner.compute import Throughput, estimate_throughput
+from finetune_operator.planner.host import HostMemoryEstimate, estimate_host_memory
 from finetune_operator.planner.memory import (
     CheckpointPolicy,
     MemoryEstimate,
@@ -109,6 +110,12 @@ class JobPlan(PlanModel):
     notes: list[str] = Field(default_factory=list)
     step_settings: StepSettings | None = None
     """Checkpointing and compile as the workers will run them (`plan_with_notes`)."""
+    host_bytes: int | None = None
+    """Host memory of node 0 at its peak (planner.host): while loading or training."""
+    host_memory_bytes: int | None = None
+    """The VM size's host memory."""
+    host_breakdown: dict[str, int] = Field(default_factory=dict)
+    host_peak_phase: str | None = None
 
 
 def gib(value: float) -> str:
@@ -170,8 +177,18 @@ def _precision_on(gpu_bf16: bool, precision: Precision) -> Precision:
     return "fp16" if precision == "bf16" and not gpu_bf16 else precision
 
 
-def _fits(estimate: MemoryEstimate, vm: VmSize, headroom: float) -> bool:
-    return estimate.total <= vm.gpu.memory_bytes * (1 - headroom)
+def _fits(estimate: MemoryEstimate, vm: VmSize, headroom: float,
+          host: HostMemoryEstimate | None = None) -> bool:
+    """The GPU estimate (and node 0's host memory, when given) within the VM's, with
+    `headroom` left."""
+    on_host = host is None or host.total <= vm.memory_bytes * (1 - headroom)
+    return on_host and estimate.total <= vm.gpu.memory_bytes * (1 - headroom)
+
+
+def host_estimate(shape: ModelShape, job: FineTuneJob, setup: TrainingSetup,
+                  ranks_per_node: int | None = None) -> HostMemoryEstimate:
+    """Node 0's host memory for `setup`, the job's ranks per node unless given."""
+    return estimate_host_memory(shape, setup, ranks_per_node or job.spec.resources.processes())
 
 
 def as_recommended(job: FineTuneJob, vm: VmSize, nodes: int, strategy: Strategy,
@@ -199,8 +216,9 @@ def _option(shape: ModelShape, job: FineTuneJob, vm: VmSize, nodes: int, strateg
     setup = setup_for(job, strategy, vm.gpus * nodes, precision)
     setup = setup.model_copy(update={"device": "cuda"})
     estimate = estimate_memory(shape, setup)
+    host = host_estimate(shape, job, setup, vm.gpus)
     # the validator only looks at what would be offered: options that fit
-    if not _fits(estimate, vm, headroom) or refused(
+    if not _fits(estimate, vm, headroom, host) or refused(
             as_recommended(job, vm, nodes, strategy, precision)):
         return None
     speed = estimate_throughput(shape, setup, vm, nodes)
@@ -266,8 +284,8 @@ def auto_strategy(job: FineTuneJob, model: ModelConfig | None) -> Strategy | Non
         return None
     world = resources.nodes * resources.gpus_per_node
     precision = _precision_on(vm.gpu.bf16, job.spec.strategy.precision)
-    estimates = {s: estimate_memory(shape, setup_for(job, s, world, precision))
-                 for s in allowed_strategies(job)}
+    setups = {s: setup_for(job, s, world, precision) for s in allowed_strategies(job)}
+    estimates = {s: estimate_memory(shape, setup) for s, setup in setups.items()}
 
     def accepted(strategy: Strategy) -> bool:
         return refused(as_recommended(job, vm, resources.nodes, strategy, precision)) is None
@@ -275,7 +293,8 @@ def auto_strategy(job: FineTuneJob, model: ModelConfig | None) -> Strategy | Non
     # the validator looks only at a strategy that would be chosen: the first that fits,
     # else the least memory-hungry
     for strategy, estimate in estimates.items():
-        if _fits(estimate, vm, HEADROOM) and accepted(strategy):
+        host = host_estimate(shape, job, setups[strategy])
+        if _fits(estimate, vm, HEADROOM, host) and accepted(strategy):
             return strategy
     return next((s for s in sorted(estimates, key=lambda s: estimates[s].total)
                  if accepted(s)), None)
@@ -444,39 +463,94 @@ def plan_job(job: FineTuneJob, model: ModelConfig | None, strategy: Strategy,
         return JobPlan(fits=None, verdict="unknown", gpu_type=gpu_type, recommendation=(
             recommendation), reason=f"{gib(estimate.total)} per GPU; {why}", **common)
     memory = vm.gpu.memory_bytes
-    fits = estimate.total <= memory
+    host = host_estimate(shape, job, setup)
+    fits = estimate.total <= memory and host.total <= vm.memory_bytes
     if not fits and not search_catalog:
         on_requested = sorted(options_on(shape, job, vm),
                               key=lambda o: (o.nodes, o.cost_per_million_tokens))
         recommendation = Recommendation(
             best=None, on_requested_gpu=on_requested[0] if on_requested else None,
             why="only the requested VM size was searched")
-    verdict: Verdict = ("does-not-fit" if not fits else
-                        "tight" if estimate.total > memory * (1 - HEADROOM) else "fits")
-    lines = ", ".join(f"{_LABELS[k]} {gib(v)}" for k, v in estimate.breakdown.items() if v)
-    where = f"{vm.name} ({vm.gpu.name}, {gib(memory)})"
-    if verdict == "does-not-fit":
-        reason = (f"needs {gib(estimate.total)} per GPU with {strategy} on {world} GPU"
-                  f"{'s' if world > 1 else ''}, more than {where}: {lines}")
-        mine = recommendation.on_requested_gpu
-        if mine is not None:
-            reason += (f" — fits as strategy {mine.strategy} on {mine.nodes} node"
-                       f"{'s' if mine.nodes > 1 else ''} ({gib(mine.per_gpu_bytes)} per GPU)")
-        elif recommendation.best is not None:
-            b = recommendation.best
-            reason += f" — fits on {b.nodes} x {b.vm_size} with {b.strategy}"
-    else:
-        reason = (f"{gib(estimate.total)} of {gib(memory)} per GPU on {where} with {strategy}"
-                  + (" (less than 10% headroom)" if verdict == "tight" else "") + f": {lines}")
+    verdict, reason = _gpu_verdict(estimate, vm, strategy, world, recommendation)
+    if verdict != "does-not-fit":
+        verdict, reason = _host_verdict(verdict, reason, host, job, vm, strategy)
     throughput = estimate_throughput(shape, setup, vm, resources.nodes)
     return JobPlan(fits=fits, verdict=verdict, reason=reason, gpu_type=vm.name,
                    gpu_memory_bytes=memory, throughput=throughput,
-                   recommendation=recommendation, **common)
+                   recommendation=recommendation, host_bytes=host.total,
+                   host_memory_bytes=vm.memory_bytes, host_breakdown=host.breakdown,
+                   host_peak_phase=host.peak_phase, **{
+                       **common, "notes": [*common["notes"], *host.notes]})
+
+
+def _gpu_verdict(estimate: MemoryEstimate, vm: VmSize, strategy: Strategy, world: int,
+                 recommendation: Recommendation) -> tuple[Verdict, str]:
+    """The verdict and its reason on the GPUs' memory."""
+    memory = vm.gpu.memory_bytes
+    verdict: Verdict = ("does-not-fit" if estimate.total > memory else
+                        "tight" if estimate.total > memory * (1 - HEADROOM) else "fits")
+    lines = ", ".join(f"{_LABELS[k]} {gib(v)}" for k, v in estimate.breakdown.items() if v)
+    where = f"{vm.name} ({vm.gpu.name}, {gib(memory)})"
+    if verdict != "does-not-fit":
+        return verdict, (f"{gib(estimate.total)} of {gib(memory)} per GPU on {where} with "
+                         f"{strategy}" + (" (less than 10% headroom)" if verdict == "tight"
+                                          else "") + f": {lines}")
+    reason = (f"needs {gib(estimate.total)} per GPU with {strategy} on {world} GPU"
+              f"{'s' if world > 1 else ''}, more than {where}: {lines}")
+    mine = recommendation.on_requested_gpu
+    if mine is not None:
+        reason += (f" — fits as strategy {mine.strategy} on {mine.nodes} node"
+                   f"{'s' if mine.nodes > 1 else ''} ({gib(mine.per_gpu_bytes)} per GPU)")
+    elif recommendation.best is not None:
+        b = recommendation.best
+        reason += f" — fits on {b.nodes} x {b.vm_size} with {b.strategy}"
+    return verdict, reason
+
+
+def _host_verdict(verdict: Verdict, reason: str, host: HostMemoryEstimate, job: FineTuneJob,
+                  vm: VmSize, strategy: Strategy) -> tuple[Verdict, str]:
+    """The GPU verdict, refused (or marked tight) where node 0's host memory does not hold
+    what its ranks keep there."""
+    ram = vm.memory_bytes
+    if host.total <= ram * (1 - HEADROOM):
+        return verdict, reason
+    if host.total <= ram:
+        return "tight", reason + f"; host memory {gib(host.total)} of {gib(ram)} per node " \
+                                 "(less than 10% headroom)"
+    lines = ", ".join(f"{_HOST_LABELS[k]} {gib(v)}" for k, v in host.breakdown.items() if v)
+    return "does-not-fit", (
+        f"spec.resources: node 0 needs {gib(host.total)} of host memory while "
+        f"{host.peak_phase} with {strategy} ({lines}), more than {vm.name} has "
+        f"({gib(ram)}) — {_host_fixes(host, job, vm)}")
+
+
+def _host_fixes(host: HostMemoryEstimate, job: FineTuneJob, vm: VmSize) -> str:
+    """What would give node 0 enough host memory, most direct first: the phase at the peak
+    says which (loading: the copy rank 0 reads; training: what CPU offload keeps)."""
+    fixes = []
+    roomier = sorted((v for v in catalog.vm_sizes_with(vm.gpu.name)
+                      if v.memory_bytes * (1 - HEADROOM) >= host.total and v.gpus >= vm.gpus),
+                     key=lambda v: v.price_per_hour)
+    if roomier:
+        fixes.append(f"a VM size with more memory (spec.resources.gpuType: {roomier[0].name})")
+    spec = job.spec
+    if host.peak_phase == "training":
+        if spec.strategy.offload == "cpu":
+            fixes.append("no CPU offload (spec.strategy.offload: none, or nvme)")
+        fixes.append("more nodes (spec.resources.nodes) or fewer ranks per node "
+                     "(spec.resources.gpusPerNode): each rank offloads a smaller share")
+    elif spec.method.type == "full" and spec.strategy.precision != "fp32":
+        fixes.append("LoRA (spec.method.type: lora reads the frozen base in 16 bits, not "
+                     "fp32)")
+    return "use " + ", or ".join(fixes) if fixes else "use a VM size with more memory"
 
 
 _LABELS = {"weights": "weights", "gradients": "gradients", "optimizerStates": "optimizer states",
            "activations": "activations", "temporaryBuffers": "temporary buffers",
            "cudaContext": "CUDA context"}
+_HOST_LABELS = {"weightsWhileLoading": "the weights read once",
+                "offloadedTrainingState": "offloaded training state",
+                "processes": "the processes"}
 
 
 def _where_configs_come_from(uri: str) -> str:

@@ -18,6 +18,8 @@ from finetune_operator.planner.sources import ModelConfig
 LABELS = {"weights": "weights", "gradients": "gradients", "optimizerStates": "optimizer states",
           "activations": "activations", "temporaryBuffers": "temporary buffers",
           "cudaContext": "CUDA context"}
+HOST_LABELS = {"weightsWhileLoading": "weights read once",
+               "offloadedTrainingState": "offloaded training state", "processes": "processes"}
 VERDICTS = {"fits": "fits", "tight": "fits, with less than 10% headroom",
             "does-not-fit": "DOES NOT FIT", "unknown": "unknown"}
 
@@ -52,6 +54,15 @@ def _count(n: int | None) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
+def host_line(plan: JobPlan) -> str:
+    """Node 0's host memory (planner.host): what its ranks hold while loading or training."""
+    parts = ", ".join(f"{HOST_LABELS[k]} {gib(v)}" for k, v in plan.host_breakdown.items()
+                      if v)
+    capacity = f" of {gib(plan.host_memory_bytes)}" if plan.host_memory_bytes else ""
+    return (f"host memory per node: {gib(plan.host_bytes or 0)}{capacity} (node 0, peak "
+            f"while {plan.host_peak_phase}: {parts})")
+
+
 def table(job: FineTuneJob, plan: JobPlan) -> str:
     spec, r = job.spec, job.spec.resources
     lines = [f"{job.namespace}/{job.name}: {spec.method.type}, {plan.strategy}, "
@@ -76,6 +87,8 @@ def table(job: FineTuneJob, plan: JobPlan) -> str:
             lines.append(f"  {LABELS[key]:<18} {gib(value):>10}{extra}")
         capacity = f" of {gib(plan.gpu_memory_bytes)}" if plan.gpu_memory_bytes else ""
         lines.append(f"  {'total':<18} {gib(plan.per_gpu_bytes or 0):>10}{capacity}")
+    if plan.host_bytes is not None:
+        lines.append(host_line(plan))
     lines.append("")
     lines.append(f"verdict: {VERDICTS[plan.verdict]} — {plan.reason}")
     if plan.throughput:

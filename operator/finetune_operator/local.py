@@ -24,8 +24,9 @@ from finetune_operator.planner.render import plan_with_notes
 from finetune_operator.trainer_config import trainer_config_and_step_settings
 from finetune_operator.validation import InvalidJobError, Problem
 from finetune_trainer.config import TrainerConfig
+from finetune_trainer.fetch import complete_copy, hub_repo
 from finetune_trainer.layout import checkpoint_root, latest_checkpoint, step_of
-from finetune_trainer.uris import parse_uri
+from finetune_trainer.uris import OUTPUT_SCHEMES, parse_uri
 
 CONFIG_DIR = ".finetune"
 EXIT_STOPPED = 143
@@ -46,10 +47,27 @@ def set_checkpoints_aside(output_dir: Path) -> Path | None:
 
 
 def model_config(job: FineTuneJob, base_dir: Path) -> ModelConfig | None:
-    """The model's config.json, for the planner: the folder itself, or only that file from
-    the hub (the run downloads the model next anyway)."""
+    """The model's config.json, for the planner: the folder itself, the copy an earlier run
+    fetched into the output folder (no request at all), or only that file from the hub (the
+    run fetches the model next anyway)."""
     configs = ModelConfigs(fetch=fetch_from_hub, base_dir=base_dir)
+    if (copy := fetched_copy(job, base_dir)) is not None:
+        return configs.resolve(str(copy))
     return configs.resolve(job.spec.model.uri, job.spec.model.revision)
+
+
+def fetched_copy(job: FineTuneJob, base_dir: Path) -> Path | None:
+    """The complete copy of an hf:// model in the job's local output folder, if one is
+    there (`finetune_trainer.fetch`)."""
+    output = parse_uri(job.spec.output.uri, OUTPUT_SCHEMES)
+    if output.scheme not in ("path", "relative"):
+        return None  # refused by local_config
+    return complete_copy((base_dir / output.raw).resolve(), job.spec.model)
+
+
+def needs_fetch(config: TrainerConfig) -> bool:
+    """hf:// models are fetched into the output folder before any worker starts."""
+    return hub_repo(config.model) is not None
 
 
 def feasibility_warning(job: FineTuneJob, model: ModelConfig | None) -> str | None:
@@ -159,6 +177,13 @@ def trainer_command(config_path: Path, processes: int, max_restarts: int = 0) ->
 
 def preflight_command(config_path: Path) -> list[str]:
     return [sys.executable, "-m", "finetune_trainer", "--config", str(config_path), "--preflight"]
+
+
+def fetch_command(config_path: Path) -> list[str]:
+    """The pods' fetch-model step, here: the copy goes into the local output folder, so a
+    second run (or a resumed one) downloads nothing."""
+    return [sys.executable, "-m", "finetune_trainer", "--config", str(config_path),
+            "--fetch-model"]
 
 
 NOISE = re.compile(

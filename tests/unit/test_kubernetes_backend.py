@@ -245,6 +245,51 @@ def test_a_resume_check_runs_before_torchrun_and_its_refusal_fails_the_job():
                                                 "values": [143]}} in rules
 
 
+def test_an_hf_model_is_fetched_into_the_output_volume_once_before_torchrun():
+    """#17: the fetch-model init container downloads the model into the output claim (every
+    node and restart reads it there); it runs after resume-check, so a job refused for
+    other settings downloads nothing."""
+    doc = minimal_job(resources={"nodes": 2, "gpusPerNode": 8},
+                      model={"uri": "hf://meta-llama/Llama-3.1-8B", "revision": "main",
+                             "tokenSecretRef": {"name": "hf-token"}},
+                      kubernetes={"env": [{"name": "HTTPS_PROXY", "value": "http://proxy:3128"}]})
+    spec = pod(doc)
+    init, trainer = spec["initContainers"], spec["containers"][0]
+    assert [c["name"] for c in init] == ["resume-check", "fetch-model"]
+    fetcher = init[1]
+    assert fetcher["command"] == ["python", "-m", "finetune_trainer", "--fetch-model",
+                                  "--config=$(FINETUNE_CONFIG)"]
+    assert fetcher["image"] == trainer["image"]
+    assert fetcher["securityContext"] == trainer["securityContext"]
+    assert "resources" not in fetcher  # nothing requested beyond the trainer's
+    # the output claim, writable, where the trainer config points
+    assert fetcher["volumeMounts"] == trainer["volumeMounts"]
+    output = next(m for m in fetcher["volumeMounts"] if m["mountPath"] == "/mnt/pvc/ckpt")
+    assert output["readOnly"] is False
+    names = {e["name"]: e.get("value", e.get("valueFrom")) for e in fetcher["env"]}
+    assert names["HF_TOKEN"] == {"secretKeyRef": {"name": "hf-token", "key": "token"}}
+    assert names["HTTPS_PROXY"] == "http://proxy:3128"  # the user's own reach the hub too
+    assert {"FINETUNE_CONFIG", "HF_HOME", "XDG_CACHE_HOME"} <= set(names)
+    assert not any(name.startswith(("PET_", "NCCL_")) for name in names)
+
+
+@pytest.mark.parametrize("uri", ["pvc://models/llama-8b", "/models/in-the-image"])
+def test_models_read_where_they_are_render_no_fetch(uri):
+    spec = pod(minimal_job(model={"uri": uri}))
+    assert [c["name"] for c in spec["initContainers"]] == ["resume-check"]
+
+
+@pytest.mark.parametrize("version", ["1.30", "1.37"])
+@pytest.mark.parametrize("uri", ["hf://Qwen/Qwen2.5-0.5B", "pvc://models/qwen"])
+def test_pods_with_and_without_the_fetch_are_valid_kubernetes(uri, version):
+    doc = minimal_job(model={"uri": uri, **({"tokenSecretRef": {"name": "hf"}}
+                                            if uri.startswith("hf://") else {})},
+                      resources={"nodes": 2, "gpusPerNode": 8})
+    doc["metadata"]["uid"] = "6c1f0d52-1c1a-4a8e-9d47-0f6a1b2c3d4e"
+    for obj in backend.render(parse_job(doc), SETTINGS):
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
 def test_a_multi_node_jobs_output_claim_must_be_read_write_many():
     """#19, item 3: every rank writes checkpoints into the output claim; one that attaches
     to a single node would leave the other nodes' pods waiting forever."""

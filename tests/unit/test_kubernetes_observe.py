@@ -93,6 +93,19 @@ def test_waiting_reasons_in_the_pods_words():
     assert pod_waiting(creating) is None
 
 
+def test_a_pod_fetching_the_model_says_so():
+    """The startup deadline covers a first fetch of a large model: while it runs, the
+    status says what the pod is doing rather than PodInitializing."""
+    fetching = pod("demo-0-a", "Pending", initContainerStatuses=[
+        {"name": "resume-check", "state": {"terminated": {"exitCode": 0}}},
+        {"name": "fetch-model", "state": {"running": {"startedAt": "2026-11-21T12:00:00Z"}}}],
+        containerStatuses=[{"name": "trainer", "state": {"waiting": {
+            "reason": "PodInitializing"}}}])
+    assert pod_waiting(fetching) == (
+        "demo-0-a: fetching the model into the output volume (fetch-model)")
+    assert observe(job_object(), [fetching], nodes=1).waiting == pod_waiting(fetching)
+
+
 def failed_by_policy(message: str) -> dict:
     job = job_object()
     job["status"]["conditions"] = [{"type": "Failed", "status": "True",

@@ -8,6 +8,11 @@ it was required), 4 the output folder holds checkpoints trained with other setti
 (nothing was started; no restart can help), 143 stopped by SIGTERM after a checkpoint,
 1 anything else (a full output volume among them: said in one line naming the folder, not
 a traceback).
+
+`--fetch-model` (the pods' init container, `finetune run`) downloads an hf:// model into
+the output folder once (finetune_trainer.fetch); the workers then read that copy, never the
+hub. Exit codes: 0 there, 2 the name, revision or token is wrong, 1 anything else (the
+network, a full volume: the next attempt keeps what was fetched), 143 stopped by SIGTERM.
 """
 
 from __future__ import annotations
@@ -17,13 +22,19 @@ import base64
 import contextlib
 import errno
 import os
+import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from finetune_trainer.config import TrainerConfig
 
 EXIT_BAD_INPUT = 2
 EXIT_NETWORK = 3
 EXIT_OTHER_CHECKPOINTS = 4
 EXIT_FAILED = 1
+STOPPED = 143
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
@@ -70,7 +81,49 @@ def _termination_message(text: str) -> None:
             path.write_text(text[:4000])
 
 
-def main(argv: list[str] | None = None) -> int:
+def _fetch(config: TrainerConfig, output_dir: Path) -> int:
+    """`--fetch-model`: the model's copy in the output folder, downloaded unless complete
+    already. SIGTERM (the pod deleted, a gang restart) gives the lock back and exits at once,
+    without waiting for the downloads in flight: the next attempt keeps the finished files."""
+    from finetune_trainer import fetch
+
+    if fetch.hub_repo(config.model) is None:
+        print(f"fetch-model: {config.model.uri} is not an hf:// model: nothing to fetch")
+        return 0
+
+    def stop(signum, frame):
+        raise SystemExit(STOPPED)
+
+    signal.signal(signal.SIGTERM, stop)
+    from huggingface_hub.utils import disable_progress_bars
+
+    disable_progress_bars()  # one line per weight file instead, readable in `kubectl logs`
+    try:
+        fetch.fetch_model(config.model, output_dir,
+                          say=lambda line: print(f"fetch-model: {line}", flush=True))
+    except SystemExit:
+        print("fetch-model: stopped by SIGTERM; the next attempt keeps the files fetched",
+              file=sys.stderr, flush=True)
+        os._exit(STOPPED)  # the download threads are not waited for
+    except fetch.FetchError as error:
+        print(f"finetune-train: {error}", file=sys.stderr, flush=True)
+        _termination_message(str(error))
+        return EXIT_BAD_INPUT if error.permanent else EXIT_FAILED
+    except OSError as error:  # the volume's: full, read-only, not permitted
+        if error.errno is None:
+            raise
+        where = f" ({error.filename})" if error.filename else ""
+        fix = ("free space on the output volume or point spec.output.uri at a larger one"
+               if error.errno in DISK_FULL else "point spec.output.uri at a volume the "
+               "workers can write (on a cluster, a pvc:// claim)")
+        line = f"{output_dir}: {error.strerror}{where} while fetching {config.model.uri} — {fix}"
+        print(f"finetune-train: {line}", file=sys.stderr, flush=True)
+        _termination_message(line)
+        return EXIT_FAILED
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="finetune-train", description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=os.environ.get("FINETUNE_CONFIG"),
                         help="trainer config (YAML or JSON); default $FINETUNE_CONFIG")
@@ -88,38 +141,67 @@ def main(argv: list[str] | None = None) -> int:
                         help="only check that the output folder's checkpoints were trained "
                              "with these settings, then exit (0 or 4); the pods' init "
                              "container")
+    parser.add_argument("--fetch-model", action="store_true",
+                        help="only download an hf:// model into the output folder's "
+                             "model-cache/ (a complete copy is reused without any request), "
+                             "then exit (0, 1 or 2); the pods' init container")
+    return parser
+
+
+def _load(args) -> tuple[TrainerConfig, Path]:
+    """The trainer config with its Azure ML locations bound, and the folder relative paths
+    start from. Raises OSError, ValueError (pydantic's ValidationError among them)."""
+    from finetune_trainer.config import TrainerConfig
+
+    if args.config_base64:
+        config = TrainerConfig.model_validate_json(base64.b64decode(args.config_base64))
+    else:
+        config = TrainerConfig.load(args.config)
+    base_dir = args.base_dir or (Path.cwd() if args.config_base64
+                                 else Path(args.config).resolve().parent)
+    return bind_locations(config, args.location), base_dir
+
+
+def _disk_full(error: OSError, output: Path) -> int:
+    from finetune_trainer.layout import checkpoint_root
+
+    where = f" ({error.filename})" if error.filename else ""
+    print(f"finetune-train: {output}: {error.strerror}{where} — free space on the output "
+          "volume or point spec.output.uri at a larger one, "
+          "then run the job again: it resumes from the newest complete checkpoint in "
+          f"{checkpoint_root(output)}", file=sys.stderr, flush=True)
+    return EXIT_FAILED
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if not args.config and not args.config_base64:
         parser.error("--config is required (or set FINETUNE_CONFIG)")
-
-    from pydantic import ValidationError
-
-    from finetune_trainer.config import TrainerConfig
-    from finetune_trainer.data import DataError
-    from finetune_trainer.model import ModelError
-
-    source = "--config-base64" if args.config_base64 else args.config
     try:
-        if args.config_base64:
-            config = TrainerConfig.model_validate_json(base64.b64decode(args.config_base64))
-        else:
-            config = TrainerConfig.load(args.config)
-        config = bind_locations(config, args.location)
-    except (OSError, ValidationError, ValueError) as error:
+        config, base_dir = _load(args)
+    except (OSError, ValueError) as error:
+        source = "--config-base64" if args.config_base64 else args.config
         print(f"finetune-train: {source}: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    base_dir = args.base_dir or (Path.cwd() if args.config_base64
-                                 else Path(args.config).resolve().parent)
+    from finetune_trainer.fetch import name_hub_model, output_folder, with_local_copy
+
+    output = output_folder(config, base_dir)
+    if args.fetch_model:  # before torch is imported: the init container stays light
+        return _fetch(config, output)
 
     from finetune_trainer import trained_with
     from finetune_trainer.checkpoint import CheckpointError
+    from finetune_trainer.data import DataError
+    from finetune_trainer.layout import FINAL_DIR
+    from finetune_trainer.model import ModelError
     from finetune_trainer.network_preflight import PreflightError
-    from finetune_trainer.train import preflight, resolve_path, run
+    from finetune_trainer.train import preflight, run
 
     # before any download or process group: a job changed after its first run must not
     # resume from (and fail on, at every restart) the checkpoints of the old settings
     refused = not args.preflight and trained_with.refusal(
-        resolve_path(config.output.uri, base_dir), config,
+        output, config,
         "set spec.output.uri to a new folder, or move its checkpoints/ away to start over")
     if refused:
         print(f"finetune-train: {refused}", file=sys.stderr, flush=True)
@@ -127,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OTHER_CHECKPOINTS
     if args.check_resume:
         return 0
+    # the copy fetched into the output folder, where there is one: no hub request at all
+    config = with_local_copy(config, output)
     try:
         if args.preflight:
             prepared = preflight(config, base_dir)
@@ -135,7 +219,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if note := restart_note(os.environ):
             print(note, flush=True)
-        return run(config, base_dir)
+        code = run(config, base_dir)
+        if code == 0 and os.environ.get("RANK", "0") == "0":
+            name_hub_model(output / FINAL_DIR, config)
+        return code
     except (DataError, ModelError) as error:
         print(f"finetune-train: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -148,13 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as error:
         if error.errno not in DISK_FULL:
             raise
-        output = resolve_path(config.output.uri, base_dir)
-        where = f" ({error.filename})" if error.filename else ""
-        print(f"finetune-train: {output}: {error.strerror}{where} — free space on the output "
-              "volume or point spec.output.uri at a larger one, "
-              "then run the job again: it resumes from the newest complete checkpoint in "
-              f"{output / 'checkpoints'}", file=sys.stderr, flush=True)
-        return EXIT_FAILED
+        return _disk_full(error, output)
 
 
 if __name__ == "__main__":

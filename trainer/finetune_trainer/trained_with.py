@@ -27,9 +27,10 @@ def record(config: TrainerConfig) -> dict[str, Any]:
     """The settings a checkpoint's state depends on, keyed by their spec path."""
     lora = (config.method.lora or LoraConfig()) if config.method.type != "full" else None
     hp, data = config.hyperparameters, config.dataset
+    model = config.model_fetched_from or config.model  # the spec's, not the copy's folder
     return {
-        "model.uri": config.model.uri,
-        "model.revision": config.model.revision,
+        "model.uri": model.uri,
+        "model.revision": model.revision,
         "method.type": config.method.type,
         "method.lora.r": lora.r if lora else None,
         "method.lora.alpha": lora.alpha if lora else None,

@@ -27,6 +27,7 @@ from finetune_operator.settings import OperatorSettings, Taint
 from finetune_operator.trainer_config import build_trainer_config
 from finetune_operator.validation import Problem
 from finetune_trainer.config import TrainerConfig
+from finetune_trainer.record import ProgressRecord
 from finetune_trainer.uris import (
     DATASET_SCHEMES,
     MODEL_SCHEMES,
@@ -143,11 +144,8 @@ def _toleration(taint: Taint) -> dict[str, Any]:
 
 
 def progress_from_record(record: dict[str, Any]) -> Progress:
-    """Rank 0's /progress JSON (finetune_trainer.progress.Progress) as the status model."""
-    return Progress(step=record.get("step"), total_steps=record.get("totalSteps"),
-                    epoch=record.get("epoch"), loss=record.get("loss"),
-                    tokens_per_second=record.get("tokensPerSecond"), mfu=record.get("mfu"),
-                    eta_seconds=record.get("etaSeconds"), preflight=record.get("preflight"))
+    """Rank 0's /progress JSON (finetune_trainer.record.ProgressRecord) as the status model."""
+    return Progress.from_record(ProgressRecord.model_validate(record))
 
 
 def _metrics_ports(processes: int, first: int) -> list[dict[str, Any]]:
@@ -300,18 +298,46 @@ def _trainer_container(job: FineTuneJob, settings: OperatorSettings,
     return container
 
 
-def _resume_check_container(trainer: dict[str, Any]) -> dict[str, Any]:
-    """Runs before torchrun (which reports any worker's failure as its own exit 1): a job
-    changed after its first run must not resume from the old settings' checkpoints."""
+def _step_container(trainer: dict[str, Any], name: str, flag: str,
+                    env: set[str]) -> dict[str, Any]:
+    """An init container running one step of the trainer's entry point (`flag`) in the
+    trainer's image, mounts and security context, with only the `env` it needs."""
     return {
         **{k: v for k, v in trainer.items() if k in (
             "image", "imagePullPolicy", "volumeMounts", "securityContext",
             "terminationMessagePolicy")},
-        "name": RESUME_CHECK_CONTAINER,
-        "command": ["python", "-m", "finetune_trainer", "--check-resume",
-                    "--config=$(FINETUNE_CONFIG)"],
-        "env": [e for e in trainer["env"] if e["name"] in ("FINETUNE_CONFIG", "HF_HOME")],
+        "name": name,
+        "command": ["python", "-m", "finetune_trainer", flag, "--config=$(FINETUNE_CONFIG)"],
+        "env": [e for e in trainer["env"] if e["name"] in env],
     }
+
+
+def _resume_check_container(trainer: dict[str, Any]) -> dict[str, Any]:
+    """Runs before torchrun (which reports any worker's failure as its own exit 1): a job
+    changed after its first run must not resume from the old settings' checkpoints."""
+    return _step_container(trainer, RESUME_CHECK_CONTAINER, "--check-resume",
+                           {"FINETUNE_CONFIG", "HF_HOME"})
+
+
+def _fetch_model_container(job: FineTuneJob, trainer: dict[str, Any]) -> dict[str, Any] | None:
+    """For an hf:// model: download it once into the output volume (`model-cache/`), where
+    every node and every restart reads it; a complete copy is reused without any request
+    (finetune_trainer.fetch). Other locations are read where they are: None. It runs after
+    resume-check, so a job refused for other settings downloads nothing."""
+    if parse_uri(job.spec.model.uri, MODEL_SCHEMES).scheme != "hf":
+        return None
+    k8s = job.spec.kubernetes
+    # the hub token, the caches on the scratch volume, and the user's own (HF_ENDPOINT,
+    # proxies); none of torchrun's
+    return _step_container(trainer, FETCH_MODEL_CONTAINER, "--fetch-model", {
+        "FINETUNE_CONFIG", "HF_HOME", "XDG_CACHE_HOME", "HF_TOKEN",
+        *(e.name for e in (k8s.env if k8s else []))})
+
+
+def _init_containers(job: FineTuneJob, trainer: dict[str, Any]) -> list[dict[str, Any]]:
+    return [container for container in (_resume_check_container(trainer),
+                                        _fetch_model_container(job, trainer))
+            if container is not None]
 
 
 def _placement(job: FineTuneJob, settings: OperatorSettings) -> dict[str, Any]:
@@ -352,7 +378,7 @@ def worker_pod_template(job: FineTuneJob, settings: OperatorSettings) -> dict[st
         "securityContext": {"runAsNonRoot": True, "runAsUser": WORKER_UID,
                             "runAsGroup": WORKER_UID, "fsGroup": WORKER_UID,
                             "seccompProfile": {"type": "RuntimeDefault"}},
-        "initContainers": [_resume_check_container(trainer)],
+        "initContainers": _init_containers(job, trainer),
         "containers": [trainer],
         "volumes": volumes,
         **_placement(job, settings),
@@ -411,6 +437,7 @@ def render(job: FineTuneJob, settings: OperatorSettings) -> list[dict[str, Any]]
 
 TRAINER_CONTAINER = "trainer"
 RESUME_CHECK_CONTAINER = "resume-check"
+FETCH_MODEL_CONTAINER = "fetch-model"
 STOPPED_EXIT_CODE = 143
 """The trainer's exit after SIGTERM, once it has written a checkpoint."""
 OTHER_CHECKPOINTS_EXIT_CODE = 4
@@ -479,6 +506,10 @@ def pod_waiting(pod: dict[str, Any]) -> str | None:
                       if c.get("type") == "PodScheduled"), None)
     if scheduled and scheduled.get("status") == "False":
         return f"{name}: {scheduled.get('reason', 'Unschedulable')}: {scheduled.get('message', '')}"
+    for status in pod.get("status", {}).get("initContainerStatuses") or []:
+        if status.get("name") == FETCH_MODEL_CONTAINER and "running" in status.get("state", {}):
+            # a first start of a large model: the startup deadline covers this download
+            return f"{name}: fetching the model into the output volume ({FETCH_MODEL_CONTAINER})"
     for status in pod.get("status", {}).get("containerStatuses") or []:
         waiting = status.get("state", {}).get("waiting")
         if waiting and waiting.get("reason") not in (None, "ContainerCreating"):
@@ -782,11 +813,11 @@ class KubernetesBackend:
                 async with session.get(url) as response:
                     if response.status != 200:
                         return None
-                    record = await response.json()
+                    # a record that is no ProgressRecord (another version's): ValueError
+                    return progress_from_record(await response.json())
         except (aiohttp.ClientError, TimeoutError, ValueError) as error:
             logger.debug("progress of %s not readable: %s", rank0["metadata"]["name"], error)
             return None
-        return progress_from_record(record)
 
     async def suspend(self, job: FineTuneJob) -> None:
         """A queued job is suspended through Kueue's own switch: Kueue unsuspends an admitted

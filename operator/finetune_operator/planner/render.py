@@ -63,6 +63,16 @@ def host_line(plan: JobPlan) -> str:
             f"while {plan.host_peak_phase}: {parts})")
 
 
+def disk_line(plan: JobPlan) -> str:
+    """The output volume at the end of the run (planner.disk)."""
+    parts, lines = [], plan.disk_breakdown
+    if lines.get("modelCache"):
+        parts.append(f"the model's copy {gib(lines['modelCache'])}")
+    parts.append(f"checkpoints {gib(lines.get('checkpoints', 0))}")
+    parts.append(f"the final model {gib(lines.get('finalModel', 0))}")
+    return f"output volume: {gib(plan.disk_bytes or 0)} ({', '.join(parts)})"
+
+
 def table(job: FineTuneJob, plan: JobPlan) -> str:
     spec, r = job.spec, job.spec.resources
     lines = [f"{job.namespace}/{job.name}: {spec.method.type}, {plan.strategy}, "
@@ -89,6 +99,8 @@ def table(job: FineTuneJob, plan: JobPlan) -> str:
         lines.append(f"  {'total':<18} {gib(plan.per_gpu_bytes or 0):>10}{capacity}")
     if plan.host_bytes is not None:
         lines.append(host_line(plan))
+    if plan.disk_bytes is not None:
+        lines.append(disk_line(plan))
     lines.append("")
     lines.append(f"verdict: {VERDICTS[plan.verdict]} — {plan.reason}")
     if plan.throughput:

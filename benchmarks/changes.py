@@ -38,7 +38,8 @@ class Change:
     why: str
     env_on: dict | None = None
     env_off: dict | None = None
-    """Environment of each side (for switches that are not API fields)."""
+    """Environment of each side (FINETUNE_QLORA_UPCAST: a switch read where no config
+    reaches)."""
 
 
 CPU_BASE = Bench("change", TINY, "full", "variable", seq_len=512, batch=4, steps=21,
@@ -54,14 +55,14 @@ CHANGES = [
     Change("packing", CPU_BASE, on={"dataset": {"packing": True}},
            off={"dataset": {"packing": False}},
            why="several samples per sequence on variable-length data (vs padding)"),
-    Change("best-fit-packing", CPU_BASE, on={}, off={},
-           env_on={"FINETUNE_PACKING": "best-fit"}, env_off={"FINETUNE_PACKING": "next-fit"},
+    Change("best-fit-packing", CPU_BASE, on={"benchmark": {"packer": "best-fit"}},
+           off={"benchmark": {"packer": "next-fit"}},
            why="samples packed best-fit decreasing (vs consecutive samples, next-fit)"),
     Change("compile", replace(CPU_BASE, steps=30), on={"strategy": {"compile": True}},
            off={"strategy": {"compile": False}},
            why="torch.compile per decoder layer (after a warm-up that compiles)"),
-    Change("prefetch", CPU_BASE, on={}, off={}, env_on={"FINETUNE_PREFETCH": "1"},
-           env_off={"FINETUNE_PREFETCH": "0"},
+    Change("prefetch", CPU_BASE, on={"benchmark": {"prefetch": True}},
+           off={"benchmark": {"prefetch": False}},
            why="next steps' batches collated on a thread during this step (vs in the loop)"),
 ]
 

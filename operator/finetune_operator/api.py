@@ -28,6 +28,7 @@ from finetune_trainer.config import (
     StrategyConfig,
     section,
 )
+from finetune_trainer.record import ProgressRecord
 
 KIND = "FineTuneJob"
 PLURAL = "finetunejobs"
@@ -342,6 +343,13 @@ class Progress(StatusModel):
     preflight: dict[str, Any] | None = Field(default=None, exclude=True)
     """The trainer's collective preflight record (not stored: it becomes the
     `CollectivePreflight` condition)."""
+
+    @classmethod
+    def from_record(cls, record: ProgressRecord) -> Progress:
+        """Rank 0's progress record (finetune_trainer.record), as every backend reads it."""
+        return cls(step=record.step, total_steps=record.total_steps, epoch=record.epoch,
+                   loss=record.loss, tokens_per_second=record.tokens_per_second,
+                   mfu=record.mfu, eta_seconds=record.eta_seconds, preflight=record.preflight)
 
 
 class CheckpointRef(StatusModel):

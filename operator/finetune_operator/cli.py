@@ -17,6 +17,7 @@ from finetune_operator.api import KIND, FineTuneJob
 from finetune_operator.manifests import Document, ManifestError, read_documents
 from finetune_operator.render import render
 from finetune_operator.validation import Problem, short_repr
+from finetune_trainer import layout
 
 EXIT_INVALID = 2
 
@@ -314,6 +315,9 @@ def run_command(file: str, nproc: int | None, fresh: bool, verbose: bool) -> Non
     if warning := local.feasibility_warning(job, model):
         click.echo(f"{doc.source}: {warning}", err=True)
     click.echo(f"trainer config: {config_path}")
+    if local.needs_fetch(config) and (fetched := subprocess.run(
+            local.fetch_command(config_path), check=False).returncode) != 0:
+        sys.exit(fetched)  # 2: the name, revision or token; 1: the network or the disk
     if subprocess.run(local.preflight_command(config_path), check=False).returncode != 0:
         sys.exit(EXIT_INVALID)
     restarts = job.spec.run_policy.backoff_limit
@@ -322,8 +326,9 @@ def run_command(file: str, nproc: int | None, fresh: bool, verbose: bool) -> Non
                f"{restarts} time{'' if restarts == 1 else 's'}: spec.runPolicy.backoffLimit)")
     code = local.run_trainer(config_path, processes, max_restarts=restarts, verbose=verbose)
     if code == 0:
-        click.echo(f"done: model in {output_dir / 'final'}, checkpoints in "
-                   f"{output_dir / 'checkpoints'}, progress in {output_dir / 'progress.json'}")
+        click.echo(f"done: model in {output_dir / layout.FINAL_DIR}, checkpoints in "
+                   f"{layout.checkpoint_root(output_dir)}, progress in "
+                   f"{output_dir / layout.PROGRESS_FILE}")
     elif code == local.EXIT_STOPPED:
         click.echo(local.stopped_message(output_dir), err=True)
     else:

@@ -15,7 +15,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from finetune_trainer.progress import Progress, ProgressServer
+from finetune_trainer.progress import ProgressServer
+from finetune_trainer.record import ProgressRecord
 from tests.conftest import minimal_job
 from tests.operator.emulator import COMPLETION_INDEX
 from tests.operator.testbed import RealTestbed, merged
@@ -142,8 +143,8 @@ class ControlPlaneTestbed(RealTestbed):
         ip = (await asyncio.to_thread(self._pod, name, 0))["status"]["podIP"]
         server = ProgressServer(self.progress_port, host=ip)
         self.rank0.append(server)
-        record = Progress(step=40, totalSteps=100, epoch=0.4, loss=1.25, learningRate=1e-4,
-                          tokensPerSecond=52000.0, etaSeconds=600)
+        record = ProgressRecord(step=40, totalSteps=100, epoch=0.4, loss=1.25, learningRate=1e-4,
+                                tokensPerSecond=52000.0, etaSeconds=600)
         server.publish(record)
         return record
 

@@ -15,7 +15,7 @@ import pytest
 
 from finetune_operator import controller
 from finetune_operator.controller import PEERING_LOOK_SECONDS, Peering
-from finetune_trainer.progress import Progress
+from finetune_trainer.record import ProgressRecord
 from tests.operator.conftest import NotKopfs, Operator
 from tests.operator.emulator import ApiServer
 from tests.operator.testbed import EmulatedTestbed
@@ -98,9 +98,9 @@ async def test_a_replica_that_loses_the_lead_stops_acting(cluster, kubelet, rank
         await leader.stop()
 
 
-def progress(step: int) -> Progress:
-    return Progress(step=step, totalSteps=100, epoch=0.1, loss=1.0, learningRate=1e-4,
-                    tokensPerSecond=1000.0, etaSeconds=60)
+def progress(step: int) -> ProgressRecord:
+    return ProgressRecord(step=step, totalSteps=100, epoch=0.1, loss=1.0, learningRate=1e-4,
+                          tokensPerSecond=1000.0, etaSeconds=60)
 
 
 async def test_who_leads_follows_kopfs_rule():

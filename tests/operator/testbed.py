@@ -25,7 +25,8 @@ from typing import Any
 import aiohttp
 import yaml
 
-from finetune_trainer.progress import Progress, ProgressServer
+from finetune_trainer.progress import ProgressServer
+from finetune_trainer.record import ProgressRecord
 from tests.conftest import REPO, minimal_job
 from tests.operator.emulator import COMPLETION_INDEX, ApiServer, Kubelet
 
@@ -116,7 +117,7 @@ class Testbed:
     async def finish(self, name: str) -> None:
         """Let every worker of `name` succeed (a real trainer gets there by itself)."""
 
-    async def report_progress(self, name: str) -> Progress | None:
+    async def report_progress(self, name: str) -> ProgressRecord | None:
         """Make rank 0 publish a record and return it; None where the real trainer reports."""
         return None
 
@@ -213,8 +214,8 @@ class EmulatedTestbed(Testbed):
         await self.kubelet.succeed(name, self.namespace)
 
     async def report_progress(self, name):
-        record = Progress(step=40, totalSteps=100, epoch=0.4, loss=1.25, learningRate=1e-4,
-                          tokensPerSecond=52000.0, etaSeconds=600)
+        record = ProgressRecord(step=40, totalSteps=100, epoch=0.4, loss=1.25, learningRate=1e-4,
+                                tokensPerSecond=52000.0, etaSeconds=600)
         self.rank0.publish(record)
         return record
 

@@ -43,3 +43,30 @@ def test_a_busy_port_costs_only_the_endpoint(capsys):
         assert server.httpd is None
         assert "progress endpoint not served" in capsys.readouterr().out
         server.close()
+
+
+def test_every_backend_reads_the_record_the_trainer_writes(tmp_path):
+    """#16: one progress model (finetune_trainer.record) from the trainer's files and
+    endpoint, through Azure ML's MLflow metrics, to status.progress: the same figures
+    whichever way they travel."""
+    from finetune_operator.api import Progress
+    from finetune_operator.backends.azureml.states import progress_from_metrics
+    from finetune_operator.backends.kubernetes import progress_from_record
+    from finetune_trainer.record import ProgressRecord
+
+    reporter = Reporter(tmp_path, total_steps=40, start_step=0, enabled=True)
+    reporter.step_done(5000)
+    written = reporter.report(step=8, epoch=0.2, loss=1.75, lr=2e-4, mfu=0.41)
+    on_disk = json.loads((tmp_path / "progress.json").read_text())
+    assert ProgressRecord.model_validate(on_disk) == written
+    history = json.loads((tmp_path / "progress.jsonl").read_text().splitlines()[-1])
+    assert "preflight" not in history and history["learningRate"] == 2e-4
+
+    from_pod = progress_from_record(on_disk)
+    metrics = [{"key": name, "value": value, "step": written.step}
+               for name, value in written.mlflow_metrics().items()]
+    from_azureml = progress_from_metrics(metrics)
+    assert from_pod == Progress.from_record(written)
+    assert (from_pod.step, from_pod.total_steps, from_pod.loss, from_pod.eta_seconds) == (
+        8, 40, 1.75, written.eta_seconds)
+    assert from_azureml.model_dump(exclude={"mfu"}) == from_pod.model_dump(exclude={"mfu"})

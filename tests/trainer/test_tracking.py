@@ -10,7 +10,8 @@ import types
 import pytest
 
 from finetune_trainer import tracking
-from finetune_trainer.progress import Progress, Reporter
+from finetune_trainer.progress import Reporter
+from finetune_trainer.record import ProgressRecord
 
 AZUREML_ENV = {"MLFLOW_TRACKING_URI": "azureml://westeurope.api.azureml.ms/mlflow/v1.0/x",
                "MLFLOW_RUN_ID": "demo-0b5e6c7e1234", "AZUREML_RUN_ID": "demo-0b5e6c7e1234"}
@@ -31,17 +32,17 @@ class FakeMlflow(types.SimpleNamespace):
         self.tags[key] = value
 
 
-def record(step: int, loss: float | None = 1.25) -> Progress:
-    return Progress(step=step, totalSteps=100, epoch=0.4, loss=loss, learningRate=1e-4,
-                    tokensPerSecond=52000.0, etaSeconds=600)
+def record(step: int, loss: float | None = 1.25) -> ProgressRecord:
+    return ProgressRecord(step=step, totalSteps=100, epoch=0.4, loss=loss, learningRate=1e-4,
+                          tokensPerSecond=52000.0, etaSeconds=600)
 
 
 def test_metric_names_and_values():
-    assert tracking.metrics_of(record(40)) == {
+    assert record(40).mlflow_metrics() == {
         "loss": 1.25, "learning_rate": 1e-4, "tokens_per_second": 52000.0, "epoch": 0.4,
         "total_steps": 100.0, "eta_seconds": 600.0}
-    assert "loss" not in tracking.metrics_of(record(40, loss=None))
-    assert "loss" not in tracking.metrics_of(record(40, loss=float("nan")))
+    assert "loss" not in record(40, loss=None).mlflow_metrics()
+    assert "loss" not in record(40, loss=float("nan")).mlflow_metrics()
 
 
 def test_only_inside_azure_ml():

@@ -7,6 +7,7 @@ so what is tested is exactly what a user runs.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -111,13 +112,22 @@ def test_compiled_layers_train_the_same_numbers(runs):
         losses(runs("ddp", "full")), rel=1e-4)
 
 
-def test_batches_prefetched_on_a_thread_train_the_same_numbers(runs, tiny_model_dir, tmp_path,
-                                                               monkeypatch):
-    """The GPU default (a collating thread), forced on CPU workers."""
-    monkeypatch.setenv("FINETUNE_PREFETCH", "1")
-    result = finetune_run(manifest(tiny_model_dir, tmp_path / "out", method="full"), tmp_path)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert losses(tmp_path / "out") == losses(runs("ddp", "full"))
+def test_batches_prefetched_on_a_thread_train_the_same_numbers(runs, tmp_path):
+    """The GPU default (a collating thread), forced on CPU workers by the trainer config's
+    benchmark switch: the trainer config `finetune run` wrote, run again by its torchrun."""
+    from finetune_operator.local import trainer_command
+
+    done = runs("ddp", "full")
+    config = yaml.safe_load((done / ".finetune" / "trainer.yaml").read_text())
+    config["output"]["uri"] = str(tmp_path / "out")
+    config["benchmark"] = {"prefetch": True}
+    path = tmp_path / "trainer.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run(trainer_command(path, 2), capture_output=True, text=True,
+                            env=env, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert losses(tmp_path / "out") == losses(done)
 
 
 @pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
@@ -364,3 +374,40 @@ def test_a_changed_job_is_refused_before_it_starts_and_fresh_starts_over(
     kept = next(output.glob("checkpoints.before-*"))
     assert sorted(p.name for p in kept.iterdir()) == before  # nothing deleted
     assert [p.name for p in (output / "checkpoints").iterdir()] == ["step-00000002"]
+
+
+def _checkpoint_payload(checkpoint: Path) -> int:
+    """Bytes of the tensors a checkpoint holds: from DCP's metadata (its files add ~2 KB a
+    tensor and rank, which only a tiny model notices), or DeepSpeed's state files."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    deepspeed = checkpoint / "model" / "deepspeed"
+    if deepspeed.is_dir():
+        return sum(f.stat().st_size for f in deepspeed.glob("*.pt"))
+    entries = FileSystemReader(str(checkpoint / "model")).read_metadata().state_dict_metadata
+    return sum(math.prod(e.size) * e.properties.dtype.itemsize for e in entries.values()
+               if isinstance(e, TensorStorageMetadata))
+
+
+@pytest.mark.parametrize(("strategy", "method"), [
+    ("ddp", "full"), ("fsdp", "lora"), ("zero2", "full"), ("zero3", "full")])
+def test_the_planners_output_volume_matches_what_a_run_writes(runs, tiny_model_dir, strategy,
+                                                               method):
+    """#17: a checkpoint and the final model take the space the planner's disk estimate
+    says (within 15%): trainable weights and Adam moments, DeepSpeed's module copy under
+    ZeRO, never the frozen base."""
+    from finetune_operator.planner.plan import plan_job
+    from finetune_operator.planner.sources import read_local
+    from finetune_operator.validation import parse_job
+
+    out = runs(strategy, method)
+    job = parse_job(manifest(tiny_model_dir, out, strategy=strategy, method=method))
+    plan = plan_job(job, read_local(tiny_model_dir), strategy)
+    checkpoints = sorted((out / "checkpoints").glob("step-*"))
+    assert len(checkpoints) == 2  # keepLast; the planner counts one more, being written
+    assert _checkpoint_payload(checkpoints[-1]) == pytest.approx(
+        plan.disk_breakdown["checkpoints"] / 3, rel=0.15)
+    final = sum(f.stat().st_size for f in (out / "final").glob("*.safetensors"))
+    assert final == pytest.approx(plan.disk_breakdown["finalModel"], rel=0.15)
+    assert plan.disk_breakdown["modelCache"] == 0  # a folder, read where it is

@@ -107,18 +107,25 @@ class Checkpointer:
                  settings: dict[str, Any] | None = None,
                  say: Callable[[str], None] | None = None,
                  observe: Callable[[float], None] | None = None,
-                 behind: AsyncCheckpoints = "auto") -> None:
+                 behind: AsyncCheckpoints = "auto", every: int | None = None) -> None:
         """`settings`: what it is trained with (`trained_with.record`), kept beside its
         state. `say`: where the line about each completed checkpoint goes; `observe`: gets
         the seconds each one took to write (staging and background write together).
-        `behind`: `output.asyncCheckpoints`."""
-        self.mode = behind
+        `behind`: `output.asyncCheckpoints`; `every`: `output.checkpointEverySteps`."""
+        self.mode, self.every = behind, every
         self.strategy, self.scheduler = strategy, scheduler
         self.output_dir, self.keep_last, self.settings = output_dir, keep_last, settings
         self.say = say or (lambda text: None)
         self.observe = observe or (lambda seconds: None)
         self._pending: _Pending | None = None
         self._behind: bool | None = None  # whether saves go in the background, once decided
+
+    def maybe_save(self, state: TrainerState, last: bool, stopping: bool) -> None:
+        """The cadence: every `every` steps, after the last step, and on SIGTERM, then
+        not in the background: the pod has seconds left, and the checkpoint of this very
+        step must be complete before it exits."""
+        if last or stopping or (self.every and state.step % self.every == 0):
+            self.save(state, background=not stopping)
 
     def save(self, state: TrainerState, *, background: bool = True) -> Path:
         """Start the checkpoint of `state.step` steps, after completing the one in flight.

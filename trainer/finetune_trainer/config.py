@@ -276,6 +276,20 @@ class TrainerPreflight(PreflightConfig):
     (`spec.kubernetes.infiniband`)."""
 
 
+class BenchmarkSwitches(ApiModel):
+    """The other side of a speed-up, there for benchmarks/changes.py to measure it against:
+    set by a benchmark's trainer config only (not a FineTuneJob field; neither the operator
+    nor `finetune run` writes it)."""
+
+    prefetch: bool | None = None
+    """Collate the next steps' batches on a thread during this step. None: where the device
+    computes asynchronously (a GPU); on CPU workers such a thread only competes for the
+    cores (0.92-0.94x in benchmarks/changes.py)."""
+    packer: Literal["best-fit", "next-fit"] = "best-fit"
+    """How packing fills sequences: best-fit decreasing, or consecutive samples (next-fit,
+    the packing before best-fit)."""
+
+
 class TrainerConfig(ApiModel):
     """Everything a worker needs, resolved by the operator (or `finetune run`)."""
 
@@ -290,6 +304,11 @@ class TrainerConfig(ApiModel):
     output: OutputConfig
     metrics: MetricsConfig = section(MetricsConfig)
     preflight: TrainerPreflight = section(TrainerPreflight)
+    benchmark: BenchmarkSwitches = section(BenchmarkSwitches)
+    model_fetched_from: ModelSource | None = None
+    """Set by the trainer itself, never by the operator: the spec's hub model when `model`
+    points at its copy in the output folder (`finetune_trainer.fetch`). Checkpoints record
+    this one, so a run that read the copy and one that read the hub resume each other."""
 
     @model_validator(mode="after")
     def _strategy_is_resolved(self) -> TrainerConfig:

@@ -1,15 +1,29 @@
-"""Where a run keeps its checkpoints in the output folder, and which of them are complete.
-Torch-free: `finetune run` and the operator read it as well as the trainer."""
+"""The output folder's layout: the export, the progress records, the checkpoints (and which
+of them are complete), the copy of a hub model. Torch-free: `finetune run` and the
+operator read it as well as the trainer."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+from urllib.parse import quote
 
+FINAL_DIR = "final"
+"""The export: a peft adapter, or the whole model's safetensors weights."""
+MERGED_DIR = "merged"
+"""With mergeAdapter: the base model with the adapter merged in."""
+PROGRESS_FILE = "progress.json"
+"""The latest progress record (finetune_trainer.record), replaced atomically."""
+HISTORY_FILE = "progress.jsonl"
+"""One progress record per log step."""
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"
 """Written last into a checkpoint: a folder without it is not complete."""
 _NAME = re.compile(r"^step-(\d{8})$")
+MODEL_CACHE = "model-cache"
+"""Hub models fetched once for every node and every restart (`finetune_trainer.fetch`)."""
+FETCHED_FILE = "fetched.json"
+"""Written last into a model copy: a folder without it is not complete."""
 
 
 def checkpoint_root(output_dir: Path) -> Path:
@@ -32,3 +46,11 @@ def complete_checkpoints(output_dir: Path) -> list[Path]:
 def latest_checkpoint(output_dir: Path) -> Path | None:
     complete = complete_checkpoints(output_dir)
     return complete[-1] if complete else None
+
+
+def model_copy_dir(output_dir: Path, repo: str, revision: str | None) -> Path:
+    """The folder holding hub repo `repo` at `revision` (None: the default branch), one per
+    pair: `model-cache/org--name@main`. The revision is quoted (`refs/pr/1` →
+    `refs%2Fpr%2F1`), so no two revisions share a folder."""
+    pinned = quote(revision, safe="") if revision else "default"
+    return output_dir / MODEL_CACHE / f"{repo.replace('/', '--')}@{pinned}"

@@ -7,39 +7,17 @@ import os
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from finetune_trainer.layout import HISTORY_FILE, PROGRESS_FILE
+from finetune_trainer.record import ProgressRecord
+
 if TYPE_CHECKING:
     from finetune_trainer.tracking import MlflowTracker
 
-PROGRESS_FILE = "progress.json"
-HISTORY_FILE = "progress.jsonl"
-
-
-@dataclass
-class Progress:
-    """The machine-readable record; field names match FineTuneJob status.progress."""
-
-    step: int
-    totalSteps: int
-    epoch: float
-    loss: float | None
-    learningRate: float
-    tokensPerSecond: float
-    etaSeconds: int | None
-    mfu: float | None = None
-    stepSeconds: float | None = None
-    """Mean wall time of the window's steps."""
-    peakMemoryBytes: int | None = None
-    """Rank 0's peak memory (the CUDA allocator's on a GPU, resident set on CPU)."""
-    phase: str = "Running"
-    updateTime: str = ""
-    preflight: dict | None = None
-    """The collective preflight's figures (busBandwidthGBps, nodes, slowNodes, ...)."""
 
 
 def format_duration(seconds: float | None) -> str:
@@ -66,7 +44,7 @@ class Reporter:
         self.window_tokens = 0
         self.window_steps = 0
         self.bar = None
-        self.last: Progress | None = None
+        self.last: ProgressRecord | None = None
         self.preflight: dict | None = None  # published with every record
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
@@ -80,19 +58,19 @@ class Reporter:
             self.bar.update(1)
 
     def report(self, step: int, epoch: float, loss: float | None, lr: float,
-               mfu: float | None = None, peak_memory: int | None = None) -> Progress:
+               mfu: float | None = None, peak_memory: int | None = None) -> ProgressRecord:
         """Close the current window and publish it (`step` counts completed steps)."""
         elapsed = max(time.perf_counter() - self.window_start, 1e-9)
         tokens_per_second = self.window_tokens / elapsed
         step_seconds = elapsed / self.window_steps if self.window_steps else None
         eta = None if step_seconds is None else int(step_seconds * (self.total_steps - step))
-        record = Progress(step=step, totalSteps=self.total_steps, epoch=round(epoch, 4),
-                          loss=loss, learningRate=lr, tokensPerSecond=round(tokens_per_second, 1),
-                          etaSeconds=eta, mfu=None if mfu is None else round(mfu, 4),
-                          stepSeconds=None if step_seconds is None else round(step_seconds, 6),
-                          peakMemoryBytes=peak_memory,
-                          preflight=self.preflight,
-                          updateTime=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+        record = ProgressRecord(
+            step=step, total_steps=self.total_steps, epoch=round(epoch, 4), loss=loss,
+            learning_rate=lr, tokens_per_second=round(tokens_per_second, 1), eta_seconds=eta,
+            mfu=None if mfu is None else round(mfu, 4),
+            step_seconds=None if step_seconds is None else round(step_seconds, 6),
+            peak_memory_bytes=peak_memory, preflight=self.preflight,
+            update_time=datetime.now(timezone.utc).isoformat(timespec="seconds"))
         if self.enabled:
             loss_text = "n/a" if loss is None else f"{loss:.4f}"
             line = (f"step {step}/{self.total_steps} | epoch {epoch:.2f} | loss {loss_text} | "
@@ -104,8 +82,7 @@ class Reporter:
                 print(line, flush=True)
             self._write(record)
             with self.history.open("a", encoding="utf-8") as handle:
-                line = {k: v for k, v in asdict(record).items() if k != "preflight"}
-                handle.write(json.dumps(line) + "\n")
+                handle.write(json.dumps(record.as_json(history=True)) + "\n")
             if self.tracker is not None:
                 self.tracker.log(record)
         self.window_start, self.window_tokens, self.window_steps = time.perf_counter(), 0, 0
@@ -115,18 +92,18 @@ class Reporter:
     def finish(self, phase: str) -> None:
         """Publish the final phase with the last figures (no log line)."""
         if self.enabled and self.last is not None:
-            self.last.phase, self.last.etaSeconds = phase, 0
+            self.last.phase, self.last.eta_seconds = phase, 0
             self._write(self.last)
             if self.tracker is not None:
                 self.tracker.finish(phase)
         self.close()
 
-    def _write(self, record: Progress) -> None:
+    def _write(self, record: ProgressRecord) -> None:
         if self.server is not None:
             self.server.publish(record)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(record)))
+        tmp.write_text(json.dumps(record.as_json()))
         os.replace(tmp, self.path)
 
     def close(self) -> None:
@@ -181,8 +158,8 @@ class ProgressServer:
         threading.Thread(target=self.httpd.serve_forever, daemon=True,
                          name="progress-server").start()
 
-    def publish(self, record: Progress) -> None:
-        self.record = asdict(record)
+    def publish(self, record: ProgressRecord) -> None:
+        self.record = record.as_json()
 
     def close(self) -> None:
         if self.httpd is not None:

@@ -1,6 +1,6 @@
 """Rank 0's progress into Azure ML's own tracking (MLflow), so the Studio charts of the job
 show loss, learning rate and throughput, and the operator can mirror them into the
-FineTuneJob status (it reads the same metric names back: `METRICS`).
+FineTuneJob status (it reads the same metric names back: record.MLFLOW_METRICS).
 
 Azure ML starts a job's processes with MLFLOW_TRACKING_URI and MLFLOW_RUN_ID pointing at
 the job's own run; `mlflow.log_metrics` then lands there (the `azureml-mlflow` plugin
@@ -10,37 +10,12 @@ without torch or mlflow: mlflow is imported only inside Azure ML.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-# Progress record field → MLflow metric name (also read back by the operator).
-METRICS: dict[str, str] = {
-    "loss": "loss",
-    "learningRate": "learning_rate",
-    "tokensPerSecond": "tokens_per_second",
-    "epoch": "epoch",
-    "totalSteps": "total_steps",
-    "etaSeconds": "eta_seconds",
-}
-
-
-class ProgressRecord(Protocol):
-    step: int
-
-
-def metrics_of(record: Any) -> dict[str, float]:
-    """The record's numbers under their MLflow names; unknown or non-finite values are left
-    out (MLflow refuses NaN, and a missing loss is not a zero loss)."""
-    out = {}
-    for field, metric in METRICS.items():
-        value = getattr(record, field, None)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        if math.isfinite(value):
-            out[metric] = float(value)
-    return out
+if TYPE_CHECKING:
+    from finetune_trainer.record import ProgressRecord
 
 
 def in_azureml(environ: Mapping[str, str]) -> bool:
@@ -62,7 +37,7 @@ class MlflowTracker:
         if self.broken:
             return
         try:
-            self.mlflow.log_metrics(metrics_of(record), step=int(record.step))
+            self.mlflow.log_metrics(record.mlflow_metrics(), step=record.step)
         except Exception as error:  # the tracking service, the network, the plugin
             self.broken = True
             print(f"metrics are no longer sent to Azure ML tracking: {error}", flush=True)

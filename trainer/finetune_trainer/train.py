@@ -35,6 +35,7 @@ from finetune_trainer.data import (
     resolve_format,
     tokenize_records,
 )
+from finetune_trainer.layout import FINAL_DIR, MERGED_DIR
 from finetune_trainer.loading import load_for
 from finetune_trainer.metrics import TrainerMetrics, peak_memory_bytes
 from finetune_trainer.model import (
@@ -47,9 +48,7 @@ from finetune_trainer.progress import ProgressServer, Reporter
 from finetune_trainer.timing import StepPhases
 
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: what Kubernetes and torchrun expect after SIGTERM
-FINAL_DIR = "final"
 EXPORT_SHARD_SIZE = "1GB"
-MERGED_DIR = "merged"
 
 
 @dataclass
@@ -67,14 +66,7 @@ def resolve_path(uri: str, base_dir: Path) -> Path:
     return path if path.is_absolute() else (base_dir / path).resolve()
 
 
-def packer():
-    """Best-fit-decreasing `pack`; FINETUNE_PACKING=next-fit joins consecutive samples
-    instead (the other side of benchmarks/changes.py)."""
-    chosen = os.environ.get("FINETUNE_PACKING", "best-fit")
-    packers = {"best-fit": pack, "next-fit": pack_in_order}
-    if chosen not in packers:
-        raise ValueError(f"FINETUNE_PACKING={chosen!r}: use one of {', '.join(packers)}")
-    return packers[chosen]
+PACKERS = {"best-fit": pack, "next-fit": pack_in_order}
 
 
 def preflight(config: TrainerConfig, base_dir: Path) -> Prepared:
@@ -97,7 +89,8 @@ def preflight(config: TrainerConfig, base_dir: Path) -> Prepared:
         raise DataError(data.uri, "has no sample with a trained token after truncation",
                         "raise spec.dataset.maxSeqLength or check the response columns")
     evaluation = tokenize_records(eval_records, fmt, tokenizer, data.max_seq_length)
-    arrange = (functools.partial(packer(), max_length=data.max_seq_length) if data.packing
+    arrange = (functools.partial(PACKERS[config.benchmark.packer],
+                                 max_length=data.max_seq_length) if data.packing
                else one_per_sequence)
     return Prepared(tokenizer, arrange(train), arrange(evaluation), wrap_classes)
 
@@ -344,221 +337,308 @@ def _say(text: str) -> None:
 
 def run(config: TrainerConfig, base_dir: Path) -> int:
     """Train to the last step (or to a SIGTERM); returns the process exit code."""
-    import torch
-    import torch.distributed as dist
-    import transformers
+    return Trainer(config, base_dir).train()
 
-    from finetune_trainer import attention, loss
-    from finetune_trainer.optim import build_optimizer, build_scheduler
-    from finetune_trainer.parallel import build_strategy, init_distributed
 
-    hp, method = config.hyperparameters, config.method
-    prepared = preflight(config, base_dir)
-    stop = StopRequest()
-    output_dir = resolve_path(config.output.uri, base_dir)
-    nccl_log = _network_env(config, output_dir)
-    device = init_distributed()
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if rank != 0:
-        transformers.logging.set_verbosity_error()
-    control = dist.new_group(backend="gloo")  # CPU-side agreement, no device sync
-    metrics = TrainerMetrics(config.job.name, config.job.namespace or "", rank, device=device)
-    network = None
-    if config.preflight.enabled and world > 1:
-        network = check_network(config, device, output_dir, nccl_log, metrics)
-    transformers.set_seed(hp.seed)
-    pad_id = prepared.tokenizer.pad_token_id
+class StepLogger:
+    """The window since the last log step and what a log step reports of it: the loss over
+    its label tokens, tokens/s and samples/s, MFU, the step-time split (data / compute /
+    optimizer) and the collectives' exposed time. Every rank logs; rank 0's reporter
+    writes the progress record."""
 
-    strategy = build_strategy(config.strategy, hp, device, prepared.wrap_classes)
-    # unset (the operator resolves both before a worker starts): checkpointing on, no compile
-    checkpointing = config.strategy.gradient_checkpointing is not False
-    # built empty under fsdp: rank 0 reads `weights` one at a time in setup (loading.py)
-    model, weights = load_for(strategy, config.model, method, config.strategy.precision,
-                              checkpointing, base_dir, device=device,
-                              checkpoint_policy=config.strategy.gradient_checkpointing_policy)
-    bounds = False  # packed attention: the samples' bounds go with every batch
-    if config.strategy.packed_attention:
-        if (why_not := attention.why_not(loss.base_causal_lm(model), device)) is None:
-            attention.install(loss.base_causal_lm(model))
-            bounds = True
-        elif device.type == "cuda":
-            _say(f"packed attention off: {why_not}; SDPA with a block-diagonal mask")
-    if config.strategy.compile is True:
-        layers = compile_layers(model, prepared.wrap_classes)
-        _say(f"compiling {layers} decoder layers with torch.compile (the first steps are slow)")
-    head = None
-    if config.strategy.fused_loss:
-        if (why_not := loss.fusable(model)) is None:
-            head = loss.install(model)
-        else:
-            _say(f"fused loss off: {why_not}; the logits are computed whole")
-    fixed = config.strategy.compile is True and config.dataset.packing
-    collation = Collation(pad_id, head, bounds,
-                          width=config.dataset.max_seq_length if fixed else None)
-    flops_per_token = _model_flops_per_token(model, prepared.train)
-    peak = flops.peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-    learning_rate = hp.resolved_learning_rate(method.type)
-    strategy.setup(model, lambda m: build_optimizer(m, hp, learning_rate,
-                                                    fused=strategy.fused_optimizer), weights)
-    instrumented = config.metrics.enabled
-    collective_log = CollectiveLog(device, world) if instrumented else None
-    sampler = strategy.time_collectives(collective_log) if instrumented and world > 1 else None
-    phases = StepPhases(device) if instrumented else None
-    batches = GlobalBatches(len(prepared.train), hp.batch_size_per_device,
-                            hp.gradient_accumulation_steps, world, hp.seed)
-    steps = total_steps(config, batches)
-    scheduler = build_scheduler(strategy.base_optimizer, hp, steps)
+    def __init__(self, trainer: Trainer, flops_per_token: float, peak: float | None) -> None:
+        import torch
 
-    state = checkpoint.TrainerState(step=0, epoch=0, step_in_epoch=0, tokens_seen=0,
-                                    total_steps=steps)
-    checkpoints = checkpoint.Checkpointer(
-        strategy, scheduler, output_dir, config.output.keep_last, trained_with.record(config),
-        say=_say, observe=metrics.checkpoint_save.observe,
-        behind=config.output.async_checkpoints)
-    metrics.total_steps.set(steps)
-    if (latest := checkpoint.latest_checkpoint(output_dir)) is not None:
-        started = time.perf_counter()
-        state = checkpoint.load(strategy, scheduler, latest)
-        metrics.resumed(time.perf_counter() - started)
-        _say(f"resuming from {latest} (step {state.step}/{steps})")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # one port per process on a node
-    server = (ProgressServer(config.metrics.port + local_rank, registry=metrics.registry)
-              if config.metrics.enabled else None)
-    tracker = tracking.from_environment() if rank == 0 else None  # Azure ML Studio charts
-    reporter = Reporter(output_dir, steps, state.step, enabled=rank == 0, server=server,
-                        tracker=tracker)
-    reporter.preflight = network.record() if network is not None else None
-    _say(f"training {len(prepared.train)} sequences on {world} "
-         f"{'process' if world == 1 else 'processes'} ({strategy.name}, "
-         f"{config.strategy.precision}): {steps} steps of {batches.global_batch} sequences")
+        device, world = trainer.device, trainer.world
+        self.trainer, self.flops_per_token, self.peak = trainer, flops_per_token, peak
+        instrumented = trainer.config.metrics.enabled
+        self.phases = StepPhases(device) if instrumented else None
+        self.collectives = CollectiveLog(device, world) if instrumented else None
+        self.sampler = (trainer.strategy.time_collectives(self.collectives)
+                        if instrumented and world > 1 else None)
+        self.sampled: list = []  # ZeRO's timed steps since the last log step
+        self.loss = torch.zeros((), device=device, dtype=torch.float64)
+        self.tokens = 0
+        self.window = LogWindow()
 
-    counts = StepCounts(prepared.train, batches)
-    pin = device.type == "cuda"
+    def mark(self, begin: bool = False) -> None:
+        if self.phases is not None:
+            (self.phases.begin if begin else self.phases.mark)()
 
-    def load_step(key: tuple[int, int]):
-        """This rank's micro-batches of one step, as CPU tensors (pinned on a GPU host)."""
-        mine = batches.micro_batches(*key, rank)
-        tensors = [collation.tensors([prepared.train[i] for i in indices])
-                   for indices in mine]
-        if pin:
-            tensors = [{k: v.pin_memory() for k, v in batch.items()} for batch in tensors]
-        return mine, tensors
+    def sampling(self, step: int) -> bool:
+        """Whether this step's collectives are timed (ZeRO's engine: a sampled step)."""
+        if self.sampler is not None and self.sampler.wants(step):
+            self.sampler.begin()
+            return True
+        return False
 
-    schedule = batches.schedule(state.step)
-    # a collating thread pays where the device computes asynchronously; on CPU workers it
-    # only competes for the cores (0.92-0.94x in benchmarks/changes.py). FINETUNE_PREFETCH
-    # =1 / =0 forces it on / off (the benchmark's two sides).
-    prefetch = os.environ.get("FINETUNE_PREFETCH", "1" if pin else "0") == "1"
-    if prefetch:
-        steps_ahead = Prefetched(schedule, load_step)
-    else:
-        steps_ahead = ((key, load_step(key)) for key in schedule)
-    loss_window = torch.zeros((), device=device, dtype=torch.float64)
-    tokens_window = 0
-    window = LogWindow()
-    sampled: list = []  # ZeRO's timed steps since the last log step
-    grad_norm = None
-    profiler = StepProfiler.from_environment(rank, device.type)  # FINETUNE_PROFILE=DIR
-    strategy.model.train()
-    if stop.agree(control).wait():  # told to stop while loading: nothing new to save
-        _say("stopped by SIGTERM before the first step; a restart resumes from "
-             f"{'step ' + str(state.step) if state.step else 'the start'}")
-        reporter.finish("Stopped")
-        return EXIT_PREEMPTED
-    while state.step < steps:
-        if phases is not None:
-            phases.begin()
-        (epoch, step_in_epoch), (mine, micro_batches) = next(steps_ahead)
-        agreement = stop.agree(control)  # overlaps the step; waited for at its end
-        # every rank knows the whole global batch, so the token count the loss is
-        # normalised by needs no collective
-        step_tokens, step_inputs, step_sequences = counts.of_step(epoch, step_in_epoch)
-        local_tokens = counts.of_indices(mine)
-        scale = world / max(step_tokens, 1)
-        if phases is not None:
-            phases.mark()
-        sampling = sampler is not None and sampler.wants(state.step + 1)
-        if sampling:
-            sampler.begin()
+    def step_done(self, sampled: bool, counts: tuple[int, int, int], local_tokens: int,
+                  local_samples: int) -> None:
+        if sampled:
+            self.sampled.append(self.sampler.end())
+        if self.collectives is not None:
+            self.collectives.step_boundary()
+        step_tokens, step_inputs, step_sequences = counts
+        self.tokens += int(step_tokens)
+        self.window.add(step_inputs, step_sequences)
+        self.trainer.reporter.step_done(int(step_tokens))
+        self.trainer.metrics.tokens.inc(local_tokens)
+        self.trainer.metrics.samples.inc(local_samples)
+
+    def log(self, grad_norm: Any) -> None:
+        t = self.trainer
+        state, metrics = t.state, t.metrics
+        window_loss = _all_ranks_sum([float(self.loss)], t.control)[0]
+        seconds = self.window.seconds()
+        mfu = (self.flops_per_token * self.window.inputs / seconds / (self.peak * t.world)
+               if self.peak and seconds > 0 else None)
+        with t.checkpoints.writing_beside():  # a full volume: the checkpoint's doing
+            record = t.reporter.report(state.step, state.step / t.batches.steps_per_epoch,
+                                       window_loss / max(self.tokens, 1),
+                                       t.scheduler.get_last_lr()[0], mfu=mfu,
+                                       peak_memory=peak_memory_bytes(t.device))
+        split = self.phases.drain() if self.phases is not None else {}
+        if self.collectives is not None:
+            timed = merge([self.collectives.drain(), *self.sampled])
+            self.sampled.clear()
+            metrics.collectives(timed, t.world)
+            if timed.totals:
+                split["collective_wait"] = timed.exposed_seconds / max(self.window.steps, 1)
+        metrics.logged(record.step, t.steps, record.epoch, record.loss, record.learning_rate,
+                       record.tokens_per_second, t.device, grad_norm=_as_float(grad_norm),
+                       samples_per_second=self.window.sequences / seconds if seconds else None,
+                       mfu=mfu, phases=split)
+        self.loss.zero_()
+        self.tokens = 0
+        self.window = LogWindow()
+
+
+class Trainer:
+    """One training run, in torchtitan's shape: the constructor builds the components (the
+    checked data, the process group, the model under its strategy, the optimizer and its
+    schedule, the checkpointer, the metrics and progress reporting), `train_step` trains one
+    global batch, `train` is the loop, `finish` evaluates and exports."""
+
+    def __init__(self, config: TrainerConfig, base_dir: Path) -> None:
+        import torch.distributed as dist
+        import transformers
+
+        from finetune_trainer.parallel import init_distributed
+
+        self.config, self.base_dir, self.hp = config, base_dir, config.hyperparameters
+        self.prepared = preflight(config, base_dir)
+        self.stop = StopRequest()
+        self.output_dir = resolve_path(config.output.uri, base_dir)
+        nccl_log = _network_env(config, self.output_dir)
+        self.device = init_distributed()
+        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        if self.rank != 0:
+            transformers.logging.set_verbosity_error()
+        self.control = dist.new_group(backend="gloo")  # CPU-side agreement, no device sync
+        self.metrics = TrainerMetrics(config.job.name, config.job.namespace or "", self.rank,
+                                      device=self.device)
+        self.network = None
+        if config.preflight.enabled and self.world > 1:
+            self.network = check_network(config, self.device, self.output_dir, nccl_log,
+                                         self.metrics)
+        transformers.set_seed(self.hp.seed)
+        self._build_model()
+        self._build_schedule()
+        self._resume()
+        self.counts = StepCounts(self.prepared.train, self.batches)
+        self.steps_ahead = self._data(self.batches.schedule(self.state.step))
+        self.grad_norm: Any = None
+        self.profiler = StepProfiler.from_environment(self.rank, self.device.type)
+
+    def _build_model(self) -> None:
+        """The model as its strategy reads it, what runs inside it (packed attention, the
+        fused loss, compiled layers), wrapped and given its optimizer."""
+        import torch
+
+        from finetune_trainer import attention, loss
+        from finetune_trainer.optim import build_optimizer
+        from finetune_trainer.parallel import build_strategy
+
+        config, device, hp = self.config, self.device, self.hp
+        strategy = build_strategy(config.strategy, hp, device, self.prepared.wrap_classes)
+        # unset (the operator resolves both before a worker starts): checkpointing on
+        checkpointing = config.strategy.gradient_checkpointing is not False
+        # built empty under fsdp: rank 0 reads `weights` one at a time in setup (loading.py)
+        model, weights = load_for(strategy, config.model, config.method,
+                                  config.strategy.precision, checkpointing, self.base_dir,
+                                  device=device,
+                                  checkpoint_policy=config.strategy.gradient_checkpointing_policy)
+        bounds = False  # packed attention: the samples' bounds go with every batch
+        if config.strategy.packed_attention:
+            if (why_not := attention.why_not(loss.base_causal_lm(model), device)) is None:
+                attention.install(loss.base_causal_lm(model))
+                bounds = True
+            elif device.type == "cuda":
+                _say(f"packed attention off: {why_not}; SDPA with a block-diagonal mask")
+        if config.strategy.compile is True:
+            layers = compile_layers(model, self.prepared.wrap_classes)
+            _say(f"compiling {layers} decoder layers with torch.compile (the first steps are "
+                 "slow)")
+        self.head = None
+        if config.strategy.fused_loss:
+            if (why_not := loss.fusable(model)) is None:
+                self.head = loss.install(model)
+            else:
+                _say(f"fused loss off: {why_not}; the logits are computed whole")
+        fixed = config.strategy.compile is True and config.dataset.packing
+        self.collation = Collation(self.prepared.tokenizer.pad_token_id, self.head, bounds,
+                                   width=config.dataset.max_seq_length if fixed else None)
+        flops_per_token = _model_flops_per_token(model, self.prepared.train)
+        peak = (flops.peak_flops(torch.cuda.get_device_name(device))
+                if device.type == "cuda" else None)
+        learning_rate = hp.resolved_learning_rate(config.method.type)
+        strategy.setup(model, lambda m: build_optimizer(m, hp, learning_rate,
+                                                        fused=strategy.fused_optimizer),
+                       weights)
+        self.strategy = strategy
+        self.log = StepLogger(self, flops_per_token, peak)
+
+    def _build_schedule(self) -> None:
+        from finetune_trainer.optim import build_scheduler
+
+        hp = self.hp
+        self.batches = GlobalBatches(len(self.prepared.train), hp.batch_size_per_device,
+                                     hp.gradient_accumulation_steps, self.world, hp.seed)
+        self.steps = total_steps(self.config, self.batches)
+        self.scheduler = build_scheduler(self.strategy.base_optimizer, hp, self.steps)
+
+    def _resume(self) -> None:
+        """The checkpointer, the newest complete checkpoint loaded if there is one, and the
+        progress reporting from there."""
+        config, output_dir = self.config, self.output_dir
+        self.state = checkpoint.TrainerState(step=0, epoch=0, step_in_epoch=0, tokens_seen=0,
+                                             total_steps=self.steps)
+        self.checkpoints = checkpoint.Checkpointer(
+            self.strategy, self.scheduler, output_dir, config.output.keep_last,
+            trained_with.record(config), say=_say,
+            observe=self.metrics.checkpoint_save.observe,
+            behind=config.output.async_checkpoints, every=config.output.checkpoint_every_steps)
+        self.metrics.total_steps.set(self.steps)
+        if (latest := checkpoint.latest_checkpoint(output_dir)) is not None:
+            started = time.perf_counter()
+            self.state = checkpoint.load(self.strategy, self.scheduler, latest)
+            self.metrics.resumed(time.perf_counter() - started)
+            _say(f"resuming from {latest} (step {self.state.step}/{self.steps})")
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # one port per process on a node
+        server = (ProgressServer(config.metrics.port + local_rank,
+                                 registry=self.metrics.registry)
+                  if config.metrics.enabled else None)
+        tracker = tracking.from_environment() if self.rank == 0 else None  # Azure ML Studio
+        self.reporter = Reporter(output_dir, self.steps, self.state.step,
+                                 enabled=self.rank == 0, server=server, tracker=tracker)
+        self.reporter.preflight = self.network.record() if self.network is not None else None
+
+    def _data(self, schedule):
+        """This rank's micro-batches of each step, as CPU tensors (pinned on a GPU host),
+        collated a step ahead by a thread where the device computes asynchronously
+        (`benchmark.prefetch`)."""
+        pin = self.device.type == "cuda"
+        prefetch = self.config.benchmark.prefetch
+
+        def load_step(key: tuple[int, int]):
+            mine = self.batches.micro_batches(*key, self.rank)
+            tensors = [self.collation.tensors([self.prepared.train[i] for i in indices])
+                       for indices in mine]
+            if pin:
+                tensors = [{k: v.pin_memory() for k, v in batch.items()} for batch in tensors]
+            return mine, tensors
+
+        if prefetch or (prefetch is None and pin):
+            return Prefetched(schedule, load_step)
+        return ((key, load_step(key)) for key in schedule)
+
+    def train_step(self) -> bool:
+        """One global batch: this rank's micro-batches forward and backward, the optimizer
+        and schedule step. True when any rank was told to stop (SIGTERM)."""
+        from finetune_trainer.loss import summed_loss
+
+        log, strategy = self.log, self.strategy
+        log.mark(begin=True)
+        (epoch, step_in_epoch), (mine, micro_batches) = next(self.steps_ahead)
+        agreement = self.stop.agree(self.control)  # overlaps the step; waited for at its end
+        # every rank knows the whole global batch: the token count the loss is normalised
+        # by needs no collective
+        counts = self.counts.of_step(epoch, step_in_epoch)
+        scale = self.world / max(counts[0], 1)
+        log.mark()
+        sampled = log.sampling(self.state.step + 1)
         for index, batch in enumerate(micro_batches):
             with strategy.autocast():
-                summed = loss.summed_loss(strategy.model, _to(batch, device), head)
+                summed = summed_loss(strategy.model, _to(batch, self.device), self.head)
             strategy.backward(summed * scale, boundary=index == len(micro_batches) - 1)
-            loss_window += summed.detach()
-        if phases is not None:
-            phases.mark()
-        grad_norm = strategy.step()
-        scheduler.step()
-        if phases is not None:
-            phases.mark()
-        if sampling:
-            sampled.append(sampler.end())
-        if profiler is not None:
-            profiler.step()
+            log.loss += summed.detach()
+        log.mark()
+        self.grad_norm = strategy.step()
+        self.scheduler.step()
+        log.mark()
+        if self.profiler is not None:
+            self.profiler.step()
         stopping = agreement.wait()
-        if collective_log is not None:
-            collective_log.step_boundary()
-        state = checkpoint.TrainerState(
-            step=state.step + 1, epoch=epoch + (step_in_epoch + 1) // batches.steps_per_epoch,
-            step_in_epoch=(step_in_epoch + 1) % batches.steps_per_epoch,
-            tokens_seen=state.tokens_seen + int(step_tokens), total_steps=steps)
-        tokens_window += int(step_tokens)
-        window.add(step_inputs, step_sequences)
-        reporter.step_done(int(step_tokens))
-        metrics.tokens.inc(local_tokens)
-        metrics.samples.inc(sum(len(indices) for indices in mine))
+        self.state = self._advanced(epoch, step_in_epoch, counts[0])
+        log.step_done(sampled, counts, self.counts.of_indices(mine),
+                      sum(len(indices) for indices in mine))
+        return stopping
 
-        done = state.step == steps
-        if state.step % hp.log_every_steps == 0 or done or stopping:
-            window_loss = _all_ranks_sum([float(loss_window)], control)[0]
-            seconds = window.seconds()
-            mfu = (flops_per_token * window.inputs / seconds / (peak * world)
-                   if peak and seconds > 0 else None)
-            with checkpoints.writing_beside():  # a full volume: the checkpoint's doing
-                record = reporter.report(state.step, state.step / batches.steps_per_epoch,
-                                         window_loss / max(tokens_window, 1),
-                                         scheduler.get_last_lr()[0], mfu=mfu,
-                                         peak_memory=peak_memory_bytes(device))
-            split = phases.drain() if phases is not None else {}
-            if collective_log is not None:
-                timed = merge([collective_log.drain(), *sampled])
-                sampled.clear()
-                metrics.collectives(timed, world)
-                if timed.totals:
-                    split["collective_wait"] = timed.exposed_seconds / max(window.steps, 1)
-            metrics.logged(record.step, steps, record.epoch, record.loss, record.learningRate,
-                           record.tokensPerSecond, device, grad_norm=_as_float(grad_norm),
-                           samples_per_second=window.sequences / seconds if seconds else None,
-                           mfu=mfu, phases=split)
-            loss_window.zero_()
-            tokens_window = 0
-            window = LogWindow()
-        if hp.eval_every_steps and state.step % hp.eval_every_steps == 0 and not done:
-            eval_loss = evaluate(strategy, prepared.eval, hp.batch_size_per_device,
-                                 collation, control)
-            _say(f"eval at step {state.step}: loss {eval_loss:.4f}")
-        every = config.output.checkpoint_every_steps
-        if done or stopping or (every and state.step % every == 0):
-            # in the background, but not on SIGTERM: the pod has seconds left, and the
-            # checkpoint of this very step must be complete before it exits
-            checkpoints.save(state, background=not stopping)
-        if stopping:
-            _say(f"stopped by SIGTERM after step {state.step}; a restart resumes from the "
-                 "checkpoint above")
-            reporter.finish("Stopped")
-            return EXIT_PREEMPTED
+    def _advanced(self, epoch: int, step_in_epoch: int, tokens: int) -> checkpoint.TrainerState:
+        per_epoch = self.batches.steps_per_epoch
+        return checkpoint.TrainerState(
+            step=self.state.step + 1, epoch=epoch + (step_in_epoch + 1) // per_epoch,
+            step_in_epoch=(step_in_epoch + 1) % per_epoch,
+            tokens_seen=self.state.tokens_seen + int(tokens), total_steps=self.steps)
 
-    checkpoints.finish()  # the last checkpoint complete before anything else can fail
-    if profiler is not None:
-        profiler.stop()
-        if profiler.written is not None:
-            _say(f"profile of steps written to {profiler.written.parent}")
-    eval_loss = evaluate(strategy, prepared.eval, hp.batch_size_per_device, collation,
-                         control)
-    if eval_loss is not None:
-        _say(f"eval loss {eval_loss:.4f}")
-    final = export(strategy, prepared.tokenizer, config, output_dir, base_dir)
-    reporter.finish("Succeeded")
-    _say(f"exported {final}")
-    dist.destroy_process_group()
-    return 0
+    def train(self) -> int:
+        """Train to the last step, or to a SIGTERM after a checkpoint; the exit code."""
+        hp = self.hp
+        _say(f"training {len(self.prepared.train)} sequences on {self.world} "
+             f"{'process' if self.world == 1 else 'processes'} ({self.strategy.name}, "
+             f"{self.config.strategy.precision}): {self.steps} steps of "
+             f"{self.batches.global_batch} sequences")
+        self.strategy.model.train()
+        if self.stop.agree(self.control).wait():  # told to stop while loading: nothing new
+            step = self.state.step
+            return self._stopped("stopped by SIGTERM before the first step; a restart resumes "
+                                 f"from {'step ' + str(step) if step else 'the start'}")
+        while self.state.step < self.steps:
+            stopping = self.train_step()
+            step, last = self.state.step, self.state.step == self.steps
+            if step % hp.log_every_steps == 0 or last or stopping:
+                self.log.log(self.grad_norm)
+            if hp.eval_every_steps and step % hp.eval_every_steps == 0 and not last:
+                _say(f"eval at step {step}: loss {self.evaluate():.4f}")
+            self.checkpoints.maybe_save(self.state, last, stopping)
+            if stopping:
+                return self._stopped(f"stopped by SIGTERM after step {step}; a restart "
+                                     "resumes from the checkpoint above")
+        return self.finish()
+
+    def _stopped(self, why: str) -> int:
+        _say(why)
+        self.reporter.finish("Stopped")
+        return EXIT_PREEMPTED
+
+    def evaluate(self) -> float | None:
+        return evaluate(self.strategy, self.prepared.eval, self.hp.batch_size_per_device,
+                        self.collation, self.control)
+
+    def finish(self) -> int:
+        """After the last step: its checkpoint complete, the eval loss, the export."""
+        import torch.distributed as dist
+
+        self.checkpoints.finish()  # the last checkpoint complete before anything can fail
+        if self.profiler is not None:
+            self.profiler.stop()
+            if self.profiler.written is not None:
+                _say(f"profile of steps written to {self.profiler.written.parent}")
+        if (eval_loss := self.evaluate()) is not None:
+            _say(f"eval loss {eval_loss:.4f}")
+        final = export(self.strategy, self.prepared.tokenizer, self.config, self.output_dir,
+                       self.base_dir)
+        self.reporter.finish("Succeeded")
+        _say(f"exported {final}")
+        dist.destroy_process_group()
+        return 0

@@ -26,11 +26,20 @@ made in the forward pass), or every token's logits, fp32 copy and log-softmax wi
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from finetune_operator.planner.architecture import ModelShape
+from finetune_trainer.config import (
+    CheckpointPolicy,
+    ConcreteStrategy,
+    LoraConfig,
+    MethodType,
+    Offload,
+    Precision,
+)
 
 GiB = 1024**3
 CUDA_CONTEXT_BYTES = 1 * GiB
@@ -50,12 +59,11 @@ FUSED_LOSS_CHUNK_BYTES = 256 * 2**20
 """finetune_trainer.loss.CHUNK_BYTES: the fp32 logits of at most this many bytes at once."""
 FUSED_LOSS_MIN_ROWS = 256
 
-Method = Literal["full", "lora", "qlora"]
-Strategy = Literal["ddp", "fsdp", "zero1", "zero2", "zero3"]
-Offload = Literal["none", "cpu", "nvme"]
-Precision = Literal["bf16", "fp16", "fp32"]
-CheckpointPolicy = Literal["full", "selective"]
+# the trainer config's vocabularies, named once there: the planner plans what it can run
+Method = MethodType
+Strategy = ConcreteStrategy
 Device = Literal["cuda", "cpu"]
+_LORA = LoraConfig()
 
 BREAKDOWN_LINES = ("weights", "gradients", "optimizerStates", "activations",
                    "temporaryBuffers", "cudaContext")
@@ -66,9 +74,9 @@ class TrainingSetup(BaseModel):
 
     model_config = ConfigDict(frozen=True)
     method: Method = "lora"
-    lora_rank: int = 16
-    lora_targets: list[str] = Field(default_factory=lambda: ["all-linear"])
-    lora_dropout: float = 0.05
+    lora_rank: int = _LORA.r
+    lora_targets: list[str] = Field(default_factory=lambda: list(_LORA.target_modules))
+    lora_dropout: float = _LORA.dropout
     strategy: Strategy = "ddp"
     offload: Offload = "none"
     precision: Precision = "bf16"
@@ -176,158 +184,197 @@ def loss_buffer_bytes(shape: ModelShape, setup: TrainingSetup, tokens: int,
     return chunk, hidden_grad + head_grad
 
 
-def estimate_memory(shape: ModelShape, setup: TrainingSetup) -> MemoryEstimate:
-    """The peak bytes of one process for `setup` on a model of `shape`."""
-    p = _bytes(setup.precision)
-    n = setup.world_size
+@dataclass
+class StrategyMemory:
+    """What a strategy keeps per process: its weights, gradients and optimizer states, the
+    width of the residual stream its activations are saved in, and its temporary buffers
+    by the phase they are alive in."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    residual: int
+    """Bytes per element of the activations between layers."""
+    persistent: dict[str, float] = field(default_factory=dict)
+    """Temporary buffers alive in both phases."""
+    forward_only: dict[str, float] = field(default_factory=dict)
+    """Alive at the end of the forward pass only."""
+    grads_always: bool = False
+    """Gradient storage allocated once and kept (DeepSpeed)."""
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """The parameter counts every strategy's arithmetic starts from."""
+
+    p: int  # bytes per element in the compute dtype
+    n: int  # ranks the states are sharded over
+    total: int
+    trainable: int
+    frozen: int  # the base under LoRA and QLoRA, whose weights are all frozen
+    base: float | None  # QLoRA's base: 4-bit linears, the rest in 16 or 32 bits
+    mixed: bool
+
+
+def _sizes(shape: ModelShape, setup: TrainingSetup) -> _Sizes:
     total = shape.total_params
-    trainable = trainable_params(shape, setup)
-    # adapters come on top of the base, whose weights are all frozen
     frozen = 0 if setup.method == "full" else total
-    tokens = setup.micro_batch * setup.seq_len
-    layer = shape.layer_params()
-    root = shape.embedding_params + shape.head_params + shape.hidden_size
-    mixed = setup.precision != "fp32"
-    notes: list[str] = []
-    strategy, offload, method = setup.strategy, setup.offload, setup.method
-
-    persistent: dict[str, float] = {}  # temporary-buffer lines alive in both phases
-    forward_only: dict[str, float] = {}  # alive at the end of the forward pass only
-    step_only: dict[str, float] = {}     # alive during the optimizer step only
-    grads_always = False      # gradient storage allocated once and kept (DeepSpeed)
-
-    if method == "qlora":
+    base = None
+    if setup.method == "qlora":
         q = quantized_params(shape)
         # the other frozen parameters (norms, embeddings, head) stay in bf16; fp16 casts
         # them to fp32 for its range (finetune_trainer.model.load_model)
         kept = 2 if setup.precision == "bf16" else 4
         base = NF4_BYTES_PER_PARAM * q + kept * (frozen - q)
+    return _Sizes(p=_bytes(setup.precision), n=setup.world_size, total=total,
+                  trainable=trainable_params(shape, setup), frozen=frozen, base=base,
+                  mixed=setup.precision != "fp32")
+
+
+def ddp_memory(shape: ModelShape, setup: TrainingSetup, s: _Sizes) -> StrategyMemory:
+    """Every rank holds the whole model; buckets as large as the trainable gradients."""
+    method = setup.method
+    residual = 4 if (method == "full" or not s.mixed
+                     or (method == "qlora" and setup.precision != "bf16")) else s.p
+    if method == "full":
+        weights = 4.0 * s.total
+    elif method == "lora":
+        weights = s.p * s.frozen + 4.0 * s.trainable
     else:
-        base = None
+        weights = s.base + 4.0 * s.trainable
+    memory = StrategyMemory(weights, 4.0 * s.trainable, 8.0 * s.trainable, residual,
+                            persistent={"ddpGradientBuckets": 4.0 * s.trainable})
+    if s.mixed and method == "full":
+        # autocast caches the 16-bit copy of every fp32 weight it casts for a matmul (all
+        # but the embedding lookup) until the forward pass ends
+        memory.forward_only["autocastWeightCopies"] = s.p * (
+            s.total - shape.embedding_params * (0 if shape.tied_embeddings else 1))
+    memory.notes.append("DDP: every rank holds the whole model; buckets as large as the "
+                        "trainable gradients")
+    return memory
 
-    if strategy == "ddp":
-        residual = 4 if (method == "full" or not mixed
-                         or (method == "qlora" and setup.precision != "bf16")) else p
-        if method == "full":
-            weights = 4.0 * total
-        elif method == "lora":
-            weights = p * frozen + 4.0 * trainable
-        else:
-            weights = base + 4.0 * trainable
-        grads = 4.0 * trainable
-        optimizer = 8.0 * trainable
-        persistent["ddpGradientBuckets"] = 4.0 * trainable
-        if mixed and method == "full":
-            # autocast caches the 16-bit copy of every fp32 weight it casts for a matmul
-            # (all but the embedding lookup) until the forward pass ends
-            forward_only["autocastWeightCopies"] = p * (total - shape.embedding_params * (
-                0 if shape.tied_embeddings else 1))
-        notes.append("DDP: every rank holds the whole model; buckets as large as the "
-                     "trainable gradients")
-    elif strategy == "fsdp":
-        compute = p
-        residual = compute
-        if method == "full":
-            weights = 4.0 * total / n
-        else:  # the frozen base in the compute dtype (4-bit for QLoRA), fp32 adapters
-            weights = ((base if method == "qlora" else p * frozen) + 4.0 * trainable) / n
-        grads = 4.0 * trainable / n
-        optimizer = 8.0 * trainable / n
-        gathered = compute * (root + 2 * layer)  # root kept gathered, one layer prefetched
-        if offload == "cpu" and setup.device == "cuda":
-            weights, grads, optimizer = 0.0, 0.0, 0.0
-            notes.append("FSDP CPU offload: sharded weights, gradients and Adam on the host")
-        forward_only["fsdpGatheredParameters"] = gathered
-        if method == "full":
-            # the root's gradients are reduced last: unsharded through the backward pass
-            forward_only["fsdpUnshardedRootGradients"] = compute * (
-                shape.head_params or shape.embedding_params)
-        notes.append("FSDP2: weights, gradients and Adam sharded over "
-                     f"{n} rank{'s' if n > 1 else ''}; embeddings and head stay gathered"
-                     + (f"; the frozen base in {setup.precision}, adapters in fp32"
-                        if method == "lora" else ""))
-    else:  # DeepSpeed ZeRO
-        stage = int(strategy.removeprefix("zero"))
-        residual = p
-        module = (base if method == "qlora" else p * frozen) + p * trainable
-        # fp32 master copy of the trainable partition (a clone even when training in fp32)
-        master = 4.0 * trainable / n
-        grads32 = 4.0 * trainable / n
-        if stage == 1:
-            weights, grads16 = float(module), p * trainable
-        elif stage == 2:
-            weights, grads16 = float(module), (p * trainable / n if mixed else 0.0)
-        else:
-            weights, grads16 = module / n, 0.0
-        grads = grads16 + grads32
-        optimizer = master + 8.0 * trainable / n
-        grads_always = True
-        if offload != "none":
-            grads, optimizer = 0.0, 0.0
-            if stage == 3:
-                weights = 0.0  # offload_param: the 16-bit partitions live on the host
-            notes.append(f"ZeRO offload to {offload}: optimizer states and fp32 gradients "
-                         "on the host")
-        bucket = min(DEEPSPEED_REDUCE_BUCKET, trainable) if setup.device == "cpu" else (
-            DEEPSPEED_REDUCE_BUCKET)  # torch.empty: only the touched part is resident on CPU
-        persistent["zeroReduceBucket"] = (4 if stage == 1 else p) * bucket
+
+def fsdp_memory(shape: ModelShape, setup: TrainingSetup, s: _Sizes) -> StrategyMemory:
+    """FSDP2: everything sharded; the root module and one prefetched layer gathered."""
+    method, n = setup.method, s.n
+    if method == "full":
+        weights = 4.0 * s.total / n
+    else:  # the frozen base in the compute dtype (4-bit for QLoRA), fp32 adapters
+        weights = ((s.base if method == "qlora" else s.p * s.frozen) + 4.0 * s.trainable) / n
+    memory = StrategyMemory(weights, 4.0 * s.trainable / n, 8.0 * s.trainable / n, s.p)
+    if setup.offload == "cpu" and setup.device == "cuda":
+        memory.weights, memory.grads, memory.optimizer = 0.0, 0.0, 0.0
+        memory.notes.append("FSDP CPU offload: sharded weights, gradients and Adam on the "
+                            "host")
+    root = shape.embedding_params + shape.head_params + shape.hidden_size
+    # the root kept gathered, one layer prefetched
+    memory.forward_only["fsdpGatheredParameters"] = s.p * (root + 2 * shape.layer_params())
+    if method == "full":
+        # the root's gradients are reduced last: unsharded through the backward pass
+        memory.forward_only["fsdpUnshardedRootGradients"] = s.p * (
+            shape.head_params or shape.embedding_params)
+    memory.notes.append("FSDP2: weights, gradients and Adam sharded over "
+                        f"{n} rank{'s' if n > 1 else ''}; embeddings and head stay gathered"
+                        + (f"; the frozen base in {setup.precision}, adapters in fp32"
+                           if method == "lora" else ""))
+    return memory
+
+
+def zero_memory(shape: ModelShape, setup: TrainingSetup, s: _Sizes) -> StrategyMemory:
+    """DeepSpeed ZeRO-1/2/3: a 16-bit module, fp32 master weights, states partitioned."""
+    stage = int(setup.strategy.removeprefix("zero"))
+    p, n, trainable = s.p, s.n, s.trainable
+    module = (s.base if setup.method == "qlora" else p * s.frozen) + p * trainable
+    # fp32 master copy of the trainable partition (a clone even when training in fp32)
+    master = 4.0 * trainable / n
+    grads32 = 4.0 * trainable / n
+    if stage == 1:
+        weights, grads16 = float(module), p * trainable
+    elif stage == 2:
+        weights, grads16 = float(module), (p * trainable / n if s.mixed else 0.0)
+    else:
+        weights, grads16 = module / n, 0.0
+    memory = StrategyMemory(weights, grads16 + grads32, master + 8.0 * trainable / n, p,
+                            grads_always=True)
+    if setup.offload != "none":
+        memory.grads, memory.optimizer = 0.0, 0.0
         if stage == 3:
-            largest = shape.largest_layer_params()
-            # DeepSpeed's own term: 16-bit parameters and gradients of the largest layer
-            persistent["zeroGatheredLayer"] = 2.0 * p * largest
-            # parameters gathered in forward stay until backward while fewer than
-            # stage3_max_live_parameters (1e9) are live: whole small models stay gathered
-            forward_only["zeroLiveParameters"] = p * max(
-                0, min(total, DEEPSPEED_MAX_LIVE_PARAMETERS) - largest)
-        notes.append(f"DeepSpeed ZeRO-{stage}: {'16-bit' if mixed else 'fp32'} module, "
-                     f"fp32 master weights, states partitioned over {n}")
+            memory.weights = 0.0  # offload_param: the 16-bit partitions live on the host
+        memory.notes.append(f"ZeRO offload to {setup.offload}: optimizer states and fp32 "
+                            "gradients on the host")
+    bucket = min(DEEPSPEED_REDUCE_BUCKET, trainable) if setup.device == "cpu" else (
+        DEEPSPEED_REDUCE_BUCKET)  # torch.empty: only the touched part is resident on CPU
+    memory.persistent["zeroReduceBucket"] = (4 if stage == 1 else p) * bucket
+    if stage == 3:
+        largest = shape.largest_layer_params()
+        # DeepSpeed's own term: 16-bit parameters and gradients of the largest layer
+        memory.persistent["zeroGatheredLayer"] = 2.0 * p * largest
+        # parameters gathered in forward stay until backward while fewer than
+        # stage3_max_live_parameters (1e9) are live: whole small models stay gathered
+        memory.forward_only["zeroLiveParameters"] = p * max(
+            0, min(s.total, DEEPSPEED_MAX_LIVE_PARAMETERS) - largest)
+    memory.notes.append(f"DeepSpeed ZeRO-{stage}: {'16-bit' if s.mixed else 'fp32'} module, "
+                        f"fp32 master weights, states partitioned over {n}")
+    return memory
 
-    # --- activations (one micro-batch) ---------------------------------------------
+
+STRATEGY_MEMORY = {"ddp": ddp_memory, "fsdp": fsdp_memory, "zero1": zero_memory,
+                   "zero2": zero_memory, "zero3": zero_memory}
+
+
+def activation_bytes(shape: ModelShape, setup: TrainingSetup, residual: int
+                     ) -> tuple[float, float]:
+    """(activations, loss buffers) of one micro-batch at the end of the forward pass."""
+    p = _bytes(setup.precision)
+    tokens = setup.micro_batch * setup.seq_len
     per_layer = activation_bytes_per_layer_token(shape, setup, residual)
     outside = (residual + 4 + residual + p) * shape.hidden_size  # embeddings, final norm
     freed, held = loss_buffer_bytes(shape, setup, tokens, residual)
-    loss_buffers = freed + held
-    if setup.gradient_checkpointing:
-        # each layer keeps its input (or, selective, its expensive outputs); the layer
-        # recomputed in backward (after the freed loss buffers are gone) only adds where it
-        # is larger than they were
-        kept = (selective_bytes_per_layer_token(shape, setup, residual)
-                if setup.checkpoint_policy == "selective" else residual * shape.hidden_size)
-        recomputed = max(0.0, tokens * per_layer - freed)
-        activations = tokens * (shape.num_layers * kept + outside)
-        activations += recomputed
-    else:
-        activations = tokens * (shape.num_layers * per_layer + outside)
+    if not setup.gradient_checkpointing:
+        return tokens * (shape.num_layers * per_layer + outside), freed + held
+    # each layer keeps its input (or, selective, its expensive outputs); the layer
+    # recomputed in backward (after the freed loss buffers are gone) only adds where it is
+    # larger than they were
+    kept = (selective_bytes_per_layer_token(shape, setup, residual)
+            if setup.checkpoint_policy == "selective" else residual * shape.hidden_size)
+    recomputed = max(0.0, tokens * per_layer - freed)
+    return tokens * (shape.num_layers * kept + outside) + recomputed, freed + held
 
-    # --- the optimizer step's own temporaries --------------------------------------
-    if setup.device == "cpu" and not (strategy.startswith("zero") and offload != "none"):
-        local = trainable / (1 if strategy == "ddp" else n)
+
+def estimate_memory(shape: ModelShape, setup: TrainingSetup) -> MemoryEstimate:
+    """The peak bytes of one process for `setup` on a model of `shape`: the strategy's
+    states, one micro-batch's activations, and the larger of the two candidate peaks."""
+    sizes = _sizes(shape, setup)
+    memory = STRATEGY_MEMORY[setup.strategy](shape, setup, sizes)
+    activations, loss_buffers = activation_bytes(shape, setup, memory.residual)
+    step_only: dict[str, float] = {}  # alive during the optimizer step only
+    if setup.device == "cpu" and not (setup.strategy.startswith("zero")
+                                      and setup.offload != "none"):
+        local = sizes.trainable / (1 if setup.strategy == "ddp" else sizes.n)
         step_only["optimizerStepTemporaries"] = 4.0 * local  # foreach AdamW: sqrt(v)
-
     context = CUDA_CONTEXT_BYTES if setup.device == "cuda" else 0
-    accumulate = setup.gradient_accumulation > 1 or grads_always
-    forward_temps = {**persistent, **forward_only, "lossBuffers": loss_buffers}
-    step_temps = {**persistent, **step_only}
-    forward_phase = {
-        "weights": weights, "gradients": grads if accumulate else 0.0,
-        "optimizerStates": optimizer, "activations": activations,
-        "temporaryBuffers": sum(forward_temps.values()), "cudaContext": context}
-    step_phase = {
-        "weights": weights, "gradients": grads, "optimizerStates": optimizer,
-        "activations": 0.0, "temporaryBuffers": sum(step_temps.values()),
-        "cudaContext": context}
-    forward_lines = {k: int(v) for k, v in forward_phase.items()}
-    step_lines = {k: int(v) for k, v in step_phase.items()}
-    totals = {"forwardBackward": sum(forward_lines.values()),
-              "optimizerStep": sum(step_lines.values())}
+    accumulate = setup.gradient_accumulation > 1 or memory.grads_always
+    temps = {"forwardBackward": {**memory.persistent, **memory.forward_only,
+                                 "lossBuffers": loss_buffers},
+             "optimizerStep": {**memory.persistent, **step_only}}
+    phases = {
+        "forwardBackward": {"weights": memory.weights,
+                            "gradients": memory.grads if accumulate else 0.0,
+                            "optimizerStates": memory.optimizer, "activations": activations},
+        "optimizerStep": {"weights": memory.weights, "gradients": memory.grads,
+                          "optimizerStates": memory.optimizer, "activations": 0.0}}
+    lines = {phase: {**{k: int(v) for k, v in phases[phase].items()},
+                     "temporaryBuffers": int(sum(temps[phase].values())),
+                     "cudaContext": context} for phase in phases}
+    totals = {phase: sum(lines[phase].values()) for phase in phases}
     peak = max(totals, key=lambda k: totals[k])
-    lines = forward_lines if peak == "forwardBackward" else step_lines
-    temps = forward_temps if peak == "forwardBackward" else step_temps
+    notes = memory.notes
     if shape.approximate:
         notes.append(f"model_type {shape.model_type!r} is not one the planner was checked "
                      "against; counted as a Llama-style decoder")
     return MemoryEstimate(
-        breakdown=lines, total=totals[peak], temporary_buffers={
-            k: int(v) for k, v in temps.items()},
-        peak_phase=peak, phases=totals, trainable_params=trainable, total_params=total,
+        breakdown=lines[peak], total=totals[peak],
+        temporary_buffers={k: int(v) for k, v in temps[peak].items()}, peak_phase=peak,
+        phases=totals, trainable_params=sizes.trainable, total_params=sizes.total,
         notes=notes)

@@ -13,6 +13,7 @@ from finetune_operator.planner import catalog
 from finetune_operator.planner.architecture import ConfigError, ModelShape, from_hf_config
 from finetune_operator.planner.catalog import VmSize
 from finetune_operator.planner.compute import Throughput, estimate_throughput
+from finetune_operator.planner.disk import estimate_disk, stored_bytes_per_param
 from finetune_operator.planner.host import HostMemoryEstimate, estimate_host_memory
 from finetune_operator.planner.memory import (
     CheckpointPolicy,
@@ -23,6 +24,7 @@ from finetune_operator.planner.memory import (
     estimate_memory,
 )
 from finetune_operator.planner.sources import ModelConfig, from_table
+from finetune_trainer.config import LoraConfig
 
 HEADROOM = 0.10
 """A recommendation leaves this fraction of GPU memory free (allocator fragmentation,
@@ -116,6 +118,9 @@ class JobPlan(PlanModel):
     """The VM size's host memory."""
     host_breakdown: dict[str, int] = Field(default_factory=dict)
     host_peak_phase: str | None = None
+    disk_bytes: int | None = None
+    """The output volume at the end of the run (planner.disk)."""
+    disk_breakdown: dict[str, int] = Field(default_factory=dict)
 
 
 def gib(value: float) -> str:
@@ -129,14 +134,12 @@ def setup_for(job: FineTuneJob, strategy: Strategy, world_size: int | None = Non
               precision: Precision | None = None) -> TrainingSetup:
     """The planner's view of the job with one strategy and world size."""
     spec = job.spec
-    lora = spec.method.lora
+    lora = spec.method.lora or LoraConfig()  # the trainer's defaults where the spec has none
     resources = spec.resources
     world = world_size or resources.nodes * resources.processes()
     return TrainingSetup(
         method=spec.method.type,
-        lora_rank=lora.r if lora else 16,
-        lora_targets=list(lora.target_modules) if lora else ["all-linear"],
-        lora_dropout=lora.dropout if lora else 0.05,
+        lora_rank=lora.r, lora_targets=list(lora.target_modules), lora_dropout=lora.dropout,
         strategy=strategy, offload=spec.strategy.offload,
         precision=precision or spec.strategy.precision,
         micro_batch=spec.hyperparameters.batch_size_per_device,
@@ -443,11 +446,16 @@ def plan_job(job: FineTuneJob, model: ModelConfig | None, strategy: Strategy,
         notes.append(f"{vm.gpu.name} has no bf16: planned in fp16; set "
                      "spec.strategy.precision: fp16" if why_not is None else
                      f"{vm.gpu.name} has no bf16, and fp16 is refused here: {why_not}")
+    output = spec.output
+    disk = estimate_disk(shape, setup, fetched=spec.model.uri.startswith("hf://"),
+                         stored_bytes=stored_bytes_per_param(model.config),
+                         keep_last=output.keep_last, merge_adapter=output.merge_adapter)
     common = dict(model_source=model.source, total_params=estimate.total_params,
                   trainable_params=estimate.trainable_params, strategy=strategy,
                   precision=precision, world_size=world, per_gpu_bytes=estimate.total,
                   breakdown=estimate.breakdown, temporary_buffers=estimate.temporary_buffers,
-                  peak_phase=estimate.peak_phase, notes=notes)
+                  peak_phase=estimate.peak_phase, notes=notes, disk_bytes=disk.total,
+                  disk_breakdown=disk.breakdown)
     if resources.gpus_per_node == 0:
         return JobPlan(fits=None, verdict="unknown", gpu_type=None, reason=(
             f"CPU workers: about {gib(estimate.total)} of memory per process "

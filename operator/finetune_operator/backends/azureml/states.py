@@ -13,7 +13,7 @@ from typing import Any
 from finetune_operator.api import BackendRef, FineTuneJob, Progress
 from finetune_operator.backends.azureml.jobspec import attempt_of
 from finetune_operator.reconcile import Failure, Observation
-from finetune_trainer.tracking import METRICS
+from finetune_trainer.record import ProgressRecord
 
 BACKEND_KIND = "AzureMLJob"
 STARTING = frozenset({"NotStarted", "Starting", "Provisioning", "Preparing"})
@@ -95,24 +95,6 @@ def observe(job: FineTuneJob, azure: AzureJob | None, progress: Progress | None 
 
 def progress_from_metrics(metrics: list[dict[str, Any]]) -> Progress | None:
     """status.progress from the MLflow run's latest metrics (`runs/get` → data.metrics),
-    logged by the trainer under the names in finetune_trainer.tracking.METRICS."""
-    latest: dict[str, dict[str, Any]] = {}
-    for metric in metrics:
-        key = metric.get("key")
-        if key and (key not in latest or (metric.get("step") or 0) >= (
-                latest[key].get("step") or 0)):
-            latest[key] = metric
-    if METRICS["loss"] not in latest and METRICS["totalSteps"] not in latest:
-        return None
-    steps = [int(m.get("step") or 0) for m in latest.values()]
-
-    def value(field: str) -> float | None:
-        metric = latest.get(METRICS[field])
-        return None if metric is None else float(metric["value"])
-
-    total, eta = value("totalSteps"), value("etaSeconds")
-    return Progress(step=max(steps) if steps else None,
-                    total_steps=int(total) if total is not None else None,
-                    epoch=value("epoch"), loss=value("loss"),
-                    tokens_per_second=value("tokensPerSecond"),
-                    eta_seconds=int(eta) if eta is not None else None)
+    logged by the trainer under finetune_trainer.record's MLFLOW_METRICS names."""
+    record = ProgressRecord.from_mlflow(metrics)
+    return None if record is None else Progress.from_record(record)

@@ -1,0 +1,89 @@
+"""The progress record: what rank 0 publishes at every log step and every backend reads
+back, named once (#16). Torch-free: the operator imports it.
+
+It travels three ways, all from this model: `progress.json` / `progress.jsonl` in the
+output folder and rank 0's `/progress` endpoint (its JSON, camelCase keys as in the
+FineTuneJob status), and on Azure ML the job's MLflow run (`mlflow_metrics`, read back by
+`from_mlflow`). The operator turns it into `status.progress` (api.Progress.from_record).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+from pydantic.alias_generators import to_camel
+
+MLFLOW_METRICS: dict[str, str] = {
+    "loss": "loss",
+    "learning_rate": "learning_rate",
+    "tokens_per_second": "tokens_per_second",
+    "epoch": "epoch",
+    "total_steps": "total_steps",
+    "eta_seconds": "eta_seconds",
+}
+"""Record field → MLflow metric name (the Studio's charts; the operator reads them back)."""
+
+
+class ProgressRecord(BaseModel):
+    """Where training is, as rank 0 measured it over the last log window."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True,
+                              extra="ignore", validate_assignment=True)
+
+    step: int
+    """Optimizer steps completed."""
+    total_steps: int | None = None
+    epoch: float | None = None
+    loss: float | None = None
+    """Mean loss over the window's label tokens."""
+    learning_rate: float | None = None
+    tokens_per_second: float | None = None
+    """Label tokens per second, all ranks together."""
+    eta_seconds: int | None = None
+    mfu: float | None = None
+    step_seconds: float | None = None
+    """Mean wall time of the window's steps."""
+    peak_memory_bytes: int | None = None
+    """Rank 0's peak memory (the CUDA allocator's on a GPU, resident set on CPU)."""
+    phase: str = "Running"
+    """Running, then Succeeded or Stopped."""
+    update_time: str = ""
+    preflight: dict[str, Any] | None = None
+    """The collective preflight's figures (busBandwidthGBps, nodes, slowNodes, ...)."""
+
+    def as_json(self, history: bool = False) -> dict[str, Any]:
+        """The record as JSON (camelCase); `history`: a progress.jsonl line, without the
+        preflight every record repeats."""
+        return self.model_dump(by_alias=True, exclude={"preflight"} if history else None)
+
+    def mlflow_metrics(self) -> dict[str, float]:
+        """The record's numbers under their MLflow names; unknown or non-finite values are
+        left out (MLflow refuses NaN, and a missing loss is not a zero loss)."""
+        out = {}
+        for field, metric in MLFLOW_METRICS.items():
+            value = getattr(self, field)
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                out[metric] = float(value)
+        return out
+
+    @classmethod
+    def from_mlflow(cls, metrics: list[dict[str, Any]]) -> ProgressRecord | None:
+        """The record from an MLflow run's metrics (`runs/get` → data.metrics, each key's
+        latest step); None before the trainer logged any."""
+        latest: dict[str, dict[str, Any]] = {}
+        for metric in metrics:
+            key = metric.get("key")
+            if key and (key not in latest or (metric.get("step") or 0) >= (
+                    latest[key].get("step") or 0)):
+                latest[key] = metric
+        if MLFLOW_METRICS["loss"] not in latest and MLFLOW_METRICS["total_steps"] not in latest:
+            return None
+        values = {field: float(latest[name]["value"]) for field, name in MLFLOW_METRICS.items()
+                  if name in latest}
+        for whole in ("total_steps", "eta_seconds"):
+            if whole in values:
+                values[whole] = int(values[whole])
+        step = max(int(m.get("step") or 0) for m in latest.values())
+        return cls(step=step, **values)

@@ -34,7 +34,8 @@ FailureKind = Literal["worker", "preempted", "stopped", "refused"]
 pod was taken away (eviction, spot reclaim, node loss) — restarted for free. stopped: the
 trainer exited 143 after a checkpoint because it was told to stop — restarted for free.
 refused: the trainer refused to start, for a reason no restart changes (the output folder
-holds checkpoints trained with other settings) — the job fails, no budget used."""
+holds checkpoints trained with other settings; the hub refused the model) — the job fails,
+no budget used."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,8 @@ class Failure:
     kind: FailureKind
     message: str
     """Which pod, and why, as the user should read it."""
+    reason: str = "OtherSettingsCheckpoints"
+    """The Failed condition's reason, for a refusal."""
 
 
 @dataclass(frozen=True)
@@ -595,7 +598,7 @@ def _wait_for_queue(b: _Builder, why: str | None = None,
 def _restart_or_fail(b: _Builder, failure: Failure) -> Decision:
     status, limit = b.status, b.job.spec.run_policy.backoff_limit
     if failure.kind == "refused":
-        return b.fail("OtherSettingsCheckpoints", failure.message, stop_workload=True)
+        return b.fail(failure.reason, failure.message, stop_workload=True)
     counted = failure.kind == "worker"
     if counted and status.restarts >= limit:
         return b.fail("BackoffLimitExceeded", f"{failure.message} (restart budget of {limit} "

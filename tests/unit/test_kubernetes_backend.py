@@ -277,6 +277,15 @@ def test_an_hf_model_is_fetched_into_the_output_volume_once_before_torchrun():
 def test_models_read_where_they_are_render_no_fetch(uri):
     spec = pod(minimal_job(model={"uri": uri}))
     assert [c["name"] for c in spec["initContainers"]] == ["resume-check"]
+    rules = objects(minimal_job(model={"uri": uri}))["Job"]["spec"]["podFailurePolicy"]["rules"]
+    assert all(r.get("onExitCodes", {}).get("containerName") != "fetch-model" for r in rules)
+
+
+def test_the_hubs_refusal_of_the_model_ends_the_job_without_a_restart():
+    rules = objects(minimal_job(model={"uri": "hf://Qwen/Qwen2.5-0.5B"}))["Job"]["spec"][
+        "podFailurePolicy"]["rules"]
+    assert {"action": "FailJob", "onExitCodes": {"containerName": "fetch-model",
+                                                 "operator": "In", "values": [2]}} in rules
 
 
 @pytest.mark.parametrize("version", ["1.30", "1.37"])

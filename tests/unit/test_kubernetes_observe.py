@@ -189,6 +189,31 @@ def test_a_refusal_of_the_output_folder_is_not_a_worker_failure():
     assert observe(by_policy, [], nodes=2).failure.kind == "refused"
 
 
+GATED = ("finetune-train: spec.model.tokenSecretRef: hf://meta-llama/Llama-3.1-8B is gated or "
+         "private and no token was given — create a Secret with a hub token of an account "
+         "that accepted the model's licence and name it in spec.model.tokenSecretRef")
+
+
+def test_the_hubs_refusal_of_the_model_fails_the_job_at_once():
+    """Exit 2 of fetch-model (no such model or revision, a gated model without a token): a
+    restart would only ask again, so it is a refusal, with the fetch's own line; the trainer's
+    own exit 2 stays a worker failure."""
+    refused = pod("demo-0-a", "Failed", initContainerStatuses=[
+        {"name": "resume-check", "state": {"terminated": {"exitCode": 0}}},
+        {"name": "fetch-model", "state": {"terminated": {
+            "exitCode": 2, "reason": "Error", "message": GATED}}}],
+        containerStatuses=[{"name": "trainer", "state": {"waiting": {
+            "reason": "PodInitializing"}}}])
+    failure = pod_failure(refused)
+    assert (failure.kind, failure.reason) == ("refused", "ModelRefused")
+    assert failure.message == GATED.removeprefix("finetune-train: ")
+    assert pod_failure(pod("demo-0-b", "Failed", **terminated(2))).kind == "worker"
+    by_policy = failed_by_policy("Container fetch-model for pod t-1/demo-0-a failed with "
+                                 "exit code 2 matching FailJob rule at index 3")
+    failure = observe(by_policy, [], nodes=2).failure
+    assert failure.kind == "refused" and "spec.model" in failure.message
+
+
 def test_an_init_container_that_succeeded_is_not_the_cause():
     ran = pod("demo-0-a", "Failed", initContainerStatuses=[{
         "name": "resume-check", "state": {"terminated": {"exitCode": 0}}}], **terminated(1))

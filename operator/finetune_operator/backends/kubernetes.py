@@ -334,6 +334,16 @@ def _fetch_model_container(job: FineTuneJob, trainer: dict[str, Any]) -> dict[st
         *(e.name for e in (k8s.env if k8s else []))})
 
 
+def _fetch_refused_rule(job: FineTuneJob) -> list[dict[str, Any]]:
+    """The hub's refusal ends the Job at once (a restart would only ask again); a rule may
+    name only a container the pods have."""
+    if parse_uri(job.spec.model.uri, MODEL_SCHEMES).scheme != "hf":
+        return []
+    return [{"action": "FailJob", "onExitCodes": {
+        "containerName": FETCH_MODEL_CONTAINER, "operator": "In",
+        "values": [FETCH_REFUSED_EXIT_CODE]}}]
+
+
 def _init_containers(job: FineTuneJob, trainer: dict[str, Any]) -> list[dict[str, Any]]:
     return [container for container in (_resume_check_container(trainer),
                                         _fetch_model_container(job, trainer))
@@ -418,6 +428,7 @@ def worker_job(job: FineTuneJob, settings: OperatorSettings) -> dict[str, Any]:
                     "values": [STOPPED_EXIT_CODE]}},
                 {"action": "FailJob", "onExitCodes": {
                     "operator": "In", "values": [OTHER_CHECKPOINTS_EXIT_CODE]}},
+                *_fetch_refused_rule(job),
             ]},
             # Kueue admits a suspended Job by unsuspending it; a suspended FineTuneJob too
             "suspend": bool(queue) or job.spec.run_policy.suspend,
@@ -443,6 +454,11 @@ STOPPED_EXIT_CODE = 143
 OTHER_CHECKPOINTS_EXIT_CODE = 4
 """finetune-train's refusal: the output folder holds checkpoints trained with other
 settings. No restart can help."""
+MODEL_REFUSED = "ModelRefused"
+"""The Failed condition's reason when the hub refused the model."""
+FETCH_REFUSED_EXIT_CODE = 2
+"""The fetch-model step's refusal: the hub has no such model or revision, or refuses the
+token. No restart can help."""
 
 # Pod conditions and reasons that mean the pod was taken away, not that training failed.
 DISRUPTION_REASONS = frozenset({"Evicted", "NodeLost", "Preempting", "Shutdown", "Terminated",
@@ -454,18 +470,18 @@ def _condition(obj: dict[str, Any], type_: str) -> dict[str, Any] | None:
                  if c.get("type") == type_ and c.get("status") == "True"), None)
 
 
-def _terminated(pod: dict[str, Any]) -> dict[str, Any] | None:
-    """How the container that ended the pod ended: a failed init container, else the
-    first container that terminated."""
+def _terminated(pod: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
+    """Which container ended the pod and how: a failed init container, else the first
+    container that terminated ((None, {}) when none did)."""
     status = pod.get("status", {})
     for container in status.get("initContainerStatuses") or []:
         state = container.get("state", {}).get("terminated")
         if state and state.get("exitCode"):  # the main containers never ran
-            return state
+            return container.get("name"), state
     for container in status.get("containerStatuses") or []:
         if state := container.get("state", {}).get("terminated"):
-            return state
-    return None
+            return container.get("name"), state
+    return None, {}
 
 
 def _made_by(pod: dict[str, Any], workload: dict[str, Any]) -> bool:
@@ -486,7 +502,7 @@ def pod_failure(pod: dict[str, Any]) -> Failure | None:
         why = (disruption or {}).get("reason") or status.get("reason")
         detail = (disruption or {}).get("message") or status.get("message") or ""
         return Failure("preempted", f"{name} was {why}: {detail}".rstrip(": "))
-    terminated = _terminated(pod) or {}
+    container, terminated = _terminated(pod)
     code = terminated.get("exitCode")
     if code == STOPPED_EXIT_CODE:
         return Failure("stopped", f"{name} stopped after SIGTERM (exit {code})")
@@ -495,6 +511,10 @@ def pod_failure(pod: dict[str, Any]) -> Failure | None:
     if code == OTHER_CHECKPOINTS_EXIT_CODE:
         return Failure("refused", tail[0].removeprefix("finetune-train: ")[:1000]
                        or f"{name}: the output folder holds checkpoints of other settings")
+    if (container, code) == (FETCH_MODEL_CONTAINER, FETCH_REFUSED_EXIT_CODE):
+        return Failure("refused", tail[0].removeprefix("finetune-train: ")[:1000]
+                       or f"{name}: the hub refused spec.model (its name, revision or token)",
+                       reason=MODEL_REFUSED)
     detail = f": {tail[0][:300]}" if tail[0] else ""
     return Failure("worker", f"{name} exited {code} ({reason}){detail}")
 
@@ -529,6 +549,10 @@ def job_failure(failed: dict[str, Any]) -> Failure:
     if reason == "PodFailurePolicy" and f"exit code {OTHER_CHECKPOINTS_EXIT_CODE}" in message:
         return Failure("refused", f"{text}: the output folder holds checkpoints trained with "
                        "other settings — set spec.output.uri to a new folder")
+    if reason == "PodFailurePolicy" and f"Container {FETCH_MODEL_CONTAINER} " in message:
+        return Failure("refused", f"{text}: the hub refused spec.model (no such model or "
+                       "revision, or a token it does not accept) — the fetch-model "
+                       "container's log names the field", reason=MODEL_REFUSED)
     return Failure("worker", text)
 
 

@@ -184,9 +184,10 @@ def main(argv: list[str] | None = None) -> int:
         source = "--config-base64" if args.config_base64 else args.config
         print(f"finetune-train: {source}: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    from finetune_trainer.fetch import name_hub_model, output_folder, with_local_copy
+    from finetune_trainer.fetch import name_hub_model, with_local_copy
+    from finetune_trainer.layout import resolve_output
 
-    output = output_folder(config, base_dir)
+    output = resolve_output(config.output.uri, base_dir)
     if args.fetch_model:  # before torch is imported: the init container stays light
         return _fetch(config, output)
 

@@ -74,11 +74,6 @@ def hub_repo(source: ModelSource) -> str | None:
     return source.uri.removeprefix("hf://").strip("/")
 
 
-def output_folder(config: TrainerConfig, base_dir: Path) -> Path:
-    path = Path(config.output.uri)
-    return path if path.is_absolute() else (base_dir / path).resolve()
-
-
 # --- the copy, as the workers see it (no network) ---------------------------------------
 
 def complete_copy(output_dir: Path, source: ModelSource) -> Path | None:

@@ -26,6 +26,12 @@ FETCHED_FILE = "fetched.json"
 """Written last into a model copy: a folder without it is not complete."""
 
 
+def resolve_output(uri: str, base_dir: Path) -> Path:
+    """The output folder of a local or mounted `output.uri` (relative to `base_dir`)."""
+    path = Path(uri)
+    return path if path.is_absolute() else (base_dir / path).resolve()
+
+
 def checkpoint_root(output_dir: Path) -> Path:
     return output_dir / CHECKPOINTS
 

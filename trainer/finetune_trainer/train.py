@@ -35,7 +35,7 @@ from finetune_trainer.data import (
     resolve_format,
     tokenize_records,
 )
-from finetune_trainer.layout import FINAL_DIR, MERGED_DIR
+from finetune_trainer.layout import FINAL_DIR, MERGED_DIR, resolve_output
 from finetune_trainer.loading import load_for
 from finetune_trainer.metrics import TrainerMetrics, peak_memory_bytes
 from finetune_trainer.model import (
@@ -59,11 +59,6 @@ class Prepared:
     train: list[dict[str, list[int]]]
     eval: list[dict[str, list[int]]]
     wrap_classes: list[str]
-
-
-def resolve_path(uri: str, base_dir: Path) -> Path:
-    path = Path(uri)
-    return path if path.is_absolute() else (base_dir / path).resolve()
 
 
 PACKERS = {"best-fit": pack, "next-fit": pack_in_order}
@@ -428,7 +423,7 @@ class Trainer:
         self.config, self.base_dir, self.hp = config, base_dir, config.hyperparameters
         self.prepared = preflight(config, base_dir)
         self.stop = StopRequest()
-        self.output_dir = resolve_path(config.output.uri, base_dir)
+        self.output_dir = resolve_output(config.output.uri, base_dir)
         nccl_log = _network_env(config, self.output_dir)
         self.device = init_distributed()
         self.world, self.rank = dist.get_world_size(), dist.get_rank()

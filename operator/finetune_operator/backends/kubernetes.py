@@ -319,12 +319,17 @@ def _resume_check_container(trainer: dict[str, Any]) -> dict[str, Any]:
                            {"FINETUNE_CONFIG", "HF_HOME"})
 
 
+def _fetches_model(job: FineTuneJob) -> bool:
+    """hf:// models are fetched into the output volume by an init container."""
+    return parse_uri(job.spec.model.uri, MODEL_SCHEMES).scheme == "hf"
+
+
 def _fetch_model_container(job: FineTuneJob, trainer: dict[str, Any]) -> dict[str, Any] | None:
     """For an hf:// model: download it once into the output volume (`model-cache/`), where
     every node and every restart reads it; a complete copy is reused without any request
     (finetune_trainer.fetch). Other locations are read where they are: None. It runs after
     resume-check, so a job refused for other settings downloads nothing."""
-    if parse_uri(job.spec.model.uri, MODEL_SCHEMES).scheme != "hf":
+    if not _fetches_model(job):
         return None
     k8s = job.spec.kubernetes
     # the hub token, the caches on the scratch volume, and the user's own (HF_ENDPOINT,
@@ -337,7 +342,7 @@ def _fetch_model_container(job: FineTuneJob, trainer: dict[str, Any]) -> dict[st
 def _fetch_refused_rule(job: FineTuneJob) -> list[dict[str, Any]]:
     """The hub's refusal ends the Job at once (a restart would only ask again); a rule may
     name only a container the pods have."""
-    if parse_uri(job.spec.model.uri, MODEL_SCHEMES).scheme != "hf":
+    if not _fetches_model(job):
         return []
     return [{"action": "FailJob", "onExitCodes": {
         "containerName": FETCH_MODEL_CONTAINER, "operator": "In",

@@ -29,6 +29,7 @@ from finetune_trainer.config import (
     section,
 )
 from finetune_trainer.record import ProgressRecord
+from finetune_trainer.uris import Location
 
 KIND = "FineTuneJob"
 PLURAL = "finetunejobs"
@@ -290,6 +291,12 @@ class FineTuneJobSpec(ApiModel):
     """Only read by the `kubernetes` backend."""
     azureml: AzureMLSpec | None = None
     """Required by the `azureml` backend; only read by it."""
+
+    @property
+    def locations(self) -> tuple[Location, Location, Location]:
+        """Model, dataset and output, parsed (UriError where one is not a location of its
+        kind: the CRD's patterns and `validation` refuse those before anything else reads)."""
+        return self.model.location, self.dataset.location, self.output.location
 
 
 class StatusModel(BaseModel):

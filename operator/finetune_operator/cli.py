@@ -154,15 +154,12 @@ def missing_local_paths(job: FineTuneJob, base_dir: Path) -> list[Problem]:
     """Warnings for model and dataset paths this machine can look at and does not have:
     relative ones (they mean this machine) and absolute ones (they may exist only in the
     job's image, so a warning, not an error)."""
-    from finetune_trainer.uris import DATASET_SCHEMES, MODEL_SCHEMES, parse_uri
-
     problems = []
-    for section, uri, schemes in (("model", job.spec.model.uri, MODEL_SCHEMES),
-                                  ("dataset", job.spec.dataset.uri, DATASET_SCHEMES)):
-        scheme = parse_uri(uri, schemes).scheme
+    for location in job.spec.model.location, job.spec.dataset.location:
+        scheme = location.scheme
         if scheme not in ("path", "relative"):
             continue
-        where = base_dir / uri if scheme == "relative" else Path(uri)
+        where = base_dir / location.raw if scheme == "relative" else Path(location.raw)
         try:
             missing = not where.exists()
         except OSError as error:  # a name too long for this filesystem, a loop of links
@@ -171,7 +168,7 @@ def missing_local_paths(job: FineTuneJob, base_dir: Path) -> list[Problem]:
             why = "does not exist on this machine"
         if missing:
             problems.append(Problem(
-                f"spec.{section}.uri", f"{_plain(str(where))} {why}",
+                location.field, f"{_plain(str(where))} {why}",
                 "fix the path (relative paths start at the manifest's folder); ignore this "
                 "if it exists where the job runs (inside its image)" if scheme == "path" else
                 "fix the path (relative paths start at the manifest's folder)",

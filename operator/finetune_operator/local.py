@@ -21,12 +21,16 @@ from typing import TextIO
 from finetune_operator.api import FineTuneJob
 from finetune_operator.planner import ModelConfig, ModelConfigs, StepSettings, fetch_from_hub
 from finetune_operator.planner.render import plan_with_notes
-from finetune_operator.trainer_config import trainer_config_and_step_settings
-from finetune_operator.validation import InvalidJobError, Problem
+from finetune_operator.trainer_config import (
+    Mount,
+    trainer_config_and_step_settings,
+    unreachable_locations,
+)
+from finetune_operator.validation import InvalidJobError
 from finetune_trainer.config import TrainerConfig
 from finetune_trainer.fetch import complete_copy, hub_repo
 from finetune_trainer.layout import checkpoint_root, latest_checkpoint, step_of
-from finetune_trainer.uris import OUTPUT_SCHEMES, parse_uri
+from finetune_trainer.uris import Location, Unreachable
 
 CONFIG_DIR = ".finetune"
 EXIT_STOPPED = 143
@@ -59,7 +63,7 @@ def model_config(job: FineTuneJob, base_dir: Path) -> ModelConfig | None:
 def fetched_copy(job: FineTuneJob, base_dir: Path) -> Path | None:
     """The complete copy of an hf:// model in the job's local output folder, if one is
     there (`finetune_trainer.fetch`)."""
-    output = parse_uri(job.spec.output.uri, OUTPUT_SCHEMES)
+    output = job.spec.output.location
     if output.scheme not in ("path", "relative"):
         return None  # refused by local_config
     return complete_copy((base_dir / output.raw).resolve(), job.spec.model)
@@ -85,22 +89,25 @@ def local_config(job: FineTuneJob, base_dir: Path, model: ModelConfig | None = N
     """The trainer config with every location usable here (relative paths resolved), and
     the step settings it holds with why unset checkpointing and compile became what they
     are (`notes`); `model` (its config.json) lets `strategy: auto` go through the planner."""
-    problems: list[Problem] = []
-
-    def locate(section: str, uri: str, schemes: tuple) -> str:
-        scheme = parse_uri(uri, schemes).scheme
-        if scheme == "relative":
-            return str((base_dir / uri).resolve())
-        if scheme in ("pvc", "azureml"):
-            problems.append(Problem(f"spec.{section}.uri", f"{scheme}:// locations exist only "
-                                    "on the cluster", "use a local path (absolute or "
-                                    "./relative) with `finetune run`"))
-        return uri
-
-    config, settings = trainer_config_and_step_settings(job, locate, model)
-    if problems:
+    mount = local_mount(base_dir)
+    if problems := unreachable_locations(job, mount):
         raise InvalidJobError(problems)
-    return config, settings
+    return trainer_config_and_step_settings(job, mount, model)
+
+
+def local_mount(base_dir: Path) -> Mount:
+    """Where `finetune run` opens a location: relative paths from the manifest's folder,
+    absolute paths and the hub as they are; claims and Azure ML exist only on a cluster."""
+
+    def mount(location: Location) -> str:
+        if location.scheme == "relative":
+            return str((base_dir / location.raw).resolve())
+        if location.scheme in ("pvc", "azureml"):
+            raise Unreachable(f"{location.scheme}:// locations exist only on the cluster",
+                              "use a local path (absolute or ./relative) with `finetune run`")
+        return location.raw
+
+    return mount
 
 
 def default_processes(job: FineTuneJob) -> int:

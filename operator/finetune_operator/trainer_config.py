@@ -7,6 +7,7 @@ from collections.abc import Callable
 from finetune_operator import planner
 from finetune_operator.api import FineTuneJob, LaunchPlan
 from finetune_operator.planner import ModelConfig, StepSettings
+from finetune_operator.validation import Problem
 from finetune_trainer.config import (
     ConcreteStrategy,
     JobIdentity,
@@ -16,15 +17,26 @@ from finetune_trainer.config import (
     TrainerConfig,
     TrainerPreflight,
 )
-from finetune_trainer.uris import DATASET_SCHEMES, MODEL_SCHEMES, OUTPUT_SCHEMES
+from finetune_trainer.uris import Location, Unreachable
 
-Locate = Callable[[str, str, tuple], str]
-"""(section, uri, accepted schemes) → what the trainer opens: a mount path, a local path,
-or the URI unchanged. `section` is model, dataset or output."""
+Mount = Callable[[Location], str]
+"""A backend's answer to where its workers open a location: a mount path, a local path, an
+Azure ML placeholder, or the URI unchanged; `Unreachable` (what, fix) where they cannot."""
 
 
-def keep_location(section: str, uri: str, schemes: tuple) -> str:
-    return uri
+def keep_location(location: Location) -> str:
+    return location.raw
+
+
+def unreachable_locations(job: FineTuneJob, mount: Mount) -> list[Problem]:
+    """The problems of the job's locations `mount` cannot open, each naming its field."""
+    problems = []
+    for location in job.spec.locations:
+        try:
+            mount(location)
+        except Unreachable as error:
+            problems.append(Problem(location.field, error.what, error.fix))
+    return problems
 
 
 def resolve_strategy(job: FineTuneJob, model: ModelConfig | None = None) -> ConcreteStrategy:
@@ -64,19 +76,20 @@ def _explicit_lora(method: MethodConfig) -> MethodConfig:
     return method.model_copy(update={"lora": LoraConfig()})
 
 
-def build_trainer_config(job: FineTuneJob, locate: Locate = keep_location,
+def build_trainer_config(job: FineTuneJob, mount: Mount = keep_location,
                          model: ModelConfig | None = None) -> TrainerConfig:
     """`model`: the model's config.json where the caller has read it (`finetune run`),
     for resolving `strategy: auto`, and unset checkpointing and compile."""
-    return trainer_config_and_step_settings(job, locate, model)[0]
+    return trainer_config_and_step_settings(job, mount, model)[0]
 
 
-def trainer_config_and_step_settings(job: FineTuneJob, locate: Locate = keep_location,
+def trainer_config_and_step_settings(job: FineTuneJob, mount: Mount = keep_location,
                                      model: ModelConfig | None = None
                                      ) -> tuple[TrainerConfig, StepSettings]:
     """`build_trainer_config`, and the step settings it chose with their reasons (the
     notes `finetune run` prints come from this one decision)."""
     spec = job.spec
+    model_at, dataset_at, output_at = (mount(location) for location in spec.locations)
     chosen, settings = launch_decisions(job, model)
     strategy: StrategyConfig = spec.strategy.model_copy(update={
         "type": chosen, "gradient_checkpointing": settings.gradient_checkpointing,
@@ -84,16 +97,13 @@ def trainer_config_and_step_settings(job: FineTuneJob, locate: Locate = keep_loc
         "compile": settings.compile})
     config = TrainerConfig(
         job=JobIdentity(name=job.name, namespace=job.namespace, uid=job.metadata.uid),
-        model=spec.model.model_copy(
-            update={"uri": locate("model", spec.model.uri, MODEL_SCHEMES)}),
-        dataset=spec.dataset.model_copy(
-            update={"uri": locate("dataset", spec.dataset.uri, DATASET_SCHEMES)}),
+        model=spec.model.model_copy(update={"uri": model_at}),
+        dataset=spec.dataset.model_copy(update={"uri": dataset_at}),
         method=_explicit_lora(spec.method),
         strategy=strategy,
         hyperparameters=spec.hyperparameters.model_copy(update={
             "learning_rate": spec.hyperparameters.resolved_learning_rate(spec.method.type)}),
-        output=spec.output.model_copy(
-            update={"uri": locate("output", spec.output.uri, OUTPUT_SCHEMES)}),
+        output=spec.output.model_copy(update={"uri": output_at}),
         preflight=TrainerPreflight(
             **spec.preflight.model_dump(),
             require_infiniband=bool(spec.kubernetes and spec.kubernetes.infiniband

@@ -30,13 +30,7 @@ from finetune_operator.api import (
     FineTuneJob,
 )
 from finetune_operator.planner import catalog
-from finetune_trainer.uris import (
-    DATASET_SCHEMES,
-    MODEL_SCHEMES,
-    OUTPUT_SCHEMES,
-    UriError,
-    parse_uri,
-)
+from finetune_trainer.uris import Location, UriError
 
 # torchrun / torch.distributed rendezvous and the names Kubeflow users know: set by the
 # backend for every worker, so a user value would silently split or hang the gang.
@@ -294,33 +288,30 @@ def gpu_type_is_known(job: FineTuneJob) -> Iterator[Problem]:
 RULES.append(Rule("gpu_type_is_known", gpu_type_is_known))
 
 
-def _locations(job: FineTuneJob) -> tuple[tuple[str, str, tuple], ...]:
-    """(field, uri, accepted schemes) of the job's model, dataset and output."""
-    spec = job.spec
-    return (("spec.model.uri", spec.model.uri, MODEL_SCHEMES),
-            ("spec.dataset.uri", spec.dataset.uri, DATASET_SCHEMES),
-            ("spec.output.uri", spec.output.uri, OUTPUT_SCHEMES))
+def parsed_locations(job: FineTuneJob) -> list[Location]:
+    """The job's locations that parse (the others are `locations_are_supported`'s errors)."""
+    parsed = []
+    for source in (job.spec.model, job.spec.dataset, job.spec.output):
+        try:
+            parsed.append(source.location)
+        except UriError:
+            continue
+    return parsed
 
 
 def relative_locations(job: FineTuneJob) -> list[str]:
     """The location fields that hold a relative path (`finetune run` only)."""
-    relative = []
-    for path, uri, schemes in _locations(job):
-        try:
-            if parse_uri(uri, schemes).scheme == "relative":
-                relative.append(path)
-        except UriError:
-            continue
-    return relative
+    return [location.field for location in parsed_locations(job)
+            if location.scheme == "relative"]
 
 
 def locations_are_supported(job: FineTuneJob) -> Iterator[Problem]:
     spec = job.spec
-    for path, uri, schemes in _locations(job):
+    for source in (spec.model, spec.dataset, spec.output):
         try:
-            parse_uri(uri, schemes)
+            _ = source.location
         except UriError as error:
-            yield Problem(path, error.what, error.fix)
+            yield Problem(error.field or "spec", error.what, error.fix)
     relative = relative_locations(job)
     if relative:
         others = f" (also {', '.join(relative[1:])})" if relative[1:] else ""

@@ -47,6 +47,7 @@ def test_backend_conforms(name):
     job = parse_job(minimal_job(backend=name, **needs))
     assert backend.validate(job) == []
     assert backend.render(job), "render shows what launch creates"
+    assert all(isinstance(backend.mount(location), str) for location in job.spec.locations)
     problems = backend.validate(parse_job(minimal_job(backend=name, **{
         **needs, "dataset": {"uri": "./local.jsonl"}})))
     assert problems and all(p.path and p.fix for p in problems)

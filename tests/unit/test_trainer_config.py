@@ -30,8 +30,8 @@ def test_rendered_config_round_trips_through_the_trainer_loader(tmp_path):
     path = tmp_path / naming.TRAINER_CONFIG_KEY
     path.write_text(config_map["data"][naming.TRAINER_CONFIG_KEY])
     config = TrainerConfig.load(path)
-    assert config == build_trainer_config(job, locate=lambda _, uri, __: (
-        "/mnt/pvc/" + uri.removeprefix("pvc://") if uri.startswith("pvc://") else uri))
+    assert config == build_trainer_config(job, mount=lambda location: (
+        "/mnt/pvc/" + location.uri.rest if location.scheme == "pvc" else location.raw))
     assert config.method.lora is not None and config.method.lora.r == 16  # defaults spelled out
     assert config.hyperparameters.learning_rate == 2e-4
     assert config.output.uri == "/mnt/pvc/ckpt/demo"

@@ -18,7 +18,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 from pydantic.alias_generators import to_camel
 
-from finetune_trainer.uris import DATASET_SCHEMES, MODEL_SCHEMES, OUTPUT_SCHEMES, uri_pattern
+from finetune_trainer.uris import (
+    DATASET_SCHEMES,
+    MODEL_SCHEMES,
+    OUTPUT_SCHEMES,
+    Location,
+    parse_location,
+    uri_pattern,
+)
 
 API_GROUP = "finetune.dev"
 API_VERSION = f"{API_GROUP}/v1alpha1"
@@ -92,6 +99,11 @@ class ModelSource(ApiModel):
     trust_remote_code: bool = False
     """Run modelling code shipped with the model repository. Only for repositories you trust."""
 
+    @property
+    def location(self) -> Location:
+        """`uri` parsed (UriError naming the field where it is no model location)."""
+        return parse_location("model", self.uri)
+
 
 class DatasetSource(ApiModel):
     """The training data."""
@@ -113,6 +125,11 @@ class DatasetSource(ApiModel):
     packing: bool = True
     """Pack several samples into each sequence, without attention or positions leaking
     between them. Faster on variable-length data; the loss is unchanged."""
+
+    @property
+    def location(self) -> Location:
+        """`uri` parsed (UriError naming the field where it is no dataset location)."""
+        return parse_location("dataset", self.uri)
 
 
 class LoraConfig(ApiModel):
@@ -238,6 +255,11 @@ class OutputConfig(ApiModel):
     """Write periodic checkpoints behind training (ddp and fsdp; DeepSpeed always waits):
     `auto` where the host has memory for the staged copy of the state, `on` always, `off`
     never. The checkpoint taken on SIGTERM is always complete before the process exits."""
+
+    @property
+    def location(self) -> Location:
+        """`uri` parsed (UriError naming the field where it is no output location)."""
+        return parse_location("output", self.uri)
 
 
 class JobIdentity(ApiModel):

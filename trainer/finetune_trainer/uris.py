@@ -77,12 +77,19 @@ class Uri:
 
 
 class UriError(ValueError):
-    """A location the API does not accept: `what` is wrong, `fix` says what to write instead."""
+    """A location the API does not accept: `what` is wrong, `fix` says what to write instead;
+    `field` names the spec field where it is known."""
 
-    def __init__(self, what: str, fix: str):
-        super().__init__(f"{what} — {fix}")
+    def __init__(self, what: str, fix: str, field: str | None = None):
+        super().__init__(f"{field + ': ' if field else ''}{what} — {fix}")
         self.what = what
         self.fix = fix
+        self.field = field
+
+
+class Unreachable(UriError):
+    """A valid location that the workers of one backend cannot open (a claim from Azure ML,
+    an Azure ML datastore from a pod, either from `finetune run`)."""
 
 
 def parse_uri(raw: str, allowed: tuple[Scheme, ...]) -> Uri:
@@ -97,6 +104,40 @@ def parse_uri(raw: str, allowed: tuple[Scheme, ...]) -> Uri:
     if raw.startswith("http://"):
         raise UriError(f"{raw!r} is plain http", "use https:// so data and tokens travel encrypted")
     raise UriError(f"{raw!r} is not a location this API understands", fix)
+
+
+Section = Literal["model", "dataset", "output"]
+SECTION_SCHEMES: dict[Section, tuple[Scheme, ...]] = {
+    "model": MODEL_SCHEMES, "dataset": DATASET_SCHEMES, "output": OUTPUT_SCHEMES}
+
+
+@dataclass(frozen=True)
+class Location:
+    """A job's model, dataset or output location, parsed once: what the rules read and
+    what each backend mounts (its `mount(location)` says where the workers open it)."""
+
+    section: Section
+    uri: Uri
+
+    @property
+    def field(self) -> str:
+        return f"spec.{self.section}.uri"
+
+    @property
+    def scheme(self) -> Scheme:
+        return self.uri.scheme
+
+    @property
+    def raw(self) -> str:
+        return self.uri.raw
+
+
+def parse_location(section: Section, raw: str) -> Location:
+    """`raw` as the `section`'s location, or UriError naming the field and the forms it takes."""
+    try:
+        return Location(section, parse_uri(raw, SECTION_SCHEMES[section]))
+    except UriError as error:
+        raise UriError(error.what, error.fix, f"spec.{section}.uri") from None
 
 
 # --- Azure ML job placeholders -----------------------------------------------------------

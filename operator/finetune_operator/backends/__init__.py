@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from finetune_operator.reconcile import Observation
     from finetune_operator.settings import OperatorSettings
     from finetune_operator.validation import Problem
+    from finetune_trainer.uris import Location
 
 ENTRY_POINT_GROUP = "finetune_operator.backends"
 
@@ -65,8 +66,15 @@ class Backend(Protocol):
     goes (workers outside the cluster). False: the job's children are owned by it and the
     garbage collector removes them; `forget` is called once it is gone."""
 
+    def mount(self, location: Location) -> str:
+        """Where the workers open a model, dataset or output location (a mount path, a
+        placeholder the trainer binds, or the URI as it is), or `Unreachable` saying what to
+        write instead; the trainer config is built with it
+        (`trainer_config.build_trainer_config`)."""
+
     def validate(self, job: FineTuneJob) -> list[Problem]:
-        """What this backend cannot run (beyond the API's own rules)."""
+        """What this backend cannot run (beyond the API's own rules), the locations `mount`
+        cannot open among them (`trainer_config.unreachable_locations`)."""
 
     def render(self, job: FineTuneJob) -> list[dict[str, Any]]:
         """The objects `launch` creates, for `finetune render`."""

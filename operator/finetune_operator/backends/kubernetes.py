@@ -24,17 +24,11 @@ from finetune_operator.backends.children import CONTROLLER_UID_KEY, Children
 from finetune_operator.kube import KUEUE_JOB_UID_LABEL, KubeError, timestamp
 from finetune_operator.reconcile import Failure, Observation, queued
 from finetune_operator.settings import OperatorSettings, Taint
-from finetune_operator.trainer_config import build_trainer_config
+from finetune_operator.trainer_config import build_trainer_config, unreachable_locations
 from finetune_operator.validation import Problem
 from finetune_trainer.config import TrainerConfig
 from finetune_trainer.record import ProgressRecord
-from finetune_trainer.uris import (
-    DATASET_SCHEMES,
-    MODEL_SCHEMES,
-    OUTPUT_SCHEMES,
-    SCHEME_EXAMPLES,
-    parse_uri,
-)
+from finetune_trainer.uris import SCHEME_EXAMPLES, SECTION_SCHEMES, Location, Unreachable
 
 logger = logging.getLogger("finetune_operator.kubernetes")
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -57,25 +51,20 @@ CACHE_DIR = "/tmp/finetune"
 WORKER_UID = 1000
 
 
-def kubernetes_location(section: str, uri: str, schemes: tuple) -> str:
-    """pvc:// locations become the path where the worker pods mount the claim."""
-    parsed = parse_uri(uri, schemes)
-    return naming.pvc_mount_path(parsed) if parsed.scheme == "pvc" else uri
+def mount(location: Location) -> str:
+    """Where the worker pods open a location: a claim's mount path for pvc://, the hub,
+    https and paths inside the image as they are."""
+    if location.scheme in ("relative", "azureml"):
+        others = [SCHEME_EXAMPLES[s] if s != "path" else "an absolute path inside the image"
+                  for s in SECTION_SCHEMES[location.section] if s not in ("relative", "azureml")]
+        raise Unreachable(f"{location.scheme} locations cannot be reached from pods",
+                          f"use {', '.join(others[:-1])} or {others[-1]}")
+    return naming.pvc_mount_path(location.uri) if location.scheme == "pvc" else location.raw
 
 
 def validate(job: FineTuneJob) -> list[Problem]:
     """What this backend cannot run, beyond the API's own rules."""
-    problems = []
-    for section, schemes in (("model", MODEL_SCHEMES), ("dataset", DATASET_SCHEMES),
-                             ("output", OUTPUT_SCHEMES)):
-        scheme = parse_uri(getattr(job.spec, section).uri, schemes).scheme
-        if scheme in ("relative", "azureml"):
-            others = [SCHEME_EXAMPLES[s] if s != "path" else "an absolute path inside the image"
-                      for s in schemes if s not in ("relative", "azureml")]
-            problems.append(Problem(
-                f"spec.{section}.uri", f"{scheme} locations cannot be reached from pods",
-                f"use {', '.join(others[:-1])} or {others[-1]}"))
-    return problems
+    return unreachable_locations(job, mount)
 
 
 # --- metadata ----------------------------------------------------------------------------
@@ -194,12 +183,11 @@ def _env(job: FineTuneJob, settings: OperatorSettings) -> list[dict[str, Any]]:
 def _pvc_volumes(job: FineTuneJob) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """One volume per claim named in the job's locations; read-only unless it holds the output."""
     claims: dict[str, bool] = {}
-    for section, schemes in (("model", MODEL_SCHEMES), ("dataset", DATASET_SCHEMES),
-                             ("output", OUTPUT_SCHEMES)):
-        uri = parse_uri(getattr(job.spec, section).uri, schemes)
-        if uri.scheme == "pvc":
-            writable = section == "output"
-            claims[uri.pvc_claim] = claims.get(uri.pvc_claim, False) or writable
+    for location in job.spec.locations:
+        if location.scheme == "pvc":
+            writable = location.section == "output"
+            claim = location.uri.pvc_claim
+            claims[claim] = claims.get(claim, False) or writable
     volumes, mounts = [], []
     for index, (claim, writable) in enumerate(sorted(claims.items())):
         name = f"pvc-{index}"
@@ -321,7 +309,7 @@ def _resume_check_container(trainer: dict[str, Any]) -> dict[str, Any]:
 
 def _fetches_model(job: FineTuneJob) -> bool:
     """hf:// models are fetched into the output volume by an init container."""
-    return parse_uri(job.spec.model.uri, MODEL_SCHEMES).scheme == "hf"
+    return job.spec.model.location.scheme == "hf"
 
 
 def _fetch_model_container(job: FineTuneJob, trainer: dict[str, Any]) -> dict[str, Any] | None:
@@ -444,7 +432,7 @@ def worker_job(job: FineTuneJob, settings: OperatorSettings) -> dict[str, Any]:
 
 def render(job: FineTuneJob, settings: OperatorSettings) -> list[dict[str, Any]]:
     """Everything this backend creates for `job`, in creation order."""
-    config = build_trainer_config(job, kubernetes_location)
+    config = build_trainer_config(job, mount)
     return [trainer_config_map(job, config), headless_service(job, settings),
             worker_job(job, settings)]
 
@@ -668,6 +656,9 @@ class KubernetesBackend:
         """The workers as the operator's watches see them; until the controller attaches its
         indexes (and outside the operator), `observe` asks the API server instead."""
 
+    def mount(self, location: Location) -> str:
+        return mount(location)
+
     def validate(self, job: FineTuneJob) -> list[Problem]:
         return validate(job)
 
@@ -691,7 +682,7 @@ class KubernetesBackend:
     async def _output_claim(self, job: FineTuneJob) -> dict[str, Any] | None:
         """The output's PersistentVolumeClaim of a multi-node job (None otherwise, or when it
         cannot be read: the pods then say what is wrong with it)."""
-        uri = parse_uri(job.spec.output.uri, OUTPUT_SCHEMES)
+        uri = job.spec.output.location.uri
         if job.spec.resources.nodes < 2 or uri.scheme != "pvc":
             return None
         try:

@@ -447,7 +447,7 @@ def plan_job(job: FineTuneJob, model: ModelConfig | None, strategy: Strategy,
                      "spec.strategy.precision: fp16" if why_not is None else
                      f"{vm.gpu.name} has no bf16, and fp16 is refused here: {why_not}")
     output = spec.output
-    disk = estimate_disk(shape, setup, fetched=spec.model.uri.startswith("hf://"),
+    disk = estimate_disk(shape, setup, fetched=spec.model.location.scheme == "hf",
                          stored_bytes=stored_bytes_per_param(model.config),
                          keep_last=output.keep_last, merge_adapter=output.merge_adapter)
     common = dict(model_source=model.source, total_params=estimate.total_params,

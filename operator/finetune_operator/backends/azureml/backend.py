@@ -28,6 +28,7 @@ from finetune_operator.backends.azureml.client import (
 from finetune_operator.backends.azureml.states import AzureJob
 from finetune_operator.reconcile import Failure, Observation
 from finetune_operator.validation import Problem
+from finetune_trainer.uris import Location
 
 logger = logging.getLogger("finetune_operator.azureml")
 T = TypeVar("T")
@@ -71,6 +72,9 @@ class AzureMLBackend:
         """FineTuneJob uid → why Azure ML refused its last submission."""
 
     # --- offline ---
+
+    def mount(self, location: Location) -> str:
+        return jobspec.mount(location)
 
     def validate(self, job: FineTuneJob) -> list[Problem]:
         return jobspec.validate(job)

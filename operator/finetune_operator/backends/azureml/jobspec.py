@@ -22,15 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 from finetune_operator.api import FineTuneJob
 from finetune_operator.settings import OperatorSettings
-from finetune_operator.trainer_config import build_trainer_config
+from finetune_operator.trainer_config import build_trainer_config, unreachable_locations
 from finetune_operator.validation import Problem
 from finetune_trainer.config import TrainerConfig
-from finetune_trainer.uris import (
-    DATASET_SCHEMES,
-    MODEL_SCHEMES,
-    job_placeholder,
-    parse_uri,
-)
+from finetune_trainer.uris import Location, Unreachable, job_placeholder
 
 if TYPE_CHECKING:
     from azure.ai.ml.entities import Command
@@ -92,28 +87,40 @@ def attempt_of(job: FineTuneJob, name: str | None) -> int | None:
 
 # --- where the trainer finds its model, data and output -----------------------------------
 
-def input_type(section: str, uri: str) -> str | None:
-    """The Azure ML input type for an azureml:// location (None: not an Azure ML input)."""
-    schemes = MODEL_SCHEMES if section == "model" else DATASET_SCHEMES
-    if parse_uri(uri, schemes).scheme != "azureml":
+def input_type(location: Location) -> str | None:
+    """The Azure ML input type of an azureml:// model or dataset (None: not an input)."""
+    if location.scheme != "azureml" or location.section == "output":
         return None
-    if section == "dataset" and uri.rstrip("/").lower().endswith(FILE_SUFFIXES):
+    if location.section == "dataset" and location.raw.rstrip("/").lower().endswith(
+            FILE_SUFFIXES):
         return "uri_file"
     return "uri_folder"
 
 
-def azureml_location(section: str, uri: str, schemes: tuple) -> str:
-    """The `locate` callback: azureml:// inputs and the output become Azure ML placeholders
-    the trainer binds to their mount paths; hub, https and image paths stay as they are."""
-    if section == "output":
+def mount(location: Location) -> str:
+    """Where an Azure ML job opens a location: azureml:// inputs and the output become
+    placeholders the trainer binds to their mount paths; hub, https and image paths stay
+    as they are."""
+    if location.section == "output":
+        if not DATASTORE_PATH.fullmatch(location.raw):
+            raise Unreachable(
+                "must be an Azure ML datastore folder for backend azureml (an Azure ML job's "
+                "own disks are gone when it ends)", "use azureml://datastores/<store>/paths/"
+                "<path>, e.g. azureml://datastores/workspaceblobstore/paths/finetune/<job>")
         return job_placeholder(f"outputs.{OUTPUT_NAME}")
-    if parse_uri(uri, schemes).scheme == "azureml":
-        return job_placeholder(f"inputs.{section}")
-    return uri
+    if location.scheme in ("pvc", "relative"):
+        raise Unreachable(
+            f"{location.scheme} locations cannot be reached from Azure ML",
+            "use azureml://datastores/<store>/paths/<path>, an Azure ML asset "
+            "(azureml://registries/... or azureml://subscriptions/...), an hf:// or "
+            "https:// location, or a path inside the environment's image")
+    if location.scheme == "azureml":
+        return job_placeholder(f"inputs.{location.section}")
+    return location.raw
 
 
 def trainer_config(job: FineTuneJob) -> TrainerConfig:
-    return build_trainer_config(job, azureml_location)
+    return build_trainer_config(job, mount)
 
 
 def encode_config(config: TrainerConfig) -> str:
@@ -124,13 +131,8 @@ def encode_config(config: TrainerConfig) -> str:
 
 def data_inputs(job: FineTuneJob) -> dict[str, tuple[str, str]]:
     """name → (input type, azureml:// path) for the locations Azure ML mounts."""
-    inputs = {}
-    for section in ("model", "dataset"):
-        uri = getattr(job.spec, section).uri
-        kind = input_type(section, uri)
-        if kind is not None:
-            inputs[section] = (kind, uri)
-    return inputs
+    return {location.section: (kind, location.raw) for location in job.spec.locations
+            if (kind := input_type(location)) is not None}
 
 
 def command_line(job: FineTuneJob) -> str:
@@ -256,22 +258,7 @@ def render(job: FineTuneJob, settings: OperatorSettings) -> dict[str, Any]:
 
 def validate(job: FineTuneJob) -> list[Problem]:
     spec = job.spec
-    problems: list[Problem] = []
-    for section, schemes in (("model", MODEL_SCHEMES), ("dataset", DATASET_SCHEMES)):
-        scheme = parse_uri(getattr(spec, section).uri, schemes).scheme
-        if scheme in ("pvc", "relative"):
-            problems.append(Problem(
-                f"spec.{section}.uri", f"{scheme} locations cannot be reached from Azure ML",
-                "use azureml://datastores/<store>/paths/<path>, an Azure ML asset "
-                "(azureml://registries/... or azureml://subscriptions/...), an hf:// or "
-                "https:// location, or a path inside the environment's image"))
-    output = spec.output.uri
-    if not DATASTORE_PATH.fullmatch(output):
-        problems.append(Problem(
-            "spec.output.uri", "must be an Azure ML datastore folder for backend azureml "
-            "(an Azure ML job's own disks are gone when it ends)",
-            "use azureml://datastores/<store>/paths/<path>, e.g. "
-            "azureml://datastores/workspaceblobstore/paths/finetune/<job>"))
+    problems = unreachable_locations(job, mount)
     if spec.model.token_secret_ref is not None:
         problems.append(Problem(
             "spec.model.tokenSecretRef", "Kubernetes Secrets do not reach Azure ML workers",

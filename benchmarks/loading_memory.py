@@ -15,7 +15,7 @@ state the planner counts as such). The kernel's own peaks (VmHWM) are summed bes
 an upper bound, since the ranks need not peak at the same moment.
 
 glibc serves every tensor from its own mmap and returns it on free
-(MALLOC_MMAP_THRESHOLD_=65536, as tests/planner/memory_probe.py does): a large model's
+(MALLOC_MMAP_THRESHOLD_=65536, as tests/support/memory_probe.py does): a large model's
 tensors are past glibc's largest threshold anyway, and the small ones here would otherwise
 stay in its heap after they are freed, counting what is no longer held.
 

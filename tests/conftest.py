@@ -1,4 +1,10 @@
-"""Shared fixtures: the repository's examples, the generated CRD, and manifest builders."""
+"""Shared fixtures: the repository's examples, the generated CRD, and manifest builders.
+
+Tests are grouped by the component they check (api, cli, backends, operator, planner,
+trainer, metrics, install, code); what they need to run is their level, a marker set here
+from the fixtures they use: `scenario` (the real operator against the emulator), `cluster`
+(the real control plane), `kind` (a cluster of your own), `gpu`, and `unit` for the rest.
+`pytest -m unit` is the quick loop; `make test` runs every level this machine can."""
 
 from __future__ import annotations
 
@@ -9,8 +15,30 @@ from typing import Any
 import pytest
 import yaml
 
-# the real control plane's fixtures (control_plane, installation, operator_process, ...)
-pytest_plugins = ["tests.controlplane.fixtures"]
+# the real control plane's fixtures (control_plane, installation, operator_process, ...) and
+# the emulated cluster's (cluster, kubelet, operator, rank0, testbed)
+pytest_plugins = ["tests.support.cluster_fixtures", "tests.support.operator_fixtures"]
+
+LEVELS = ("unit", "scenario", "cluster", "kind", "gpu")
+CLUSTER_FIXTURES = {"control_plane", "installation", "operator_process",
+                    "control_plane_testbed"}
+SCENARIO_FIXTURES = {"kmock", "cluster", "kubelet", "operator", "emulated_testbed"}
+TESTBED_LEVELS = {"emulator": "scenario", "control-plane": "cluster", "kubeconfig": "kind"}
+
+
+def level(item: pytest.Item) -> str:
+    """What a test needs to run: a level it is marked with (a test that starts its own
+    cluster says so), else what the fixtures it asks for need."""
+    for marked in ("gpu", "kind", "cluster", "scenario"):
+        if item.get_closest_marker(marked) is not None:
+            return marked
+    testbed = getattr(item, "callspec", None) and item.callspec.params.get("testbed")
+    if testbed:
+        return TESTBED_LEVELS[testbed]
+    names = set(getattr(item, "fixturenames", ()))
+    if names & CLUSTER_FIXTURES:
+        return "cluster"
+    return "scenario" if names & SCENARIO_FIXTURES else "unit"
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -59,18 +87,20 @@ def tiny_tokenizer(tiny_model_dir):
 
 
 def pytest_collection_modifyitems(config, items):
-    """GPU tests skip cleanly where no CUDA device is visible; kind tests without a cluster."""
+    """Each test gets its level marker; GPU tests skip cleanly where no CUDA device is
+    visible, kind tests without a cluster."""
     import os
 
     gpu = None
     for item in items:
-        if "gpu" in item.keywords:
+        item.add_marker(getattr(pytest.mark, level(item)))
+        if item.get_closest_marker("gpu") is not None:
             if gpu is None:
                 import torch
 
                 gpu = torch.cuda.is_available()
             if not gpu:
                 item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; none is visible"))
-        if "kind" in item.keywords and not os.environ.get("KUBECONFIG"):
+        if item.get_closest_marker("kind") is not None and not os.environ.get("KUBECONFIG"):
             item.add_marker(pytest.mark.skip(
                 reason="needs a real cluster: set KUBECONFIG (kind cannot run without Docker)"))

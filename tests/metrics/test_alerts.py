@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.metrics.monitoring import PROMTOOL, RULES, alerts
+from tests.support.monitoring import PROMTOOL, RULES, alerts
 
 ALERTS_TEST = Path(__file__).with_name("alerts_test.yaml")
 needs_promtool = pytest.mark.skipif(

@@ -14,7 +14,8 @@ from finetune_operator.backends.kubernetes import render as render_workers
 from finetune_operator.settings import OperatorSettings
 from finetune_operator.validation import parse_job
 from tests.conftest import minimal_job
-from tests.metrics.monitoring import (
+from tests.install.test_chart import by_kind, render
+from tests.support.monitoring import (
     CHART,
     DASHBOARDS,
     dashboard,
@@ -23,7 +24,6 @@ from tests.metrics.monitoring import (
     targets,
     variable_queries,
 )
-from tests.unit.test_chart import by_kind, render
 
 RELEASE = {"release": "kube-prometheus-stack"}
 MONITORING = {

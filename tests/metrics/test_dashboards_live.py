@@ -21,7 +21,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from finetune_operator.backends import BackendError
-from tests.metrics.monitoring import (
+from tests.support.emulator import ApiServer
+from tests.support.monitoring import (
     PROMETHEUS,
     RULES,
     Prometheus,
@@ -32,7 +33,6 @@ from tests.metrics.monitoring import (
     targets,
     variable_queries,
 )
-from tests.operator.emulator import ApiServer
 from tests.trainer.test_training import finetune_run, manifest
 
 needs_prometheus = pytest.mark.skipif(

@@ -13,7 +13,7 @@ import pytest
 import pytest_asyncio
 
 from finetune_operator.kube import Kube, KubeError
-from tests.controlplane.fixtures import controlplane
+from tests.support.cluster_fixtures import controlplane
 
 pytestmark = pytest.mark.asyncio
 

@@ -28,7 +28,7 @@ import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import minimal_job
-from tests.operator.emulator import ApiServer, Kubelet
+from tests.support.emulator import ApiServer, Kubelet
 
 pytestmark = [pytest.mark.slow, pytest.mark.kmock(cls=ApiServer), pytest.mark.asyncio,
               pytest.mark.timeout(300)]

@@ -27,11 +27,11 @@ from finetune_operator import controller
 from finetune_operator.backends import BackendContext, load_backends
 from finetune_operator.kube import Kube
 from finetune_operator.settings import OperatorSettings
-from tests.azureml_fake import FakeAzureML, StaticCredential
-from tests.operator.conftest import Operator
-from tests.operator.emulator import VERBS, ApiServer
-from tests.operator.test_azureml_scenarios import FTJ, azureml_job, phase_is, submitted
-from tests.operator.testbed import EmulatedTestbed, eventually
+from tests.backends.test_azureml_scenarios import FTJ, azureml_job, phase_is, submitted
+from tests.support.azureml_fake import FakeAzureML, StaticCredential
+from tests.support.emulator import VERBS, ApiServer
+from tests.support.operator_fixtures import Operator
+from tests.support.testbed import EmulatedTestbed, eventually
 
 pytestmark = [pytest.mark.kmock(cls=ApiServer), pytest.mark.asyncio, pytest.mark.timeout(120),
               pytest.mark.filterwarnings("ignore::DeprecationWarning:azure"),

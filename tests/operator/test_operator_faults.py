@@ -1,7 +1,7 @@
 """The real operator against an API server that fails: killed mid-reconcile, 409 / 429 / 500
 answers, a slow or hung server, children deleted by hand, watch streams dropped.
 
-Each test injects one fault into the emulator (tests/operator/faults.py) while the operator
+Each test injects one fault into the emulator (tests/support/faults.py) while the operator
 works, and checks what a user would: the job still gets where it should, no child is created
 twice (counted by uid, not by name), and the trouble is visible (an event, the
 finetune_operator_backend_errors_total counter) instead of silent.
@@ -15,10 +15,10 @@ import pytest
 import pytest_asyncio
 
 from finetune_operator import naming
-from tests.operator.conftest import NotKopfs, Operator
-from tests.operator.emulator import Kubelet
-from tests.operator.faults import Fault, FaultyApiServer
-from tests.operator.testbed import EmulatedTestbed
+from tests.support.emulator import Kubelet
+from tests.support.faults import Fault, FaultyApiServer
+from tests.support.operator_fixtures import NotKopfs, Operator
+from tests.support.testbed import EmulatedTestbed
 
 pytestmark = [pytest.mark.kmock(cls=FaultyApiServer), pytest.mark.asyncio,
               pytest.mark.timeout(120)]

@@ -16,9 +16,9 @@ import pytest
 from finetune_operator import controller
 from finetune_operator.controller import PEERING_LOOK_SECONDS, Peering
 from finetune_trainer.record import ProgressRecord
-from tests.operator.conftest import NotKopfs, Operator
-from tests.operator.emulator import ApiServer
-from tests.operator.testbed import EmulatedTestbed
+from tests.support.emulator import ApiServer
+from tests.support.operator_fixtures import NotKopfs, Operator
+from tests.support.testbed import EmulatedTestbed
 
 pytestmark = [pytest.mark.kmock(cls=ApiServer), pytest.mark.asyncio, pytest.mark.timeout(120)]
 PEERINGS = "/apis/kopf.dev/v1/clusterkopfpeerings"

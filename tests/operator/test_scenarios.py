@@ -3,9 +3,9 @@
 Each scenario runs on KMock's Kubernetes emulator (a simulated kubelet plays the Job
 controller, fast), on a real control plane (kube-apiserver with RBAC, the real scheduler and
 Job controller, KWOK as the kubelets, the operator a process of its own logged in as the
-chart's ServiceAccount: tests/controlplane), and, when KUBECONFIG and FINETUNE_E2E_NAMESPACE
-are set, on that cluster with real trainer pods (see testbed.py): the `[emulator]`,
-`[control-plane]` and `[kubeconfig]` variants.
+chart's ServiceAccount: tests/support/cluster_testbed.py), and, when KUBECONFIG and
+FINETUNE_E2E_NAMESPACE are set, on that cluster with real trainer pods (see
+tests/support/testbed.py): the `[emulator]`, `[control-plane]` and `[kubeconfig]` variants.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import asyncio
 
 import pytest
 
-from tests.operator.emulator import ApiServer
-from tests.operator.testbed import Testbed
+from tests.support.emulator import ApiServer
+from tests.support.testbed import Testbed
 
 pytestmark = [pytest.mark.kmock(cls=ApiServer), pytest.mark.asyncio, pytest.mark.timeout(900)]
 CHILDREN = (("batch/v1/jobs", "demo"), ("v1/services", "demo"), ("v1/configmaps", "demo-trainer"))

@@ -2,7 +2,7 @@
 
 Each configuration trains a 15.6M-parameter Llama (vocabulary 8000, 6 layers, GQA) for
 three steps on two gloo processes through the trainer's own model loading, strategies and
-loss (tests/planner/memory_probe.py says how the peak is read: VmHWM with glibc serving
+loss (tests/support/memory_probe.py says how the peak is read: VmHWM with glibc serving
 every tensor from mmap). The planner is asked the same question with `device: cpu` (no
 CUDA context; foreach AdamW) and must be within ±15%. For sharded LoRA in bf16 the weights
 each rank holds once set up are checked against the `weights` line too: half of fp32 (#17).
@@ -79,7 +79,7 @@ def probe(model_dir: Path, out: Path, method: str, strategy: str, checkpointing:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(REPO)}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={WORLD}", "-m", "tests.planner.memory_probe", str(model_dir),
+               f"--nproc-per-node={WORLD}", "-m", "tests.support.memory_probe", str(model_dir),
                str(out), "--method", method, "--strategy", strategy, "--precision", precision,
                "--checkpointing", checkpointing,
                "--fused-loss", str(int(fused_loss)), "--micro-batch", str(micro_batch),

@@ -1,6 +1,7 @@
 """An hf:// model is fetched once into the output folder and every node and restart reads that
-copy (#17: "a restarted gang does not download the model again"). The hub is faked over HTTP
-(tests/hub_fake.py), so the real huggingface_hub client code runs and every request counts."""
+copy (#17: "a restarted gang does not download the model again"). The hub is faked over
+HTTP (tests/support/hub_fake.py), so the real huggingface_hub client code runs and every
+request counts."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from finetune_trainer import fetch, trained_with
 from finetune_trainer.config import ModelSource, TrainerConfig
 from finetune_trainer.layout import FETCHED_FILE, model_copy_dir
 from tests.conftest import REPO
-from tests.hub_fake import FakeHub, Repo, repo_from_folder
+from tests.support.hub_fake import FakeHub, Repo, repo_from_folder
 
 DATA = REPO / "examples/data/tiny-chat.jsonl"
 WEIGHTS = "model.safetensors"

@@ -3,7 +3,7 @@
 Under FSDP every rank builds the model empty and rank 0 reads the weights one at a time,
 each rank keeping its shard (finetune_trainer.loading); under ZeRO-3 transformers builds it
 partitioned and rank 0 alone reads. The weights each rank ends up with are the ones a plain
-from_pretrained reads (tests/trainer/loading_probe.py), and the node's host memory while
+from_pretrained reads (tests/support/loading_probe.py), and the node's host memory while
 loading stays near one copy of the weights: measured on 2 CPU ranks over gloo the way
 benchmarks/loading_memory.py measures it (every rank's resident set sampled, summed at
 each moment), which also prints the figures before and after:
@@ -39,7 +39,7 @@ holds rank 0's copy); every rank reading the model was 2.5-2.8x."""
 
 def _probe(model_dir: Path, out: Path, *options: str) -> dict:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node=2", "-m", "tests.trainer.loading_probe", str(model_dir),
+               "--nproc-per-node=2", "-m", "tests.support.loading_probe", str(model_dir),
                str(out), *options]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO,

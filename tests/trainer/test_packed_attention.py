@@ -1,5 +1,5 @@
 """Packed attention's inputs on the host: the samples' bounds from position_ids, and when
-the kernel is (not) used. The kernel itself runs on CUDA only (tests/gpu)."""
+the kernel is (not) used. The kernel itself runs on CUDA only (test_packed_attention_gpu.py)."""
 
 from __future__ import annotations
 

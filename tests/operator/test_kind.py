@@ -15,6 +15,7 @@ engine = not missing and subprocess.run(["docker", "info"], capture_output=True)
 
 
 @pytest.mark.slow
+@pytest.mark.cluster  # its own kind cluster, not the one KUBECONFIG names
 @pytest.mark.skipif(bool(missing) or not engine,
                     reason="kind e2e needs a Docker engine and kind, kubectl, helm "
                            f"(missing: {', '.join(missing) or 'a running Docker engine'}); "

@@ -1,8 +1,8 @@
 """Fuzz `finetune validate`, `render` and `plan` with generated manifests (#25).
 
-    .venv/bin/python -m tests.fuzz_manifests --count 3000 [--seed N] [--timeout 20]
+    .venv/bin/python -m tests.support.fuzz_manifests --count 3000 [--seed N] [--timeout 20]
 
-Each manifest of `tests.manifest_generator` (the examples, mutated) goes through
+Each manifest of `tests.support.manifest_generator` (the examples, mutated) goes through
 `finetune validate` (text and json), `finetune render` and `finetune plan --offline`
 (table and json), in this process, and is held to what a user may expect:
 - no traceback, and an answer within `--timeout` seconds (a hang);
@@ -14,7 +14,7 @@ Each manifest of `tests.manifest_generator` (the examples, mutated) goes through
   `finetune run` and render refuses them;
 - render's output is YAML, plan's JSON is JSON.
 Prints the figures and the first findings of each kind with the seed and index that
-reproduce them; exits 1 when anything was found. tests/unit/test_manifest_agreement.py
+reproduce them; exits 1 when anything was found. tests/api/test_manifest_agreement.py
 runs the same checks over a bounded count.
 """
 
@@ -36,7 +36,7 @@ import yaml
 from click.testing import CliRunner
 
 from finetune_operator.cli import main as finetune
-from tests.manifest_generator import Generated, manifests
+from tests.support.manifest_generator import Generated, manifests
 
 COMMANDS = {
     "validate": ["validate"],

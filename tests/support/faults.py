@@ -29,7 +29,7 @@ import aiohttp.web
 import attrs
 import kmock
 
-from tests.operator.emulator import ApiServer
+from tests.support.emulator import ApiServer
 
 OPERATOR_AGENTS = ("kopf/", "finetune-operator/")
 """User-Agent prefixes of the operator's two API clients (kopf's and its own)."""

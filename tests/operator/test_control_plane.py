@@ -10,10 +10,10 @@ import subprocess
 
 import pytest
 
+from tests.api.test_bad_manifests import CASES, edit
 from tests.conftest import minimal_job
-from tests.controlplane import kueue
-from tests.controlplane.testbed import ControlPlaneTestbed
-from tests.unit.test_bad_manifests import CASES, edit
+from tests.support import kueue
+from tests.support.cluster_testbed import ControlPlaneTestbed
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -109,7 +109,7 @@ def _queued_manifest(bed: ControlPlaneTestbed) -> dict:
 async def test_kueue_queues_admits_and_preempts(control_plane_testbed):
     """Queued from the first look, with Kueue's reason when it cannot place the job; admitted
     onto the flavor's nodes; preempted and admitted again without a new Job or a counted
-    restart. Kueue is tests/controlplane/kueue.py, a stand-in doing what Kueue documents
+    restart. Kueue is tests/support/kueue.py, a stand-in doing what Kueue documents
     (the real Kueue cannot be built here)."""
     bed: ControlPlaneTestbed = control_plane_testbed
     with kueue.KueueStandIn(bed.installation.kubectl, bed.namespace) as stand_in:
@@ -204,7 +204,7 @@ async def test_kueue_gang_restart_queues_again_and_says_so(control_plane_testbed
         assert stand_in.errors == []
 
 
-# Cases of tests/unit/test_bad_manifests.py that the CRD cannot see, and what the API server
+# Cases of tests/api/test_bad_manifests.py that the CRD cannot see, and what the API server
 # says instead: only `finetune validate` (or the operator's Validated condition) names them.
 NOT_THE_CRDS_TO_SAY = {
     "wrong-api-version": "no matches for kind",

@@ -2,7 +2,7 @@
 
 Run under torchrun, one process per rank:
     python -m torch.distributed.run --standalone --nproc-per-node=2 \
-        -m tests.trainer.loading_probe MODEL_DIR OUT.json --strategy fsdp --method lora
+        -m tests.support.loading_probe MODEL_DIR OUT.json --strategy fsdp --method lora
 
 Loads and sets up the strategy as `train.run` does (FSDP: every rank builds the model
 empty and rank 0 reads the weights one at a time; ZeRO-3: transformers' partitioned

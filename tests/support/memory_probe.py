@@ -3,7 +3,7 @@ code (model loading, strategies, loss), for comparing with the planner's estimat
 
 Run under torchrun, one process per rank:
     python -m torch.distributed.run --standalone --nproc-per-node=2 \
-        -m tests.planner.memory_probe MODEL_DIR OUT.json --method full --strategy ddp
+        -m tests.support.memory_probe MODEL_DIR OUT.json --method full --strategy ddp
 
 How it measures: torch's CPU allocator keeps no statistics, so the probe reads the
 kernel's peak resident set size (VmHWM in /proc/self/status). The caller sets

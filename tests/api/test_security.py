@@ -28,8 +28,8 @@ from finetune_operator.validation import (
     parse_job,
 )
 from tests.conftest import EXAMPLES, load_yaml, minimal_job
-from tests.crd_schema import cel_failures, schema_errors
-from tests.unit.test_chart import MONITORING, NON_DEFAULT, by_kind, render
+from tests.install.test_chart import MONITORING, NON_DEFAULT, by_kind, render
+from tests.support.crd_schema import cel_failures, schema_errors
 
 CHART_VALUES = {
     "defaults": None,

@@ -14,14 +14,14 @@ from finetune_operator.backends.azureml import AzureMLBackend
 from finetune_operator.backends.azureml.client import ARM_SCOPE, RetrySettings
 from finetune_operator.settings import OperatorSettings
 from finetune_operator.validation import parse_job
-from tests.azureml_fake import (
+from tests.conftest import minimal_job
+from tests.support.azureml_fake import (
     RESOURCE_GROUP,
     SUBSCRIPTION,
     WORKSPACE,
     FakeAzureML,
     StaticCredential,
 )
-from tests.conftest import minimal_job
 
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning:azure"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning:marshmallow")]

@@ -14,9 +14,9 @@ from finetune_operator import controller
 from finetune_operator.kube import Kube
 from finetune_operator.settings import OperatorSettings
 from finetune_trainer.progress import ProgressServer
-from tests.controlplane.fixtures import controlplane
-from tests.operator.emulator import ApiServer, Kubelet
-from tests.operator.testbed import (
+from tests.support.cluster_fixtures import controlplane
+from tests.support.emulator import ApiServer, Kubelet
+from tests.support.testbed import (
     REAL_CLUSTER_ENV,
     REAL_CLUSTER_SKIP,
     EmulatedTestbed,

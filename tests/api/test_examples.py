@@ -7,7 +7,7 @@ import yaml
 
 from finetune_operator.validation import check_document, parse_job
 from tests.conftest import EXAMPLES, REPO, load_yaml
-from tests.crd_schema import cel_failures, schema_errors
+from tests.support.crd_schema import cel_failures, schema_errors
 
 
 def test_there_are_the_promised_examples():

@@ -1,7 +1,7 @@
 """`finetune validate` accepts only what `finetune render` (and the operator) accepts for the
 same backend, and validate, render and plan answer generated manifests with one line per
 problem that names a field or a file position, never a traceback (#25, item 7 and the
-property test). tests/fuzz_manifests.py runs the same checks on thousands."""
+property test). tests/support/fuzz_manifests.py runs the same checks on thousands."""
 
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ from finetune_operator.cli import main, missing_local_paths
 from finetune_operator.manifests import read_documents
 from finetune_operator.validation import parse_job
 from tests.conftest import REPO, minimal_job
-from tests.fuzz_manifests import check
-from tests.manifest_generator import AZUREML, example_jobs, manifests
+from tests.support.fuzz_manifests import check
+from tests.support.manifest_generator import AZUREML, example_jobs, manifests
 
 SEED = 25
-COUNT = 250  # ~20 s on 2 cores; tests/fuzz_manifests.py runs thousands
+COUNT = 250  # ~20 s on 2 cores; tests/support/fuzz_manifests.py runs thousands
 CONSOLE_SCRIPT = Path(sys.executable).with_name("finetune")
 
 

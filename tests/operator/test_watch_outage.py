@@ -17,8 +17,8 @@ import json
 import pytest
 import pytest_asyncio
 
-from tests.controlplane.fixtures import OperatorProcess, free_port
-from tests.controlplane.testbed import ControlPlaneTestbed
+from tests.support.cluster_fixtures import OperatorProcess, free_port
+from tests.support.cluster_testbed import ControlPlaneTestbed
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(300)]
 

@@ -28,7 +28,7 @@ import yaml
 from finetune_trainer.progress import ProgressServer
 from finetune_trainer.record import ProgressRecord
 from tests.conftest import REPO, minimal_job
-from tests.operator.emulator import COMPLETION_INDEX, ApiServer, Kubelet
+from tests.support.emulator import COMPLETION_INDEX, ApiServer, Kubelet
 
 API = "finetune.dev/v1alpha1/finetunejobs"
 REAL_CLUSTER_ENV = ("KUBECONFIG", "FINETUNE_E2E_NAMESPACE")

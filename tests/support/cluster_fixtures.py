@@ -185,7 +185,7 @@ def operator_process(installation, operator_install, progress_port, tmp_path_fac
 async def control_plane_testbed(installation, operator_process, progress_port):
     """A namespace of its own on the control plane, with the operator running; afterwards,
     no call of the operator was refused by RBAC."""
-    from tests.controlplane.testbed import ControlPlaneTestbed
+    from tests.support.cluster_testbed import ControlPlaneTestbed
 
     bed = await ControlPlaneTestbed.open(installation, operator_process, progress_port)
     await bed.start()

@@ -7,7 +7,7 @@ import pytest
 
 from finetune_operator import crd
 from tests.conftest import REPO, load_yaml
-from tests.crd_schema import openapi
+from tests.support.crd_schema import openapi
 
 KUBERNETES_VERSIONS = ["1.30", "1.37"]  # oldest we support, newest the validator knows
 
@@ -111,7 +111,7 @@ def _with_defaults(node):
 def test_every_default_passes_the_rules_of_its_object(committed_crd):
     """What the API server checks when the CRD is applied, before any nested default applies:
     a rule reading a field the default lacks fails there ("no such key"), and the whole CRD
-    is refused (tests/controlplane applies it to a real one)."""
+    is refused (tests/install/test_install.py applies it to a real one)."""
     import celpy
 
     env = celpy.Environment()

@@ -1,6 +1,6 @@
 """`backend: azureml` end to end: the real kopf operator against KMock's Kubernetes emulator,
 its azureml backend driving the real azure-ai-ml client, whose HTTP goes to a fake Azure ML
-(tests/azureml_fake.py) that the test moves through Azure ML's job states."""
+(tests/support/azureml_fake.py) that the test moves through Azure ML's job states."""
 
 from __future__ import annotations
 
@@ -16,17 +16,17 @@ from finetune_operator.backends import BackendContext, load_backends
 from finetune_operator.backends.azureml.jobspec import CONFIG_INPUT
 from finetune_operator.kube import Kube
 from finetune_operator.settings import OperatorSettings
-from tests.azureml_fake import (
+from tests.conftest import minimal_job
+from tests.support.azureml_fake import (
     RESOURCE_GROUP,
     SUBSCRIPTION,
     WORKSPACE,
     FakeAzureML,
     StaticCredential,
 )
-from tests.conftest import minimal_job
-from tests.operator.conftest import Operator
-from tests.operator.emulator import ApiServer
-from tests.operator.testbed import eventually
+from tests.support.emulator import ApiServer
+from tests.support.operator_fixtures import Operator
+from tests.support.testbed import eventually
 
 pytestmark = [pytest.mark.kmock(cls=ApiServer), pytest.mark.asyncio, pytest.mark.timeout(120),
               pytest.mark.filterwarnings("ignore::DeprecationWarning:azure"),

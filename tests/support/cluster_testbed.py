@@ -18,8 +18,8 @@ from typing import Any
 from finetune_trainer.progress import ProgressServer
 from finetune_trainer.record import ProgressRecord
 from tests.conftest import minimal_job
-from tests.operator.emulator import COMPLETION_INDEX
-from tests.operator.testbed import RealTestbed, merged
+from tests.support.emulator import COMPLETION_INDEX
+from tests.support.testbed import RealTestbed, merged
 
 OUTCOME = "fake.finetune.dev/outcome"
 RUN_TIME = "fake.finetune.dev/run-time"

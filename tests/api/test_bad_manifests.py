@@ -12,7 +12,7 @@ import pytest
 from finetune_operator.admission import admit, offline_backends
 from finetune_operator.validation import check_document
 from tests.conftest import minimal_job
-from tests.crd_schema import cel_failures, schema_errors
+from tests.support.crd_schema import cel_failures, schema_errors
 
 DELETE = object()
 

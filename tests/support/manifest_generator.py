@@ -8,8 +8,8 @@ NaN, odd strings, lists, mappings), a field dropped, an unknown key, reserved
 environment variables, Kubernetes Secrets on Azure ML. Most of them stay valid YAML and
 many stay valid manifests, so `validate`, `render` and `plan` all get to work on them.
 
-Used by tests/unit/test_manifest_agreement.py (a bounded count in `make test`) and by
-tests/fuzz_manifests.py (thousands, outside the suite).
+Used by tests/api/test_manifest_agreement.py (a bounded count in `make test`) and by
+tests/support/fuzz_manifests.py (thousands, outside the suite).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pydantic import BaseModel
 from finetune_operator.api import KIND, FineTuneJobSpec
 from finetune_operator.planner import catalog
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE_FILES = sorted((REPO / "examples").rglob("*.yaml"))
 
 GUID = "00000000-0000-0000-0000-000000000000"

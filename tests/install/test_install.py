@@ -12,14 +12,14 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from tests.controlplane.fixtures import OPERATOR_NAMESPACE, OperatorProcess, controlplane
+from tests.support.cluster_fixtures import OPERATOR_NAMESPACE, OperatorProcess, controlplane
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def test_the_crd_is_accepted_served_and_explained(installation):
     """The API server checks every CEL rule against every default when the CRD is applied;
-    it refused ours until the defaults were written out (tests/unit/test_crd.py)."""
+    it refused ours until the defaults were written out (tests/api/test_crd.py)."""
     kubectl = installation.kubectl
     crd = json.loads(kubectl("get", "crd", "finetunejobs.finetune.dev", "-o", "json").stdout)
     established = {c["type"]: c["status"] for c in crd["status"]["conditions"]}

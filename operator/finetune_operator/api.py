@@ -339,6 +339,8 @@ class Progress(StatusModel):
     """Passes over the training data so far (fractional)."""
     loss: float | None = None
     """Training loss over the last logging window."""
+    eval_loss: float | None = None
+    """Loss on the eval split at the latest evaluation (`dataset.evalFraction`)."""
     tokens_per_second: float | None = None
     """Label tokens per second, summed over all ranks."""
     mfu: float | None = None
@@ -355,7 +357,8 @@ class Progress(StatusModel):
     def from_record(cls, record: ProgressRecord) -> Progress:
         """Rank 0's progress record (finetune_trainer.record), as every backend reads it."""
         return cls(step=record.step, total_steps=record.total_steps, epoch=record.epoch,
-                   loss=record.loss, tokens_per_second=record.tokens_per_second,
+                   loss=record.loss, eval_loss=record.eval_loss,
+                   tokens_per_second=record.tokens_per_second,
                    mfu=record.mfu, eta_seconds=record.eta_seconds, preflight=record.preflight)
 
 

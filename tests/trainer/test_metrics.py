@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from finetune_trainer.metrics import TrainerMetrics
 from finetune_trainer.progress import ProgressServer
+from tests.trainer.test_tensorboard import scalars
 from tests.trainer.test_training import finetune_run, manifest
 
 PORT = 9108  # the trainer's default metrics port; local rank k serves on PORT + k
@@ -60,6 +61,8 @@ def samples(port: int, name: str) -> dict[str, float]:
 @pytest.mark.slow
 def test_both_ranks_of_a_real_run_serve_their_series(tiny_model_dir, tmp_path):
     job = manifest(tiny_model_dir, tmp_path / "out", steps=400, checkpoint_every=1000)
+    job["spec"]["dataset"]["evalFraction"] = 0.25
+    job["spec"]["hyperparameters"]["evalEverySteps"] = 2
     process = finetune_run(job, tmp_path, wait=False)
     try:
         deadline, seen = time.monotonic() + 300, {}
@@ -100,6 +103,10 @@ def test_both_ranks_of_a_real_run_serve_their_series(tiny_model_dir, tmp_path):
     finally:
         process.send_signal(signal.SIGTERM)
         process.communicate(timeout=300)
+    # and rank 0's TensorBoard event files, flushed at each record and closed on SIGTERM
+    seen = scalars(tmp_path / "out")
+    assert {1, 2} <= set(seen["train/loss"]) and 2 in seen["eval/loss"]
+    assert all(v > 0 for v in seen["train/grad_norm"].values())
 
 
 @pytest.mark.slow

@@ -60,20 +60,23 @@ def test_without_mlflow_it_says_so_and_trains_on(monkeypatch, capsys):
 def test_reporter_logs_each_record_at_its_step(tmp_path):
     mlflow = FakeMlflow()
     reporter = Reporter(tmp_path, total_steps=100, start_step=0, enabled=True,
-                        tracker=tracking.MlflowTracker(mlflow))
+                        trackers=(tracking.MlflowTracker(mlflow),))
     reporter.step_done(1000)
     reporter.report(10, 0.1, 2.5, 1e-4)
-    reporter.report(20, 0.2, 2.0, 9e-5)
+    reporter.report(20, 0.2, 2.0, 9e-5, grad_norm=0.75)
+    reporter.evaluated(20, 2.25)
     reporter.finish("Succeeded")
-    assert [step for step, _ in mlflow.logged] == [10, 20]
+    assert [step for step, _ in mlflow.logged] == [10, 20, 20]
     assert mlflow.logged[1][1]["loss"] == 2.0 and mlflow.logged[1][1]["total_steps"] == 100
+    assert mlflow.logged[1][1]["grad_norm"] == 0.75
+    assert mlflow.logged[2][1] == {"eval_loss": 2.25}
     assert mlflow.tags == {"finetune.phase": "Succeeded"}
 
 
 def test_a_tracking_failure_is_reported_once_and_never_stops_training(tmp_path, capsys):
     mlflow = FakeMlflow(fail=True)
     reporter = Reporter(tmp_path, total_steps=100, start_step=0, enabled=True,
-                        tracker=tracking.MlflowTracker(mlflow))
+                        trackers=(tracking.MlflowTracker(mlflow),))
     reporter.report(10, 0.1, 2.5, 1e-4)
     reporter.report(20, 0.2, 2.0, 1e-4)
     out = capsys.readouterr().out

@@ -255,6 +255,10 @@ class OutputConfig(ApiModel):
     """Write periodic checkpoints behind training (ddp and fsdp; DeepSpeed always waits):
     `auto` where the host has memory for the staged copy of the state, `on` always, `off`
     never. The checkpoint taken on SIGTERM is always complete before the process exits."""
+    tensorboard: bool = True
+    """Rank 0 writes TensorBoard event files (loss, learning rate, grad norm, tokens/s, eval
+    loss) under `tensorboard/` in this folder: `tensorboard --logdir <folder>` locally or on
+    the volume; Azure ML Studio shows them with the job's outputs."""
 
     @property
     def location(self) -> Location:

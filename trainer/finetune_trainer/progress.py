@@ -10,14 +10,20 @@ import time
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from finetune_trainer.layout import HISTORY_FILE, PROGRESS_FILE
 from finetune_trainer.record import ProgressRecord
 
-if TYPE_CHECKING:
-    from finetune_trainer.tracking import MlflowTracker
 
+class Tracker(Protocol):
+    """Somewhere else the records go (Azure ML's MLflow run, TensorBoard event files)."""
+
+    def log(self, record: ProgressRecord) -> None: ...
+
+    def evaluated(self, step: int, loss: float) -> None: ...
+
+    def finish(self, phase: str) -> None: ...
 
 
 def format_duration(seconds: float | None) -> str:
@@ -30,12 +36,12 @@ def format_duration(seconds: float | None) -> str:
 class Reporter:
     """Rank 0's progress: every log step a line on stdout, progress.json (the latest record,
     replaced atomically) and a line of progress.jsonl (the history) in the output folder;
-    a progress bar on stderr when it is a terminal."""
+    a progress bar on stderr when it is a terminal; and to each tracker."""
 
     def __init__(self, output_dir: Path, total_steps: int, start_step: int, enabled: bool,
-                 server: ProgressServer | None = None, tracker: MlflowTracker | None = None):
+                 server: ProgressServer | None = None, trackers: tuple[Tracker, ...] = ()):
         self.server = server
-        self.tracker = tracker  # Azure ML's MLflow tracking, when running there
+        self.trackers = trackers
         self.path = output_dir / PROGRESS_FILE
         self.history = output_dir / HISTORY_FILE
         self.total_steps = total_steps
@@ -46,6 +52,7 @@ class Reporter:
         self.bar = None
         self.last: ProgressRecord | None = None
         self.preflight: dict | None = None  # published with every record
+        self.eval_loss: float | None = None  # the latest evaluation's, likewise
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
@@ -58,7 +65,8 @@ class Reporter:
             self.bar.update(1)
 
     def report(self, step: int, epoch: float, loss: float | None, lr: float,
-               mfu: float | None = None, peak_memory: int | None = None) -> ProgressRecord:
+               mfu: float | None = None, peak_memory: int | None = None,
+               grad_norm: float | None = None) -> ProgressRecord:
         """Close the current window and publish it (`step` counts completed steps)."""
         elapsed = max(time.perf_counter() - self.window_start, 1e-9)
         tokens_per_second = self.window_tokens / elapsed
@@ -66,7 +74,8 @@ class Reporter:
         eta = None if step_seconds is None else int(step_seconds * (self.total_steps - step))
         record = ProgressRecord(
             step=step, total_steps=self.total_steps, epoch=round(epoch, 4), loss=loss,
-            learning_rate=lr, tokens_per_second=round(tokens_per_second, 1), eta_seconds=eta,
+            learning_rate=lr, grad_norm=grad_norm, eval_loss=self.eval_loss,
+            tokens_per_second=round(tokens_per_second, 1), eta_seconds=eta,
             mfu=None if mfu is None else round(mfu, 4),
             step_seconds=None if step_seconds is None else round(step_seconds, 6),
             peak_memory_bytes=peak_memory, preflight=self.preflight,
@@ -83,19 +92,31 @@ class Reporter:
             self._write(record)
             with self.history.open("a", encoding="utf-8") as handle:
                 handle.write(json.dumps(record.as_json(history=True)) + "\n")
-            if self.tracker is not None:
-                self.tracker.log(record)
+            for tracker in self.trackers:
+                tracker.log(record)
         self.window_start, self.window_tokens, self.window_steps = time.perf_counter(), 0, 0
         self.last = record
         return record
+
+    def evaluated(self, step: int, loss: float) -> None:
+        """The eval split's loss at `step`: in the latest record and every one after it."""
+        self.eval_loss = loss
+        if not self.enabled:
+            return
+        if self.last is not None:
+            self.last.eval_loss = loss
+            self._write(self.last)
+        for tracker in self.trackers:
+            tracker.evaluated(step, loss)
 
     def finish(self, phase: str) -> None:
         """Publish the final phase with the last figures (no log line)."""
         if self.enabled and self.last is not None:
             self.last.phase, self.last.eta_seconds = phase, 0
             self._write(self.last)
-            if self.tracker is not None:
-                self.tracker.finish(phase)
+        if self.enabled:
+            for tracker in self.trackers:
+                tracker.finish(phase)
         self.close()
 
     def _write(self, record: ProgressRecord) -> None:

@@ -22,6 +22,8 @@ MLFLOW_METRICS: dict[str, str] = {
     "epoch": "epoch",
     "total_steps": "total_steps",
     "eta_seconds": "eta_seconds",
+    "grad_norm": "grad_norm",
+    "eval_loss": "eval_loss",
 }
 """Record field → MLflow metric name (the Studio's charts; the operator reads them back)."""
 
@@ -39,6 +41,10 @@ class ProgressRecord(BaseModel):
     loss: float | None = None
     """Mean loss over the window's label tokens."""
     learning_rate: float | None = None
+    grad_norm: float | None = None
+    """The gradient norm of the window's last step (before clipping)."""
+    eval_loss: float | None = None
+    """Mean token loss on the eval split at the latest evaluation (None: not evaluated yet)."""
     tokens_per_second: float | None = None
     """Label tokens per second, all ranks together."""
     eta_seconds: int | None = None

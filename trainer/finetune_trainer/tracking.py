@@ -14,6 +14,8 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from finetune_trainer.record import MLFLOW_METRICS
+
 if TYPE_CHECKING:
     from finetune_trainer.record import ProgressRecord
 
@@ -34,10 +36,16 @@ class MlflowTracker:
         self.broken = False
 
     def log(self, record: ProgressRecord) -> None:
+        self._send(record.mlflow_metrics(), record.step)
+
+    def evaluated(self, step: int, loss: float) -> None:
+        self._send({MLFLOW_METRICS["eval_loss"]: loss}, step)
+
+    def _send(self, metrics: dict[str, float], step: int) -> None:
         if self.broken:
             return
         try:
-            self.mlflow.log_metrics(record.mlflow_metrics(), step=record.step)
+            self.mlflow.log_metrics(metrics, step=step)
         except Exception as error:  # the tracking service, the network, the plugin
             self.broken = True
             print(f"metrics are no longer sent to Azure ML tracking: {error}", flush=True)

@@ -45,6 +45,7 @@ from finetune_trainer.model import (
 )
 from finetune_trainer.profiling import StepProfiler
 from finetune_trainer.progress import ProgressServer, Reporter
+from finetune_trainer.tensorboard_log import tensorboard_tracker
 from finetune_trainer.timing import StepPhases
 
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: what Kubernetes and torchrun expect after SIGTERM
@@ -391,7 +392,8 @@ class StepLogger:
             record = t.reporter.report(state.step, state.step / t.batches.steps_per_epoch,
                                        window_loss / max(self.tokens, 1),
                                        t.scheduler.get_last_lr()[0], mfu=mfu,
-                                       peak_memory=peak_memory_bytes(t.device))
+                                       peak_memory=peak_memory_bytes(t.device),
+                                       grad_norm=_as_float(grad_norm))
         split = self.phases.drain() if self.phases is not None else {}
         if self.collectives is not None:
             timed = merge([self.collectives.drain(), *self.sampled])
@@ -400,7 +402,7 @@ class StepLogger:
             if timed.totals:
                 split["collective_wait"] = timed.exposed_seconds / max(self.window.steps, 1)
         metrics.logged(record.step, t.steps, record.epoch, record.loss, record.learning_rate,
-                       record.tokens_per_second, t.device, grad_norm=_as_float(grad_norm),
+                       record.tokens_per_second, t.device, grad_norm=record.grad_norm,
                        samples_per_second=self.window.sequences / seconds if seconds else None,
                        mfu=mfu, phases=split)
         self.loss.zero_()
@@ -523,10 +525,18 @@ class Trainer:
         server = (ProgressServer(config.metrics.port + local_rank,
                                  registry=self.metrics.registry)
                   if config.metrics.enabled else None)
-        tracker = tracking.from_environment() if self.rank == 0 else None  # Azure ML Studio
         self.reporter = Reporter(output_dir, self.steps, self.state.step,
-                                 enabled=self.rank == 0, server=server, tracker=tracker)
+                                 enabled=self.rank == 0, server=server,
+                                 trackers=self._trackers(output_dir) if self.rank == 0 else ())
         self.reporter.preflight = self.network.record() if self.network is not None else None
+
+    def _trackers(self, output_dir: Path) -> tuple:
+        """Where rank 0's records go beside progress.json: Azure ML's MLflow run when
+        running there (Studio charts), TensorBoard event files unless turned off."""
+        trackers = [tracking.from_environment()]
+        if self.config.output.tensorboard:
+            trackers.append(tensorboard_tracker(output_dir, self.state.step))
+        return tuple(t for t in trackers if t is not None)
 
     def _data(self, schedule):
         """This rank's micro-batches of each step, as CPU tensors (pinned on a GPU host),
@@ -604,7 +614,7 @@ class Trainer:
             if step % hp.log_every_steps == 0 or last or stopping:
                 self.log.log(self.grad_norm)
             if hp.eval_every_steps and step % hp.eval_every_steps == 0 and not last:
-                _say(f"eval at step {step}: loss {self.evaluate():.4f}")
+                self.evaluate(f"eval at step {step}: loss")
             self.checkpoints.maybe_save(self.state, last, stopping)
             if stopping:
                 return self._stopped(f"stopped by SIGTERM after step {step}; a restart "
@@ -616,9 +626,13 @@ class Trainer:
         self.reporter.finish("Stopped")
         return EXIT_PREEMPTED
 
-    def evaluate(self) -> float | None:
-        return evaluate(self.strategy, self.prepared.eval, self.hp.batch_size_per_device,
+    def evaluate(self, said: str) -> None:
+        """The eval split's loss (where there is one): said, and published."""
+        loss = evaluate(self.strategy, self.prepared.eval, self.hp.batch_size_per_device,
                         self.collation, self.control)
+        if loss is not None:
+            _say(f"{said} {loss:.4f}")
+            self.reporter.evaluated(self.state.step, loss)
 
     def finish(self) -> int:
         """After the last step: its checkpoint complete, the eval loss, the export."""
@@ -629,8 +643,7 @@ class Trainer:
             self.profiler.stop()
             if self.profiler.written is not None:
                 _say(f"profile of steps written to {self.profiler.written.parent}")
-        if (eval_loss := self.evaluate()) is not None:
-            _say(f"eval loss {eval_loss:.4f}")
+        self.evaluate("eval loss")
         final = export(self.strategy, self.prepared.tokenizer, self.config, self.output_dir,
                        self.base_dir)
         self.reporter.finish("Succeeded")

@@ -321,7 +321,10 @@ def run_command(file: str, nproc: int | None, fresh: bool, verbose: bool) -> Non
     click.echo(f"starting {processes} training process{'es' if processes > 1 else ''} "
                f"(a failed worker restarts them all from the newest checkpoint, up to "
                f"{restarts} time{'' if restarts == 1 else 's'}: spec.runPolicy.backoffLimit)")
-    code = local.run_trainer(config_path, processes, max_restarts=restarts, verbose=verbose)
+    from finetune_operator.follow import mark_failed, run_log
+
+    code = local.run_trainer(config_path, processes, run_log(output_dir),
+                             max_restarts=restarts, verbose=verbose)
     if code == 0:
         click.echo(f"done: model in {output_dir / layout.FINAL_DIR}, checkpoints in "
                    f"{layout.checkpoint_root(output_dir)}, progress in "
@@ -329,6 +332,7 @@ def run_command(file: str, nproc: int | None, fresh: bool, verbose: bool) -> Non
     elif code == local.EXIT_STOPPED:
         click.echo(local.stopped_message(output_dir), err=True)
     else:
+        mark_failed(output_dir)
         click.echo(f"training failed (exit {code}); see the log above", err=True)
     sys.exit(code)
 
@@ -397,6 +401,169 @@ def operator_command(all_namespaces: bool, namespaces: tuple[str, ...], log_leve
                              peering=controller.Peering(peering) if peering else None)
 
     asyncio.run(serve())
+
+
+KUBECONFIG_HELP = "Kubeconfig to use (default: KUBECONFIG, then ~/.kube/config)."
+NAMESPACE_HELP = "Namespace of the FineTuneJob (default: the kubeconfig context's)."
+
+
+class Screen:
+    """One block of lines, redrawn in place on a terminal; elsewhere (a pipe, a CI log)
+    printed again only when something other than the clock changed."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stdout.isatty()
+        self.height = 0
+        self.last: list[str] | None = None
+
+    def show(self, lines: list[str]) -> None:
+        if self.tty:
+            if self.height:
+                sys.stdout.write(f"\x1b[{self.height}F\x1b[J")  # back up, clear below
+            sys.stdout.write("\n".join(lines) + "\n")
+            self.height = len(lines)
+        elif lines[:-1] != self.last:
+            sys.stdout.write("\n".join(lines) + "\n")
+        sys.stdout.flush()
+        self.last = lines[:-1]
+
+
+@main.command(name="status")
+@click.argument("target", metavar="NAME")
+@click.option("-n", "--namespace", help=NAMESPACE_HELP)
+@click.option("--kubeconfig", help=KUBECONFIG_HELP)
+@click.option("-w", "--watch", is_flag=True,
+              help="Follow the job until it succeeds or fails (exit 0 or 1).")
+@click.option("--interval", type=click.FloatRange(min=0.2), default=2.0, show_default=True,
+              help="Seconds between looks with --watch.")
+def status_command(target: str, namespace: str | None, kubeconfig: str | None, watch: bool,
+                   interval: float) -> None:
+    """A FineTuneJob's phase, progress bar (step / total, loss, tokens/s, ETA), restarts,
+    conditions and last events. NAME may also be the output folder of `finetune run`, or
+    the manifest it ran: then no cluster is asked."""
+    import asyncio
+
+    from finetune_operator import follow, kube
+
+    here = follow.output_folder(target) if namespace is None and kubeconfig is None else None
+    client = None if here else kube.Kube(kubeconfig)
+    namespace = namespace or (None if here else kube.default_namespace(kubeconfig))
+
+    async def look_once() -> follow.JobView | None:
+        if here:
+            return follow.view_of_output(*here)
+        return await follow.look(client, namespace, target)
+
+    async def follow_job() -> int:
+        screen = Screen()
+        try:
+            while True:
+                view = await look_once()
+                if view is None:
+                    click.echo(f"finetune status: no FineTuneJob {target} in namespace "
+                               f"{namespace} — `kubectl get ftj -n {namespace}` lists them",
+                               err=True)
+                    return 1
+                screen.show(follow.render(view))
+                if not watch:
+                    return 0
+                if view.finished:
+                    return follow.FINISHED[view.phase]
+                await asyncio.sleep(interval)
+        except (kube.LoginError, kube.KubeError) as error:
+            click.echo(f"finetune status: {error}", err=True)
+            return 1
+        finally:
+            if client is not None:
+                await client.close()
+
+    try:
+        sys.exit(asyncio.run(follow_job()))
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+@main.command(name="logs")
+@click.argument("target", metavar="NAME")
+@click.option("-n", "--namespace", help=NAMESPACE_HELP)
+@click.option("--kubeconfig", help=KUBECONFIG_HELP)
+@click.option("--rank", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Node rank whose pod to read (its torchrun holds that node's processes).")
+@click.option("-f", "--follow", "keep_following", is_flag=True,
+              help="Keep printing as the workers write, until they end.")
+def logs_command(target: str, namespace: str | None, kubeconfig: str | None, rank: int,
+                 keep_following: bool) -> None:
+    """The trainer's log: of one node's pod on a cluster, the Azure ML job's (where to read
+    it), or of `finetune run` (NAME: its output folder or manifest; every process)."""
+    import asyncio
+
+    from finetune_operator import follow, kube
+
+    here = follow.output_folder(target) if namespace is None and kubeconfig is None else None
+    if here:
+        sys.exit(_local_logs(follow.run_log(here[1]), here[1], keep_following))
+    client = kube.Kube(kubeconfig)
+    namespace = namespace or kube.default_namespace(kubeconfig)
+
+    async def read() -> int:
+        from finetune_operator.backends.kubernetes import COMPLETION_INDEX_KEY, TRAINER_CONTAINER
+
+        try:
+            obj = await client.get(KIND, namespace, target)
+            if obj is None:
+                click.echo(f"finetune logs: no FineTuneJob {target} in namespace {namespace}",
+                           err=True)
+                return 1
+            if obj["spec"].get("backend") == "azureml":
+                click.echo(follow.azureml_logs_hint(obj))
+                return 0
+            pods = await client.pods(namespace, f"finetune.dev/job={target}")
+            pod = follow.newest_pod(pods, rank, COMPLETION_INDEX_KEY)
+            if pod is None:
+                phase = (obj.get("status") or {}).get("phase") or "Pending"
+                click.echo(f"finetune logs: {target} has no pod of node rank {rank} (phase "
+                           f"{phase}; nodes: spec.resources.nodes)", err=True)
+                return 1
+            async for chunk in client.pod_log(namespace, pod["metadata"]["name"],
+                                              TRAINER_CONTAINER, follow=keep_following):
+                sys.stdout.buffer.write(chunk)
+                sys.stdout.flush()
+            return 0
+        except (kube.LoginError, kube.KubeError) as error:
+            click.echo(f"finetune logs: {error}", err=True)
+            return 1
+        finally:
+            await client.close()
+
+    try:
+        sys.exit(asyncio.run(read()))
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+def _local_logs(path: Path, output_dir: Path, keep_following: bool) -> int:
+    """`finetune run`'s log; with -f, read on until the run's progress says it ended."""
+    import time
+
+    from finetune_operator import follow
+
+    if not path.exists() and not keep_following:
+        click.echo(f"finetune logs: no {path}: `finetune run` has not run here", err=True)
+        return 1
+    offset = 0
+    while True:
+        chunk = b""
+        if path.exists():
+            with path.open("rb") as handle:
+                handle.seek(offset)
+                chunk = handle.read()
+            offset += len(chunk)
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.flush()
+        if not keep_following or (
+                follow.view_of_output(output_dir.name, output_dir).finished and not chunk):
+            return 0
+        time.sleep(0.5)
 
 
 def _port_free(port: int) -> bool:

@@ -22,8 +22,9 @@ import importlib.metadata
 import json
 import os
 import ssl
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -144,6 +145,22 @@ def kubeconfig_path(kubeconfig: str | None = None) -> str:
     """Where kubectl would read its kubeconfig: the argument, KUBECONFIG (several files
     joined by ':' are merged), else ~/.kube/config."""
     return kubeconfig or os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")
+
+
+def default_namespace(kubeconfig: str | None = None) -> str:
+    """The namespace kubectl would use: the current context's, the pod's own inside a
+    cluster, else `default`."""
+    if kubeconfig is None and _in_cluster():
+        try:
+            return Path(config.incluster_config.SERVICE_TOKEN_FILENAME).with_name(
+                "namespace").read_text().strip() or "default"
+        except OSError:
+            return "default"
+    try:
+        _, current = config.list_kube_config_contexts(config_file=kubeconfig_path(kubeconfig))
+    except (config.ConfigException, OSError, ValueError, TypeError):
+        return "default"  # the login that follows says what is wrong with the kubeconfig
+    return (current or {}).get("context", {}).get("namespace") or "default"
 
 
 def configuration(kubeconfig: str | None = None) -> client.Configuration:
@@ -357,6 +374,29 @@ class Kube:
             selector += f",involvedObject.uid={uid}"
         return await self.list("Event", namespace, fields=selector,
                                action=f"list the events of {kind} {name}")
+
+    async def pod_log(self, namespace: str, pod: str, container: str, follow: bool = False
+                      ) -> AsyncIterator[bytes]:
+        """A container's log as the kubelet serves it, in chunks; with `follow`, until the
+        container ends (no time limit but the connection's own)."""
+        url = path("Pod", namespace, pod, "log")
+        params = {"container": container, **({"follow": "true"} if follow else {})}
+        session = self._connection()
+        try:
+            async with session.get(
+                    url, params=params, headers=self._headers(False),
+                    proxy=self.configured.proxy or None,
+                    server_hostname=getattr(self.configured, "tls_server_name", None),
+                    timeout=aiohttp.ClientTimeout(total=None if follow else self.timeout,
+                                                  connect=self.timeout)) as response:
+                if response.status >= 400:
+                    raise KubeError(f"read the log of pod {pod}", response.status,
+                                    response.reason or "", await response.read(),
+                                    response.headers)
+                async for chunk in response.content.iter_any():
+                    yield chunk
+        except (aiohttp.ClientError, TimeoutError, ssl.SSLError, OSError) as error:
+            raise KubeError(f"read the log of pod {pod}", cause=error) from error
 
     async def post_event(self, about: dict[str, Any], type_: str, reason: str,
                          message: str) -> None:

@@ -233,12 +233,31 @@ class QuietLog:
         return block
 
 
-def _relay(source: TextIO, target: TextIO, log: QuietLog) -> None:
+class RunLog:
+    """Every line torchrun and the workers wrote, filtered or not, in the output folder
+    (`logs/run.log`, appended to by each run): what `finetune logs` reads."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.handle = path.open("a", encoding="utf-8", errors="replace")
+        self.lock = threading.Lock()
+
+    def write(self, line: str) -> None:
+        with self.lock:
+            self.handle.write(line)
+            self.handle.flush()
+
+    def close(self) -> None:
+        self.handle.close()
+
+
+def _relay(source: TextIO, target: TextIO, log: QuietLog | None, keep: RunLog) -> None:
     for line in source:
-        for kept in log.feed(line):
+        keep.write(line)
+        for kept in (log.feed(line) if log is not None else [line]):
             target.write(kept)
             target.flush()
-    for kept in log.flush():
+    for kept in (log.flush() if log is not None else []):
         target.write(kept)
     target.flush()
 
@@ -258,22 +277,22 @@ def worker_env(processes: int, verbose: bool) -> dict[str, str]:
     return env
 
 
-def run_trainer(config_path: Path, processes: int, max_restarts: int = 0,
+def run_trainer(config_path: Path, processes: int, log_path: Path, max_restarts: int = 0,
                 verbose: bool = True) -> int:
     """Run torchrun in its own session; Ctrl-C or SIGTERM here becomes a SIGTERM there, so
     the workers checkpoint at the next step boundary and exit (143). A signal to torchrun
     itself never restarts the workers; a failed worker does, up to `max_restarts` times.
-    Without `verbose`, its output passes through `QuietLog`."""
-    pipes = {} if verbose else {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE,
-                                "text": True, "errors": "replace"}
+    Every line goes to `log_path` (RunLog); without `verbose`, the terminal gets them
+    through `QuietLog`."""
     child = subprocess.Popen(trainer_command(config_path, processes, max_restarts),
                              start_new_session=True, env=worker_env(processes, verbose),
-                             **pipes)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             errors="replace")
     stopped = False
-    relays = [threading.Thread(target=_relay, args=(stream, target, QuietLog(lambda: stopped)),
-                               daemon=True)
-              for stream, target in ((child.stdout, sys.stdout), (child.stderr, sys.stderr))
-              if stream is not None]
+    keep = RunLog(log_path)
+    relays = [threading.Thread(target=_relay, args=(
+        stream, target, None if verbose else QuietLog(lambda: stopped), keep), daemon=True)
+              for stream, target in ((child.stdout, sys.stdout), (child.stderr, sys.stderr))]
     for relay in relays:
         relay.start()
 
@@ -290,6 +309,7 @@ def run_trainer(config_path: Path, processes: int, max_restarts: int = 0,
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        keep.close()
     return EXIT_STOPPED if stopped else code
 
 

@@ -44,10 +44,13 @@ def documented() -> list[tuple[str, str]]:
     for example in EXAMPLES:
         found += [(example.name, line.lstrip("# ")) for line in example.read_text().splitlines()
                   if line.startswith("#   ")]
-    commands = []
+    commands, seen = [], set()
     for where, line in found:
         command = line.split("  #")[0].split(" > ")[0].strip()
-        if command.startswith("finetune ") and not PLACEHOLDERS.search(command):
+        typed = " ".join(command.split())  # the same command aligned differently runs once
+        if command.startswith("finetune ") and not PLACEHOLDERS.search(command) and (
+                typed not in seen):
+            seen.add(typed)
             commands.append((where, command))
     return commands
 

@@ -22,12 +22,12 @@ def test_the_operator_load_benchmark_measures_both_side_by_side(tmp_path):
         pytest.skip(reason)
     out = tmp_path / "load.json"
     result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "operator_load.py"),
-                             "--jobs", "25", "--steady", "3", "--out", str(out)],
+                             "--jobs", "10", "--steady", "2", "--out", str(out)],
                             capture_output=True, text=True, timeout=540)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "seconds until every job has a phase" in result.stdout
     (figures,) = json.loads(out.read_text())["runs"]
-    assert figures["jobs"] == 25
+    assert figures["jobs"] == 10
     for side in ("floor", "launcher", "ours"):
         assert figures[side]["seconds_to_all_phased"] > 0
         assert figures[side]["peak_rss_mib"] > 20

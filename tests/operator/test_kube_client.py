@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from pathlib import Path
 
 import aiohttp.web
@@ -25,6 +26,7 @@ class Server:
         self.token = "first"
         self.seen: list[tuple[str, str, str]] = []  # (method, path, Authorization)
         self.answers: dict[str, aiohttp.web.Response] = {}
+        self.streams: dict[str, list[bytes]] = {}  # path → chunks written a while apart
         self.hang = False
 
     async def handle(self, request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
@@ -35,6 +37,14 @@ class Server:
             return status(401, "Unauthorized", "Unauthorized")
         if request.path in self.answers:
             return self.answers[request.path]
+        if request.path in self.streams:
+            streamed = aiohttp.web.StreamResponse(headers={"Content-Type": "text/plain"})
+            await streamed.prepare(request)
+            for chunk in self.streams[request.path]:
+                await streamed.write(chunk)
+                await asyncio.sleep(0.1)
+            await streamed.write_eof()
+            return streamed
         return aiohttp.web.json_response({"kind": "FineTuneJobList", "items": []})
 
 
@@ -116,3 +126,33 @@ async def test_a_server_that_never_answers_is_a_kube_error_within_the_timeout(se
         assert "no answer from the API server" in str(failed.value)
     finally:
         await kube.close()
+
+
+async def test_finetune_logs_streams_the_current_pod_of_a_node_rank(server, tmp_path):
+    """The real `finetune logs -f` against a server answering as the API server does: the
+    FineTuneJob, its pods (rank 1's restarted: the newer pod is read), the log followed."""
+    kubeconfig = tmp_path / "kubeconfig"
+    write_kubeconfig(kubeconfig, server)
+    index = "batch.kubernetes.io/job-completion-index"
+
+    def pod(name: str, rank: int, created: str) -> dict:
+        return {"metadata": {"name": name, "creationTimestamp": created,
+                             "annotations": {index: str(rank)}}}
+
+    server.answers["/apis/finetune.dev/v1alpha1/namespaces/team/finetunejobs/demo"] = (
+        aiohttp.web.json_response({"metadata": {"name": "demo"},
+                                   "spec": {"backend": "kubernetes"}}))
+    server.answers["/api/v1/namespaces/team/pods"] = aiohttp.web.json_response({"items": [
+        pod("demo-0-a", 0, "2026-11-23T10:00:00Z"), pod("demo-1-a", 1, "2026-11-23T10:00:00Z"),
+        pod("demo-1-b", 1, "2026-11-23T10:05:00Z")]})
+    server.streams["/api/v1/namespaces/team/pods/demo-1-b/log"] = [
+        b"step 1/4 | loss 2.0\n", b"step 2/4 | lo", b"ss 1.5\n"]
+    logs = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "finetune_operator.cli", "logs", "demo", "-n", "team",
+        "--rank", "1", "-f", "--kubeconfig", str(kubeconfig),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(logs.communicate(), timeout=60)
+    assert logs.returncode == 0, err.decode()
+    assert out.decode() == "step 1/4 | loss 2.0\nstep 2/4 | loss 1.5\n"
+    asked = [(m, p) for m, p, _ in server.seen if p.endswith("/log")]
+    assert asked == [("GET", "/api/v1/namespaces/team/pods/demo-1-b/log")]

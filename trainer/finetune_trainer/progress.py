@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Protocol
 
 from finetune_trainer.layout import HISTORY_FILE, PROGRESS_FILE
-from finetune_trainer.record import ProgressRecord
+from finetune_trainer.record import ProgressRecord, format_duration
 
 
 class Tracker(Protocol):
@@ -24,13 +24,6 @@ class Tracker(Protocol):
     def evaluated(self, step: int, loss: float) -> None: ...
 
     def finish(self, phase: str) -> None: ...
-
-
-def format_duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "?"
-    seconds = int(seconds)
-    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
 class Reporter:

@@ -28,6 +28,14 @@ MLFLOW_METRICS: dict[str, str] = {
 """Record field → MLflow metric name (the Studio's charts; the operator reads them back)."""
 
 
+def format_duration(seconds: float | None) -> str:
+    """`3725` → `1:02:05` (an ETA, an elapsed time); `?` when unknown."""
+    if seconds is None:
+        return "?"
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
 class ProgressRecord(BaseModel):
     """Where training is, as rank 0 measured it over the last log window."""
 

@@ -1,0 +1,184 @@
+"""`finetune status` and `finetune logs`: one job followed from a terminal, on a cluster (any
+kubeconfig) or in the output folder of `finetune run`.
+
+What is shown is built by pure functions from what was read (the FineTuneJob and its
+events, or progress.json), so the terminal view is tested without a terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from finetune_operator.api import KIND, FineTuneJob, FineTuneJobStatus, Progress
+from finetune_operator.kube import Kube
+from finetune_trainer.layout import PROGRESS_FILE, resolve_output
+from finetune_trainer.record import ProgressRecord, format_duration
+
+FINISHED = {"Succeeded": 0, "Failed": 1, "Stopped": 1}
+"""Phases after which nothing changes, and the exit code `--watch` ends with."""
+LOG_DIR = "logs"
+"""Where `finetune run` keeps every line torchrun and the workers wrote (`run.log`)."""
+RUN_LOG = "run.log"
+EVENTS_SHOWN = 5
+
+
+@dataclass
+class JobView:
+    """One job as the terminal shows it."""
+
+    name: str
+    phase: str | None
+    message: str | None = None
+    progress: Progress | None = None
+    restarts: int = 0
+    conditions: list[tuple[str, str, str, str]] = field(default_factory=list)
+    """(type, status, reason, message)"""
+    events: list[tuple[str, str, str]] = field(default_factory=list)
+    """(type, reason, message), oldest first."""
+    where: str | None = None
+    """The backend's own object (and its Studio link), or the output folder."""
+
+    @property
+    def finished(self) -> bool:
+        return self.phase in FINISHED
+
+
+def view_of_job(obj: dict[str, Any], events: list[dict[str, Any]]) -> JobView:
+    """A FineTuneJob as read from the API server, with the events about it."""
+    status = FineTuneJobStatus.model_validate(obj.get("status") or {})
+    ref = status.backend_ref
+    where = None if ref is None else f"{ref.kind} {ref.name}" + (f" ({ref.url})" if ref.url
+                                                                  else "")
+    ordered = sorted(events, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+    return JobView(
+        name=obj["metadata"]["name"], phase=status.phase, message=status.message,
+        progress=status.progress, restarts=status.restarts, where=where,
+        conditions=[(c.type, c.status, c.reason or "", c.message or "")
+                    for c in status.conditions],
+        events=[(e.get("type") or "", e.get("reason") or "", (e.get("message") or "").strip())
+                for e in ordered[-EVENTS_SHOWN:]])
+
+
+def view_of_output(name: str, folder: Path) -> JobView:
+    """A `finetune run` from its output folder: progress.json, as rank 0 last wrote it."""
+    path = folder / PROGRESS_FILE
+    if not path.is_file():
+        return JobView(name=name, phase="Pending", where=str(folder),
+                       message=f"no {PROGRESS_FILE} yet: the run has not logged a step")
+    record = ProgressRecord.model_validate(json.loads(path.read_text()))
+    return JobView(name=name, phase=record.phase, where=str(folder),
+                   progress=Progress.from_record(record))
+
+
+def output_folder(target: str) -> tuple[str, Path] | None:
+    """(name, output folder) when `target` means this machine: a `finetune run` output
+    folder, or the manifest it ran (its spec.output.uri, relative to the manifest)."""
+    path = Path(target)
+    if path.is_dir():
+        return path.resolve().name, path.resolve()
+    if path.is_file():
+        import yaml
+
+        job = FineTuneJob.model_validate(yaml.safe_load(path.read_text()))
+        return job.name, resolve_output(job.spec.output.uri, path.resolve().parent)
+    return None
+
+
+def progress_bar(progress: Progress | None, width: int = 30) -> str:
+    """`[#########.....] 120/400  30% | loss 1.2345 | eval 1.3010 | 5,120 tok/s | eta 0:12:00`"""
+    if progress is None or progress.step is None:
+        return "[" + "." * width + "] no step yet"
+    total = progress.total_steps or 0
+    done = min(progress.step / total, 1.0) if total else 0.0
+    filled = round(done * width)
+    parts = [f"[{'#' * filled}{'.' * (width - filled)}] {progress.step}/{total or '?'} "
+             f"{done:4.0%}"]
+    for label, value, shown in (("loss", progress.loss, "{:.4f}"),
+                                ("eval", progress.eval_loss, "{:.4f}"),
+                                ("", progress.tokens_per_second, "{:,.0f} tok/s"),
+                                ("MFU", progress.mfu, "{:.1%}")):
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            parts.append(f"{label} {shown.format(value)}".strip())
+    if progress.eta_seconds is not None:
+        parts.append(f"eta {format_duration(progress.eta_seconds)}")
+    return " | ".join(parts)
+
+
+def render(view: JobView, now: datetime | None = None) -> list[str]:
+    """The lines `finetune status` prints for one look at the job."""
+    lines = [f"{view.name}  {view.phase or 'Unknown'}" + (f"  {view.message}"
+                                                          if view.message else "")]
+    lines.append("  " + progress_bar(view.progress))
+    if view.restarts:
+        lines.append(f"  restarts: {view.restarts}")
+    if view.where:
+        lines.append(f"  where: {view.where}")
+    if view.conditions:
+        lines.append("  conditions:")
+        lines += [f"    {kind:<22} {status:<7} {reason:<22} {message}".rstrip()
+                  for kind, status, reason, message in view.conditions]
+    if view.events:
+        lines.append("  events:")
+        lines += [f"    {kind:<8} {reason:<22} {message}".rstrip()
+                  for kind, reason, message in view.events]
+    stamp = (now or datetime.now(timezone.utc)).strftime("%H:%M:%S")
+    lines.append(f"  ({stamp})")
+    return lines
+
+
+def run_log(output_dir: Path) -> Path:
+    return output_dir / LOG_DIR / RUN_LOG
+
+
+def mark_failed(output_dir: Path) -> None:
+    """After a failed `finetune run`: progress.json says so (rank 0 could not), so a
+    `finetune status --watch` of it ends."""
+    path = output_dir / PROGRESS_FILE
+    try:
+        record = ProgressRecord.model_validate(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        record = ProgressRecord(step=0)
+    record.phase, record.eta_seconds = "Failed", None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record.as_json()))
+    tmp.replace(path)
+
+
+# --- the cluster: what is read through any kubeconfig ------------------------------------
+
+async def look(kube: Kube, namespace: str, name: str) -> JobView | None:
+    """The job and the events about it; None when there is no such FineTuneJob."""
+    obj = await kube.get(KIND, namespace, name)
+    if obj is None:
+        return None
+    events = await kube.events(namespace, KIND, name, obj["metadata"].get("uid"))
+    return view_of_job(obj, events)
+
+
+def newest_pod(pods: list[dict[str, Any]], node_rank: int, index_key: str
+               ) -> dict[str, Any] | None:
+    """The latest pod of one node rank (a restart makes new ones; the newest is current)."""
+    mine = [pod for pod in pods
+            if (pod["metadata"].get("annotations") or {}).get(index_key) == str(node_rank)
+            or (pod["metadata"].get("labels") or {}).get(index_key) == str(node_rank)]
+    return max(mine, key=lambda pod: pod["metadata"].get("creationTimestamp") or "",
+               default=None)
+
+
+def azureml_logs_hint(obj: dict[str, Any]) -> str:
+    """Where an Azure ML job's logs are read (its Studio page, or the az CLI)."""
+    spec = obj.get("spec", {}).get("azureml") or {}
+    ref = (obj.get("status") or {}).get("backendRef") or {}
+    if not ref.get("name"):
+        return "the Azure ML job is not submitted yet: nothing to read"
+    command = (f"az ml job stream --name {ref['name']} --resource-group "
+               f"{spec.get('resourceGroup', '<group>')} --workspace-name "
+               f"{spec.get('workspace', '<workspace>')}")
+    return f"Azure ML job {ref['name']}: {command}" + (
+        f"\n  or in Studio: {ref['url']}" if ref.get("url") else "")

@@ -2,7 +2,8 @@
 # `make demo`: the product end to end on this machine, no cluster, no downloads.
 #   1. a tiny Llama-architecture model and tokenizer are built locally (save_pretrained)
 #   2. the example manifests are validated; one is rendered into what the operator creates
-#   3. examples/01-tiny-cpu-lora.yaml is fine-tuned for real: 2 CPU processes over gloo
+#   3. examples/01-tiny-cpu-lora.yaml is fine-tuned for real: 2 CPU processes over gloo,
+#      then `finetune status` shows it as it would a job on a cluster
 #   4. the exported LoRA adapter is loaded back and answers a training question, beside
 #      the base model's answer to it
 #   5. a broken manifest is refused with every problem, its field and its fix
@@ -25,6 +26,9 @@ echo "..."
 say "finetune run examples/01-tiny-cpu-lora.yaml   (a real fine-tune: 2 processes, DDP over gloo)"
 rm -rf build/demo/output
 "$BIN/finetune" run examples/01-tiny-cpu-lora.yaml
+
+say "finetune status examples/01-tiny-cpu-lora.yaml   (the view a cluster job gets; --watch follows one)"
+"$BIN/finetune" status examples/01-tiny-cpu-lora.yaml
 
 say "what is FSDP? the base model (random weights) beside the exported adapter, loaded back"
 printf 'base:    %s\n' "$("$BIN/python" -m finetune_trainer.generate build/demo/tiny-llama "What is FSDP?" 2>/dev/null)"

@@ -289,3 +289,30 @@ async def test_a_multi_node_job_is_not_launched_onto_a_claim_of_one_node(
         assert not bed.operator_denials()
     finally:
         await asyncio.to_thread(kubectl, "delete", "pv", volume, "--wait=false")
+
+
+@pytest.mark.asyncio
+async def test_a_model_the_hub_refuses_fails_the_job_at_once_through_the_job_controller(
+        control_plane_testbed):
+    """The fetch-model init container's exit 2 (no such model, a gated one without a token)
+    meets the pod failure policy's FailJob rule in the real Job controller: the Job fails
+    without a restart, and the FineTuneJob says what the fetch said."""
+    bed = control_plane_testbed
+    await bed.apply(bed.manifest())  # an hf:// model: the pods have the fetch-model container
+    await bed.until_phase("Running")
+    job = bed.get("batch/v1/jobs", "demo")
+    assert [c["name"] for c in job["spec"]["template"]["spec"]["initContainers"]] == [
+        "resume-check", "fetch-model"]
+    said = ("fetch-model: spec.model.uri: hf://Qwen/Qwen2.5-0.5B does not exist on the hub, "
+            "or is private — check the name")
+    await bed.fail_init_container("demo", 0, "fetch-model", said, exit_code=2)
+    await bed.until_phase("Failed")
+    failed = bed.condition("Failed")
+    assert failed["reason"] == "ModelRefused", failed
+    assert "does not exist on the hub" in failed["message"]
+    job = bed.get("batch/v1/jobs", "demo")
+    # the Job controller's own verdict: FailureTarget, then Failed once the pods are gone
+    assert any(c["type"] in ("FailureTarget", "Failed") and c["reason"] == "PodFailurePolicy"
+               for c in job["status"].get("conditions", [])), job["status"]
+    assert bed.status().get("restarts", 0) == 0
+    assert bed.jobs_created("demo") == 1

@@ -133,6 +133,14 @@ class ControlPlaneTestbed(RealTestbed):
         await self._mark(pod["metadata"]["name"], {OUTCOME: "fail"},
                          {MESSAGE: message, "fake.finetune.dev/exit-code": str(exit_code)})
 
+    async def fail_init_container(self, name, index, container, message, exit_code=1):
+        """KWOK plays an init container of node `index`'s pod ending with `exit_code` (the
+        stage pod-fail-init): the pod fails before its trainer starts."""
+        pod = await asyncio.to_thread(self._pod, name, index)
+        await self._mark(pod["metadata"]["name"], {OUTCOME: "fail-init"},
+                         {MESSAGE: message, "fake.finetune.dev/exit-code": str(exit_code),
+                          "fake.finetune.dev/init-container": container})
+
     async def finish(self, name):
         for pod in await asyncio.to_thread(self.running_pods, name):
             await self._mark(pod["metadata"]["name"], {}, {RUN_TIME: "0s"})

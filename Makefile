@@ -20,16 +20,21 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # Debian's prometheus + promtool: the alert rule tests and the real-Prometheus dashboard
-# test use them (skipped, saying so, where they cannot be installed).
+# test use them; tmux: `finetune status --watch` is driven in a terminal. Each test that
+# needs one is skipped, saying so, where it cannot be installed.
 tools:
-	@command -v promtool >/dev/null 2>&1 || { \
+	@missing=""; \
+	command -v promtool >/dev/null 2>&1 || missing="$$missing prometheus"; \
+	command -v tmux >/dev/null 2>&1 || missing="$$missing tmux"; \
+	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    echo "installing Debian's prometheus (prometheus, promtool) for the metrics tests"; \
+	    echo "installing Debian's$$missing for the metrics and terminal tests"; \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-	      --no-install-recommends prometheus >/dev/null; \
+	      --no-install-recommends $$missing >/dev/null; \
 	  else \
-	    echo "promtool missing and apt-get unavailable: Prometheus tests will be skipped"; \
-	  fi; }
+	    echo "missing$$missing and apt-get unavailable: the tests that need them will be skipped"; \
+	  fi; \
+	fi
 
 test: venv tools cluster-bin
 	$(BIN)/ruff check operator trainer tests cluster

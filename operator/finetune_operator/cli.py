@@ -506,6 +506,7 @@ def logs_command(target: str, namespace: str | None, kubeconfig: str | None, ran
     namespace = namespace or kube.default_namespace(kubeconfig)
 
     async def read() -> int:
+        from finetune_operator import naming
         from finetune_operator.backends.kubernetes import COMPLETION_INDEX_KEY, TRAINER_CONTAINER
 
         try:
@@ -517,7 +518,7 @@ def logs_command(target: str, namespace: str | None, kubeconfig: str | None, ran
             if obj["spec"].get("backend") == "azureml":
                 click.echo(follow.azureml_logs_hint(obj))
                 return 0
-            pods = await client.pods(namespace, f"finetune.dev/job={target}")
+            pods = await client.pods(namespace, f"{naming.LABEL_JOB}={target}")
             pod = follow.newest_pod(pods, rank, COMPLETION_INDEX_KEY)
             if pod is None:
                 phase = (obj.get("status") or {}).get("phase") or "Pending"

@@ -16,14 +16,11 @@ from typing import Any
 
 from finetune_operator.api import KIND, FineTuneJob, FineTuneJobStatus, Progress
 from finetune_operator.kube import Kube
-from finetune_trainer.layout import PROGRESS_FILE, resolve_output
+from finetune_trainer.layout import PROGRESS_FILE, RUN_LOG, resolve_output
 from finetune_trainer.record import ProgressRecord, format_duration
 
 FINISHED = {"Succeeded": 0, "Failed": 1, "Stopped": 1}
 """Phases after which nothing changes, and the exit code `--watch` ends with."""
-LOG_DIR = "logs"
-"""Where `finetune run` keeps every line torchrun and the workers wrote (`run.log`)."""
-RUN_LOG = "run.log"
 EVENTS_SHOWN = 5
 
 
@@ -82,9 +79,13 @@ def output_folder(target: str) -> tuple[str, Path] | None:
     if path.is_dir():
         return path.resolve().name, path.resolve()
     if path.is_file():
+        import pydantic
         import yaml
 
-        job = FineTuneJob.model_validate(yaml.safe_load(path.read_text()))
+        try:
+            job = FineTuneJob.model_validate(yaml.safe_load(path.read_text()))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError, pydantic.ValidationError):
+            return None  # not a manifest: NAME is a FineTuneJob's name after all
         return job.name, resolve_output(job.spec.output.uri, path.resolve().parent)
     return None
 
@@ -132,7 +133,7 @@ def render(view: JobView, now: datetime | None = None) -> list[str]:
 
 
 def run_log(output_dir: Path) -> Path:
-    return output_dir / LOG_DIR / RUN_LOG
+    return output_dir / RUN_LOG
 
 
 def mark_failed(output_dir: Path) -> None:

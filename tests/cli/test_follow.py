@@ -81,6 +81,8 @@ def test_a_local_run_is_found_from_its_manifest_and_a_failure_ends_the_watch(tmp
     (folder / "progress.json").write_text(json.dumps(ProgressRecord(
         step=3, totalSteps=6, loss=1.0).as_json()))
     assert not view_of_output(name, folder).finished
+    (tmp_path / "notes.txt").write_text("not a manifest: a job of that name is asked for")
+    assert output_folder(str(tmp_path / "notes.txt")) is None
     mark_failed(folder)
     view = view_of_output(name, folder)
     assert view.finished and view.phase == "Failed" and view.progress.step == 3

@@ -145,10 +145,13 @@ def mark_failed(output_dir: Path) -> None:
     except (OSError, ValueError):
         record = ProgressRecord(step=0)
     record.phase, record.eta_seconds = "Failed", None
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record.as_json()))
-    tmp.replace(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(record.as_json()))
+        tmp.replace(path)
+    except OSError:  # a full or read-only volume: the run's own error says why it failed
+        tmp.unlink(missing_ok=True)
 
 
 # --- the cluster: what is read through any kubeconfig ------------------------------------

@@ -6,6 +6,7 @@ are tested directly; torch is only ever started as a child process.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -235,20 +236,44 @@ class QuietLog:
 
 class RunLog:
     """Every line torchrun and the workers wrote, filtered or not, in the output folder
-    (`logs/run.log`, appended to by each run): what `finetune logs` reads."""
+    (`logs/run.log`, appended to by each run): what `finetune logs` reads. A volume that
+    refuses the log (full, read-only) costs the log, said once, never the run or its
+    terminal output."""
 
     def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.handle = path.open("a", encoding="utf-8", errors="replace")
         self.lock = threading.Lock()
+        self.handle: TextIO | None = None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.handle = path.open("a", encoding="utf-8", errors="replace")
+        except OSError as error:
+            self._give_up(path, error)
+        self.path = path
 
     def write(self, line: str) -> None:
         with self.lock:
-            self.handle.write(line)
-            self.handle.flush()
+            if self.handle is None:
+                return
+            try:
+                self.handle.write(line)
+                self.handle.flush()
+            except OSError as error:
+                self._give_up(self.path, error)
 
     def close(self) -> None:
-        self.handle.close()
+        with self.lock:
+            handle, self.handle = self.handle, None
+            if handle is not None:
+                with contextlib.suppress(OSError):  # every line was flushed as written
+                    handle.close()
+
+    def _give_up(self, path: Path, error: OSError) -> None:
+        handle, self.handle = self.handle, None
+        if handle is not None:
+            with contextlib.suppress(OSError):
+                handle.close()
+        sys.stderr.write(f"finetune run: {path} is no longer written ({error.strerror}); "
+                         "the terminal keeps every line\n")
 
 
 def _relay(source: TextIO, target: TextIO, log: QuietLog | None, keep: RunLog) -> None:

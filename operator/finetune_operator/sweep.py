@@ -10,6 +10,7 @@ CRD and the reconciler that creates the child FineTuneJobs come next (see the no
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import statistics
@@ -129,7 +130,7 @@ def suggest(space: Mapping[str, Parameter], sampling: Sampling, seed: int, numbe
 def with_params(template: Mapping[str, Any], params: Mapping[str, Scalar]) -> dict[str, Any]:
     """The template spec with each searched field (a dotted path in the spec, camelCase as
     in a manifest: `hyperparameters.learningRate`, `method.lora.r`) set."""
-    spec: dict[str, Any] = _copy(template)
+    spec: dict[str, Any] = copy.deepcopy(dict(template))
     for path, value in params.items():
         node = spec
         *parents, leaf = path.split(".")
@@ -139,14 +140,6 @@ def with_params(template: Mapping[str, Any], params: Mapping[str, Scalar]) -> di
                 raise ValueError(f"searchSpace.{path}: {part} is not a section of the spec")
         node[leaf] = value
     return spec
-
-
-def _copy(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {k: _copy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_copy(v) for v in value]
-    return value
 
 
 def median_stop(trial: Trial, others: Sequence[Trial], step: int, goal: Goal) -> bool:

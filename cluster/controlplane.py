@@ -376,14 +376,14 @@ class ControlPlane:
         return result
 
     def install(self, operator_namespace: str = OPERATOR_NAMESPACE) -> Installation:
-        """Install as users do, except the operator's pod: the CRD by `kubectl apply`; the
+        """Install as users do, except the operator's pod: the CRDs by `kubectl apply`; the
         chart rendered by the Helm engine and applied, all but its Deployment (the operator
         runs as a local process instead); and a kubeconfig holding only a token of the
         chart's ServiceAccount, so the API server enforces the chart's RBAC on it."""
-        crd = REPO / "crds" / "finetunejobs.finetune.dev.yaml"
-        self.kubectl_run("apply", "-f", str(crd))
-        self.kubectl_run("wait", "--for=condition=Established", "--timeout=60s",
-                         f"crd/{yaml.safe_load(crd.read_text())['metadata']['name']}")
+        crds = sorted((REPO / "crds").glob("*.yaml"))
+        self.kubectl_run("apply", "-f", str(REPO / "crds"))
+        self.kubectl_run("wait", "--for=condition=Established", "--timeout=60s", *(
+            f"crd/{yaml.safe_load(crd.read_text())['metadata']['name']}" for crd in crds))
         # discovery afresh: kubectl's cached discovery predates the CRD
         self.kubectl_run("api-resources", "--api-group=finetune.dev")
         self.kubectl_run("create", "namespace", operator_namespace)

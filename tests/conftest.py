@@ -41,7 +41,10 @@ def level(item: pytest.Item) -> str:
     return "scenario" if names & SCENARIO_FIXTURES else "unit"
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+EXAMPLES = sorted(p for p in (REPO / "examples").glob("*.yaml")
+                  if "kind: FineTuneJob" in p.read_text())
+SWEEP_EXAMPLES = sorted(p for p in (REPO / "examples").glob("*.yaml")
+                        if "kind: FineTuneSweep" in p.read_text())
 
 
 def load_yaml(path: Path) -> Any:

@@ -8,9 +8,16 @@ trainer's sections come from `finetune_trainer.config`, the contract every worke
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 
 from finetune_trainer.config import (
@@ -450,14 +457,11 @@ class ObjectMeta(BaseModel):
     annotations: dict[str, str] = Field(default_factory=dict)
 
 
-class FineTuneJob(ApiModel):
-    """A distributed LLM fine-tune: one manifest, any backend."""
+class Named:
+    """What a namespaced object of this API answers to."""
 
-    api_version: Literal["finetune.dev/v1alpha1"] = Field(API_VERSION, alias="apiVersion")
-    kind: Literal["FineTuneJob"] = KIND
-    metadata: ObjectMeta
-    spec: FineTuneJobSpec
-    status: FineTuneJobStatus | None = None
+    if TYPE_CHECKING:  # a field of each model (here it would come first in every dump)
+        metadata: ObjectMeta
 
     @property
     def name(self) -> str:
@@ -466,6 +470,186 @@ class FineTuneJob(ApiModel):
     @property
     def namespace(self) -> str:
         return self.metadata.namespace or "default"
+
+
+class FineTuneJob(Named, ApiModel):
+    """A distributed LLM fine-tune: one manifest, any backend."""
+
+    api_version: Literal["finetune.dev/v1alpha1"] = Field(API_VERSION, alias="apiVersion")
+    kind: Literal["FineTuneJob"] = KIND
+    metadata: ObjectMeta
+    spec: FineTuneJobSpec
+    status: FineTuneJobStatus | None = None
+
+
+# --- FineTuneSweep -------------------------------------------------------------------------
+
+SWEEP_KIND = "FineTuneSweep"
+SWEEP_PLURAL = "finetunesweeps"
+SWEEP_SINGULAR = "finetunesweep"
+SWEEP_SHORT_NAMES = ["ftsweep"]
+MAX_TRIALS = 1000
+MAX_SWEEP_NAME_LENGTH = MAX_NAME_LENGTH - len(f"-{MAX_TRIALS - 1}")
+"""Trial n is the FineTuneJob `<sweep>-<n>`: its name must fit a FineTuneJob's."""
+
+Scalar = Annotated[
+    float | int | str | bool,
+    WithJsonSchema({"x-kubernetes-preserve-unknown-fields": True,
+                    "description": "A number, a string or a boolean."}),
+]
+SweepMetric = Literal["evalLoss", "loss"]
+Goal = Literal["minimize", "maximize"]
+Sampling = Literal["grid", "random", "bayesian"]
+
+
+class SearchParameter(ApiModel):
+    """One searched field: a choice of values, a float range (uniform or log-uniform), or
+    an integer range."""
+
+    type: Literal["choice", "uniform", "logUniform", "intRange"]
+    values: list[Scalar] | None = Field(default=None, min_length=1, max_length=1000)
+    """`choice`: the values to try."""
+    min: float | None = None
+    """`uniform`, `logUniform`, `intRange`: the smallest value."""
+    max: float | None = None
+    """`uniform`, `logUniform`, `intRange`: the largest value."""
+    step: int = Field(default=1, ge=1)
+    """`intRange`: the distance between values."""
+
+    @model_validator(mode="after")
+    def _complete(self) -> SearchParameter:
+        if self.type == "choice":
+            if not self.values:
+                raise ValueError("choice needs values — list them, e.g. values: [8, 16, 32]")
+            return self
+        if self.min is None or self.max is None or not self.min < self.max:
+            raise ValueError(f"{self.type} needs min < max — e.g. min: 1e-5, max: 1e-3")
+        if self.type == "logUniform" and self.min <= 0:
+            raise ValueError("logUniform needs min > 0 — the log of 0 is not a number")
+        if self.type == "intRange" and not (float(self.min).is_integer()
+                                            and float(self.max).is_integer()):
+            raise ValueError("intRange needs whole min and max — e.g. min: 4, max: 64")
+        return self
+
+
+class SweepObjective(ApiModel):
+    """What the sweep optimises: a figure every trial reports in `status.progress`."""
+
+    metric: SweepMetric = "evalLoss"
+    """`evalLoss` (needs `template.dataset.evalFraction` > 0) or `loss` (training loss)."""
+    goal: Goal = "minimize"
+
+
+class EarlyTermination(ApiModel):
+    """Stopping trials that are unlikely to win, from the progress they report."""
+
+    policy: Literal["none", "median", "bandit"] = "none"
+    """`median`: stop a trial whose best value is worse than the median of the other trials'
+    running averages at the same step. `bandit`: stop one that is not within `slackFactor`
+    of the best value any trial reached by then."""
+    delay_steps: int = Field(default=0, ge=0)
+    """No trial is stopped before it reports this step."""
+    slack_factor: float = Field(default=0.1, gt=0)
+    """`bandit`: how far from the best a trial may be (0.1: within 10%)."""
+
+
+class FineTuneSweepSpec(ApiModel):
+    """A hyperparameter search: FineTuneJobs made from one template, each with other values
+    of the searched fields."""
+
+    template: FineTuneJobSpec
+    """The spec of every trial's FineTuneJob; each trial writes to
+    `<template.output.uri>/<sweep>-<n>`."""
+    search_space: dict[str, SearchParameter] = Field(min_length=1, max_length=32)
+    """The searched fields, by their path in the template, camelCase as in a manifest
+    (`hyperparameters.learningRate`, `method.lora.r`)."""
+    objective: SweepObjective = section(SweepObjective)
+    sampling: Sampling = "random"
+    """`grid` (every combination, in order), `random`, or `bayesian` (optuna's TPE, fed the
+    finished trials)."""
+    seed: int = Field(default=0, ge=0)
+    """Trial n's values depend only on the seed, n and the trials finished before it: the
+    same sweep suggests the same values."""
+    max_trials: int = Field(default=10, ge=1, le=MAX_TRIALS)
+    """Trials to run at most (a grid stops at its last combination)."""
+    parallel_trials: int = Field(default=1, ge=1, le=100)
+    """Trials running at once."""
+    early_termination: EarlyTermination = section(EarlyTermination)
+    timeout_seconds: int | None = Field(default=None, ge=1)
+    """The sweep's time budget: after it no trial starts, and running ones are stopped."""
+
+
+TrialPhase = Literal["Creating", "Pending", "Queued", "Launching", "Running", "Restarting",
+                     "Suspended", "Succeeded", "Failed", "Stopped"]
+
+
+class CurvePoint(StatusModel):
+    step: int
+    """The trial's step."""
+    value: float
+    """The objective's metric at that step."""
+
+
+class TrialStatus(StatusModel):
+    """One trial: recorded before its FineTuneJob is created, so a restart never makes it
+    twice."""
+
+    number: int
+    name: str
+    """Its FineTuneJob."""
+    params: dict[str, Scalar]
+    """The searched fields' values."""
+    phase: TrialPhase = "Creating"
+    """Creating (recorded, its FineTuneJob not seen yet), the FineTuneJob's phase, or Stopped
+    (early termination or the sweep's budget ended it)."""
+    step: int | None = None
+    """The last step its progress showed."""
+    objective: float | None = None
+    """The metric at that step."""
+    curve: list[CurvePoint] = Field(default_factory=list)
+    """The metric by step, as sampled from the trial's progress (at most 32 points)."""
+    output: str
+    """Where the trial writes its checkpoints and model."""
+    message: str | None = None
+    """Why it stopped or failed."""
+
+
+class BestTrial(StatusModel):
+    """The finished trial with the best objective so far."""
+
+    number: int
+    name: str
+    objective: float
+    params: dict[str, Scalar]
+    output: str
+    """Where its model is."""
+
+
+class FineTuneSweepStatus(StatusModel):
+    """Observed state, written by the operator."""
+
+    phase: Literal["Running", "Succeeded", "Failed"] | None = None
+    trials: list[TrialStatus] = Field(default_factory=list)
+    """Every trial, in the order they were made."""
+    trial_count: int = 0
+    """Trials made so far."""
+    running_trials: int = 0
+    """Trials not finished."""
+    best: BestTrial | None = None
+    start_time: datetime | None = None
+    completion_time: datetime | None = None
+    message: str | None = None
+    """A one-line summary of the current phase."""
+
+
+class FineTuneSweep(Named, ApiModel):
+    """A hyperparameter sweep over FineTuneJobs."""
+
+    api_version: Literal["finetune.dev/v1alpha1"] = Field(API_VERSION, alias="apiVersion")
+    kind: Literal["FineTuneSweep"] = SWEEP_KIND
+    metadata: ObjectMeta
+    spec: FineTuneSweepSpec
+    status: FineTuneSweepStatus | None = None
 
 
 __all__ = [
@@ -479,6 +663,9 @@ __all__ = [
     "FineTuneJob",
     "FineTuneJobSpec",
     "FineTuneJobStatus",
+    "FineTuneSweep",
+    "FineTuneSweepSpec",
+    "FineTuneSweepStatus",
     "Phase",
     "Progress",
 ]

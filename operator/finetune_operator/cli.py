@@ -13,9 +13,10 @@ import click
 
 from finetune_operator import yamlio
 from finetune_operator.admission import admit, offline_backends
-from finetune_operator.api import KIND, FineTuneJob
+from finetune_operator.api import KIND, SWEEP_KIND, FineTuneJob
 from finetune_operator.manifests import Document, ManifestError, read_documents
 from finetune_operator.render import render
+from finetune_operator.sweep import check_sweep
 from finetune_operator.validation import Problem, short_repr
 from finetune_trainer import layout
 
@@ -31,6 +32,21 @@ def _say_problem(source: str, problem: Problem) -> None:
 
 
 Use = Literal["validate", "render", "here"]
+
+
+def _sweep_valid(doc: Document, say: Callable[[str, Problem], None]) -> bool:
+    """`validate` of a FineTuneSweep: its own fields, its template, and every searched
+    value set into the template (`sweep.check_sweep`, what the operator checks)."""
+    sweep, problems = check_sweep(doc.data)
+    for problem in problems:
+        say(doc.source, problem)
+    if sweep is None or any(p.severity == "error" for p in problems):
+        return False
+    click.echo(f"{doc.source}: valid {SWEEP_KIND} {sweep.name}: up to "
+               f"{sweep.spec.max_trials} trials, {sweep.spec.parallel_trials} at once, "
+               f"{sweep.spec.sampling} sampling of {', '.join(sweep.spec.search_space)}",
+               err=say is not _say_problem)  # `-o json` keeps standard output JSON
+    return True
 
 
 def _jobs_in(paths: tuple[str, ...], use: Use, backend: str | None = None,
@@ -55,6 +71,11 @@ def _jobs_in(paths: tuple[str, ...], use: Use, backend: str | None = None,
             continue
         jobs_here = 0
         for doc in documents:
+            if use == "validate" and isinstance(doc.data, dict) and (
+                    doc.data.get("kind") == SWEEP_KIND):
+                jobs_here += 1
+                invalid += not _sweep_valid(doc, say)
+                continue
             if isinstance(doc.data, dict) and doc.data.get("kind") not in (None, KIND):
                 click.echo(f"{doc.source}: skipped {_plain(doc.data.get('kind'))} "
                            f"(not a {KIND})", err=True)
@@ -118,7 +139,7 @@ def main() -> None:
 @click.option("-o", "--output", type=click.Choice(["text", "json"]), default="text",
               show_default=True, help="json: one object with every problem, for tools and CI.")
 def validate(files: tuple[str, ...], output: str) -> None:
-    """Check FineTuneJob manifests (`-` reads stdin).
+    """Check FineTuneJob and FineTuneSweep manifests (`-` reads stdin).
 
     Prints one line per problem, `FILE: path.to.field: what is wrong — how to fix`, and
     exits 2 when any manifest is invalid. It checks what the operator checks, the

@@ -9,6 +9,9 @@ same four things: observe the backend, ask `reconcile` what to do (pure, table-t
 and patch the status if it changed. A job is looked at again without a change only when a
 deadline falls due or something no watch reports may have moved (`Runtime.interval`).
 
+FineTuneSweeps share the queue and the reconcilers (`sweep_controller.py`): a change of a
+trial's FineTuneJob wakes its sweep.
+
 No task per job, and no finalizer for a job whose children the garbage collector removes
 (owner references): a job costs the operator one cache entry while it waits, and one
 `kubectl delete` is all a deletion takes. A backend with something outside the cluster to
@@ -35,13 +38,15 @@ from finetune_operator.api import (
     API_GROUP,
     KIND,
     PLURAL,
+    SWEEP_KIND,
+    SWEEP_PLURAL,
     TERMINAL_PHASES,
     VERSION,
     FineTuneJob,
 )
 from finetune_operator.backends import Backend, BackendContext, BackendError, load_backends
 from finetune_operator.backends.children import MANAGED, RESOURCES, owner_key
-from finetune_operator.kube import Kube, KubeError, timestamp
+from finetune_operator.kube import Kube, KubeError, merge_patch, timestamp
 from finetune_operator.metrics import RESTART_CAUSES, OperatorMetrics
 from finetune_operator.planner import ModelConfigs, plan_job
 from finetune_operator.reconcile import (
@@ -54,6 +59,8 @@ from finetune_operator.reconcile import (
     reconcile,
 )
 from finetune_operator.settings import OperatorSettings
+from finetune_operator.sweep import LABEL as SWEEP_LABEL
+from finetune_operator.sweep_controller import Sweeps
 from finetune_operator.trainer_config import launch_plan
 from finetune_operator.workqueue import WorkQueue
 
@@ -134,13 +141,6 @@ async def feasibility(runtime: Runtime, job: FineTuneJob, problems: list[str]
     return await asyncio.to_thread(plan)
 
 
-def _status_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
-    """A merge patch from `old` to `new` (None removes a field)."""
-    patch: dict[str, Any] = {k: v for k, v in new.items() if old.get(k) != v}
-    patch.update({k: None for k in old if k not in new})
-    return patch
-
-
 @dataclass
 class Look:
     """One reconcile: the status changes as a merge patch (empty when nothing changed), the
@@ -157,7 +157,7 @@ async def look(runtime: Runtime, body: Any) -> Look:
     job, backend, problems = _problems(runtime, dict(body))
     now = datetime.now(UTC)
     if job is None:  # the CRD's schema should have stopped this; say why and do nothing
-        return Look(_status_patch(dict(body.get("status") or {}),
+        return Look(merge_patch(dict(body.get("status") or {}),
                                   {**(body.get("status") or {}), "phase": "Failed",
                                    "message": "; ".join(problems)}))
     metrics, operation = runtime.metrics, "observe"
@@ -179,7 +179,7 @@ async def look(runtime: Runtime, body: Any) -> Look:
     old, new = dict(body.get("status") or {}), decision.status.to_dict()
     created = timestamp((body.get("metadata") or {}).get("creationTimestamp"))
     metrics.job_seen(job.namespace, job.name, job.spec.backend, old, new, created, now)
-    return Look(_status_patch(old, new), _wake_after(runtime, backend, job, decision, seen,
+    return Look(merge_patch(old, new), _wake_after(runtime, backend, job, decision, seen,
                                                       now), decision.events)
 
 
@@ -226,6 +226,8 @@ class Controller:
         reconcilers wait while it is clear."""
         self.acting.set()
         self._reconcilers: list[asyncio.Task] = []
+        self.sweeps = Sweeps(runtime.kube, self.queue, self.jobs, runtime.backoff)
+        """The FineTuneSweeps: their keys share the queue and the reconcilers."""
         runtime.metrics.watch_queue(self.queue)
 
     # --- fed by the watches
@@ -233,6 +235,9 @@ class Controller:
     def seen(self, event_type: str | None, body: dict[str, Any]) -> None:
         """A watch event of a FineTuneJob (None: listed when the watch (re)started)."""
         key = _key(body)
+        sweep = ((body.get("metadata") or {}).get("labels") or {}).get(SWEEP_LABEL)
+        if sweep:  # a trial's phase or progress moved: its sweep looks
+            self.sweeps.trial_changed(key[0], sweep)
         if event_type == "DELETED":
             self.gone(key)
             return
@@ -285,9 +290,12 @@ class Controller:
     async def _reconciler(self) -> None:
         while (key := await self._next()) is not None:
             try:
-                await self.reconcile(key)  # type: ignore[arg-type]
+                if len(key) == 3:  # type: ignore[arg-type]  # a sweep's: (kind, ns, name)
+                    await self.sweeps.reconcile(key)  # type: ignore[arg-type]
+                else:
+                    await self.reconcile(key)  # type: ignore[arg-type]
             except Exception:  # a bug must not stop this reconciler: log it, retry the job
-                logger.exception("%s/%s: the reconcile failed", *key)
+                logger.exception("%s/%s: the reconcile failed", *key[-2:])  # type: ignore[index]
                 self.queue.hold(key, self._retry_delay(key, None))
             finally:
                 self.queue.done(key)
@@ -309,6 +317,7 @@ class Controller:
             self.queue.forget(key)
         self.jobs.clear()
         self.failures.clear()
+        self.sweeps.forget_all()
 
     async def lead(self) -> None:
         """This replica leads (again): act, starting from every job there is now (kopf
@@ -325,6 +334,10 @@ class Controller:
             return
         for body in listed:
             self.seen(None, {"apiVersion": f"{API_GROUP}/{VERSION}", "kind": KIND, **body})
+        with contextlib.suppress(KubeError):  # without the sweeps' CRD there are none
+            for body in await self.runtime.kube.list(SWEEP_KIND, None):
+                self.sweeps.seen(None, {"apiVersion": f"{API_GROUP}/{VERSION}",
+                                        "kind": SWEEP_KIND, **body})
 
     def _retry_delay(self, key: Hashable, error: _Retry | None) -> float:
         retry = self.failures.get(key, 0)  # type: ignore[call-overload]
@@ -415,7 +428,8 @@ def slim_job(body: Any) -> dict[str, Any]:
     make up most of a job's size."""
     meta = body.get("metadata") or {}
     kept = {k: meta[k] for k in ("name", "namespace", "uid", "generation", "resourceVersion",
-                                 "creationTimestamp", "deletionTimestamp", "labels")
+                                 "creationTimestamp", "deletionTimestamp", "labels",
+                                 "ownerReferences")
             if meta.get(k) is not None}
     annotations = {k: v for k, v in (meta.get("annotations") or {}).items()
                    if k != "kubectl.kubernetes.io/last-applied-configuration"}
@@ -626,6 +640,12 @@ def register(registry: kopf.OperatorRegistry, runtime: Runtime) -> Controller:
             controller.changed(key)
 
     kopf.on.event(**on, id="watch")(job_event)
+
+    def sweep_event(type: str | None, body: kopf.Body, **_: Any) -> None:
+        controller.sweeps.seen(type, body)
+
+    kopf.on.event(API_GROUP, VERSION, SWEEP_PLURAL, id="watch-sweeps",
+                  registry=registry)(sweep_event)
     kopf.on.delete(**on, id="cleanup", when=needs_cleanup)(cleanup)
     watched: set[str] = set()
     for backend in runtime.backends.values():

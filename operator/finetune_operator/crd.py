@@ -1,4 +1,5 @@
-"""Generate the FineTuneJob CRD from the API models (`make crds`, or `python -m` this).
+"""Generate the CRDs (FineTuneJob, FineTuneSweep) from the API models (`make crds`, or
+`python -m` this).
 
 pydantic's JSON Schema is turned into a Kubernetes structural schema: references are
 inlined, `X | None` becomes X (optional fields are simply not required), draft-2020
@@ -12,6 +13,7 @@ import argparse
 import copy
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +22,10 @@ from finetune_operator.validation import CelRule, cel_rules
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 API_REFERENCE = REPO_ROOT / "docs" / "api-reference.md"
-CRD_PATHS = (
-    REPO_ROOT / "crds" / f"{api.PLURAL}.{api.API_GROUP}.yaml",
-    REPO_ROOT / "charts" / "finetune-operator" / "crds" / f"{api.PLURAL}.{api.API_GROUP}.yaml",
-)
+CRD_FOLDERS = (REPO_ROOT / "crds", REPO_ROOT / "charts" / "finetune-operator" / "crds")
+CRD_PATHS = tuple(folder / f"{api.PLURAL}.{api.API_GROUP}.yaml" for folder in CRD_FOLDERS)
+SWEEP_CRD_PATHS = tuple(folder / f"{api.SWEEP_PLURAL}.{api.API_GROUP}.yaml"
+                        for folder in CRD_FOLDERS)
 
 PRINTER_COLUMNS = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
@@ -39,6 +41,19 @@ PRINTER_COLUMNS = [
     {"name": "Loss", "type": "number", "jsonPath": ".status.progress.loss"},
     {"name": "Tokens/s", "type": "number", "jsonPath": ".status.progress.tokensPerSecond",
      "priority": 1},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+SWEEP_PRINTER_COLUMNS = [
+    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    {"name": "Trials", "type": "integer", "jsonPath": ".status.trialCount",
+     "description": "Trials made so far"},
+    {"name": "Max", "type": "integer", "jsonPath": ".spec.maxTrials", "priority": 1},
+    {"name": "Running", "type": "integer", "jsonPath": ".status.runningTrials"},
+    {"name": "Best", "type": "number", "jsonPath": ".status.best.objective",
+     "description": "The best finished trial's objective"},
+    {"name": "Best-Trial", "type": "string", "jsonPath": ".status.best.name"},
+    {"name": "Metric", "type": "string", "jsonPath": ".spec.objective.metric", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 
@@ -127,20 +142,11 @@ def _attach(schema: dict[str, Any], rules: list[CelRule]) -> None:
         _locate(schema, cel.scope).setdefault("x-kubernetes-validations", []).append(entry)
 
 
-def openapi_schema() -> dict[str, Any]:
-    """The structural openAPIV3Schema of FineTuneJob."""
-    spec = _schema_of(api.FineTuneJobSpec)
-    status = _schema_of(api.FineTuneJobStatus, mode="serialization")
+def _root(description: str, spec: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
     status.pop("required", None)
-    spec["description"] = (api.FineTuneJobSpec.__doc__ or "").strip()
-    # list-map semantics let the API server refuse duplicate names by itself
-    k8s = spec["properties"]["kubernetes"]["properties"]
-    for key in ("env", "volumes"):
-        k8s[key]["x-kubernetes-list-type"] = "map"
-        k8s[key]["x-kubernetes-list-map-keys"] = ["name"]
-    root = {
+    return {
         "type": "object",
-        "description": (api.FineTuneJob.__doc__ or "").strip(),
+        "description": description,
         "required": ["spec"],
         "properties": {
             "apiVersion": {"type": "string"},
@@ -150,18 +156,57 @@ def openapi_schema() -> dict[str, Any]:
             "status": status,
         },
     }
+
+
+def _job_spec_schema() -> dict[str, Any]:
+    spec = _schema_of(api.FineTuneJobSpec)
+    spec["description"] = (api.FineTuneJobSpec.__doc__ or "").strip()
+    # list-map semantics let the API server refuse duplicate names by itself
+    k8s = spec["properties"]["kubernetes"]["properties"]
+    for key in ("env", "volumes"):
+        k8s[key]["x-kubernetes-list-type"] = "map"
+        k8s[key]["x-kubernetes-list-map-keys"] = ["name"]
+    return spec
+
+
+def openapi_schema() -> dict[str, Any]:
+    """The structural openAPIV3Schema of FineTuneJob."""
+    root = _root((api.FineTuneJob.__doc__ or "").strip(), _job_spec_schema(),
+                 _schema_of(api.FineTuneJobStatus, mode="serialization"))
     _attach(root, cel_rules())
     _filled_defaults(root)
     return root
 
 
-def crd() -> dict[str, Any]:
-    """The CustomResourceDefinition object."""
+def sweep_openapi_schema() -> dict[str, Any]:
+    """The structural openAPIV3Schema of FineTuneSweep: its template is a FineTuneJob's
+    spec, checked by the same rules (those about the spec, moved under the template)."""
+    spec = _schema_of(api.FineTuneSweepSpec)
+    spec["description"] = (api.FineTuneSweepSpec.__doc__ or "").strip()
+    template_doc = spec["properties"]["template"].get("description")
+    spec["properties"]["template"] = {**_job_spec_schema(), "description": template_doc}
+    root = _root((api.FineTuneSweep.__doc__ or "").strip(), spec,
+                 _schema_of(api.FineTuneSweepStatus, mode="serialization"))
+    root["properties"]["status"]["properties"]["trials"].update(
+        {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["number"]})
+    _attach(root, [replace(c, scope="spec.template" + c.scope[len("spec"):])
+                   for c in cel_rules() if c.scope.split(".")[0] == "spec"])
+    _attach(root, [CelRule("", f"self.metadata.name.size() <= {api.MAX_SWEEP_NAME_LENGTH}",
+                           f"metadata.name: too long — a sweep's name takes at most "
+                           f"{api.MAX_SWEEP_NAME_LENGTH} characters (its trials are named "
+                           "<sweep>-<n>, and a FineTuneJob's name at most "
+                           f"{api.MAX_NAME_LENGTH})")])
+    _filled_defaults(root)
+    return root
+
+
+def _definition(kind: str, plural: str, singular: str, short_names: list[str],
+                columns: list[dict[str, Any]], schema: dict[str, Any]) -> dict[str, Any]:
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
         "metadata": {
-            "name": f"{api.PLURAL}.{api.API_GROUP}",
+            "name": f"{plural}.{api.API_GROUP}",
             "labels": {"app.kubernetes.io/name": "finetune-operator",
                        "app.kubernetes.io/component": "crd"},
         },
@@ -169,11 +214,11 @@ def crd() -> dict[str, Any]:
             "group": api.API_GROUP,
             "scope": "Namespaced",
             "names": {
-                "kind": api.KIND,
-                "listKind": f"{api.KIND}List",
-                "plural": api.PLURAL,
-                "singular": api.SINGULAR,
-                "shortNames": api.SHORT_NAMES,
+                "kind": kind,
+                "listKind": f"{kind}List",
+                "plural": plural,
+                "singular": singular,
+                "shortNames": short_names,
                 "categories": ["finetune", "ml"],
             },
             "versions": [{
@@ -181,25 +226,39 @@ def crd() -> dict[str, Any]:
                 "served": True,
                 "storage": True,
                 "subresources": {"status": {}},
-                "additionalPrinterColumns": PRINTER_COLUMNS,
-                "schema": {"openAPIV3Schema": openapi_schema()},
+                "additionalPrinterColumns": columns,
+                "schema": {"openAPIV3Schema": schema},
             }],
         },
     }
 
 
+def crd() -> dict[str, Any]:
+    """The FineTuneJob CustomResourceDefinition."""
+    return _definition(api.KIND, api.PLURAL, api.SINGULAR, api.SHORT_NAMES, PRINTER_COLUMNS,
+                       openapi_schema())
+
+
+def sweep_crd() -> dict[str, Any]:
+    """The FineTuneSweep CustomResourceDefinition."""
+    return _definition(api.SWEEP_KIND, api.SWEEP_PLURAL, api.SWEEP_SINGULAR,
+                       api.SWEEP_SHORT_NAMES, SWEEP_PRINTER_COLUMNS, sweep_openapi_schema())
+
+
 HEADER = "# Generated by `make crds` from finetune_operator/api.py. Do not edit by hand.\n"
 
 
-def render_yaml() -> str:
-    return HEADER + yamlio.dump(crd())
+def render_yaml(definition: dict[str, Any] | None = None) -> str:
+    return HEADER + yamlio.dump(definition or crd())
 
 
 def generated_files() -> dict[Path, str]:
     """Every file `make crds` writes, with its content."""
-    text = render_yaml()
-    files = {path: text for path in CRD_PATHS}
-    files[API_REFERENCE] = apidoc.render_markdown(openapi_schema())
+    files = {path: render_yaml() for path in CRD_PATHS}
+    files.update({path: render_yaml(sweep_crd()) for path in SWEEP_CRD_PATHS})
+    files[API_REFERENCE] = apidoc.render_markdown(
+        (api.KIND, api.SHORT_NAMES[0], openapi_schema()),
+        (api.SWEEP_KIND, api.SWEEP_SHORT_NAMES[0], sweep_openapi_schema()))
     return files
 
 
@@ -222,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
             path.write_text(text)
             print(f"wrote {os.path.relpath(path)}")
         return 0
-    sys.stdout.write(render_yaml())
+    sys.stdout.write(render_yaml() + "---\n" + yamlio.dump(sweep_crd()))
     return 0
 
 

@@ -31,7 +31,15 @@ import aiohttp
 import kopf
 from kubernetes import client, config
 
-from finetune_operator.api import API_GROUP, API_VERSION, KIND, PLURAL, VERSION
+from finetune_operator.api import (
+    API_GROUP,
+    API_VERSION,
+    KIND,
+    PLURAL,
+    SWEEP_KIND,
+    SWEEP_PLURAL,
+    VERSION,
+)
 
 
 def _version() -> str:
@@ -65,6 +73,7 @@ PATHS: dict[str, tuple[str, str]] = {  # kind: (API prefix, plural)
     "PersistentVolumeClaim": ("api/v1", "persistentvolumeclaims"),
     "Job": ("apis/batch/v1", "jobs"),
     KIND: (f"apis/{API_GROUP}/{VERSION}", PLURAL),
+    SWEEP_KIND: (f"apis/{API_GROUP}/{VERSION}", SWEEP_PLURAL),
     "Workload": (f"apis/{KUEUE_GROUP}/{KUEUE_VERSION}", "workloads"),
     "KopfPeering": ("apis/kopf.dev/v1", "kopfpeerings"),
     "ClusterKopfPeering": ("apis/kopf.dev/v1", "clusterkopfpeerings"),
@@ -114,6 +123,13 @@ def _terminating(body: Any) -> bool:
     cause is NamespaceTerminating)."""
     details = _status(body).get("details") or {}
     return any(c.get("reason") == "NamespaceTerminating" for c in details.get("causes") or [])
+
+
+def merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """A top-level merge patch from `old` to `new` (None removes a field)."""
+    patch: dict[str, Any] = {k: v for k, v in new.items() if old.get(k) != v}
+    patch.update({k: None for k in old if k not in new})
+    return patch
 
 
 def timestamp(text: str | None) -> datetime | None:
@@ -400,14 +416,15 @@ class Kube:
 
     async def post_event(self, about: dict[str, Any], type_: str, reason: str,
                          message: str) -> None:
-        """An event on `about` (a FineTuneJob), as `kubectl describe` lists them."""
+        """An event on `about` (a FineTuneJob or FineTuneSweep), as `kubectl describe`
+        lists them."""
         meta = about.get("metadata") or {}
         now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         event = {
             "apiVersion": "v1", "kind": "Event",
             "metadata": {"generateName": f"{meta.get('name')}.",
                          "namespace": meta.get("namespace")},
-            "involvedObject": {"apiVersion": API_VERSION, "kind": KIND,
+            "involvedObject": {"apiVersion": API_VERSION, "kind": about.get("kind") or KIND,
                                "name": meta.get("name"), "namespace": meta.get("namespace"),
                                "uid": meta.get("uid")},
             "type": type_, "reason": reason, "message": message[:1024],
@@ -443,11 +460,15 @@ class Kube:
 
     async def patch_finetunejob_status(self, namespace: str, name: str,
                                        status: dict[str, Any]) -> dict[str, Any] | None:
-        """A merge patch of the status (None removes a field); the job as patched, None when
-        it is gone."""
+        return await self.patch_status(KIND, namespace, name, status)
+
+    async def patch_status(self, kind: str, namespace: str, name: str,
+                           status: dict[str, Any]) -> dict[str, Any] | None:
+        """A merge patch of the status (None removes a field); the object as patched, None
+        when it is gone."""
         try:
-            return await self.request(f"patch the status of FineTuneJob {name}", "PATCH",
-                                      path(KIND, namespace, name, "status"),
+            return await self.request(f"patch the status of {kind} {name}", "PATCH",
+                                      path(kind, namespace, name, "status"),
                                       body={"status": status}, merge_patch=True)
         except KubeError as error:
             if error.status != 404:

@@ -1,11 +1,12 @@
-"""Hyperparameter sweeps (#18): a search space over a FineTuneJob's spec, trials sampled
-through optuna, and early termination read from the trials' progress.
+"""Hyperparameter sweeps: what a FineTuneSweep does next, decided from its status and what
+the watch shows of its trials' FineTuneJobs (`decide`, pure and table-tested), with trials
+sampled through optuna and early termination read from the trials' progress.
 
-Pure and restart-safe by construction: trial n's parameters depend only on the sweep's
-spec, its seed and the trials recorded before it (the operator keeps them in the sweep's
-status), never on a sampler's state in memory; an operator restarted mid-sweep asks again
-and gets the same answer. Not wired to a controller yet: the FineTuneSweep resource, its
-CRD and the reconciler that creates the child FineTuneJobs come next (see the note on #18).
+Restart-safe by construction: trial n's parameters depend only on the sweep's spec, its seed
+and the trials recorded before it, never on a sampler's state in memory; and a trial is
+recorded in the sweep's status (the journal) before its FineTuneJob `<sweep>-<n>` is
+created, and marked stopped before it is deleted. An operator restarted anywhere in between
+finds the record and finishes the step; creating a name that exists is a no-op.
 """
 
 from __future__ import annotations
@@ -15,66 +16,55 @@ import itertools
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import ValidationError
 
-from finetune_trainer.config import ApiModel
+from finetune_operator.api import (
+    KIND,
+    MAX_NAME_LENGTH,
+    MAX_SWEEP_NAME_LENGTH,
+    SWEEP_KIND,
+    TERMINAL_PHASES,
+    BestTrial,
+    CurvePoint,
+    FineTuneSweep,
+    FineTuneSweepStatus,
+    Goal,
+    Sampling,
+    Scalar,
+    SearchParameter,
+    TrialStatus,
+)
+from finetune_operator.reconcile import Event
+from finetune_operator.validation import Problem, check_document, structural_problem
 
-Sampling = Literal["grid", "random", "bayesian"]
-Goal = Literal["minimize", "maximize"]
-Scalar = float | int | str | bool
+
+def grid_values(parameter: SearchParameter) -> list[Scalar]:
+    """Every value a grid tries; float ranges have none (a grid of them is a choice)."""
+    if parameter.type == "choice":
+        return list(parameter.values or [])
+    if parameter.type == "intRange":
+        return list(range(int(parameter.min or 0), int(parameter.max or 0) + 1, parameter.step))
+    raise ValueError(f"a grid cannot enumerate a {parameter.type} range — use type: choice "
+                     "with the values to try, or sampling: random or bayesian")
 
 
-class Parameter(ApiModel):
-    """One searched field: a choice of values, a float range (uniform or log-uniform), or
-    an integer range."""
+def distribution(parameter: SearchParameter) -> Any:
+    from optuna.distributions import (
+        CategoricalDistribution,
+        FloatDistribution,
+        IntDistribution,
+    )
 
-    type: Literal["choice", "uniform", "logUniform", "intRange"]
-    values: list[Scalar] | None = Field(default=None, min_length=1, max_length=1000)
-    """`choice`: the values to try."""
-    min: float | None = None
-    max: float | None = None
-    step: int = Field(default=1, ge=1)
-    """`intRange`: the distance between values."""
-
-    @model_validator(mode="after")
-    def _complete(self) -> Parameter:
-        if self.type == "choice":
-            if not self.values:
-                raise ValueError("choice needs values — list them, e.g. values: [8, 16, 32]")
-            return self
-        if self.min is None or self.max is None or not self.min < self.max:
-            raise ValueError(f"{self.type} needs min < max — e.g. min: 1e-5, max: 1e-3")
-        if self.type == "logUniform" and self.min <= 0:
-            raise ValueError("logUniform needs min > 0 — the log of 0 is not a number")
-        if self.type == "intRange" and not (float(self.min).is_integer()
-                                            and float(self.max).is_integer()):
-            raise ValueError("intRange needs whole min and max — e.g. min: 4, max: 64")
-        return self
-
-    def grid_values(self) -> list[Scalar]:
-        """Every value a grid tries; float ranges have none (a grid of them is a choice)."""
-        if self.type == "choice":
-            return list(self.values or [])
-        if self.type == "intRange":
-            return list(range(int(self.min), int(self.max) + 1, self.step))
-        raise ValueError(f"a grid cannot enumerate a {self.type} range — use type: choice "
-                         "with the values to try, or sampling: random or bayesian")
-
-    def distribution(self) -> Any:
-        from optuna.distributions import (
-            CategoricalDistribution,
-            FloatDistribution,
-            IntDistribution,
-        )
-
-        if self.type == "choice":
-            return CategoricalDistribution(self.values)
-        if self.type == "intRange":
-            return IntDistribution(int(self.min), int(self.max), step=self.step)
-        return FloatDistribution(self.min, self.max, log=self.type == "logUniform")
+    if parameter.type == "choice":
+        return CategoricalDistribution(parameter.values)
+    low, high = parameter.min or 0.0, parameter.max or 0.0
+    if parameter.type == "intRange":
+        return IntDistribution(int(low), int(high), step=parameter.step)
+    return FloatDistribution(low, high, log=parameter.type == "logUniform")
 
 
 @dataclass(frozen=True)
@@ -95,14 +85,14 @@ class Trial:
         return min(values) if goal == "minimize" else max(values)
 
 
-def grid(space: Mapping[str, Parameter]) -> list[dict[str, Scalar]]:
+def grid(space: Mapping[str, SearchParameter]) -> list[dict[str, Scalar]]:
     """Every combination, in a fixed order (keys sorted, each key's values as written)."""
     keys = sorted(space)
     return [dict(zip(keys, combination, strict=True))
-            for combination in itertools.product(*(space[k].grid_values() for k in keys))]
+            for combination in itertools.product(*(grid_values(space[k]) for k in keys))]
 
 
-def suggest(space: Mapping[str, Parameter], sampling: Sampling, seed: int, number: int,
+def suggest(space: Mapping[str, SearchParameter], sampling: Sampling, seed: int, number: int,
             history: Sequence[Trial] = (), goal: Goal = "minimize"
             ) -> dict[str, Scalar] | None:
     """Trial `number`'s parameters; None when a grid has no combination left. Random and
@@ -118,7 +108,7 @@ def suggest(space: Mapping[str, Parameter], sampling: Sampling, seed: int, numbe
     sampler = (optuna.samplers.RandomSampler(seed=seed + number) if sampling == "random"
                else optuna.samplers.TPESampler(seed=seed + number))
     study = optuna.create_study(direction=goal, sampler=sampler)
-    distributions = {key: parameter.distribution() for key, parameter in space.items()}
+    distributions = {key: distribution(parameter) for key, parameter in space.items()}
     for trial in history:
         value = trial.best(goal)
         if trial.finished and value is not None and math.isfinite(value):
@@ -168,3 +158,281 @@ def bandit_stop(trial: Trial, others: Sequence[Trial], step: int, goal: Goal,
     if goal == "minimize":
         return mine > min(theirs) * (1 + slack_factor)
     return mine < max(theirs) / (1 + slack_factor)
+
+
+# --- the sweep's next step -----------------------------------------------------------------
+
+LABEL = "finetune.dev/sweep"
+"""On each trial's FineTuneJob: the sweep it belongs to."""
+TRIAL_LABEL = "finetune.dev/trial"
+"""On each trial's FineTuneJob: its number."""
+ENDED = frozenset({*TERMINAL_PHASES, "Stopped"})
+"""A trial in one of these phases will not change any more."""
+CURVE_POINTS = 32
+"""Points kept per trial curve: the status of a 1,000-trial sweep must fit in etcd."""
+
+
+@dataclass(frozen=True)
+class Child:
+    """What the watch last showed of a trial's FineTuneJob."""
+
+    phase: str | None = None
+    step: int | None = None
+    value: float | None = None
+    """The objective's metric at `step`."""
+    message: str | None = None
+
+
+def child_view(body: Mapping[str, Any], metric: str) -> Child:
+    """A trial's FineTuneJob, as `decide` reads it."""
+    status = body.get("status") or {}
+    progress = status.get("progress") or {}
+    value = progress.get(metric)
+    return Child(phase=status.get("phase"), step=progress.get("step"),
+                 value=float(value) if isinstance(value, (int, float)) else None,
+                 message=status.get("message"))
+
+
+@dataclass
+class SweepDecision:
+    """The sweep's new status (patched first: the journal), then the trials' FineTuneJobs to
+    create and the ones to delete, and the events to post."""
+
+    status: FineTuneSweepStatus
+    create: list[TrialStatus] = field(default_factory=list)
+    delete: list[str] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    wake_after: float | None = None
+    """Seconds until the time budget runs out (nothing else wakes a sweep on a clock)."""
+
+
+def decide(sweep: FineTuneSweep, children: Mapping[int, Child], now: datetime
+           ) -> SweepDecision:
+    """The sweep's next step from its recorded trials and the FineTuneJobs `children` shows
+    (by trial number): follow each trial, stop the ones early termination or the budget
+    rejects, make new ones up to `parallelTrials` and `maxTrials`, name the best, and end
+    once nothing runs and nothing is left to make."""
+    spec = sweep.spec
+    status = (sweep.status or FineTuneSweepStatus()).model_copy(deep=True)
+    decision = SweepDecision(status)
+    if status.phase in TERMINAL_PHASES:  # ended: only a stop a restart interrupted is left
+        decision.delete = [t.name for t in status.trials
+                           if t.phase == "Stopped" and t.number in children]
+        return decision
+    status.start_time = status.start_time or now
+    status.phase = status.phase or "Running"
+    for trial in status.trials:
+        _follow(trial, children.get(trial.number), decision)
+    _terminate_early(sweep, decision)
+    spent = (now - status.start_time).total_seconds()
+    out_of_time = spec.timeout_seconds is not None and spent >= spec.timeout_seconds
+    if out_of_time:
+        for trial in _active(status):
+            _stop(trial, f"the sweep's time budget (timeoutSeconds: {spec.timeout_seconds}) "
+                  "ran out", decision)
+    elif spec.timeout_seconds is not None:
+        decision.wake_after = spec.timeout_seconds - spent
+    exhausted = out_of_time or not _make_trials(sweep, decision)
+    status.best = _best(status.trials, spec.objective.goal)
+    status.trial_count = len(status.trials)
+    status.running_trials = len(_active(status))
+    if status.phase == "Running" and exhausted and not status.running_trials:
+        _finish(sweep, decision, now)
+    return decision
+
+
+def _follow(trial: TrialStatus, child: Child | None, decision: SweepDecision) -> None:
+    if trial.phase in ENDED:
+        if trial.phase == "Stopped" and child is not None:
+            decision.delete.append(trial.name)  # marked before a restart could delete it
+        return
+    if child is None:
+        if trial.phase == "Creating":
+            decision.create.append(trial)  # recorded, maybe created (a name that exists: ok)
+        else:
+            trial.phase, trial.message = "Failed", "its FineTuneJob was deleted"
+        return
+    trial.phase = child.phase or "Pending"  # type: ignore[assignment]
+    if child.step is not None and child.value is not None and math.isfinite(child.value):
+        trial.step, trial.objective = child.step, child.value
+        _record(trial, child.step, child.value)
+    if trial.phase == "Failed":
+        trial.message = child.message
+
+
+def _record(trial: TrialStatus, step: int, value: float) -> None:
+    """Add a point to the curve (the newest value of a step wins); past CURVE_POINTS, every
+    other older point goes."""
+    points = [p for p in trial.curve if p.step != step] + [CurvePoint(step=step, value=value)]
+    points.sort(key=lambda p: p.step)
+    if len(points) > CURVE_POINTS:
+        points = points[:-1][::2] + points[-1:]
+    trial.curve = points
+
+
+def _active(status: FineTuneSweepStatus) -> list[TrialStatus]:
+    return [t for t in status.trials if t.phase not in ENDED]
+
+
+def _stop(trial: TrialStatus, why: str, decision: SweepDecision) -> None:
+    trial.phase, trial.message = "Stopped", why
+    decision.delete.append(trial.name)
+    decision.events.append(Event("Normal", "TrialStopped", f"{trial.name}: {why}"))
+
+
+def as_trial(trial: TrialStatus) -> Trial:
+    return Trial(trial.number, dict(trial.params), {p.step: p.value for p in trial.curve},
+                 finished=trial.phase in ENDED)
+
+
+def _terminate_early(sweep: FineTuneSweep, decision: SweepDecision) -> None:
+    rule = sweep.spec.early_termination
+    goal, metric = sweep.spec.objective.goal, sweep.spec.objective.metric
+    if rule.policy == "none":
+        return
+    trials = decision.status.trials
+    for trial in _active(decision.status):
+        if trial.step is None or trial.step < rule.delay_steps:
+            continue
+        mine = as_trial(trial)
+        others = [as_trial(t) for t in trials if t is not trial and t.curve]
+        stop = (median_stop(mine, others, trial.step, goal) if rule.policy == "median"
+                else bandit_stop(mine, others, trial.step, goal, rule.slack_factor))
+        if stop:
+            _stop(trial, f"{rule.policy} stopping at step {trial.step}: its best {metric} "
+                  f"{mine.best(goal):.4g} is behind the other trials'", decision)
+
+
+def _make_trials(sweep: FineTuneSweep, decision: SweepDecision) -> bool:
+    """Record new trials up to the limits; False when no trial is left to make."""
+    spec, status = sweep.spec, decision.status
+    history = [as_trial(t) for t in status.trials]
+    while len(status.trials) < spec.max_trials:
+        if len(_active(status)) >= spec.parallel_trials:
+            return True
+        number = len(status.trials)
+        params = suggest(spec.search_space, spec.sampling, spec.seed, number, history,
+                         spec.objective.goal)
+        if params is None:  # a grid's last combination was made
+            return False
+        name = f"{sweep.name}-{number}"
+        trial = TrialStatus(number=number, name=name, params=params,
+                            output=f"{spec.template.output.uri.rstrip('/')}/{name}")
+        status.trials.append(trial)
+        decision.create.append(trial)
+        decision.events.append(Event("Normal", "TrialCreated", f"{name}: " + ", ".join(
+            f"{k}={v}" for k, v in params.items())))
+    return False
+
+
+def _best(trials: Sequence[TrialStatus], goal: Goal) -> BestTrial | None:
+    done = [t for t in trials if t.phase == "Succeeded" and t.objective is not None]
+    if not done:
+        return None
+    pick = min if goal == "minimize" else max
+    best = pick(done, key=lambda t: t.objective)  # type: ignore[arg-type, return-value]
+    return BestTrial(number=best.number, name=best.name, objective=best.objective,
+                     params=dict(best.params), output=best.output)
+
+
+def _finish(sweep: FineTuneSweep, decision: SweepDecision, now: datetime) -> None:
+    status, metric = decision.status, sweep.spec.objective.metric
+    status.completion_time = now
+    if status.best is not None:
+        status.phase = "Succeeded"
+        status.message = (f"best of {status.trial_count} trials: {status.best.name}, "
+                          f"{metric} {status.best.objective:.4g}; its model is in "
+                          f"{status.best.output}")
+        decision.events.append(Event("Normal", "SweepSucceeded", status.message))
+    else:
+        status.phase = "Failed"
+        status.message = (f"none of {status.trial_count} trials succeeded with a {metric} "
+                          "to compare — see the trials' messages (kubectl describe ftsweep)")
+        decision.events.append(Event("Warning", "SweepFailed", status.message))
+
+
+def trial_manifest(sweep: FineTuneSweep, trial: TrialStatus) -> dict[str, Any]:
+    """Trial `trial`'s FineTuneJob: the template with its parameters set, writing to its own
+    output folder, owned by the sweep (deleting the sweep deletes its trials)."""
+    spec = with_params(sweep.spec.template.to_dict(), trial.params)
+    spec.setdefault("output", {})["uri"] = trial.output
+    meta = sweep.metadata
+    return {
+        "apiVersion": sweep.api_version, "kind": "FineTuneJob",
+        "metadata": {
+            "name": trial.name, "namespace": sweep.namespace,
+            "labels": {LABEL: sweep.name, TRIAL_LABEL: str(trial.number)},
+            "ownerReferences": [{"apiVersion": sweep.api_version, "kind": sweep.kind,
+                                 "name": meta.name, "uid": meta.uid, "controller": True}],
+        },
+        "spec": spec,
+    }
+
+
+# --- admission -----------------------------------------------------------------------------
+
+def check_sweep(doc: Any) -> tuple[FineTuneSweep | None, list[Problem]]:
+    """Every problem with a FineTuneSweep manifest, each naming its field and the fix, and
+    the sweep if it parsed: its own fields, its template as a FineTuneJob's spec (by the
+    same rules the operator admits a job with), and every searched field's extreme values
+    set into the template, so no trial is made that its own admission would refuse."""
+    if not isinstance(doc, dict) or doc.get("kind") != SWEEP_KIND:
+        return None, [Problem("kind", "is not FineTuneSweep", f"use `kind: {SWEEP_KIND}`")]
+    try:
+        sweep = FineTuneSweep.model_validate(doc)
+    except ValidationError as error:
+        return None, [structural_problem(e, FineTuneSweep) for e in error.errors()]
+    problems: list[Problem] = []
+    if len(sweep.name) > MAX_SWEEP_NAME_LENGTH:
+        problems.append(Problem("metadata.name", f"is {len(sweep.name)} characters, the limit "
+                                f"is {MAX_SWEEP_NAME_LENGTH}", "shorten it: trials are named "
+                                f"<sweep>-<n> and a FineTuneJob's name takes {MAX_NAME_LENGTH}"))
+    template = sweep.spec.template.to_dict()
+    problems += _as_template(_job_problems(sweep, template, sweep.spec.max_trials - 1))
+    if sweep.spec.objective.metric == "evalLoss" and not sweep.spec.template.dataset.eval_fraction:
+        problems.append(Problem("spec.objective.metric", "evalLoss needs an eval split, and "
+                                "the template has none", "set spec.template.dataset."
+                                "evalFraction (e.g. 0.05), or objective.metric: loss"))
+    for path, parameter in sweep.spec.search_space.items():
+        where = f"spec.searchSpace[{path}]"
+        if sweep.spec.sampling == "grid":
+            try:
+                grid_values(parameter)
+            except ValueError as error:
+                problems.append(Problem(where, *str(error).split(" — ", 1)))
+        for value in _extremes(parameter):
+            try:
+                spec = with_params(template, {path: value})
+            except ValueError as error:
+                problems.append(Problem(where, str(error), "name a field of the template, "
+                                        "camelCase, e.g. hyperparameters.learningRate"))
+                break
+            found = [p for p in _job_problems(sweep, spec, 0) if p.severity == "error"]
+            problems += [Problem(where, f"the value {value!r} makes {p.path} invalid: "
+                                 f"{p.message}", p.fix) for p in found]
+            if found:
+                break
+    return sweep, problems
+
+
+def _extremes(parameter: SearchParameter) -> list[Scalar]:
+    if parameter.type == "choice":
+        return list(parameter.values or [])
+    if parameter.type == "intRange":
+        return [int(parameter.min or 0), int(parameter.max or 0)]
+    return [parameter.min or 0.0, parameter.max or 0.0]
+
+
+def _job_problems(sweep: FineTuneSweep, spec: dict[str, Any], number: int) -> list[Problem]:
+    _job, problems = check_document({
+        "apiVersion": sweep.api_version, "kind": KIND, "spec": spec,
+        "metadata": {"name": f"{sweep.name}-{number}", "namespace": sweep.namespace}})
+    return problems
+
+
+def _as_template(problems: list[Problem]) -> list[Problem]:
+    """A trial's problems as the sweep's: `spec.x` is `spec.template.x`; its name is the
+    sweep's."""
+    return [replace(p, path="spec.template" + p.path[len("spec"):])
+            if p.path.startswith("spec") else p for p in problems
+            if not p.path.startswith("metadata.name")]

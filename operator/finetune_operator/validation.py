@@ -436,7 +436,7 @@ def short_repr(value: Any) -> str:
     return _SHORT.repr(value)
 
 
-def _structural_problem(error: Any, root: type[BaseModel]) -> Problem:
+def structural_problem(error: Any, root: type[BaseModel]) -> Problem:
     loc = tuple(error["loc"])
     path = _path(loc)
     kind = error["type"]
@@ -494,7 +494,7 @@ def check_document(doc: Any) -> tuple[FineTuneJob | None, list[Problem]]:
     try:
         job = FineTuneJob.model_validate(doc)
     except ValidationError as error:
-        return None, [_structural_problem(e, FineTuneJob) for e in error.errors()]
+        return None, [structural_problem(e, FineTuneJob) for e in error.errors()]
     for r in RULES:
         problems.extend(r.check(job))
     return job, problems

@@ -21,12 +21,14 @@ def test_check_mode_reports_stale_files(tmp_path, monkeypatch, capsys):
     stale = tmp_path / "crd.yaml"
     stale.write_text("old")
     monkeypatch.setattr(crd, "CRD_PATHS", (stale,))
+    monkeypatch.setattr(crd, "SWEEP_CRD_PATHS", (tmp_path / "sweep-crd.yaml",))
     monkeypatch.setattr(crd, "API_REFERENCE", tmp_path / "api.md")
     assert crd.main(["--check"]) == 1
     assert "run `make crds`" in capsys.readouterr().err
     assert crd.main(["--write"]) == 0
     assert crd.main(["--check"]) == 0
-    assert "FineTuneJob API reference" in (tmp_path / "api.md").read_text()
+    reference = (tmp_path / "api.md").read_text()
+    assert "## FineTuneJob\n" in reference and "## FineTuneSweep\n" in reference
 
 
 
@@ -91,9 +93,11 @@ def test_defaults_and_enums_reach_the_crd(committed_crd):
     assert props["resources"]["properties"]["nodes"]["minimum"] == 1
 
 
-def test_chart_ships_the_same_crd():
-    assert (REPO / "charts/finetune-operator/crds/finetunejobs.finetune.dev.yaml").read_text() == (
-        REPO / "crds/finetunejobs.finetune.dev.yaml").read_text()
+@pytest.mark.parametrize("name", ["finetunejobs.finetune.dev.yaml",
+                                  "finetunesweeps.finetune.dev.yaml"])
+def test_chart_ships_the_same_crds(name):
+    assert (REPO / "charts/finetune-operator/crds" / name).read_text() == (
+        REPO / "crds" / name).read_text()
     assert load_yaml(REPO / "charts/finetune-operator/Chart.yaml")["name"] == "finetune-operator"
 
 

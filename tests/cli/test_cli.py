@@ -8,7 +8,7 @@ import sys
 
 import yaml
 
-from tests.conftest import EXAMPLES, REPO, minimal_job
+from tests.conftest import EXAMPLES, REPO, SWEEP_EXAMPLES, minimal_job
 
 FINETUNE = [sys.executable, "-m", "finetune_operator.cli"]
 
@@ -19,9 +19,20 @@ def finetune(*args: str, stdin: str | None = None) -> subprocess.CompletedProces
 
 
 def test_validate_examples_exit_zero():
-    result = finetune("validate", *map(str, EXAMPLES))
+    result = finetune("validate", *map(str, EXAMPLES + SWEEP_EXAMPLES))
     assert result.returncode == 0, result.stderr
     assert result.stdout.count(": valid FineTuneJob") == len(EXAMPLES)
+    assert result.stdout.count(": valid FineTuneSweep") == len(SWEEP_EXAMPLES) >= 1
+
+
+def test_validate_refuses_a_sweep_whose_searched_value_breaks_the_template():
+    sweep = yaml.safe_load(SWEEP_EXAMPLES[0].read_text())
+    sweep["spec"]["searchSpace"]["resources.nodes"] = {"type": "intRange", "min": 0, "max": 2}
+    result = finetune("validate", "-", stdin=yaml.safe_dump(sweep))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "<stdin>: spec.searchSpace[resources.nodes]: the value 0 makes spec.resources.nodes "
+        "invalid: is 0, must be at least 1 — set a value at least 1"]
 
 
 def test_validate_reports_one_line_per_problem_and_exits_2():

@@ -71,10 +71,11 @@ def test_every_object_is_valid_kubernetes(values, version):
         kubernetes_validate.validate(obj, version, strict=True)
 
 
-def test_the_chart_ships_the_generated_crd_and_kopfs_peering_crds():
+def test_the_chart_ships_the_generated_crds_and_kopfs_peering_crds():
     chart = helm.Chart.load(str(CHART))
     assert sorted(c["name"] for c in chart.crds) == [
-        "crds/finetunejobs.finetune.dev.yaml", "crds/kopf-peering.yaml"]
+        "crds/finetunejobs.finetune.dev.yaml", "crds/finetunesweeps.finetune.dev.yaml",
+        "crds/kopf-peering.yaml"]
     peering = list(yaml.safe_load_all((CHART / "crds/kopf-peering.yaml").read_text()))
     assert sorted(d["spec"]["names"]["kind"] for d in peering) == [
         "ClusterKopfPeering", "KopfPeering"]

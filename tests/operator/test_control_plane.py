@@ -246,9 +246,9 @@ def test_kubectl_is_the_version_it_was_built_as(control_plane):
 
 
 def test_every_example_is_accepted_by_the_api_server(installation):
-    from tests.conftest import EXAMPLES, load_yaml
+    from tests.conftest import EXAMPLES, SWEEP_EXAMPLES, load_yaml
 
-    for path in EXAMPLES:
+    for path in EXAMPLES + SWEEP_EXAMPLES:
         doc = load_yaml(path)
         doc["metadata"].pop("namespace", None)  # the examples' namespaces need not exist here
         result = installation.kubectl("apply", "--dry-run=server", "-n", "default", "-f", "-",

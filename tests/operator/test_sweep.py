@@ -1,31 +1,39 @@
 """The sweep's pure parts: grid enumeration, seeded sampling through optuna that a restart
-cannot change, the spec a trial runs, and the early-termination rules."""
+cannot change, the spec a trial runs, the early-termination rules, what a sweep does next
+(`decide`, as a table of situations) and what it refuses (`check_sweep`)."""
 
 from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
 
 import pydantic
 import pytest
 
+from finetune_operator.api import FineTuneSweep, SearchParameter
 from finetune_operator.sweep import (
-    Parameter,
+    Child,
     Trial,
     bandit_stop,
+    check_sweep,
+    decide,
     grid,
     median_stop,
     suggest,
+    trial_manifest,
     with_params,
 )
+from tests.conftest import minimal_job
 
 SPACE = {
-    "hyperparameters.learningRate": Parameter(type="logUniform", min=1e-5, max=1e-3),
-    "method.lora.r": Parameter(type="intRange", min=8, max=32, step=8),
-    "method.lora.alpha": Parameter(type="choice", values=[16, 32]),
+    "hyperparameters.learningRate": SearchParameter(type="logUniform", min=1e-5, max=1e-3),
+    "method.lora.r": SearchParameter(type="intRange", min=8, max=32, step=8),
+    "method.lora.alpha": SearchParameter(type="choice", values=[16, 32]),
 }
 
 
 def test_a_grid_enumerates_every_combination_once_in_a_fixed_order():
-    space = {"method.lora.r": Parameter(type="intRange", min=8, max=32, step=8),
-             "hyperparameters.learningRate": Parameter(type="choice", values=[1e-4, 2e-4])}
+    space = {"method.lora.r": SearchParameter(type="intRange", min=8, max=32, step=8),
+             "hyperparameters.learningRate": SearchParameter(type="choice", values=[1e-4, 2e-4])}
     combinations = grid(space)
     assert combinations == [{"hyperparameters.learningRate": lr, "method.lora.r": r}
                             for lr in (1e-4, 2e-4) for r in (8, 16, 24, 32)]
@@ -34,7 +42,7 @@ def test_a_grid_enumerates_every_combination_once_in_a_fixed_order():
 
 def test_a_grid_refuses_a_float_range_with_the_fix():
     with pytest.raises(ValueError, match="use type: choice"):
-        grid({"hyperparameters.learningRate": Parameter(type="uniform", min=0.1, max=0.2)})
+        grid({"hyperparameters.learningRate": SearchParameter(type="uniform", min=0.1, max=0.2)})
 
 
 @pytest.mark.parametrize("sampling", ["random", "bayesian"])
@@ -73,7 +81,7 @@ def test_a_trial_runs_the_template_with_its_parameters_set():
 ])
 def test_a_bad_parameter_says_how_to_write_it(parameter, fix):
     with pytest.raises(pydantic.ValidationError, match=fix):
-        Parameter.model_validate(parameter)
+        SearchParameter.model_validate(parameter)
 
 
 def curve(*values: float) -> dict[int, float]:
@@ -98,3 +106,162 @@ def test_bandit_ends_a_trial_outside_the_slack_of_the_best():
     assert not bandit_stop(best, [], 20, "minimize", 0.1)  # the best is within its own slack
     assert bandit_stop(Trial(3, {}, curve(0.5)), [Trial(4, {}, curve(0.9))], 10,
                        "maximize", 0.2)
+
+
+# --- the sweep's next step --------------------------------------------------------------------
+
+NOW = datetime(2026, 11, 24, 12, 0, tzinfo=UTC)
+
+
+def sweep_doc(status=None, **spec):
+    template = minimal_job(dataset={"uri": "pvc://data/train.jsonl", "evalFraction": 0.1})["spec"]
+    doc = {"apiVersion": "finetune.dev/v1alpha1", "kind": "FineTuneSweep",
+           "metadata": {"name": "lr", "namespace": "team", "uid": "u-1"},
+           "spec": {"template": template, "maxTrials": 4, "parallelTrials": 2, "seed": 3,
+                    "searchSpace": {"hyperparameters.learningRate": {
+                        "type": "logUniform", "min": 1e-5, "max": 1e-3}}, **spec}}
+    if status is not None:
+        doc["status"] = status
+    return doc
+
+
+def step(doc, children=None, now=NOW):
+    """One look: the decision, and the sweep as the patched status leaves it."""
+    sweep = FineTuneSweep.model_validate(doc)
+    decision = decide(sweep, children or {}, now)
+    return decision, {**doc, "status": decision.status.to_dict()}
+
+
+def test_a_new_sweep_records_its_first_trials_before_creating_them():
+    decision, doc = step(sweep_doc())
+    assert [t.name for t in decision.create] == ["lr-0", "lr-1"]  # parallelTrials
+    assert [t["phase"] for t in doc["status"]["trials"]] == ["Creating", "Creating"]
+    assert doc["status"]["phase"] == "Running" and doc["status"]["trialCount"] == 2
+    assert [e.reason for e in decision.events] == ["TrialCreated", "TrialCreated"]
+    manifest = trial_manifest(FineTuneSweep.model_validate(doc), decision.create[1])
+    assert manifest["metadata"]["name"] == "lr-1"
+    assert manifest["metadata"]["labels"] == {"finetune.dev/sweep": "lr",
+                                              "finetune.dev/trial": "1"}
+    assert manifest["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+    assert manifest["spec"]["hyperparameters"]["learningRate"] == decision.create[1].params[
+        "hyperparameters.learningRate"]
+    assert manifest["spec"]["output"]["uri"] == "pvc://ckpt/demo/lr-1"
+
+
+def test_a_restart_before_the_creates_makes_the_same_trials_again_and_no_new_one():
+    _decision, doc = step(sweep_doc())
+    again, after = step(doc)  # the watch shows no trial yet: recreate (409 if they exist)
+    assert [t.name for t in again.create] == ["lr-0", "lr-1"] and not again.events
+    assert after["status"]["trials"] == doc["status"]["trials"]
+
+
+def test_trials_follow_their_jobs_and_a_finished_one_makes_room_for_the_next():
+    _d, doc = step(sweep_doc())
+    _d, doc = step(doc, {0: Child("Running", 10, 2.0), 1: Child("Running", 10, 1.5)})
+    assert [p["value"] for p in doc["status"]["trials"][0]["curve"]] == [2.0]
+    decision, doc = step(doc, {0: Child("Succeeded", 20, 1.2), 1: Child("Running", 20, 1.3)})
+    assert [t.name for t in decision.create] == ["lr-2"]
+    assert doc["status"]["best"]["name"] == "lr-0" and doc["status"]["best"]["objective"] == 1.2
+    assert doc["status"]["best"]["output"] == "pvc://ckpt/demo/lr-0"
+    assert doc["status"]["runningTrials"] == 2
+
+
+def test_median_stopping_marks_the_trial_stopped_before_deleting_it():
+    doc = sweep_doc(earlyTermination={"policy": "median", "delaySteps": 10}, parallelTrials=3)
+    _d, doc = step(doc)
+    decision, doc = step(doc, {0: Child("Running", 10, 1.0), 1: Child("Running", 10, 1.2),
+                               2: Child("Running", 10, 3.0)})
+    assert decision.delete == ["lr-2"]
+    stopped = doc["status"]["trials"][2]
+    assert stopped["phase"] == "Stopped" and "median stopping at step 10" in stopped["message"]
+    # a restart between the status patch and the delete deletes it again; a job gone is done
+    again, doc = step(doc, {0: Child("Running", 10, 1.0), 1: Child("Running", 10, 1.2),
+                            2: Child("Running", 10, 3.0)})
+    assert again.delete == ["lr-2"] and [t.name for t in again.create] == ["lr-3"]
+
+
+def test_the_sweep_ends_with_the_best_trial_once_nothing_is_left_to_run():
+    doc = sweep_doc(maxTrials=2)
+    _d, doc = step(doc)
+    decision, doc = step(doc, {0: Child("Succeeded", 20, 1.4), 1: Child("Failed", 5, None,
+                                                                         "out of memory")})
+    assert doc["status"]["phase"] == "Succeeded" and doc["status"]["best"]["name"] == "lr-0"
+    assert doc["status"]["trials"][1]["message"] == "out of memory"
+    assert "its model is in pvc://ckpt/demo/lr-0" in doc["status"]["message"]
+    assert [e.reason for e in decision.events] == ["SweepSucceeded"]
+    later, _ = step(doc, {0: Child("Succeeded", 20, 1.4)})
+    assert not later.create and not later.delete and not later.events
+
+
+def test_a_sweep_with_no_successful_trial_fails_and_says_where_to_look():
+    _d, doc = step(sweep_doc(maxTrials=1))
+    _d, doc = step(doc, {0: Child("Failed", None, None, "image pull failed")})
+    assert doc["status"]["phase"] == "Failed" and "kubectl describe ftsweep" in doc["status"][
+        "message"]
+
+
+def test_the_time_budget_stops_the_running_trials_and_makes_no_more():
+    _d, doc = step(sweep_doc(timeoutSeconds=600))
+    decision, doc = step(doc, {0: Child("Running", 10, 1.0)}, NOW + timedelta(seconds=60))
+    assert decision.wake_after == pytest.approx(540)
+    decision, doc = step(doc, {0: Child("Running", 10, 1.0), 1: Child("Running", 10, 1.1)},
+                         NOW + timedelta(seconds=601))
+    assert sorted(decision.delete) == ["lr-0", "lr-1"] and not decision.create
+    assert {t["phase"] for t in doc["status"]["trials"]} == {"Stopped"}
+    assert doc["status"]["phase"] == "Failed"  # none finished: nothing to name best
+
+
+def test_a_trial_whose_job_was_deleted_by_someone_else_fails():
+    _d, doc = step(sweep_doc(maxTrials=2))
+    _d, doc = step(doc, {0: Child("Running", 10, 1.0), 1: Child("Running", 10, 1.1)})
+    decision, doc = step(doc, {1: Child("Running", 10, 1.1)})
+    assert doc["status"]["trials"][0]["phase"] == "Failed"
+    assert doc["status"]["trials"][0]["message"] == "its FineTuneJob was deleted"
+    assert not decision.create  # maxTrials reached: the lost trial is not replaced
+
+
+def test_a_grid_sweep_ends_at_its_last_combination():
+    doc = sweep_doc(sampling="grid", maxTrials=10, parallelTrials=5,
+                    searchSpace={"method.lora.r": {"type": "choice", "values": [8, 16]}})
+    decision, doc = step(doc)
+    assert [t.params for t in decision.create] == [{"method.lora.r": 8}, {"method.lora.r": 16}]
+    _d, doc = step(doc, {0: Child("Succeeded", 20, 1.1), 1: Child("Succeeded", 20, 1.0)})
+    assert doc["status"]["phase"] == "Succeeded" and doc["status"]["best"]["params"] == {
+        "method.lora.r": 16}
+
+
+def test_a_curve_keeps_at_most_32_points_first_and_last_among_them():
+    _d, doc = step(sweep_doc(maxTrials=1))
+    for s in range(1, 101):
+        _d, doc = step(doc, {0: Child("Running", s, 10.0 / s)})
+    curve = doc["status"]["trials"][0]["curve"]
+    assert len(curve) <= 32 and curve[-1]["step"] == 100 and curve[0]["step"] == 1
+
+
+# --- what a sweep refuses -------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("change", "path", "words"), [
+    ({"searchSpace": {"hyperparameters.learningRatee": {"type": "choice", "values": [1e-4]}}},
+     "spec.searchSpace[hyperparameters.learningRatee]", "did you mean `learningRate`"),
+    ({"searchSpace": {"resources.nodes": {"type": "intRange", "min": 0, "max": 2}}},
+     "spec.searchSpace[resources.nodes]", "the value 0 makes spec.resources.nodes invalid"),
+    ({"sampling": "grid"}, "spec.searchSpace[hyperparameters.learningRate]",
+     "a grid cannot enumerate a logUniform range"),
+    ({"objective": {"metric": "evalLoss"}, "template": minimal_job()["spec"]},
+     "spec.objective.metric", "evalFraction"),
+    ({"template": {**minimal_job()["spec"], "resources": {"nodes": 0}}},
+     "spec.template.resources.nodes", "at least 1"),
+])
+def test_a_bad_sweep_is_refused_naming_the_field_and_the_fix(change, path, words):
+    doc = sweep_doc()
+    doc["spec"].update(change)
+    _sweep, problems = check_sweep(doc)
+    errors = [p for p in problems if p.severity == "error"]
+    assert any(p.path == path and words in str(p) for p in errors), errors
+
+
+def test_a_good_sweep_passes_and_a_long_name_does_not():
+    assert [p for p in check_sweep(sweep_doc())[1] if p.severity == "error"] == []
+    doc = sweep_doc()
+    doc["metadata"]["name"] = "a" * 44
+    assert [p.path for p in check_sweep(doc)[1]] == ["metadata.name"]

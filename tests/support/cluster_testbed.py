@@ -97,8 +97,12 @@ class ControlPlaneTestbed(RealTestbed):
         return len(self._creates(resource, name))
 
     def jobs_created(self, name):
+        return self.created("jobs", name)
+
+    def created(self, resource: str, name: str) -> int:
+        """Creates of `resource` named `name` that the API server answered 201 (Created)."""
         return sum(e.get("responseStatus", {}).get("code") == 201
-                   for e in self._creates("jobs", name))
+                   for e in self._creates(resource, name))
 
     def _creates(self, resource: str, name: str) -> list[dict[str, Any]]:
         wanted = {"resource": resource, "namespace": self.namespace, "name": name}

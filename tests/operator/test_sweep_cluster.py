@@ -1,0 +1,139 @@
+"""A FineTuneSweep on the real control plane: the operator makes the trials as FineTuneJobs,
+follows their progress (rank 0's /progress, served per pod as the trainer serves it),
+stops the ones median stopping rejects, names the best, and survives a SIGKILL mid-sweep
+without making any trial twice."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from typing import Any
+
+import pytest
+
+from finetune_trainer.progress import ProgressServer
+from finetune_trainer.record import ProgressRecord
+from tests.support.cluster_testbed import ControlPlaneTestbed
+
+pytestmark = pytest.mark.timeout(420)
+
+SWEEPS = "finetune.dev/v1alpha1/finetunesweeps"
+
+
+def eval_loss(lr: float, step: int) -> float:
+    """A made-up objective: best at lr = 1e-4, and better with more steps."""
+    return 1.0 + abs(math.log10(lr) + 4) + (0.5 if step < 40 else 0.0)
+
+
+class Trials:
+    """Plays each trial's workers: rank 0 reports step 20, then step 40, then the pods end."""
+
+    def __init__(self, bed: ControlPlaneTestbed):
+        self.bed = bed
+        self.stage: dict[str, int] = {}
+        self.servers: dict[str, ProgressServer] = {}
+
+    def _serve(self, name: str, lr: float, step: int) -> None:
+        self.servers[name].publish(ProgressRecord(
+            step=step, totalSteps=40, epoch=step / 40, loss=2.0, learningRate=lr,
+            tokensPerSecond=1000.0, evalLoss=eval_loss(lr, step)))
+
+    def _progress_step(self, name: str) -> int | None:
+        return (self.bed.status(name).get("progress") or {}).get("step")
+
+    def end(self, name: str) -> None:
+        """The trial ended: its pod's IP may be given to the next pod (KWOK reuses them)."""
+        if name in self.servers:
+            self.servers.pop(name).close()
+
+    async def play(self, trial: dict[str, Any]) -> None:
+        name, lr = trial["name"], trial["params"]["hyperparameters.learningRate"]
+        stage = self.stage.get(name, 0)
+        if stage == 0:
+            pods = self.bed.running_pods(name)
+            ip = pods[0]["status"].get("podIP") if pods else None
+            if ip:
+                self.servers[name] = ProgressServer(self.bed.progress_port, host=ip)
+                self._serve(name, lr, 20)
+                self.stage[name] = 1
+        elif stage == 1 and self._progress_step(name) == 20:
+            self._serve(name, lr, 40)
+            self.stage[name] = 2
+        elif stage == 2 and self._progress_step(name) == 40:
+            await self.bed.finish(name)
+            self.stage[name] = 3
+
+
+@pytest.mark.asyncio
+async def test_a_random_sweep_stops_a_trial_early_names_the_best_and_survives_a_restart(
+        control_plane_testbed):
+    bed: ControlPlaneTestbed = control_plane_testbed
+    template = bed.manifest("template", resources={"nodes": 1, "gpusPerNode": 1},
+                            dataset={"uri": "pvc://data/train.jsonl",
+                                     "evalFraction": 0.1})["spec"]
+    sweep = {"apiVersion": "finetune.dev/v1alpha1", "kind": "FineTuneSweep",
+             "metadata": {"name": "lr", "namespace": bed.namespace},
+             "spec": {"template": template, "sampling": "random", "seed": 11,
+                      "maxTrials": 6, "parallelTrials": 3,
+                      "searchSpace": {"hyperparameters.learningRate": {
+                          "type": "logUniform", "min": 1e-6, "max": 1e-2}},
+                      "earlyTermination": {"policy": "median", "delaySteps": 20}}}
+    await bed.apply(sweep)
+    trials, restarted = Trials(bed), False
+    started = asyncio.get_running_loop().time()
+    deadline = started + 300
+    try:
+        while True:
+            status = (bed.get(SWEEPS, "lr") or {}).get("status") or {}
+            if status.get("phase") in ("Succeeded", "Failed"):
+                break
+            assert asyncio.get_running_loop().time() < deadline, json.dumps(status)[-3000:]
+            for trial in status.get("trials", []):
+                if trial["phase"] not in ("Succeeded", "Failed", "Stopped"):
+                    await trials.play(trial)
+                else:
+                    trials.end(trial["name"])
+            if not restarted and status.get("trialCount", 0) >= 3:  # mid-sweep, trials running
+                await bed.kill_operator()
+                await bed.start_operator()
+                restarted = True
+            await asyncio.sleep(0.5)
+    finally:
+        for name in list(trials.servers):
+            trials.end(name)
+    print(f"sweep of 6 trials took {asyncio.get_running_loop().time() - started:.0f} s")
+    assert status["phase"] == "Succeeded", status.get("message")
+    names = [t["name"] for t in status["trials"]]
+    assert names == [f"lr-{n}" for n in range(6)] and status["trialCount"] == 6
+    # each trial's FineTuneJob was created once, across the restart; none beyond maxTrials
+    assert [bed.created("finetunejobs", n) for n in names] == [1] * 6
+    assert bed.create_attempts("finetunejobs", "lr-6") == 0
+    stopped = [t for t in status["trials"] if t["phase"] == "Stopped"]
+    assert stopped and all("median stopping at step" in t["message"] for t in stopped)
+    for trial in stopped:  # stopped trials' FineTuneJobs are deleted
+        await bed.until(lambda t=trial: bed.ftj(t["name"]) is None, f"{trial['name']} deleted")
+    done = [t for t in status["trials"] if t["phase"] == "Succeeded"]
+    best = min(done, key=lambda t: t["objective"])
+    assert status["best"]["name"] == best["name"]
+    assert status["best"]["output"] == f"{template['output']['uri']}/{best['name']}"
+    assert status["best"]["objective"] == pytest.approx(eval_loss(
+        best["params"]["hyperparameters.learningRate"], 40))
+    assert all(t["curve"][-1]["step"] == 40 for t in done)
+    shown = bed.installation.kubectl("get", "ftsweep", "lr", "-n", bed.namespace).stdout
+    assert "Succeeded" in shown and best["name"] in shown.split()
+    assert "SweepSucceeded" in bed.event_reasons()
+
+
+@pytest.mark.asyncio
+async def test_a_sweep_the_api_server_refuses_names_the_field(control_plane_testbed):
+    bed: ControlPlaneTestbed = control_plane_testbed
+    template = bed.manifest("template")["spec"]
+    template["resources"]["nodes"] = 0
+    sweep = {"apiVersion": "finetune.dev/v1alpha1", "kind": "FineTuneSweep",
+             "metadata": {"name": "bad", "namespace": bed.namespace},
+             "spec": {"template": template, "searchSpace": {"hyperparameters.learningRate": {
+                 "type": "choice", "values": [1e-4]}}, "objective": {"metric": "loss"}}}
+    result = bed.installation.kubectl("apply", "-f", "-", input=json.dumps(sweep), check=False)
+    assert result.returncode != 0
+    assert "spec.template.resources.nodes" in result.stderr

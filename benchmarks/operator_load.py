@@ -4,7 +4,10 @@ that only sets `status.phase` (benchmarks/floor_operator.py): the floor; and by 
 operator that only creates each job's three children, as ours renders them, and sets the
 phase (benchmarks/floor_children_operator.py): the launcher, what any operator that launches
 these jobs costs the cluster. All log in as the chart's ServiceAccount, one after the other,
-each with a fresh namespace.
+each on a control plane of its own, started afresh: a burst that follows another on the same
+cluster pays for its predecessor's leftovers (the garbage collector, KWOK and etcd still busy
+with thousands of deleted objects), which made the third operator measured the slowest
+whichever it was.
 
     .venv/bin/python benchmarks/operator_load.py [--jobs 100,1000] [--steady 30]
 
@@ -79,6 +82,10 @@ def audited(plane, user: str, since: float, until: float) -> list[dict]:
     return out
 
 
+TEARDOWN_SECONDS = 10.0
+"""How long our operator watches its jobs' namespace being deleted before it is stopped."""
+
+
 def by_kind(events: list[dict], jobs: int) -> dict[str, float]:
     """Requests per job by verb and resource (e.g. "patch finetunejobs/status"), most first."""
     counts: dict[str, int] = {}
@@ -138,10 +145,25 @@ def settle(plane, namespace: str, jobs: int, started: float) -> None:
     time.sleep(5)
 
 
-def run_one(plane, installed, name: str, command: Callable[[int], list[str]], env: dict,
-            jobs: int, steady: float, folder: Path) -> dict:
-    """One operator (`command`, given its health port) through one burst of `jobs`."""
+def run_one(name: str, command: Callable[[int], list[str]], jobs: int, steady: float,
+            folder: Path) -> dict:
+    """One operator (`command`, given its health port) through one burst of `jobs`, on a
+    control plane of its own."""
+    plane = controlplane.ControlPlane(folder / f"plane-{name}")
+    plane.start()
+    try:
+        installed = plane.install()
+        return _measure(plane, installed, name, command, jobs, steady, folder)
+    finally:
+        plane.stop()
+
+
+def _measure(plane, installed, name: str, command: Callable[[int], list[str]], jobs: int,
+             steady: float, folder: Path) -> dict:
     namespace = f"load-{name}"
+    env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG")}
+    env.update(installed.operator_env, KUBECONFIG=str(installed.operator_kubeconfig),
+               HF_HUB_OFFLINE="1")
     plane.kubectl_run("create", "namespace", namespace)
     health = free_port()
     log = folder / f"{name}.log"
@@ -201,9 +223,12 @@ def run_one(plane, installed, name: str, command: Callable[[int], list[str]], en
                 "steady_cpu_percent": round(100 * (cpu_after - cpu_quiet)
                                             / (quiet_until - quiet_from), 1)}
     finally:
-        # emptied while the operator still runs (a finalizer would need it) and waited for:
-        # the next operator watches every namespace and would spend its run on these
-        plane.kubectl_run("delete", "namespace", namespace, "--timeout=600s", check=False)
+        # ours sees its jobs' namespace go for a while (a reconcile must not relaunch anything
+        # into it: counted below); the floors' planes are simply stopped. Not waited for: a
+        # fresh control plane's namespace controller takes minutes to empty it
+        if not name.startswith(("floor", "launcher")):
+            plane.kubectl_run("delete", "namespace", namespace, "--wait=false", check=False)
+            time.sleep(TEARDOWN_SECONDS)
         process.send_signal(signal.SIGTERM)
         try:
             process.wait(timeout=30)
@@ -268,35 +293,26 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(n) for n in args.jobs.split(",") if n.strip()]
     controlplane.build()
     results = []
+    metrics = free_port()
+
+    def kopf_run(script: str) -> Callable[[int], list[str]]:
+        return lambda port: [
+            str(BIN / "python"), "-m", "kopf", "run", "--standalone", "--all-namespaces",
+            "--quiet", "--liveness", f"http://127.0.0.1:{port}/healthz",
+            str(REPO / "benchmarks" / script)]
+
     with tempfile.TemporaryDirectory(prefix="operator-load-") as tmp:
         folder = Path(tmp)
-        plane = controlplane.ControlPlane(folder / "plane")
-        plane.start()
-        try:
-            installed = plane.install()
-            env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG")}
-            env.update(installed.operator_env, KUBECONFIG=str(installed.operator_kubeconfig),
-                       HF_HUB_OFFLINE="1")
-            metrics = free_port()
-            def kopf_run(script: str) -> Callable[[int], list[str]]:
-                return lambda port: [
-                    str(BIN / "python"), "-m", "kopf", "run", "--standalone", "--all-namespaces",
-                    "--quiet", "--liveness", f"http://127.0.0.1:{port}/healthz",
-                    str(REPO / "benchmarks" / script)]
-
-            for jobs in sizes:
-                floor = run_one(plane, installed, f"floor-{jobs}", kopf_run("floor_operator.py"),
-                                env, jobs, args.steady, folder)
-                launcher = run_one(plane, installed, f"launcher-{jobs}",
-                                   kopf_run("floor_children_operator.py"), env, jobs,
-                                   args.steady, folder)
-                ours = run_one(plane, installed, f"ours-{jobs}", lambda port: [
-                    str(BIN / "finetune"), "operator", "--log-level", "warning",
-                    "--metrics-port", str(metrics), "--health-port", str(port)], env,
-                    jobs, args.steady, folder)
-                results.append(report(jobs, floor, launcher, ours))
-        finally:
-            plane.stop()
+        for jobs in sizes:
+            floor = run_one(f"floor-{jobs}", kopf_run("floor_operator.py"), jobs,
+                            args.steady, folder)
+            launcher = run_one(f"launcher-{jobs}", kopf_run("floor_children_operator.py"),
+                               jobs, args.steady, folder)
+            ours = run_one(f"ours-{jobs}", lambda port: [
+                str(BIN / "finetune"), "operator", "--log-level", "warning",
+                "--metrics-port", str(metrics), "--health-port", str(port)],
+                jobs, args.steady, folder)
+            results.append(report(jobs, floor, launcher, ours))
     args.out.write_text(json.dumps({"runs": results}, indent=2) + "\n")
     print(f"wrote {os.path.relpath(args.out)}")
     return 0

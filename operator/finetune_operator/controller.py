@@ -46,7 +46,7 @@ from finetune_operator.api import (
 )
 from finetune_operator.backends import Backend, BackendContext, BackendError, load_backends
 from finetune_operator.backends.children import MANAGED, RESOURCES, owner_key
-from finetune_operator.kube import Kube, KubeError, merge_patch, timestamp
+from finetune_operator.kube import Kube, KubeError, merge_patch, newer, slim, timestamp
 from finetune_operator.metrics import RESTART_CAUSES, OperatorMetrics
 from finetune_operator.planner import ModelConfigs, plan_job
 from finetune_operator.reconcile import (
@@ -218,7 +218,7 @@ class Controller:
         self.runtime = runtime
         self.queue = WorkQueue()
         self.jobs: dict[Key, dict[str, Any]] = {}
-        """Every FineTuneJob watched, slimmed (`slim_job`): what a reconcile starts from."""
+        """Every FineTuneJob watched, slimmed (`kube.slim`): what a reconcile starts from."""
         self.failures: dict[Key, int] = {}
         """Reconciles of a job that failed in a row: how long its retry waits."""
         self.acting = asyncio.Event()
@@ -241,8 +241,8 @@ class Controller:
         if event_type == "DELETED":
             self.gone(key)
             return
-        current, before = slim_job(body), self.jobs.get(key)
-        if before is not None and _newer(before, current):
+        current, before = slim(body), self.jobs.get(key)
+        if before is not None and newer(before, current):
             return  # our own status patch has already shown us this and more
         self.jobs[key] = current
         meta = current["metadata"]
@@ -358,9 +358,9 @@ class Controller:
             self.queue.hold(key, wait)
             return
         self.failures.pop(key, None)
-        if patched is not None and key in self.jobs and _newer(slim_job(patched),
+        if patched is not None and key in self.jobs and newer(slim(patched),
                                                                self.jobs[key]):
-            self.jobs[key] = slim_job(patched)
+            self.jobs[key] = slim(patched)
         for event in look_.events:
             await self._post(patched or body, event)
         if look_.wake_after is not None:
@@ -422,35 +422,9 @@ class Controller:
                                       delay=error.retry_after) from error
 
 
-def slim_job(body: Any) -> dict[str, Any]:
-    """What a reconcile reads of a FineTuneJob: its spec and status, and the metadata that
-    names it. managedFields and kubectl's last-applied copy stay out of the cache: they
-    make up most of a job's size."""
-    meta = body.get("metadata") or {}
-    kept = {k: meta[k] for k in ("name", "namespace", "uid", "generation", "resourceVersion",
-                                 "creationTimestamp", "deletionTimestamp", "labels",
-                                 "ownerReferences")
-            if meta.get(k) is not None}
-    annotations = {k: v for k, v in (meta.get("annotations") or {}).items()
-                   if k != "kubectl.kubernetes.io/last-applied-configuration"}
-    if annotations:
-        kept["annotations"] = annotations
-    return {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"), "metadata": kept,
-            "spec": body.get("spec"), "status": body.get("status")}
-
-
 def _key(body: Any) -> Key:
     meta = body.get("metadata") or {}
     return meta.get("namespace", ""), meta.get("name", "")
-
-
-def _newer(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """`a` is a later version of the job than `b` (resourceVersions are etcd revisions,
-    compared as numbers where both are)."""
-    try:
-        return int(a["metadata"]["resourceVersion"]) > int(b["metadata"]["resourceVersion"])
-    except (KeyError, TypeError, ValueError):
-        return False
 
 
 # --- registration --------------------------------------------------------------------------

@@ -132,6 +132,32 @@ def merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     return patch
 
 
+def slim(body: Any) -> dict[str, Any]:
+    """What a reconcile reads of a FineTuneJob or FineTuneSweep: its spec and status, and the
+    metadata that names it. managedFields and kubectl's last-applied copy stay out of the
+    watch caches: they make up most of an object's size."""
+    meta = body.get("metadata") or {}
+    kept = {k: meta[k] for k in ("name", "namespace", "uid", "generation", "resourceVersion",
+                                 "creationTimestamp", "deletionTimestamp", "labels",
+                                 "ownerReferences")
+            if meta.get(k) is not None}
+    annotations = {k: v for k, v in (meta.get("annotations") or {}).items()
+                   if k != "kubectl.kubernetes.io/last-applied-configuration"}
+    if annotations:
+        kept["annotations"] = annotations
+    return {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"), "metadata": kept,
+            "spec": body.get("spec"), "status": body.get("status")}
+
+
+def newer(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """`a` is a later version of the object than `b` (resourceVersions are etcd revisions,
+    compared as numbers where both are)."""
+    try:
+        return int(a["metadata"]["resourceVersion"]) > int(b["metadata"]["resourceVersion"])
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
 def timestamp(text: str | None) -> datetime | None:
     """An API server timestamp (RFC 3339 with `Z`, which Python 3.10's fromisoformat does not
     read) as an aware datetime."""

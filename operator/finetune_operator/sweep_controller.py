@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from finetune_operator.api import KIND, SWEEP_KIND, FineTuneSweep, TrialStatus
-from finetune_operator.kube import Kube, KubeError, merge_patch
+from finetune_operator.kube import Kube, KubeError, merge_patch, newer, slim
 from finetune_operator.reconcile import Event
 from finetune_operator.sweep import (
     ENDED,
@@ -65,8 +65,8 @@ class Sweeps:
             self.admitted.pop(key, None)
             self.queue.forget(sweep_key(*key))
             return
-        current, before = _slim(body), self.sweeps.get(key)
-        if before is not None and _version(before) > _version(current):
+        current, before = slim(body), self.sweeps.get(key)
+        if before is not None and newer(before, current):
             return  # our own status patch showed us this and more
         self.sweeps[key] = current
         if before is None or before["metadata"].get("generation") != meta.get("generation"):
@@ -188,9 +188,9 @@ class Sweeps:
         patched = await self.kube.patch_status(SWEEP_KIND, meta["namespace"], meta["name"],
                                                merge_patch(dict(body.get("status") or {}), new))
         key = (meta["namespace"], meta["name"])
-        if patched is not None and key in self.sweeps and (
-                _version(_slim(patched)) > _version(self.sweeps[key])):
-            self.sweeps[key] = _slim(patched)
+        if patched is not None and key in self.sweeps and newer(slim(patched),
+                                                                self.sweeps[key]):
+            self.sweeps[key] = slim(patched)
         return patched
 
     async def _post(self, body: dict[str, Any], event: Event) -> None:
@@ -203,19 +203,3 @@ class Sweeps:
 
 def _refused(trial: TrialStatus, why: str) -> None:
     trial.phase, trial.message = "Failed", f"the API server refused its FineTuneJob: {why}"
-
-
-def _slim(body: Mapping[str, Any]) -> dict[str, Any]:
-    meta = body.get("metadata") or {}
-    kept = {k: meta[k] for k in ("name", "namespace", "uid", "generation", "resourceVersion",
-                                 "creationTimestamp", "deletionTimestamp", "labels")
-            if meta.get(k) is not None}
-    return {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"), "metadata": kept,
-            "spec": body.get("spec"), "status": body.get("status")}
-
-
-def _version(body: Mapping[str, Any]) -> int:
-    try:
-        return int(body["metadata"]["resourceVersion"])
-    except (KeyError, TypeError, ValueError):
-        return 0

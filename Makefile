@@ -7,7 +7,8 @@ TORCH_VERSION ?= 2.13.0
 PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 
 .PHONY: venv tools test lint crds demo clean kind-e2e bench bench-gpu bench-metrics \
-	cluster-bin cluster cluster-install cluster-down bench-operator
+	cluster-bin cluster cluster-install cluster-down bench-operator bench-checkpoint \
+	bench-loading
 
 venv: $(VENV)/.installed
 
@@ -88,6 +89,16 @@ $(VENV)/.bench: $(VENV)/.installed
 # The trainer's instrumentation on vs off, side by side (prints the ratio; CPU, minutes).
 bench-metrics: venv
 	$(BIN)/python benchmarks/metrics_overhead.py
+
+# How long a checkpoint holds the loop, written in the background vs synchronously, side
+# by side (ddp and fsdp on 2 CPU processes, ~4 minutes; prints the ratios).
+bench-checkpoint: venv
+	$(BIN)/python benchmarks/checkpoint_stall.py
+
+# Host memory while 2 CPU ranks load a 123M model, summed over the ranks (FSDP, ZeRO-3,
+# DDP for reference), beside one copy of the weights (~3 minutes).
+bench-loading: venv
+	$(BIN)/python benchmarks/loading_memory.py
 
 crds: venv
 	$(BIN)/python -m finetune_operator.crd --write

@@ -4,13 +4,13 @@ Run under torchrun, one process per rank:
     python -m torch.distributed.run --standalone --nproc-per-node=2 \
         -m tests.support.loading_probe MODEL_DIR OUT.json --strategy fsdp --method lora
 
-Loads and sets up the strategy as `train.run` does (FSDP: every rank builds the model
-empty and rank 0 reads the weights one at a time; ZeRO-3: transformers' partitioned
-loading), gathers every weight on rank 0 (`Strategy.full_state_dict`), and compares it
-with what `load_model` reads in one process with the same seed: the same names, dtypes and
-values, LoRA's adapters included; and the random generator of every rank where that read
-left it. `--copied` makes rank 0 send from a from_pretrained copy, the path taken for
-checkpoints transformers converts as it reads them.
+Loads and sets up the strategy as `train.run` does (FSDP and ZeRO-3: every rank builds the
+model empty and rank 0 reads the weights one at a time, each rank keeping its shard or
+partition), gathers every weight on rank 0 (`Strategy.full_state_dict`), and compares it
+with what `load_model` reads in one process with the same seed: the same names, dtypes and values,
+LoRA's adapters included; and the random generator of every rank where that read left it.
+`--copied` makes rank 0 send from a from_pretrained copy, the path taken for checkpoints
+transformers converts as it reads them.
 """
 
 from __future__ import annotations
@@ -49,6 +49,9 @@ def main() -> None:
 
     if args.copied:
         loading._streamable = lambda *_: False
+    opened = []  # what rank 0 sent from
+    open_weights = loading.open_weights
+    loading.open_weights = lambda *a, **k: opened.append(open_weights(*a, **k)) or opened[-1]
     source = ModelSource(uri=str(args.model_dir))
     method = MethodConfig(type=args.method, lora=None if args.method == "full" else LoraConfig(
         r=4, dropout=0.1))
@@ -72,7 +75,7 @@ def main() -> None:
         plain = load_model(source, method, args.precision, True).state_dict()
         expected = torch.get_rng_state()
         args.out.write_text(json.dumps({
-            "built": built, "sent_from": type(weights).__name__,
+            "built": built, "sent_from": type(opened[0]).__name__ if opened else None,
             "missing": sorted(set(plain) - set(gathered)),
             "unexpected": sorted(set(gathered) - set(plain)),
             "different": sorted(k for k in set(plain) & set(gathered)

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from finetune_trainer.checkpoint import complete_checkpoints
+from tests.support.bench_scripts import bench_script
 from tests.trainer.test_faults import assert_same_weights
 from tests.trainer.test_training import finetune_run, losses, manifest
 
@@ -291,3 +292,16 @@ def test_deepspeed_writes_synchronously_and_completes_each_checkpoint_at_once(
     assert log.index("/step-00000002: written in") < log.index("step 3/4 |"), log
     assert [p.name for p in complete_checkpoints(tmp_path / "out")] == [
         "step-00000002", "step-00000004"]
+
+
+@pytest.mark.slow
+def test_the_stall_benchmark_reads_every_checkpoint_of_both_sides(tiny_model_dir, tmp_path):
+    """benchmarks/checkpoint_stall.py run small: it finds the trainer's line for every
+    checkpoint, written in the background and synchronously (a reworded line fails here,
+    not on the day the benchmark runs). Its figures are the benchmark's to print."""
+    found = bench_script("checkpoint_stall").compare(tiny_model_dir, tmp_path, "ddp", steps=4,
+                                                     every=2, repeats=1)
+    assert {side: [len(run["stalls"]) for run in runs]
+            for side, runs in found["runs"].items()} == {"background": [2], "sync": [2]}
+    assert all(stall > 0 for runs in found["runs"].values() for run in runs
+               for stall in run["stalls"])

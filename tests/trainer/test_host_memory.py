@@ -19,7 +19,6 @@ moves) cannot show here: `host_peaks(tmp_path, gpu=True)` is the same comparison
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO
+from tests.support.bench_scripts import bench_script
 
 pytestmark = pytest.mark.slow
 
@@ -34,17 +34,9 @@ RATIO = 1.1
 MIB = 2**20
 
 
-def _throughput():
-    spec = importlib.util.spec_from_file_location("throughput", REPO / "benchmarks/throughput.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 def host_peaks(where: Path, gpu: bool = False) -> dict[str, int]:
     """Peak resident set in bytes of ours, transformers.Trainer and the floor, one job."""
-    bench_module = _throughput()
+    bench_module = bench_script("throughput")
     shape = bench_module.Shape(hidden=1024, layers=8, heads=16, kv_heads=4, intermediate=4096,
                                vocab=32000, bf16=True)
     bench = bench_module.Bench(

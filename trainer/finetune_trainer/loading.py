@@ -22,11 +22,18 @@ broadcasts each weight whole to every rank and keeps rank 0's whole state dict u
 returns, rank 0's copy and every shard at once.
 The new parameters are assigned to their modules, which FSDP2 supports as it does
 `load_state_dict(assign=True)`: its lazy initialisation adopts (and pads) them.
+
+ZeRO-3 builds the model empty too; rank 0 reads one weight at a time, largest first, every
+rank receives it whole and partitions it at once (`partition_from_rank0`): the node holds
+the partitions so far and one weight per rank, never a whole model. (transformers' own
+ZeRO-3 loading maps every file of the checkpoint on rank 0 for the whole load, and every
+rank gathers each module whole to draw initial values first: 2x one copy on CPU.)
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +56,12 @@ def load_for(strategy, source: ModelSource, method: MethodConfig, precision: Pre
     how = strategy.loading(method.type)
     model = load_model(source, method, precision, gradient_checkpointing, base_dir,
                        loading=how, checkpoint_policy=checkpoint_policy, device=device)
-    if how != "meta" or dist.get_rank() != 0:
+    weights = (open_weights(source, model, method, precision, base_dir)
+               if how in ("meta", "zero3") and dist.get_rank() == 0 else None)
+    if how == "zero3":  # the partitions are the model: in place once it is loaded
+        partition_from_rank0(model, weights, strategy.partition, device)
         return model, None
-    return model, open_weights(source, model, method, precision, base_dir)
+    return model, weights
 
 
 class CheckpointWeights:
@@ -81,9 +91,9 @@ class CopiedWeights:
 
 def open_weights(source: ModelSource, model, method: MethodConfig, precision: Precision,
                  base_dir: Path | None = None) -> CheckpointWeights | CopiedWeights:
-    """Rank 0: the weights of `model` (built empty by load_model's "meta"), to be sent
-    after sharding: every parameter on the meta device and every buffer the checkpoint
-    holds, under `model`'s names."""
+    """Rank 0: the weights of `model` (built empty by load_model's "meta" or "zero3"), to
+    be sent: every parameter on the meta device and every buffer the checkpoint holds,
+    under `model`'s names."""
     from finetune_trainer.model import model_location
 
     location = model_location(source, base_dir)
@@ -195,18 +205,33 @@ def agree_on_layout(model, weights: CheckpointWeights | CopiedWeights | None) ->
     """Collective, before sharding: rank 0's layout, which every rank's empty model takes
     on (the dtypes of a from_pretrained copy; FSDP2 groups parameters by dtype). Raises
     where a rank built the model differently."""
+    layout = _agreed(weights)
+    _take_on(model, layout)
+    return layout
+
+
+def _agreed(weights: CheckpointWeights | CopiedWeights | None) -> Layout:
+    """Collective: rank 0's layout, on every rank."""
     import torch.distributed as dist
 
     shared = [weights.layout if weights is not None else None]
     dist.broadcast_object_list(shared, src=0)
-    layout = shared[0]
-    _take_on(model, layout)
-    return layout
+    return shared[0]
 
 
 def _take_on(model, layout: Layout) -> None:
     import torch
 
+    mine = _built_alike(model, layout)
+    for name, shape, dtype in layout:
+        tensor = mine[name]
+        if tensor.dtype != dtype:
+            tensor.data = (torch.empty(shape, dtype=dtype, device="meta") if tensor.is_meta
+                           else tensor.data.to(dtype))
+
+
+def _built_alike(model, layout: Layout) -> dict[str, Any]:
+    """This rank's tensors by name, having checked it built every one rank 0 sends."""
     mine = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     differ = [name for name, shape, _ in layout
               if name not in mine or tuple(mine[name].shape) != shape]
@@ -215,11 +240,53 @@ def _take_on(model, layout: Layout) -> None:
             f"this rank built the model from its config differently from rank 0 "
             f"({', '.join(differ[:5])}{'...' if len(differ) > 5 else ''}): custom model "
             "code (trust_remote_code) that builds other weights than it saves?")
-    for name, shape, dtype in layout:
-        tensor = mine[name]
-        if tensor.dtype != dtype:
-            tensor.data = (torch.empty(shape, dtype=dtype, device="meta") if tensor.is_meta
-                           else tensor.data.to(dtype))
+    return mine
+
+
+def partition_from_rank0(model, weights: CheckpointWeights | CopiedWeights | None,
+                         partition: Callable[[Any], None], device) -> None:
+    """Collective, ZeRO-3: rank 0's weights (None on the other ranks) into the empty
+    model, module by module, the largest first (while little else is held): each of a
+    module's weights is broadcast whole, then `partition(module)` keeps this rank's part
+    and frees the rest. Buffers the checkpoint holds are broadcast whole (ZeRO-3 does not
+    partition them)."""
+    import torch
+
+    layout = _agreed(weights)
+    _built_alike(model, layout)
+    sent = {name: (shape, dtype) for name, shape, dtype in layout}
+    names = {id(p): name for name, p in model.named_parameters()}
+    owners = _parameter_owners(model)
+    unsent = [name for name, p in model.named_parameters() if p.is_meta and name not in sent]
+    if unsent:
+        raise RuntimeError(f"rank 0 has no weights for {', '.join(unsent[:5])}")
+    for name, (shape, dtype) in sent.items():
+        if name not in owners:
+            _assign_buffer(model, name, _broadcast(_taken(weights, name, device, dtype), shape,
+                                                   dtype, device))
+    for module in sorted((m for m in model.modules() if _empty_here(m)), key=_empty_bytes,
+                         reverse=True):
+        for parameter in [p for p in module.parameters() if p.is_meta]:
+            name = names[id(parameter)]
+            shape, dtype = sent[name]
+            value = _broadcast(_taken(weights, name, device, dtype), shape, dtype, device)
+            _assign(owners[name], torch.nn.Parameter(value,
+                                                     requires_grad=parameter.requires_grad))
+        partition(module)
+
+
+def _empty_here(module) -> bool:
+    return any(p is not None and p.is_meta for p in module._parameters.values())
+
+
+def _empty_bytes(module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.is_meta)
+
+
+def _taken(weights: CheckpointWeights | CopiedWeights | None, name: str, device, dtype):
+    """Rank 0: the weight read, cast as from_pretrained casts (the read then goes);
+    None elsewhere."""
+    return None if weights is None else weights.take(name).to(device=device, dtype=dtype)
 
 
 def receive_weights(model, layout: Layout, weights: CheckpointWeights | CopiedWeights | None,

@@ -32,8 +32,8 @@ that a node holds one copy of the model in host memory at most, not one per rank
 - `meta`: nothing read, the model built on the meta device with its LoRA adapters (FSDP:
   once sharded, rank 0 reads the weights one at a time and every rank keeps its slice,
   loading.py);
-- `zero3`: built partitioned under deepspeed.zero.Init with rank 0 alone reading the
-  values (transformers' ZeRO-3 loading; the strategy holds the HfDeepSpeedConfig)."""
+- `zero3`: built empty as for `meta`; then each weight, largest first, read by rank 0,
+  sent to every rank and partitioned at once (ZeRO-3: loading.partition_from_rank0)."""
 
 
 class ModelError(ValueError):
@@ -115,8 +115,8 @@ def load_model(source: ModelSource, method: MethodConfig, precision: Precision,
     weight is a master weight).
     `loading` (see `Loading`): `device` reads a replica straight onto `device`, never whole
     in host memory (a bf16 checkpoint read as fp32 on the host took 2x its size there);
-    `meta` reads nothing and builds the same model (same dtypes, same adapters) without
-    storage.
+    `meta` and `zero3` read nothing and build the same model (same dtypes, same adapters)
+    without storage.
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -126,10 +126,9 @@ def load_model(source: ModelSource, method: MethodConfig, precision: Precision,
     kwargs = _load_kwargs(source, method, compute)
     if loading == "device" and device is not None and device.type == "cuda":
         kwargs["device_map"] = {"": device}
-    if loading == "zero3":
-        _check_zero3_enabled()
+    empty = loading in ("meta", "zero3")
     try:
-        if loading == "meta":
+        if empty:
             model = _empty_model(location, source, kwargs["dtype"])
         else:
             model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
@@ -144,7 +143,7 @@ def load_model(source: ModelSource, method: MethodConfig, precision: Precision,
     if method.type == "qlora":
         _prepare_four_bit(model, compute)
     if method.type in ("lora", "qlora"):
-        adapt = _apply_lora_to_empty if loading == "meta" else apply_lora
+        adapt = _apply_lora_to_empty if empty else apply_lora
         model = adapt(model, method.lora or LoraConfig())
     return model
 
@@ -177,17 +176,6 @@ def _load_kwargs(source: ModelSource, method: MethodConfig, compute) -> dict[str
     else:
         kwargs["dtype"] = compute if method.type == "lora" else torch.float32
     return kwargs
-
-
-def _check_zero3_enabled() -> None:
-    """transformers builds the model partitioned and reads it on rank 0 alone only while a
-    HfDeepSpeedConfig of stage 3 is alive (a global weak reference): without it, every
-    rank would read the whole model, silently."""
-    from transformers.integrations import is_deepspeed_zero3_enabled
-
-    if not is_deepspeed_zero3_enabled():
-        raise RuntimeError("zero3 loading needs the strategy's HfDeepSpeedConfig alive "
-                           "(DeepSpeedStrategy.loading makes it)")
 
 
 def _empty_model(location: str, source: ModelSource, dtype):

@@ -339,24 +339,22 @@ class DeepSpeedStrategy(Strategy):
     def __init__(self, config, hp, device) -> None:
         super().__init__(config, hp, device)
         self.name = config.type
-        self.hf_deepspeed_config: Any = None
-        """transformers' view of the ZeRO-3 config, alive from `loading` to `setup`."""
 
     def ds_config(self) -> dict[str, Any]:
         return deepspeed_config(self.config, self.hp)
 
     def loading(self, method: MethodType) -> Loading:
-        """ZeRO-3 builds the model partitioned (deepspeed.zero.Init) and rank 0 alone reads
-        the checkpoint into it, module by module: transformers does both while a stage-3
-        HfDeepSpeedConfig is alive (a global weak reference), which this strategy holds
-        until `setup`. ZeRO-1/2 hold a replica per GPU."""
+        """ZeRO-3 builds the model empty and partitions each weight as rank 0 reads and
+        sends it (`partition`), so no rank holds more than its partitions and one weight.
+        ZeRO-1/2 hold a replica per GPU."""
         if self.config.type != "zero3" or method == "qlora":
             return super().loading(method)
-        from transformers.integrations import HfDeepSpeedConfig
-
         self._init_deepspeed()
-        self.hf_deepspeed_config = HfDeepSpeedConfig(self.ds_config())
         return "zero3"
+
+    def partition(self, module) -> None:
+        """ZeRO-3: partition `module`'s own weights, just received whole (`loading`)."""
+        zero3_partition(module, self.ds_config(), self.compute_dtype, self.device)
 
     def _init_deepspeed(self) -> None:
         import deepspeed
@@ -366,9 +364,6 @@ class DeepSpeedStrategy(Strategy):
     def setup(self, model, make_optimizer, weights=None) -> None:
         import deepspeed
 
-        # read: let go of transformers' ZeRO-3 switch, or a later from_pretrained (the
-        # merged export, on rank 0 alone) would wait for the other ranks to partition it
-        self.hf_deepspeed_config = None
         self._init_deepspeed()
         config = self.ds_config()
         # before partitioning the rest (adapters; the whole model when not built partitioned)
@@ -418,8 +413,9 @@ class DeepSpeedStrategy(Strategy):
 
 
 def zero3_partition(model, config: dict[str, Any], dtype, device) -> None:
-    """ZeRO-3: each parameter not yet partitioned (LoRA's adapters, added after the model
-    was built partitioned; every one when it was read whole) cast to the compute dtype and
+    """ZeRO-3: each parameter not yet partitioned (a module's weights as they arrive while
+    loading; LoRA's adapters, left for `setup`; every one of a model read whole) cast to
+    the compute dtype and
     partitioned on its way to the device, which `deepspeed.initialize` does only after
     moving the whole module there (more than one GPU holds for a 70B base); the engine
     then finds it partitioned."""

@@ -13,7 +13,7 @@ counted in the second figure). The run's wall time is printed beside it: on 2 co
 background write competes with training for the CPU, so the end-to-end gain is smaller
 than the stall's.
 
-    .venv/bin/python benchmarks/checkpoint_stall.py                 # ddp and fsdp
+    .venv/bin/python benchmarks/checkpoint_stall.py                 # ddp, fsdp, zero3
     .venv/bin/python benchmarks/checkpoint_stall.py --strategies fsdp --repeats 1
 
 Writes benchmarks/checkpoint_stall.json (per strategy, the sync/background ratio of the
@@ -132,7 +132,7 @@ def build_model(where: Path) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--strategies", default="ddp,fsdp")
+    parser.add_argument("--strategies", default="ddp,fsdp,zero3")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--every", type=int, default=3, help="checkpointEverySteps")
     parser.add_argument("--repeats", type=int, default=2)

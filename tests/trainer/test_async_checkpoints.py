@@ -1,8 +1,9 @@
-"""Checkpoints written in the background (#17): training goes on while DCP writes the
-previous checkpoint, and every guarantee of the synchronous saves still holds: a checkpoint
-is complete or absent, at most one is in flight, `keepLast` prunes only after the newer one
-is complete, a failed write is a CheckpointError, SIGTERM leaves a complete newest
-checkpoint and exits 143, and a resume repeats the uninterrupted run exactly.
+"""Checkpoints written in the background (#17): training goes on while the previous
+checkpoint is written (DCP under ddp and fsdp, our checkpoint engine under DeepSpeed), and
+every guarantee of the synchronous saves still holds: a checkpoint is complete or absent,
+at most one is in flight, `keepLast` prunes only after the newer one is complete, a failed
+write is a CheckpointError, SIGTERM leaves a complete newest checkpoint and exits 143, and
+a resume repeats the uninterrupted run exactly.
 
 The `Checkpointer` itself on 2 gloo ranks (torchrun, a toy model), then real `finetune run`s
 on the tiny model checkpointing every step or two.
@@ -249,15 +250,20 @@ def test_sigterm_with_a_write_in_flight_leaves_a_complete_checkpoint_and_resumes
 
 
 @pytest.mark.slow
-def test_fsdp_resumes_exactly_from_a_checkpoint_written_in_the_background(
-        tiny_model_dir, tmp_path):
-    """FSDP2's sharded (DTensor) state staged and written behind training: a resume from the
-    middle checkpoint repeats the last steps."""
+@pytest.mark.parametrize("strategy", ["fsdp", "zero2", "zero3"])
+def test_a_sharded_run_resumes_exactly_from_a_checkpoint_written_in_the_background(
+        tiny_model_dir, tmp_path, strategy):
+    """FSDP2's sharded (DTensor) state staged by DCP, DeepSpeed's partitioned optimizer
+    state by our checkpoint engine, written behind training: a resume from the middle
+    checkpoint repeats the last steps."""
+    def job(output: Path) -> dict:
+        made = manifest(tiny_model_dir, output, strategy=strategy, method="full", steps=6,
+                        checkpoint_every=2)
+        made["spec"]["output"].update(keepLast=3, asyncCheckpoints="on")
+        return made
+
     first = tmp_path / "first"
-    job = manifest(tiny_model_dir, first / "out", strategy="fsdp", method="full", steps=6,
-                   checkpoint_every=2)
-    job["spec"]["output"]["keepLast"] = 3
-    result = finetune_run(job, first)
+    result = finetune_run(job(first / "out"), first)
     assert result.returncode == 0, result.stdout + result.stderr
     assert [int(step) for _, step, _, _ in BACKGROUND.findall(result.stdout)] == [2, 4, 6]
     assert [p.name for p in complete_checkpoints(first / "out")] == [
@@ -267,10 +273,7 @@ def test_fsdp_resumes_exactly_from_a_checkpoint_written_in_the_background(
     again = tmp_path / "again"
     shutil.copytree(first / "out" / "checkpoints", again / "out" / "checkpoints")
     shutil.rmtree(again / "out" / "checkpoints" / "step-00000006")
-    job = manifest(tiny_model_dir, again / "out", strategy="fsdp", method="full", steps=6,
-                   checkpoint_every=2)
-    job["spec"]["output"]["keepLast"] = 3
-    resumed = finetune_run(job, again)
+    resumed = finetune_run(job(again / "out"), again)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "step-00000004 (step 4/6)" in resumed.stdout
     assert losses(again / "out") == pytest.approx(losses(first / "out")[4:], rel=1e-6)
@@ -278,12 +281,13 @@ def test_fsdp_resumes_exactly_from_a_checkpoint_written_in_the_background(
 
 
 @pytest.mark.slow
-def test_deepspeed_writes_synchronously_and_completes_each_checkpoint_at_once(
+def test_with_async_checkpoints_off_the_loop_waits_and_each_checkpoint_completes_at_once(
         tiny_model_dir, tmp_path):
-    """ZeRO saves through the engine's own `save_checkpoint`: the loop waits for it, as
-    before, and the checkpoint is complete before the next step (not at the next save)."""
+    """`output.asyncCheckpoints: off` (here under ZeRO-2): the loop waits for each write,
+    and the checkpoint is complete before the next step (not at the next save)."""
     job = manifest(tiny_model_dir, tmp_path / "out", strategy="zero2", steps=4,
                    checkpoint_every=2)
+    job["spec"]["output"]["asyncCheckpoints"] = "off"
     result = finetune_run(job, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert not BACKGROUND.findall(result.stdout)

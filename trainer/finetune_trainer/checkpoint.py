@@ -11,10 +11,9 @@ a write that fails (a full volume) leaves every earlier checkpoint as it was; th
 is a `CheckpointError` naming the folder, the free space and the checkpoint a rerun
 resumes from. Leftover `.partial` folders are removed when the next checkpoint starts.
 
-Periodic checkpoints are written in the background under ddp and fsdp (`Checkpointer`,
-#17) where the host has room for a copy of the state: the loop waits only while the state
-is copied to host memory, and the rename that makes a checkpoint complete waits for every
-rank's write. DeepSpeed writes synchronously.
+Periodic checkpoints are written in the background (`Checkpointer`, #17) where the host
+has room for a copy of the state: the loop waits only while the state is copied to host
+memory, and the rename that makes a checkpoint complete waits for every rank's write.
 """
 
 from __future__ import annotations
@@ -91,16 +90,15 @@ class Checkpointer:
     the same calls in the same order.
 
     #17: synchronous saves stalled training for the whole write and could miss the
-    eviction window. Under ddp and fsdp (DCP) a periodic save now holds the loop only to
-    stage the model and optimizer state in host memory (where the host has room for that
-    copy: `staging_refused`); a thread writes them while the next steps train. The
+    eviction window. A periodic save now holds the loop only to stage the model and
+    optimizer state in host memory (DCP's async_save under ddp and fsdp, a checkpoint
+    engine of ours under DeepSpeed: deepspeed_saves.py) where the host has room for that
+    copy (`staging_refused`); a thread writes them while the next steps train. The
     checkpoint is made complete (renamed, `trainer_state.json` written) only in `finish`,
     after every rank's write ended: at the next save, at the end of training and before a
     SIGTERM exit. So a checkpoint is still complete or absent, at most one is in flight,
     `keepLast` prunes only after the newer one is complete, and a failed write is a
-    `CheckpointError` (raised when its write is waited for). DeepSpeed saves through its
-    engine's own synchronous `save_checkpoint`: under ZeRO the loop still waits for the
-    whole write.
+    `CheckpointError` (raised when its write is waited for).
     """
 
     def __init__(self, strategy, scheduler, output_dir: Path, keep_last: int,
@@ -130,8 +128,8 @@ class Checkpointer:
     def save(self, state: TrainerState, *, background: bool = True) -> Path:
         """Start the checkpoint of `state.step` steps, after completing the one in flight.
         `background=False` (SIGTERM: the pod is about to go) completes it before returning,
-        as does a strategy that wrote synchronously anyway (DeepSpeed): a checkpoint that
-        is written is made complete at once. Returns its folder, which exists once it is
+        as does `output.asyncCheckpoints` off: a checkpoint that is written is made
+        complete at once. Returns its folder, which exists once it is
         complete."""
         import torch
         import torch.distributed as dist
@@ -161,7 +159,7 @@ class Checkpointer:
             pending.write.add_done_callback(
                 lambda _: setattr(pending, "written_at", time.perf_counter()))
         self._pending = pending
-        if pending.write is None:  # written already (SIGTERM's, or DeepSpeed's): complete it
+        if pending.write is None:  # written already (SIGTERM's, or a synchronous one)
             self.finish()
         return pending.final
 
@@ -198,9 +196,8 @@ class Checkpointer:
 
         if self._behind is not None:
             return self._behind
-        capable = getattr(self.strategy, "background_saves", False)  # not DeepSpeed
-        if not capable or self.mode != "auto":
-            self._behind = capable and self.mode == "on"
+        if self.mode != "auto":
+            self._behind = self.mode == "on"
             return self._behind
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         why_not = staging_refused(self.strategy.checkpoint_bytes(),

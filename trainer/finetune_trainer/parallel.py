@@ -64,8 +64,6 @@ class Strategy:
     """The interface the loop uses. `model` is what forward is called on."""
 
     name = ""
-    background_saves = True
-    """`save_async` writes behind training (DCP); False where it only waits for `save`."""
     fused_optimizer = True
     """torch's fused AdamW where every trainable weight is on a GPU (optim.build_optimizer)."""
 
@@ -331,7 +329,6 @@ class DeepSpeedStrategy(Strategy):
     the adapters are cast) and keeps fp32 master copies of the trainable weights alone,
     partitioned with their gradients and Adam moments."""
 
-    background_saves = False  # the engine's own save_checkpoint: see save_async
     fused_optimizer = False
     """The engine steps its own flat fp32 partitions (on the host under offload) with the
     torch optimizer it is given: the foreach AdamW, as it always was."""
@@ -339,6 +336,8 @@ class DeepSpeedStrategy(Strategy):
     def __init__(self, config, hp, device) -> None:
         super().__init__(config, hp, device)
         self.name = config.type
+        self.background_engine: Any = None
+        """The checkpoint engine `save_async` lends the DeepSpeed engine, once made."""
 
     def ds_config(self) -> dict[str, Any]:
         return deepspeed_config(self.config, self.hp)
@@ -393,11 +392,30 @@ class DeepSpeedStrategy(Strategy):
         self.model.save_checkpoint(str(path), tag="deepspeed", save_latest=False,
                                    exclude_frozen_parameters=True)
 
-    def save_async(self, path: Path) -> None:
-        """Synchronous: DeepSpeed writes through its engine's own `save_checkpoint`, which
-        has no background mode here (its partitioned optimizer state is not DCP's to
-        stage), so under ZeRO the loop waits for the whole write as it always did."""
-        self.save(path)
+    def save_async(self, path: Path) -> Future:
+        """What `save` writes, through the engine's own `save_checkpoint` with a checkpoint
+        engine of ours lent for the call: it stages each file in host memory and a thread
+        writes it (deepspeed_saves.py). Returns the write's future."""
+        from finetune_trainer.deepspeed_saves import BackgroundCheckpointEngine
+
+        if self.background_engine is None:
+            self.background_engine = BackgroundCheckpointEngine(self.model._config)
+        own, self.model.checkpoint_engine = self.model.checkpoint_engine, self.background_engine
+        try:
+            self.save(path)
+        finally:
+            self.model.checkpoint_engine = own
+        return self.background_engine.written()
+
+    def checkpoint_bytes(self) -> int:
+        """Host memory a background save stages: the fp32 partition this rank steps and
+        its two Adam moments, and the trainable weights in the compute dtype (the module
+        states, which only one rank writes, counted on every rank)."""
+        stepped = sum(p.numel() for group in self.base_optimizer.param_groups
+                      for p in group["params"])
+        trainable = sum(getattr(p, "ds_numel", p.numel())
+                        for p in self.model.module.parameters() if p.requires_grad)
+        return stepped * 12 + trainable * self.compute_dtype.itemsize
 
     def load(self, path: Path) -> None:
         self.model.load_checkpoint(str(path), tag="deepspeed", load_module_strict=False)

@@ -311,16 +311,17 @@ def run_command(file: str, nproc: int | None, fresh: bool, verbose: bool) -> Non
             click.echo(f"{doc.source}: {problem}", err=True)
         sys.exit(EXIT_INVALID)
     output_dir = Path(config.output.uri)
-    if fresh and (moved := local.set_checkpoints_aside(output_dir)) is not None:
-        click.echo(f"--fresh: the earlier checkpoints are kept in {moved}; starting over")
-    if refused := trained_with.refusal(output_dir, config, local.START_OVER):
-        click.echo(f"{doc.source}: {refused}", err=True)
-        sys.exit(EXIT_INVALID)
     processes = nproc or local.default_processes(job)
     try:
         accumulation, differences = local.fit_to_machine(job, processes, local.visible_gpus())
     except local.MachineMismatch as error:
         click.echo(f"{doc.source}: {error}", err=True)
+        sys.exit(EXIT_INVALID)
+    lock = _hold_output(doc.source, output_dir)  # before anything in the folder changes
+    if fresh and (moved := local.set_checkpoints_aside(output_dir)) is not None:
+        click.echo(f"--fresh: the earlier checkpoints are kept in {moved}; starting over")
+    if refused := trained_with.refusal(output_dir, config, local.START_OVER):
+        click.echo(f"{doc.source}: {refused}", err=True)
         sys.exit(EXIT_INVALID)
     config = config.model_copy(update={"hyperparameters": config.hyperparameters.model_copy(
         update={"gradient_accumulation_steps": accumulation})})
@@ -345,7 +346,7 @@ def run_command(file: str, nproc: int | None, fresh: bool, verbose: bool) -> Non
     from finetune_operator.follow import mark_failed, run_log
 
     code = local.run_trainer(config_path, processes, run_log(output_dir),
-                             max_restarts=restarts, verbose=verbose)
+                             max_restarts=restarts, verbose=verbose, lock=lock)
     if code == 0:
         click.echo(f"done: model in {output_dir / layout.FINAL_DIR}, checkpoints in "
                    f"{layout.checkpoint_root(output_dir)}, progress in "
@@ -356,6 +357,20 @@ def run_command(file: str, nproc: int | None, fresh: bool, verbose: bool) -> Non
         mark_failed(output_dir)
         click.echo(f"training failed (exit {code}); see the log above", err=True)
     sys.exit(code)
+
+
+def _hold_output(source: str, output_dir: Path) -> int | None:
+    """The output folder's lock for this run (`run_lock.hold`), or exit 2 naming the run
+    that writes it."""
+    from finetune_operator import run_lock
+
+    try:
+        return run_lock.hold(output_dir)
+    except run_lock.FolderInUse as error:
+        click.echo(f"{source}: spec.output.uri: {error} — wait for it to end, stop it (Ctrl-C "
+                   "where it runs: it checkpoints first), or give this run another "
+                   "spec.output.uri", err=True)
+        sys.exit(EXIT_INVALID)
 
 
 @main.command(name="operator")
@@ -460,8 +475,9 @@ class Screen:
 def status_command(target: str, namespace: str | None, kubeconfig: str | None, watch: bool,
                    interval: float) -> None:
     """A FineTuneJob's phase, progress bar (step / total, loss, tokens/s, ETA), restarts,
-    conditions and last events. NAME may also be the output folder of `finetune run`, or
-    the manifest it ran: then no cluster is asked."""
+    conditions and last events; a FineTuneSweep's trials (phase, step, objective, values)
+    and best trial. NAME may also be the output folder of `finetune run`, or the manifest
+    it ran: then no cluster is asked."""
     import asyncio
 
     from finetune_operator import follow, kube
@@ -481,9 +497,9 @@ def status_command(target: str, namespace: str | None, kubeconfig: str | None, w
             while True:
                 view = await look_once()
                 if view is None:
-                    click.echo(f"finetune status: no FineTuneJob {target} in namespace "
-                               f"{namespace} — `kubectl get ftj -n {namespace}` lists them",
-                               err=True)
+                    click.echo(f"finetune status: no FineTuneJob or FineTuneSweep {target} in "
+                               f"namespace {namespace} — `kubectl get ftj,ftsweep -n "
+                               f"{namespace}` lists them", err=True)
                     return 1
                 screen.show(follow.render(view))
                 if not watch:

@@ -14,7 +14,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from finetune_operator.api import KIND, FineTuneJob, FineTuneJobStatus, Progress
+from finetune_operator import run_lock
+from finetune_operator.api import (
+    KIND,
+    SWEEP_KIND,
+    FineTuneJob,
+    FineTuneJobStatus,
+    FineTuneSweepStatus,
+    Progress,
+)
 from finetune_operator.kube import Kube
 from finetune_trainer.layout import PROGRESS_FILE, RUN_LOG, resolve_output
 from finetune_trainer.record import ProgressRecord, format_duration
@@ -39,6 +47,8 @@ class JobView:
     """(type, reason, message), oldest first."""
     where: str | None = None
     """The backend's own object (and its Studio link), or the output folder."""
+    details: list[str] | None = None
+    """Lines shown instead of the progress bar (a sweep's trials and best)."""
 
     @property
     def finished(self) -> bool:
@@ -61,14 +71,54 @@ def view_of_job(obj: dict[str, Any], events: list[dict[str, Any]]) -> JobView:
                 for e in ordered[-EVENTS_SHOWN:]])
 
 
+def view_of_sweep(obj: dict[str, Any], events: list[dict[str, Any]]) -> JobView:
+    """A FineTuneSweep as read from the API server: a line per trial (phase, step, the
+    objective, its values) and the best trial so far, with the events about it."""
+    status = FineTuneSweepStatus.model_validate(obj.get("status") or {})
+    spec = obj.get("spec") or {}
+    metric = (spec.get("objective") or {}).get("metric", "evalLoss")
+    made = f"trials: {status.trial_count}" + (f" of {spec['maxTrials']}" if spec.get(
+        "maxTrials") else "") + f", {status.running_trials} running"
+    width = max((len(t.name) for t in status.trials), default=0)
+    details = [made] + [
+        f"  {t.name:<{width}}  {t.phase:<9}  step {_figure(t.step, '{}'):>6}  "
+        f"{metric} {_figure(t.objective, '{:.4f}'):>7}  {_values(t.params)}"
+        + (f"  ({t.message})" if t.message and t.phase != "Succeeded" else "")
+        for t in status.trials]
+    if (best := status.best) is not None:
+        details.append(f"best: {best.name} {metric} {best.objective:.4f} "
+                       f"({_values(best.params)}), model in {best.output}")
+    ordered = sorted(events, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+    return JobView(
+        name=obj["metadata"]["name"], phase=status.phase, message=status.message,
+        details=details,
+        events=[(e.get("type") or "", e.get("reason") or "", (e.get("message") or "").strip())
+                for e in ordered[-EVENTS_SHOWN:]])
+
+
+def _figure(value: float | int | None, shown: str) -> str:
+    return "-" if value is None else shown.format(value)
+
+
+def _values(params: dict[str, Any]) -> str:
+    return ", ".join(f"{key}={value:.3g}" if isinstance(value, float) else f"{key}={value}"
+                     for key, value in params.items())
+
+
 def view_of_output(name: str, folder: Path) -> JobView:
-    """A `finetune run` from its output folder: progress.json, as rank 0 last wrote it."""
+    """A `finetune run` from its output folder: progress.json, as rank 0 last wrote it; a
+    run that says Running with no `finetune run` left holding the folder was stopped."""
     path = folder / PROGRESS_FILE
     if not path.is_file():
         return JobView(name=name, phase="Pending", where=str(folder),
                        message=f"no {PROGRESS_FILE} yet: the run has not logged a step")
     record = ProgressRecord.model_validate(json.loads(path.read_text()))
-    return JobView(name=name, phase=record.phase, where=str(folder),
+    phase, message = record.phase, None
+    if phase == "Running" and run_lock.ran_here(folder) and run_lock.holder(folder) is None:
+        phase, message = "Stopped", (
+            "no `finetune run` is writing here: it ended without finishing (killed, or the "
+            "machine restarted); the same `finetune run` resumes from the newest checkpoint")
+    return JobView(name=name, phase=phase, message=message, where=str(folder),
                    progress=Progress.from_record(record))
 
 
@@ -114,7 +164,10 @@ def render(view: JobView, now: datetime | None = None) -> list[str]:
     """The lines `finetune status` prints for one look at the job."""
     lines = [f"{view.name}  {view.phase or 'Unknown'}" + (f"  {view.message}"
                                                           if view.message else "")]
-    lines.append("  " + progress_bar(view.progress))
+    if view.details is not None:
+        lines += ["  " + line for line in view.details]
+    else:
+        lines.append("  " + progress_bar(view.progress))
     if view.restarts:
         lines.append(f"  restarts: {view.restarts}")
     if view.where:
@@ -157,12 +210,14 @@ def mark_failed(output_dir: Path) -> None:
 # --- the cluster: what is read through any kubeconfig ------------------------------------
 
 async def look(kube: Kube, namespace: str, name: str) -> JobView | None:
-    """The job and the events about it; None when there is no such FineTuneJob."""
-    obj = await kube.get(KIND, namespace, name)
-    if obj is None:
-        return None
-    events = await kube.events(namespace, KIND, name, obj["metadata"].get("uid"))
-    return view_of_job(obj, events)
+    """The FineTuneJob of that name, else the FineTuneSweep, and the events about it;
+    None when there is neither."""
+    for kind, view in ((KIND, view_of_job), (SWEEP_KIND, view_of_sweep)):
+        obj = await kube.get(kind, namespace, name)
+        if obj is not None:
+            events = await kube.events(namespace, kind, name, obj["metadata"].get("uid"))
+            return view(obj, events)
+    return None
 
 
 def newest_pod(pods: list[dict[str, Any]], node_rank: int, index_key: str

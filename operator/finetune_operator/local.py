@@ -303,16 +303,17 @@ def worker_env(processes: int, verbose: bool) -> dict[str, str]:
 
 
 def run_trainer(config_path: Path, processes: int, log_path: Path, max_restarts: int = 0,
-                verbose: bool = True) -> int:
+                verbose: bool = True, lock: int | None = None) -> int:
     """Run torchrun in its own session; Ctrl-C or SIGTERM here becomes a SIGTERM there, so
     the workers checkpoint at the next step boundary and exit (143). A signal to torchrun
     itself never restarts the workers; a failed worker does, up to `max_restarts` times.
     Every line goes to `log_path` (RunLog); without `verbose`, the terminal gets them
-    through `QuietLog`."""
+    through `QuietLog`. `lock`: the output folder's (`run_lock.hold`), held by torchrun
+    too."""
     child = subprocess.Popen(trainer_command(config_path, processes, max_restarts),
                              start_new_session=True, env=worker_env(processes, verbose),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             errors="replace")
+                             errors="replace", pass_fds=() if lock is None else (lock,))
     stopped = False
     keep = RunLog(log_path)
     relays = [threading.Thread(target=_relay, args=(

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -16,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from finetune_operator import run_lock
 from finetune_operator.api import Progress
 from finetune_operator.follow import (
     mark_failed,
@@ -25,6 +28,7 @@ from finetune_operator.follow import (
     render,
     view_of_job,
     view_of_output,
+    view_of_sweep,
 )
 from finetune_operator.kube import default_namespace
 from finetune_trainer.record import ProgressRecord
@@ -59,6 +63,30 @@ def test_a_job_from_the_api_server_with_its_last_events():
     assert shown == ["R3", "R4", "R5", "R6", "R7"]  # the last five, oldest first
 
 
+def test_a_sweep_shows_a_line_per_trial_and_the_best():
+    trial = {"number": 0, "name": "lr-0", "params": {"hyperparameters.learningRate": 3e-4,
+                                                      "method.lora.r": 8},
+             "output": "pvc://out/lr/lr-0"}
+    obj = {"metadata": {"name": "lr"}, "spec": {"maxTrials": 4, "objective": {
+        "metric": "evalLoss"}}, "status": {
+        "phase": "Running", "trialCount": 2, "runningTrials": 1, "trials": [
+            {**trial, "phase": "Succeeded", "step": 40, "objective": 1.23456},
+            {**trial, "number": 1, "name": "lr-1", "phase": "Stopped", "step": 20,
+             "objective": 2.5, "message": "median stopping at step 20"}],
+        "best": {**trial, "objective": 1.23456}}}
+    lines = render(view_of_sweep(obj, []))
+    assert lines[0] == "lr  Running"
+    assert lines[1:4] == [
+        "  trials: 2 of 4, 1 running",
+        "    lr-0  Succeeded  step     40  evalLoss  1.2346  "
+        "hyperparameters.learningRate=0.0003, method.lora.r=8",
+        "    lr-1  Stopped    step     20  evalLoss  2.5000  "
+        "hyperparameters.learningRate=0.0003, method.lora.r=8  (median stopping at step 20)"]
+    assert lines[4] == ("  best: lr-0 evalLoss 1.2346 (hyperparameters.learningRate=0.0003, "
+                        "method.lora.r=8), model in pvc://out/lr/lr-0")
+    assert not view_of_sweep(obj, []).finished
+
+
 def test_the_newest_pod_of_a_node_rank_is_the_current_one():
     def pod(name, index, created):
         return {"metadata": {"name": name, "creationTimestamp": created,
@@ -86,6 +114,28 @@ def test_a_local_run_is_found_from_its_manifest_and_a_failure_ends_the_watch(tmp
     mark_failed(folder)
     view = view_of_output(name, folder)
     assert view.finished and view.phase == "Failed" and view.progress.step == 3
+
+
+def test_a_run_that_says_running_with_no_finetune_run_holding_its_folder_was_stopped(
+        tmp_path):
+    folder = tmp_path / "out"
+    folder.mkdir()
+    (folder / "progress.json").write_text(json.dumps(ProgressRecord(
+        step=3, totalSteps=6, loss=1.0).as_json()))
+    assert view_of_output("j", folder).phase == "Running"  # no lock file: an older run
+    lock = run_lock.hold(folder)
+    try:
+        assert run_lock.holder(folder).startswith(f"pid {os.getpid()} since ")
+        assert view_of_output("j", folder).phase == "Running"
+        with pytest.raises(run_lock.FolderInUse, match=f"another `finetune run` "
+                                                       f"\\(pid {os.getpid()} since "):
+            run_lock.hold(folder)
+    finally:
+        os.close(lock)
+    view = view_of_output("j", folder)
+    assert (view.phase, view.finished, view.progress.step) == ("Stopped", True, 3)
+    assert "resumes from the newest checkpoint" in view.message
+    os.close(run_lock.hold(folder))  # free again: the next run takes it
 
 
 def test_the_namespace_is_the_kubeconfig_contexts(tmp_path):
@@ -137,6 +187,56 @@ def test_status_watch_in_a_terminal_follows_a_real_run_to_succeeded(tiny_model_d
     assert logs.returncode == 0 and "step 30/30" in logs.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_second_run_on_the_folder_is_refused_and_a_killed_one_reads_stopped(
+        tiny_model_dir, tmp_path):
+    """Two `finetune run`s of one manifest: the second is refused before it touches the
+    folder, naming the first. Then the first is killed with SIGKILL, torchrun and workers
+    too (nothing can mark progress.json): `finetune status` says Stopped, not Running, and
+    the same command resumes from its checkpoint."""
+    job = manifest(tiny_model_dir, Path("out"), steps=400, checkpoint_every=2)
+    job["spec"]["output"]["uri"] = "./out"
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    first = subprocess.Popen([*FINETUNE, "run", str(path)], cwd=tmp_path,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    progress = tmp_path / "out" / "progress.json"
+    deadline = time.monotonic() + 300
+    while first.poll() is None and time.monotonic() < deadline and not (
+            progress.is_file() and list((tmp_path / "out" / "checkpoints").glob("step-*"))):
+        time.sleep(0.2)
+    try:
+        second = subprocess.run([*FINETUNE, "run", str(path)], cwd=tmp_path,
+                                capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2, second.stdout + second.stderr
+        assert (f"spec.output.uri: {tmp_path / 'out'} is being written by another `finetune "
+                f"run` (pid {first.pid} since ") in second.stderr
+        assert "starting" not in second.stdout  # refused before any process started
+        torchrun = subprocess.run(["pgrep", "-P", str(first.pid)], capture_output=True,
+                                  text=True).stdout.split()
+        for pid in torchrun:  # its own session: the workers go with it
+            os.killpg(int(pid), signal.SIGKILL)
+    finally:
+        first.kill()
+        first.communicate(timeout=60)
+    deadline = time.monotonic() + 30  # the workers notice their session's end
+    while (status := subprocess.run([*FINETUNE, "status", str(path)], capture_output=True,
+                                    text=True)).stdout.split()[1:2] != ["Stopped"]:
+        assert time.monotonic() < deadline, status.stdout
+        time.sleep(0.5)
+    assert json.loads(progress.read_text())["phase"] == "Running"  # as the kill left it
+    assert "no `finetune run` is writing here" in status.stdout
+    newest = max(int(p.name.removeprefix("step-")) for p in
+                 (tmp_path / "out" / "checkpoints").glob("step-????????"))
+    job["spec"]["hyperparameters"]["maxSteps"] = newest + 2  # resumed, then soon done
+    path.write_text(yaml.safe_dump(job))
+    again = subprocess.run([*FINETUNE, "run", str(path)], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"step-{newest:08d} (step {newest}/{newest + 2})" in again.stdout
+
+
 @pytest.mark.asyncio
 @pytest.mark.timeout(300)
 async def test_status_and_logs_with_a_kubeconfig_against_the_real_api_server(
@@ -176,4 +276,4 @@ async def test_status_and_logs_with_a_kubeconfig_against_the_real_api_server(
     blocks = out.decode().split("demo  ")
     assert blocks[-1].startswith("Succeeded"), out.decode()[-2000:]
     absent = await asyncio.to_thread(finetune, "status", "nope", *cluster)
-    assert absent.returncode == 1 and "no FineTuneJob nope" in absent.stderr
+    assert absent.returncode == 1 and "no FineTuneJob or FineTuneSweep nope" in absent.stderr

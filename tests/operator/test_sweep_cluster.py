@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -123,6 +125,17 @@ async def test_a_random_sweep_stops_a_trial_early_names_the_best_and_survives_a_
     shown = bed.installation.kubectl("get", "ftsweep", "lr", "-n", bed.namespace).stdout
     assert "Succeeded" in shown and best["name"] in shown.split()
     assert "SweepSucceeded" in bed.event_reasons()
+    # finetune status, logged in with a kubeconfig as a user is: the trials and the best
+    told = subprocess.run([sys.executable, "-m", "finetune_operator.cli", "status", "lr", "-n",
+                           bed.namespace, "--kubeconfig",
+                           str(bed.installation.plane.admin_kubeconfig)],
+                          capture_output=True, text=True, timeout=120)
+    assert told.returncode == 0, told.stderr
+    lines = told.stdout.splitlines()
+    assert lines[0].startswith("lr  Succeeded") and lines[1] == "  trials: 6 of 6, 0 running"
+    assert [line.split()[:2] for line in lines[2:8]] == [[t["name"], t["phase"]]
+                                                         for t in status["trials"]]
+    assert f"  best: {best['name']} evalLoss {best['objective']:.4f} " in told.stdout
 
 
 @pytest.mark.asyncio

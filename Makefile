@@ -91,7 +91,7 @@ bench-metrics: venv
 	$(BIN)/python benchmarks/metrics_overhead.py
 
 # How long a checkpoint holds the loop, written in the background vs synchronously, side
-# by side (ddp and fsdp on 2 CPU processes, ~4 minutes; prints the ratios).
+# by side (ddp, fsdp and zero3 on 2 CPU processes, ~8 minutes; prints the ratios).
 bench-checkpoint: venv
 	$(BIN)/python benchmarks/checkpoint_stall.py
 

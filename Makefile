@@ -62,8 +62,9 @@ cluster-install: venv
 cluster-down: venv
 	$(BIN)/python cluster/controlplane.py down
 
-# 1,000 FineTuneJobs applied at once on a fresh control plane: our operator beside a
-# do-nothing kopf operator (the floor), side by side; prints both and the ratios.
+# 100 and 1,000 FineTuneJobs applied at once, each operator on a fresh control plane: ours
+# (launches paced, and with --launch-rate 0) beside a do-nothing kopf operator (the floor)
+# and one that only creates the children (the launcher); prints them and the ratios (~27 min).
 bench-operator: venv cluster-bin
 	$(BIN)/python benchmarks/operator_load.py
 

@@ -3,15 +3,18 @@ handled by our operator and, beside it on the same cluster, by a do-nothing kopf
 that only sets `status.phase` (benchmarks/floor_operator.py): the floor; and by a kopf
 operator that only creates each job's three children, as ours renders them, and sets the
 phase (benchmarks/floor_children_operator.py): the launcher, what any operator that launches
-these jobs costs the cluster. All log in as the chart's ServiceAccount, one after the other,
-each on a control plane of its own, started afresh: a burst that follows another on the same
-cluster pays for its predecessor's leftovers (the garbage collector, KWOK and etcd still busy
-with thousands of deleted objects), which made the third operator measured the slowest
-whichever it was.
+these jobs costs the cluster. Ours runs twice: as installed (launches paced: 20 at once,
+then 10 a second, every job acknowledged at once) and with `--launch-rate 0` (every job
+launched as soon as it is seen, as the launcher does). All log in as the chart's
+ServiceAccount, one after the other, each on a control plane of its own, started afresh: a
+burst that follows another on the same cluster pays for its predecessor's leftovers (the
+garbage collector, KWOK and etcd still busy with thousands of deleted objects), which made
+the third operator measured the slowest whichever it was.
 
     .venv/bin/python benchmarks/operator_load.py [--jobs 100,1000] [--steady 30]
 
-Prints, for each burst size and as ratios (ours / floor, ours / launcher): seconds from
+Prints, for each burst size and as ratios (ours / floor, ours / launcher, for ours both
+ways): seconds from
 the apply until every job has a phase and (launcher and ours) until every job's workers
 (its batch/v1 Job) exist, the operator's peak RSS and CPU seconds, its API
 requests (from the API server's audit log) per job during the burst, by verb and resource,
@@ -95,6 +98,36 @@ def by_kind(events: list[dict], jobs: int) -> dict[str, float]:
         key = f"{event.get('verb')} {what}"
         counts[key] = counts.get(key, 0) + 1
     return {k: round(v / jobs, 2) for k, v in sorted(counts.items(), key=lambda kv: -kv[1])}
+
+
+def launch_requests(events: list[dict], jobs: int) -> float | None:
+    """API requests per job up to its launch: its status patches until the first one after
+    its batch/v1 Job's create (the launch's own; later ones report how its pods fare), the
+    creates of its children, kopf's own patches of it, and the events posted (an event is
+    created by generateName, so the audit log names no job: counted as an average). None for
+    an operator that launches nothing."""
+    by_name: dict[str, list[dict]] = {}
+    for event in events:
+        by_name.setdefault(event.get("objectRef", {}).get("name") or "", []).append(event)
+    per_job = []
+    for name, about in by_name.items():
+        mine = sorted(about + by_name.get(f"{name}-trainer", []),
+                      key=lambda e: e["stageTimestamp"])
+        created = [e["stageTimestamp"] for e in mine if e.get("verb") == "create"
+                   and e["objectRef"].get("resource") == "jobs"]
+        if not created:
+            continue
+        status = [e["stageTimestamp"] for e in mine if e.get("verb") == "patch"
+                  and e["objectRef"].get("subresource") == "status"]
+        launch_patch = min((t for t in status if t >= created[0]), default=None)
+        per_job.append(sum(1 for e in mine if e.get("verb") == "create"
+                           or (e.get("verb") == "patch"
+                               and not e["objectRef"].get("subresource")))
+                       + sum(1 for t in status if launch_patch is None or t <= launch_patch))
+    if not per_job:
+        return None
+    posted = sum(1 for e in events if e.get("objectRef", {}).get("resource") == "events")
+    return round(sum(per_job) / len(per_job) + posted / jobs, 2)
 
 
 def wait_healthy(process: subprocess.Popen, port: int, log: Path) -> None:
@@ -214,7 +247,10 @@ def _measure(plane, installed, name: str, command: Callable[[int], list[str]], j
                 "apply_seconds": round(applied, 1),
                 "peak_rss_mib": round(peak, 1),
                 "cpu_seconds_burst": round(cpu - cpu_before, 1),
+                "cpu_seconds_until_settled": None if name.startswith("floor")
+                else round(cpu_quiet - cpu_before, 1),
                 "api_requests_per_job": round(len(burst) / jobs, 1),
+                "api_requests_to_launch_a_job": launch_requests(burst, jobs),
                 "child_creates_refused_409": sum(1 for e in creates if e.get(
                     "responseStatus", {}).get("code") == 409),
                 "api_requests_by_kind": by_kind(burst, jobs),
@@ -248,44 +284,56 @@ def _measure(plane, installed, name: str, command: Callable[[int], list[str]], j
 KEYS = (("seconds_to_all_phased", "seconds until every job has a phase"),
         ("seconds_to_all_launched", "seconds until every job's workers exist"),
         ("peak_rss_mib", "operator peak RSS (MiB)"),
-        ("cpu_seconds_burst", "operator CPU seconds"),
+        ("cpu_seconds_burst", "operator CPU s until all launched"),
+        ("cpu_seconds_until_settled", "... until every pod was scheduled"),
         ("api_requests_per_job", "API requests per job"),
+        ("api_requests_to_launch_a_job", "API requests to launch a job"),
         ("steady_api_requests_per_s", "steady API requests/s"),
         ("steady_cpu_percent", "steady operator CPU (% of a core)"))
 
 
-def report(jobs: int, floor: dict, launcher: dict, ours: dict) -> dict:
-    ratios = {k: round(ours[k] / floor[k], 2) if floor[k] else None for k, _ in KEYS}
-    beyond = {k: round(ours[k] / launcher[k], 2) if launcher[k] else None for k, _ in KEYS}
+def ratios(of: dict, to: dict) -> dict[str, float | None]:
+    return {k: round(of[k] / to[k], 2) if of[k] is not None and to[k] else None
+            for k, _ in KEYS}
 
+
+def report(jobs: int, floor: dict, launcher: dict, ours: dict, unpaced: dict) -> dict:
     def figure(value: float | None, width: int) -> str:
         return f"{'-' if value is None else value:>{width}}"
-
-    print(f"\n{jobs} FineTuneJobs applied at once (kubectl apply took {floor['apply_seconds']} "
-          f"s / {launcher['apply_seconds']} s / {ours['apply_seconds']} s)")
-    print(f"{'':36}{'floor':>9}{'launcher':>10}{'ours':>9}{'ours/floor':>12}"
-          f"{'ours/launcher':>15}")
 
     def cell(ratio: float | None, width: int) -> str:
         return f"{(f'{ratio:.2f}x' if ratio is not None else '-'):>{width}}"
 
+    sides = (floor, launcher, ours, unpaced)
+    print(f"\n{jobs} FineTuneJobs applied at once (kubectl apply took "
+          + " / ".join(f"{side['apply_seconds']} s" for side in sides)
+          + "); ours: launches paced (the default), and with --launch-rate 0")
+    print(f"{'':36}{'floor':>9}{'launcher':>10}{'ours':>9}{'unpaced':>9}{'ours/floor':>12}"
+          f"{'ours/launcher':>15}{'unpaced/floor':>15}{'unpaced/launcher':>18}")
+    columns = [ratios(ours, floor), ratios(ours, launcher), ratios(unpaced, floor),
+               ratios(unpaced, launcher)]
     for key, label in KEYS:
-        print(f"{label:36}{figure(floor[key], 9)}{figure(launcher[key], 10)}"
-              f"{figure(ours[key], 9)}{cell(ratios[key], 12)}{cell(beyond[key], 15)}")
-    print(f"child creates refused with 409 (a second launch): {ours['child_creates_refused_409']}"
-          f"; failed reconciles logged, teardown included: {ours['errors_logged']}")
-    print("our API requests per job: " + ", ".join(
-        f"{k} {v:g}" for k, v in ours["api_requests_by_kind"].items()))
+        print(f"{label:36}" + "".join(figure(side[key], w) for side, w in
+                                      zip(sides, (9, 10, 9, 9), strict=True))
+              + "".join(cell(column[key], w) for column, w in
+                        zip(columns, (12, 15, 15, 18), strict=True)))
+    for label, side in (("ours", ours), ("unpaced", unpaced)):
+        print(f"{label}: child creates refused with 409 (a second launch): "
+              f"{side['child_creates_refused_409']}; failed reconciles logged, teardown "
+              f"included: {side['errors_logged']}; API requests per job: " + ", ".join(
+                  f"{k} {v:g}" for k, v in side["api_requests_by_kind"].items()))
     print("our API requests/s with every job waiting: " + (", ".join(
         f"{k} {v:g}" for k, v in ours["steady_api_requests_per_s_by_kind"].items()) or "none"))
     return {"jobs": jobs, "floor": floor, "launcher": launcher, "ours": ours,
-            "ratios": ratios, "ratios_to_launcher": beyond}
+            "ours_unpaced": unpaced, "ratios": columns[0], "ratios_to_launcher": columns[1],
+            "unpaced_ratios": columns[2], "unpaced_ratios_to_launcher": columns[3]}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", default="100,1000",
-                        help="burst sizes, comma-separated; each runs the floor, then ours")
+                        help="burst sizes, comma-separated; each runs the floor, the launcher, "
+                        "then ours paced and unpaced")
     parser.add_argument("--steady", type=float, default=30.0,
                         help="seconds of the idle queue measured after the burst")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "operator_load.json")
@@ -308,11 +356,15 @@ def main(argv: list[str] | None = None) -> int:
                             args.steady, folder)
             launcher = run_one(f"launcher-{jobs}", kopf_run("floor_children_operator.py"),
                                jobs, args.steady, folder)
-            ours = run_one(f"ours-{jobs}", lambda port: [
-                str(BIN / "finetune"), "operator", "--log-level", "warning",
-                "--metrics-port", str(metrics), "--health-port", str(port)],
-                jobs, args.steady, folder)
-            results.append(report(jobs, floor, launcher, ours))
+            def finetune_operator(*extra: str) -> Callable[[int], list[str]]:
+                return lambda port: [
+                    str(BIN / "finetune"), "operator", "--log-level", "warning",
+                    "--metrics-port", str(metrics), "--health-port", str(port), *extra]
+
+            ours = run_one(f"ours-{jobs}", finetune_operator(), jobs, args.steady, folder)
+            unpaced = run_one(f"unpaced-{jobs}", finetune_operator("--launch-rate", "0"), jobs,
+                              args.steady, folder)
+            results.append(report(jobs, floor, launcher, ours, unpaced))
     args.out.write_text(json.dumps({"runs": results}, indent=2) + "\n")
     print(f"wrote {os.path.relpath(args.out)}")
     return 0

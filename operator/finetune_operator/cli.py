@@ -15,6 +15,7 @@ from finetune_operator import yamlio
 from finetune_operator.admission import admit, offline_backends
 from finetune_operator.api import KIND, SWEEP_KIND, FineTuneJob
 from finetune_operator.manifests import Document, ManifestError, read_documents
+from finetune_operator.pacing import LAUNCH_BURST, LAUNCH_RATE
 from finetune_operator.render import render
 from finetune_operator.sweep import check_sweep
 from finetune_operator.validation import Problem, short_repr
@@ -391,12 +392,19 @@ def _hold_output(source: str, output_dir: Path) -> int | None:
 @click.option("--reconcilers", type=click.IntRange(1, 256), default=16, show_default=True,
               help="FineTuneJobs reconciled at once: what bounds the operator's API calls in "
                    "flight however many jobs change together.")
+@click.option("--launch-rate", type=click.FloatRange(min=0), default=LAUNCH_RATE,
+              show_default=True,
+              help="Jobs launched a second once --launch-burst have launched at once (0: no "
+                   "limit). A job waiting for its turn is Pending and says when it comes.")
+@click.option("--launch-burst", type=click.IntRange(min=1), default=LAUNCH_BURST,
+              show_default=True,
+              help="Jobs launched at once before --launch-rate paces the rest.")
 @click.option("--peering", metavar="NAME", default=None,
               help="Run as one of several replicas: the kopf peering object NAME elects the "
                    "one that acts; the others stand by (the chart sets this when replicas > 1).")
 def operator_command(all_namespaces: bool, namespaces: tuple[str, ...], log_level: str,
                      metrics_port: int, health_port: int, interval: float, reconcilers: int,
-                     peering: str | None) -> None:
+                     launch_rate: float, launch_burst: int, peering: str | None) -> None:
     """Run the controller: watches FineTuneJobs and runs them on their backend.
 
     Logs in as kubectl does: the pod's service account inside a cluster, else KUBECONFIG
@@ -415,7 +423,8 @@ def operator_command(all_namespaces: bool, namespaces: tuple[str, ...], log_leve
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     client = kube.Kube()
     runtime = controller.Runtime.build(client, OperatorSettings.from_env(), interval=interval,
-                                       reconcilers=reconcilers)
+                                       reconcilers=reconcilers, launch_rate=launch_rate,
+                                       launch_burst=launch_burst)
     # the planner reads config.json from the hub (HF_HUB_OFFLINE=1 turns that off)
     runtime.model_configs = planner.ModelConfigs(fetch=planner.fetch_from_hub)
 

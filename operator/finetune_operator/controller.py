@@ -48,6 +48,7 @@ from finetune_operator.backends import Backend, BackendContext, BackendError, lo
 from finetune_operator.backends.children import MANAGED, RESOURCES, owner_key
 from finetune_operator.kube import Kube, KubeError, merge_patch, newer, slim, timestamp
 from finetune_operator.metrics import RESTART_CAUSES, OperatorMetrics
+from finetune_operator.pacing import LAUNCH_BURST, LAUNCH_RATE, LaunchPacer
 from finetune_operator.planner import ModelConfigs, plan_job
 from finetune_operator.reconcile import (
     Action,
@@ -88,6 +89,10 @@ class Runtime:
     reconcilers: int = 16
     """Jobs reconciled at once (controller-runtime's MaxConcurrentReconciles): what bounds
     the operator's API calls in flight, however many jobs change together."""
+    launches: LaunchPacer = field(default_factory=lambda: LaunchPacer(
+        LAUNCH_RATE, LAUNCH_BURST))
+    """Turns to launch: a burst of new jobs is acknowledged at once and launched at a pace
+    the API server can take beside everyone else's requests."""
 
     def backoff(self, retry: int, asked: float | None = None) -> float:
         """How long to wait after the `retry`-th consecutive failure (0: the first): what the
@@ -98,11 +103,13 @@ class Runtime:
 
     @classmethod
     def build(cls, kube: Kube, settings: OperatorSettings, interval: float = 10.0,
-              progress_port: int | None = None, reconcilers: int = 16) -> Runtime:
+              progress_port: int | None = None, reconcilers: int = 16,
+              launch_rate: float = LAUNCH_RATE, launch_burst: int = LAUNCH_BURST) -> Runtime:
         context = BackendContext(settings=settings, kube=kube, progress_port=progress_port)
         backends = load_backends(context)
         return cls(backends=backends, kube=kube, interval=interval, reconcilers=reconcilers,
-                   metrics=OperatorMetrics(backends=set(backends)))
+                   metrics=OperatorMetrics(backends=set(backends)),
+                   launches=LaunchPacer(launch_rate, launch_burst))
 
 
 async def act(runtime: Runtime, backend: Backend, job: FineTuneJob, action: Action) -> None:
@@ -163,7 +170,9 @@ async def look(runtime: Runtime, body: Any) -> Look:
     metrics, operation = runtime.metrics, "observe"
     try:
         seen = Observation() if problems or backend is None else await backend.observe(job)
-        decision = reconcile(job, seen, now, problems, await feasibility(runtime, job, problems))
+        verdict = await feasibility(runtime, job, problems)
+        decision = reconcile(job, seen, now, problems, verdict)
+        decision = _paced(runtime, job, seen, now, problems, verdict, decision)
         # the backend renders from the status as decided (status.plan, recorded at launch)
         job = job.model_copy(update={"status": decision.status})
         for action in decision.actions:
@@ -183,6 +192,20 @@ async def look(runtime: Runtime, body: Any) -> Look:
                                                       now), decision.events)
 
 
+def _paced(runtime: Runtime, job: FineTuneJob, seen: Observation, now: datetime,
+           problems: list[str], verdict: Feasibility | None, decision: Decision) -> Decision:
+    """The decision again, waiting for the job's turn, when it launches workers (not when it
+    puts back a part deleted by hand) and its turn has not come."""
+    key = (job.namespace, job.name)
+    if seen.exists or not any(a.kind == "launch" for a in decision.actions):
+        runtime.launches.release(key)  # a turn promised earlier is not needed any more
+        return decision
+    wait = runtime.launches.reserve(key)
+    if wait <= 0:
+        return decision
+    return reconcile(job, seen, now, problems, verdict, launch_wait=wait)
+
+
 def _wake_after(runtime: Runtime, backend: Backend | None, job: FineTuneJob,
                 decision: Decision, seen: Observation, now: datetime) -> float | None:
     """When to look again with no change reported: a clock-driven rule coming due, or the
@@ -191,6 +214,8 @@ def _wake_after(runtime: Runtime, backend: Backend | None, job: FineTuneJob,
     due = [next_deadline(job.spec.run_policy, decision.status, now)]
     if decision.actions:  # what was just done shows in the next look
         due.append(runtime.interval)
+    if (turn := runtime.launches.promised((job.namespace, job.name))) is not None:
+        due.append(turn)  # its turn to launch: nothing else would wake it
     if getattr(backend, "children", None) is not None:
         if seen.polled:
             due.append(runtime.interval)
@@ -228,7 +253,7 @@ class Controller:
         self._reconcilers: list[asyncio.Task] = []
         self.sweeps = Sweeps(runtime.kube, self.queue, self.jobs, runtime.backoff)
         """The FineTuneSweeps: their keys share the queue and the reconcilers."""
-        runtime.metrics.watch_queue(self.queue)
+        runtime.metrics.watch_queue(self.queue, runtime.launches)
 
     # --- fed by the watches
 
@@ -262,6 +287,7 @@ class Controller:
     def gone(self, key: Key) -> None:
         self.jobs.pop(key, None)
         self.failures.pop(key, None)
+        self.runtime.launches.release(key)
         self.queue.forget(key)
         for backend in self.runtime.backends.values():
             forget = getattr(backend, "forget", None)

@@ -61,14 +61,12 @@ def view_of_job(obj: dict[str, Any], events: list[dict[str, Any]]) -> JobView:
     ref = status.backend_ref
     where = None if ref is None else f"{ref.kind} {ref.name}" + (f" ({ref.url})" if ref.url
                                                                   else "")
-    ordered = sorted(events, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
     return JobView(
         name=obj["metadata"]["name"], phase=status.phase, message=status.message,
         progress=status.progress, restarts=status.restarts, where=where,
         conditions=[(c.type, c.status, c.reason or "", c.message or "")
                     for c in status.conditions],
-        events=[(e.get("type") or "", e.get("reason") or "", (e.get("message") or "").strip())
-                for e in ordered[-EVENTS_SHOWN:]])
+        events=_last_events(events))
 
 
 def view_of_sweep(obj: dict[str, Any], events: list[dict[str, Any]]) -> JobView:
@@ -88,12 +86,15 @@ def view_of_sweep(obj: dict[str, Any], events: list[dict[str, Any]]) -> JobView:
     if (best := status.best) is not None:
         details.append(f"best: {best.name} {metric} {best.objective:.4f} "
                        f"({_values(best.params)}), model in {best.output}")
+    return JobView(name=obj["metadata"]["name"], phase=status.phase, message=status.message,
+                   details=details, events=_last_events(events))
+
+
+def _last_events(events: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    """The last EVENTS_SHOWN events, oldest first, as (type, reason, message)."""
     ordered = sorted(events, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
-    return JobView(
-        name=obj["metadata"]["name"], phase=status.phase, message=status.message,
-        details=details,
-        events=[(e.get("type") or "", e.get("reason") or "", (e.get("message") or "").strip())
-                for e in ordered[-EVENTS_SHOWN:]])
+    return [(e.get("type") or "", e.get("reason") or "", (e.get("message") or "").strip())
+            for e in ordered[-EVENTS_SHOWN:]]
 
 
 def _figure(value: float | int | None, shown: str) -> str:

@@ -89,6 +89,9 @@ class OperatorMetrics:
         self.queue_busy = Gauge(
             "finetune_operator_workqueue_busy", "FineTuneJobs being reconciled now (at most "
             "--reconcilers)", registry=self.registry)
+        self.launches_waiting = Gauge(
+            "finetune_operator_launches_waiting", "FineTuneJobs acknowledged and waiting for "
+            "their turn to launch (--launch-rate, --launch-burst)", registry=self.registry)
         self.registry.register(_JobsByPhase(self))
         for backend in self.backends:  # series from the start, so rate() has a baseline
             for cause in RESTART_CAUSES:
@@ -105,10 +108,11 @@ class OperatorMetrics:
                 and _first_run(old):
             self.time_to_running.labels(backend).observe((now - created).total_seconds())
 
-    def watch_queue(self, queue: Any) -> None:
-        """Report the controller's work queue at each scrape."""
+    def watch_queue(self, queue: Any, launches: Any) -> None:
+        """Report the controller's work queue and launch turns at each scrape."""
         self.queue_depth.set_function(lambda: len(queue))
         self.queue_busy.set_function(lambda: queue.busy)
+        self.launches_waiting.set_function(lambda: launches.waiting)
 
     def restarted(self, backend: str, cause: str) -> None:
         self.restarts.labels(backend, cause).inc()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -164,11 +165,13 @@ class _Builder:
     readable."""
 
     def __init__(self, job: FineTuneJob, now: datetime, seen: Observation | None = None,
-                 problems: list[str] | None = None, feasibility: Feasibility | None = None):
+                 problems: list[str] | None = None, feasibility: Feasibility | None = None,
+                 launch_wait: float | None = None):
         self.job, self.now = job, now
         self.seen = seen or Observation()
         self.problems = problems or []
         self.feasibility = feasibility
+        self.launch_wait = launch_wait
         self.generation = job.metadata.generation
         self.status = (job.status or FineTuneJobStatus()).model_copy(deep=True)
         self.decision = Decision(status=self.status)
@@ -239,14 +242,17 @@ def _preflight_condition(b: _Builder, record: dict) -> None:
 
 def reconcile(job: FineTuneJob, seen: Observation, now: datetime,
               problems: list[str] | None = None,
-              feasibility: Feasibility | None = None) -> Decision:
+              feasibility: Feasibility | None = None,
+              launch_wait: float | None = None) -> Decision:
     """Decide what to do about `job`. `problems` are validation errors found by the caller
     (the API's rules and the backend's own), each `path: what — fix`. `feasibility` is the
-    planner's verdict, computed by the caller before the first launch.
+    planner's verdict, computed by the caller before the first launch. `launch_wait`: the
+    job's turn to launch comes in that many seconds (launches are paced, `pacing.py`), so a
+    launch due now waits for it.
 
     A chain of guards, in the order a job's life asks them: each adds to the decision and
     either ends it (True) or lets the next one look."""
-    b = _Builder(job, now, seen, problems or [], feasibility)
+    b = _Builder(job, now, seen, problems or [], feasibility, launch_wait)
     b.status.observed_generation = b.generation
     for guard in GUARDS:
         if guard(b):
@@ -386,6 +392,14 @@ def _launch(b: _Builder) -> bool:
     if b.seen.exists:
         return False
     status, job = b.status, b.job
+    if b.launch_wait is not None:
+        if status.phase in (None, "Pending"):  # said in the status alone: no event per job
+            status.phase = "Pending"
+            status.message = (f"waiting for its turn to launch, in about "
+                              f"{math.ceil(b.launch_wait)}s (the operator paces launches: "
+                              "--launch-rate, the chart's launchRate)")
+        b.requeue(b.launch_wait)
+        return True
     b.act("launch")
     if not status.launched_spec and b.feasibility is not None:
         status.plan = b.feasibility.plan  # what this and every later launch renders

@@ -208,7 +208,8 @@ def test_the_operator_dashboard_filters_on_the_chosen_backends():
     for title, target in targets(board):
         for metric, selector in re.findall(r"\b(finetune_operator_\w+)(\{[^}]*\})?",
                                            target["expr"]):
-            if metric.startswith("finetune_operator_workqueue_"):
-                continue  # one queue for every backend: it has no backend label
+            if metric.startswith(("finetune_operator_workqueue_",
+                                  "finetune_operator_launches_")):
+                continue  # one queue and one pace for every backend: no backend label
             assert 'backend=~"$backend"' in selector, f"{title}: {metric}{selector}"
 

@@ -407,3 +407,31 @@ def test_the_plan_is_recorded_when_workers_are_adopted():
     d = reconcile(job(), Observation(exists=True, running=True), T0,
                   feasibility=Feasibility(True, "fits", PLAN))
     assert d.status.plan == PLAN
+
+
+def test_a_new_job_waiting_for_its_turn_is_pending_and_says_when():
+    d = reconcile(job(), Observation(), T0, launch_wait=12.3)
+    assert kinds(d) == [] and d.events == []  # said in the status, not one event per job
+    assert d.status.phase == "Pending" and "in about 13s" in d.status.message
+    assert "--launch-rate" in d.status.message
+    assert condition(d.status, "Validated").status == "True"
+    assert not d.status.launched_spec and d.status.launch_time is None
+    assert d.requeue_after == 12.3
+    # its turn: launched as a job that never waited is
+    turn = reconcile(job(d.status), Observation(), at(13))
+    assert kinds(turn) == ["launch"] and turn.status.phase == "Launching"
+    assert [e.reason for e in turn.events] == ["Launching"]
+
+
+def test_a_gang_restart_waiting_for_its_turn_keeps_saying_why_it_restarts():
+    status = launched(phase="Restarting", restarts=1)
+    status.message = "a worker failed: demo-0 exit 1; restarting the gang (restart 1 of 3)"
+    d = reconcile(job(status), Observation(), at(60), launch_wait=4)
+    assert kinds(d) == [] and d.status.phase == "Restarting"
+    assert d.status.message == status.message and d.requeue_after == 4
+
+
+def test_the_launch_wait_does_not_hold_up_workers_that_exist():
+    seen = Observation(exists=True, running=True)
+    d = reconcile(job(launched()), seen, at(60), launch_wait=30)
+    assert d.status.phase == "Running" and kinds(d) == []

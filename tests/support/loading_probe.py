@@ -7,10 +7,10 @@ Run under torchrun, one process per rank:
 Loads and sets up the strategy as `train.run` does (FSDP and ZeRO-3: every rank builds the
 model empty and rank 0 reads the weights one at a time, each rank keeping its shard or
 partition), gathers every weight on rank 0 (`Strategy.full_state_dict`), and compares it
-with what `load_model` reads in one process with the same seed: the same names, dtypes and values,
-LoRA's adapters included; and the random generator of every rank where that read left it.
-`--copied` makes rank 0 send from a from_pretrained copy, the path taken for checkpoints
-transformers converts as it reads them.
+with what `load_model` reads in one process with the same seed: the same names, dtypes
+and values, LoRA's adapters included; and the random generator of every rank where that
+read left it. `--copied` makes rank 0 send from a from_pretrained copy, the path taken for
+checkpoints transformers converts as it reads them.
 """
 
 from __future__ import annotations

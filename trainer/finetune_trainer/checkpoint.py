@@ -129,8 +129,7 @@ class Checkpointer:
         """Start the checkpoint of `state.step` steps, after completing the one in flight.
         `background=False` (SIGTERM: the pod is about to go) completes it before returning,
         as does `output.asyncCheckpoints` off: a checkpoint that is written is made
-        complete at once. Returns its folder, which exists once it is
-        complete."""
+        complete at once. Returns its folder, which exists once it is complete."""
         import torch
         import torch.distributed as dist
 

@@ -433,10 +433,9 @@ class DeepSpeedStrategy(Strategy):
 def zero3_partition(model, config: dict[str, Any], dtype, device) -> None:
     """ZeRO-3: each parameter not yet partitioned (a module's weights as they arrive while
     loading; LoRA's adapters, left for `setup`; every one of a model read whole) cast to
-    the compute dtype and
-    partitioned on its way to the device, which `deepspeed.initialize` does only after
-    moving the whole module there (more than one GPU holds for a 70B base); the engine
-    then finds it partitioned."""
+    the compute dtype and partitioned on its way to the device, which
+    `deepspeed.initialize` does only after moving the whole module there (more than one
+    GPU holds for a 70B base); the engine then finds it partitioned."""
     import deepspeed
 
     for parameter in model.parameters():  # what the engine's own cast does: buffers stay

@@ -1,0 +1,77 @@
+"""Launches are paced (#23): a burst of new jobs is acknowledged at once and launched at the
+operator's --launch-rate after its --launch-burst, in the order the jobs came.
+
+On the real control plane, `finetune operator --launch-rate 0.5 --launch-burst 2` (the
+session's operator stands aside meanwhile), four jobs applied by one `kubectl apply`: two
+launch at once; the other two say Pending, and when their turn comes, then launch about two
+and four seconds later, each exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import datetime
+
+import pytest
+import pytest_asyncio
+
+from tests.support.cluster_fixtures import OperatorProcess
+from tests.support.cluster_testbed import ControlPlaneTestbed
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(300)]
+NAMES = [f"paced-{n}" for n in range(4)]
+
+
+@pytest_asyncio.fixture()
+async def paced_operator(installation, operator_install, operator_process, tmp_path):
+    paced = OperatorProcess(operator_install, installation.operator_kubeconfig,
+                            operator_process.settings, tmp_path / "operator.log",
+                            interval=operator_process.interval,
+                            args=("--launch-rate", "0.5", "--launch-burst", "2"))
+    await asyncio.to_thread(operator_process.stop)
+    try:
+        await asyncio.to_thread(paced.start)
+        yield paced
+    finally:
+        await asyncio.to_thread(paced.stop)
+        await asyncio.to_thread(operator_process.start)
+
+
+async def test_a_burst_is_acknowledged_at_once_and_launched_at_the_set_pace(
+        installation, paced_operator, progress_port):
+    bed = await ControlPlaneTestbed.open(installation, paced_operator, progress_port)
+    await bed.start()
+    try:
+        await bed.apply({"apiVersion": "v1", "kind": "List",
+                         "items": [bed.manifest(name, resources={"nodes": 1, "gpusPerNode": 1})
+                                   for name in NAMES]})
+        waited: dict[str, str] = {}
+        started = time.monotonic()
+        while not all(bed.jobs_created(n) for n in NAMES):  # every look at every job
+            assert time.monotonic() - started < 60, {n: bed.status(n) for n in NAMES}
+            for name in NAMES:
+                status = bed.status(name)
+                if status.get("phase") == "Pending":
+                    waited[name] = status["message"]
+            await asyncio.sleep(0.1)
+        assert len(waited) == 2, waited  # the burst of two launched without waiting
+        for message in waited.values():
+            assert message.startswith("waiting for its turn to launch, in about ")
+            assert "--launch-rate" in message
+        creates = sorted(_when(e) for e in bed.audit()
+                         if e.get("verb") == "create" and e.get("stage") == "ResponseComplete"
+                         and e.get("objectRef", {}).get("resource") == "jobs"
+                         and e.get("objectRef", {}).get("namespace") == bed.namespace)
+        assert len(creates) == 4  # each job's workers created once, none refused with 409
+        # two at once, then one every two seconds (a second of slack for the loaded machine)
+        assert (creates[2] - creates[0]) > 1.0 and (creates[3] - creates[0]) > 3.0, creates
+        for name in NAMES:
+            await bed.until_phase("Running", name)
+        assert bed.operator_denials() == []
+    finally:
+        await bed.clean()
+
+
+def _when(event: dict) -> float:
+    return datetime.fromisoformat(event["stageTimestamp"].replace("Z", "+00:00")).timestamp()

@@ -70,5 +70,5 @@ class LaunchPacer:
 
     @property
     def waiting(self) -> int:
-        """Jobs promised a turn that has not come yet."""
+        """Jobs promised a turn that they have not taken yet."""
         return len(self._turns)

@@ -212,10 +212,12 @@ def _wake_after(runtime: Runtime, backend: Backend | None, job: FineTuneJob,
     interval while something can only be polled. A backend whose workers are watched
     (`children`) says what it polls; any other is polled while its job is not finished."""
     due = [next_deadline(job.spec.run_policy, decision.status, now)]
+    if (turn := runtime.launches.promised((job.namespace, job.name))) is not None:
+        # waiting for its turn to launch: nothing else wakes it, and no workers to poll (a
+        # polled look would only count its wait down in the status, a patch each time)
+        return min(d for d in (*due, turn) if d is not None)
     if decision.actions:  # what was just done shows in the next look
         due.append(runtime.interval)
-    if (turn := runtime.launches.promised((job.namespace, job.name))) is not None:
-        due.append(turn)  # its turn to launch: nothing else would wake it
     if getattr(backend, "children", None) is not None:
         if seen.polled:
             due.append(runtime.interval)

@@ -4,8 +4,10 @@ its azureml backend driving the real azure-ai-ml client, whose HTTP goes to a fa
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
+import time
 
 import aiohttp
 import pytest
@@ -15,6 +17,7 @@ from finetune_operator import controller, planner
 from finetune_operator.backends import BackendContext, load_backends
 from finetune_operator.backends.azureml.jobspec import CONFIG_INPUT
 from finetune_operator.kube import Kube
+from finetune_operator.pacing import LaunchPacer
 from finetune_operator.settings import OperatorSettings
 from tests.conftest import minimal_job
 from tests.support.azureml_fake import (
@@ -54,14 +57,17 @@ def azure() -> FakeAzureML:
 
 
 @pytest_asyncio.fixture()
-async def aml_operator(cluster: ApiServer, rank0, azure: FakeAzureML):
-    """The operator, its azureml backend talking to the fake through the transport hook."""
+async def aml_operator(cluster: ApiServer, rank0, azure: FakeAzureML, request):
+    """The operator, its azureml backend talking to the fake through the transport hook
+    (launches paced by (rate, burst) when the test parametrizes it indirectly)."""
     running = Operator(cluster, rank0)
     kube = Kube(running.kubeconfig)
     context = BackendContext(settings=OperatorSettings(), kube=kube,
                              azure_credential=StaticCredential(), azure_transport=azure)
     running.runtime = controller.Runtime(backends=load_backends(context), kube=kube,
                                          interval=0.3)
+    if (paced := getattr(request, "param", None)) is not None:
+        running.runtime.launches = LaunchPacer(*paced)
     await running.start()
     yield running
     await running.stop()
@@ -243,3 +249,23 @@ async def test_a_restart_renders_the_strategy_recorded_at_launch(
     await apply(cluster, azureml_job("fresh"))
     await eventually(lambda: status(cluster, "fresh").get("plan"), what="the new job's plan")
     assert status(cluster, "fresh")["plan"]["strategy"] == other
+
+
+@pytest.mark.parametrize("aml_operator", [(0.5, 1)], indirect=True, ids=["paced"])
+async def test_a_job_waiting_for_its_turn_is_not_polled_meanwhile(cluster, aml_operator, azure):
+    """Azure ML jobs are polled every --interval (0.3 s here) once submitted; one waiting for
+    its turn to launch has nothing to poll: it says when its turn comes, once, and is
+    submitted then."""
+    await apply(cluster, azureml_job("first"))
+    await apply(cluster, azureml_job("second"))
+    messages, deadline = set(), time.monotonic() + 30
+    while len(azure.jobs) < 2:
+        assert time.monotonic() < deadline, f"submitted: {list(azure.jobs)}"
+        if status(cluster, "second").get("phase") == "Pending":
+            messages.add(status(cluster, "second")["message"])
+        assert len(messages) <= 1, messages  # not counted down in the status at each poll
+        await asyncio.sleep(0.05)
+    assert len(messages) == 1 and next(iter(messages)).startswith(
+        "waiting for its turn to launch, in about ")
+    assert [name.split("-")[0] for name in azure.jobs] == ["first", "second"]
+    await eventually(phase_is(cluster, "Launching", "second"), what="second Launching")

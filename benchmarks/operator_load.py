@@ -44,6 +44,8 @@ sys.path.insert(0, str(REPO / "cluster"))  # cluster/controlplane.py: what `make
 import controlplane  # noqa: E402
 from controlplane import free_port  # noqa: E402
 
+from finetune_operator import naming  # noqa: E402
+
 
 def manifests(namespace: str, count: int) -> dict:
     items = []
@@ -111,7 +113,7 @@ def launch_requests(events: list[dict], jobs: int) -> float | None:
         by_name.setdefault(event.get("objectRef", {}).get("name") or "", []).append(event)
     per_job = []
     for name, about in by_name.items():
-        mine = sorted(about + by_name.get(f"{name}-trainer", []),
+        mine = sorted(about + by_name.get(naming.trainer_config_map(name), []),
                       key=lambda e: e["stageTimestamp"])
         created = [e["stageTimestamp"] for e in mine if e.get("verb") == "create"
                    and e["objectRef"].get("resource") == "jobs"]

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from datetime import datetime
 
 import pytest
 import pytest_asyncio
 
-from tests.support.cluster_fixtures import OperatorProcess
+from finetune_operator.kube import timestamp
+from tests.support.cluster_fixtures import OperatorProcess, standing_in
 from tests.support.cluster_testbed import ControlPlaneTestbed
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(300)]
@@ -29,13 +29,8 @@ async def paced_operator(installation, operator_install, operator_process, tmp_p
                             operator_process.settings, tmp_path / "operator.log",
                             interval=operator_process.interval,
                             args=("--launch-rate", "0.5", "--launch-burst", "2"))
-    await asyncio.to_thread(operator_process.stop)
-    try:
-        await asyncio.to_thread(paced.start)
+    async with standing_in(operator_process, paced):
         yield paced
-    finally:
-        await asyncio.to_thread(paced.stop)
-        await asyncio.to_thread(operator_process.start)
 
 
 async def test_a_burst_is_acknowledged_at_once_and_launched_at_the_set_pace(
@@ -48,7 +43,7 @@ async def test_a_burst_is_acknowledged_at_once_and_launched_at_the_set_pace(
                                    for name in NAMES]})
         waited: dict[str, str] = {}
         started = time.monotonic()
-        while not all(bed.jobs_created(n) for n in NAMES):  # every look at every job
+        while not all(bed.jobs_created(n) for n in NAMES):  # what each job said meanwhile
             assert time.monotonic() - started < 60, {n: bed.status(n) for n in NAMES}
             for name in NAMES:
                 status = bed.status(name)
@@ -59,7 +54,7 @@ async def test_a_burst_is_acknowledged_at_once_and_launched_at_the_set_pace(
         for message in waited.values():
             assert message.startswith("waiting for its turn to launch, in about ")
             assert "--launch-rate" in message
-        creates = sorted(_when(e) for e in bed.audit()
+        creates = sorted(timestamp(e["stageTimestamp"]).timestamp() for e in bed.audit()
                          if e.get("verb") == "create" and e.get("stage") == "ResponseComplete"
                          and e.get("objectRef", {}).get("resource") == "jobs"
                          and e.get("objectRef", {}).get("namespace") == bed.namespace)
@@ -71,7 +66,3 @@ async def test_a_burst_is_acknowledged_at_once_and_launched_at_the_set_pace(
         assert bed.operator_denials() == []
     finally:
         await bed.clean()
-
-
-def _when(event: dict) -> float:
-    return datetime.fromisoformat(event["stageTimestamp"].replace("Z", "+00:00")).timestamp()

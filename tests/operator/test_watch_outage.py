@@ -17,7 +17,7 @@ import json
 import pytest
 import pytest_asyncio
 
-from tests.support.cluster_fixtures import OperatorProcess, free_port
+from tests.support.cluster_fixtures import OperatorProcess, free_port, standing_in
 from tests.support.cluster_testbed import ControlPlaneTestbed
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(300)]
@@ -89,14 +89,11 @@ async def relayed_operator(installation, operator_install, operator_process, pro
     kubeconfig.write_text(json.dumps(config))
     relayed = OperatorProcess(operator_install, kubeconfig, operator_process.settings,
                               tmp_path / "operator.log", interval=operator_process.interval)
-    await asyncio.to_thread(operator_process.stop)
     try:
-        await asyncio.to_thread(relayed.start)
-        yield relay, relayed
+        async with standing_in(operator_process, relayed):
+            yield relay, relayed
     finally:
-        await asyncio.to_thread(relayed.stop)
         await relay.close()
-        await asyncio.to_thread(operator_process.start)
 
 
 async def test_the_operator_catches_up_after_its_watch_streams_die(

@@ -163,6 +163,21 @@ class OperatorProcess:
         self.process = None
 
 
+@contextlib.asynccontextmanager
+async def standing_in(session_operator: OperatorProcess, replacement: OperatorProcess):
+    """`replacement` runs in place of the session's operator (stopped meanwhile: two
+    operators would both act on every job), which is started again afterwards."""
+    import asyncio
+
+    await asyncio.to_thread(session_operator.stop)
+    try:
+        await asyncio.to_thread(replacement.start)
+        yield replacement
+    finally:
+        await asyncio.to_thread(replacement.stop)
+        await asyncio.to_thread(session_operator.start)
+
+
 @pytest.fixture(scope="session")
 def progress_port() -> int:
     """Where the operator reads rank 0's /progress (FINETUNE_METRICS_PORT): tests serve it on

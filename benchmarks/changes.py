@@ -8,6 +8,7 @@ and writes benchmarks/changes.json.
     .venv/bin/python benchmarks/changes.py                  # every CPU change (~15 min)
     .venv/bin/python benchmarks/changes.py --only fused-loss,prefetch
     .venv/bin/python benchmarks/changes.py --suite gpu      # 1B full on one GPU (~8 min)
+    .venv/bin/python benchmarks/changes.py --suite gpu --only gpu-micro-batch
 """
 
 from __future__ import annotations
@@ -94,6 +95,13 @@ GPU_CHANGES += [
     Change("gpu-qlora-compile", replace(GPU_QLORA, steps=40, warmup=10),
            on={"strategy": {"compile": True}}, off={"strategy": {"compile": False}},
            why="1B QLoRA: torch.compile per decoder layer around the 4-bit matmuls"),
+    Change("gpu-micro-batch", replace(GPU_BASE, batch=8),
+           on={"strategy": {"gradientCheckpointing": False},
+               "hyperparameters": {"microBatchSize": 4}},
+           off={"strategy": {"gradientCheckpointing": True},
+                "hyperparameters": {"microBatchSize": 8}},
+           why="1B full, 8 x 4096 tokens a step: 2 passes of 4 kept whole (the planner's "
+               "choice) vs 1 pass of 8 with whole layers recomputed"),
     Change("gpu-qlora-bf16-norms", GPU_QLORA, on={}, off={},
            env_on={"FINETUNE_QLORA_UPCAST": "0"}, env_off={"FINETUNE_QLORA_UPCAST": "1"},
            why="1B QLoRA: norms and embeddings kept in bf16 (vs peft's upcast to fp32)"),

@@ -77,6 +77,9 @@ class Bench:
     """None: what an unset `gradientCheckpointing` resolves to (see `as_users_run_it`)."""
     compile: bool | None = False
     """None: what an unset `compile` resolves to."""
+    micro_batch: int | None = None
+    """Sequences per pass (`microBatchSize`); None: `batch`, or the planner's choice where
+    `as_users_run_it` resolves the rest."""
     packing: bool = True
     warmup: int = 3
     samples: int = 600
@@ -187,7 +190,9 @@ def trainer_config(bench: Bench, model: Path, data: Path, output: Path) -> dict:
         "hyperparameters": {"maxSteps": bench.steps, "batchSizePerDevice": bench.batch,
                             "gradientAccumulationSteps": bench.accumulation,
                             "learningRate": 1e-4, "logEverySteps": bench.warmup,
-                            "warmupRatio": 0.0, "scheduler": "constant"},
+                            "warmupRatio": 0.0, "scheduler": "constant",
+                            **({"microBatchSize": bench.micro_batch}
+                               if bench.micro_batch else {})},
         "output": {"uri": str(output), "checkpointEverySteps": 10**6},
         "metrics": {"port": 19208},
         "preflight": {"enabled": False},
@@ -204,8 +209,8 @@ PLANNED_STEPS = 10_000
 
 
 def as_users_run_it(bench: Bench, model: Path) -> Bench:
-    """The bench with unset checkpointing and compile resolved as `finetune run` and the
-    operator resolve them (finetune_operator.planner.choose_step_settings)."""
+    """The bench with unset checkpointing, micro-batch and compile resolved as `finetune
+    run` and the operator resolve them (finetune_operator.planner.choose_step_settings)."""
     if bench.checkpointing is not None and bench.compile is not None:
         return bench
     from finetune_operator.api import FineTuneJob
@@ -216,12 +221,15 @@ def as_users_run_it(bench: Bench, model: Path) -> Bench:
         "apiVersion": "finetune.dev/v1alpha1", "kind": "FineTuneJob",
         "metadata": {"name": bench.name}, "spec": {
             "model": {"uri": str(model)}, "dataset": {"uri": "/data.jsonl",
-                                                      "maxSeqLength": bench.seq_len},
+                                                      "maxSeqLength": bench.seq_len,
+                                                      "packing": bench.packing},
             "method": {"type": bench.method, **lora},
             "strategy": {"type": bench.strategy, "precision": bench.precision,
                          "gradientCheckpointing": bench.checkpointing,
                          "compile": bench.compile},
-            "hyperparameters": {"maxSteps": PLANNED_STEPS, "batchSizePerDevice": bench.batch},
+            "hyperparameters": {"maxSteps": PLANNED_STEPS, "batchSizePerDevice": bench.batch,
+                                "gradientAccumulationSteps": bench.accumulation,
+                                "microBatchSize": bench.micro_batch},
             "resources": {"gpusPerNode": 8, "gpuType": PLANNED_ON},
             "output": {"uri": "/out"}}})
     config = ModelConfig(source=str(model), config=json.loads(
@@ -230,7 +238,7 @@ def as_users_run_it(bench: Bench, model: Path) -> Bench:
     for note in settings.notes:
         print(f"  {bench.name}: {note}", flush=True)
     return replace(bench, checkpointing=settings.gradient_checkpointing,
-                   compile=settings.compile, extra={
+                   compile=settings.compile, micro_batch=settings.micro_batch, extra={
                        **bench.extra, "checkpointPolicy": settings.checkpoint_policy})
 
 

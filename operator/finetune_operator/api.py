@@ -382,7 +382,7 @@ class CheckpointRef(StatusModel):
 
 class LaunchPlan(StatusModel):
     """What the operator decided before the first launch where the spec leaves it open
-    (`strategy: auto`, unset gradient checkpointing and compile). Every launch and gang
+    (`strategy: auto`, unset gradient checkpointing, micro-batch and compile). Every launch and gang
     restart renders from this record, so a planner that answers differently after an
     operator upgrade never restarts a job under another strategy, whose checkpoints it
     could not read."""
@@ -395,6 +395,9 @@ class LaunchPlan(StatusModel):
     """Which activations are recomputed, when checkpointing is on."""
     compile: bool
     """Whether the model runs under torch.compile."""
+    micro_batch_size: int | None = None
+    """Sequences per forward pass on each device (absent in records written before the
+    operator chose it: batchSizePerDevice)."""
 
 
 class BackendRef(StatusModel):

@@ -324,8 +324,7 @@ def run_command(file: str, nproc: int | None, fresh: bool, verbose: bool) -> Non
     if refused := trained_with.refusal(output_dir, config, local.START_OVER):
         click.echo(f"{doc.source}: {refused}", err=True)
         sys.exit(EXIT_INVALID)
-    config = config.model_copy(update={"hyperparameters": config.hyperparameters.model_copy(
-        update={"gradient_accumulation_steps": accumulation})})
+    config = local.with_accumulation(config, accumulation)
     config_path = local.write_config(config, output_dir)
     click.echo(f"{doc.source}: {_summary(job, where='this machine')}")
     for difference in differences:

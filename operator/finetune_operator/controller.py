@@ -141,8 +141,9 @@ async def feasibility(runtime: Runtime, job: FineTuneJob, problems: list[str]
         return None
     def plan() -> Feasibility:
         model = runtime.model_configs.resolve(job.spec.model.uri, job.spec.model.revision)
-        decided = launch_plan(job, model)
-        verdict = plan_job(job, model, decided.strategy, search_catalog=False)
+        decided, as_run = launch_plan(job, model)
+        verdict = plan_job(as_run, model, decided.strategy, search_catalog=False,
+                           as_written=job)
         return Feasibility(fits=verdict.fits, message=verdict.reason, plan=decided)
 
     return await asyncio.to_thread(plan)

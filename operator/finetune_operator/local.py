@@ -7,6 +7,7 @@ are tested directly; torch is only ever started as a child process.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import shutil
@@ -153,6 +154,15 @@ def fit_to_machine(job: FineTuneJob, processes: int, gpus: int) -> tuple[int, li
                  f"spec's {world}: gradientAccumulationSteps {accumulation} keeps the global "
                  f"batch of {global_batch} sequences")
     return accumulation, notes
+
+
+def with_accumulation(config: TrainerConfig, accumulation: int) -> TrainerConfig:
+    """The config with `fit_to_machine`'s accumulation, its micro-batch the largest that
+    still divides the step and is no larger than the one chosen for the spec's devices."""
+    hp = config.hyperparameters
+    micro = math.gcd(hp.micro_steps()[0], hp.batch_size_per_device * accumulation)
+    return config.model_copy(update={"hyperparameters": hp.model_copy(update={
+        "gradient_accumulation_steps": accumulation, "micro_batch_size": micro})})
 
 
 def visible_gpus() -> int:

@@ -56,17 +56,30 @@ def launch_decisions(job: FineTuneJob, model: ModelConfig | None = None
         return recorded.strategy, StepSettings(
             gradient_checkpointing=recorded.gradient_checkpointing,
             checkpoint_policy=recorded.gradient_checkpointing_policy,
+            micro_batch=_recorded_micro_batch(recorded, job),
             compile=recorded.compile, notes=["as recorded in status.plan"])
     chosen = resolve_strategy(job, model)
     return chosen, planner.choose_step_settings(job, model, chosen)
 
 
-def launch_plan(job: FineTuneJob, model: ModelConfig | None = None) -> LaunchPlan:
-    """The record `launch_decisions` reads back."""
+def _recorded_micro_batch(recorded: LaunchPlan, job: FineTuneJob) -> int:
+    """The recorded micro-batch while it still divides the spec's step (a record from
+    before the operator chose it has none)."""
+    hp = job.spec.hyperparameters
+    if recorded.micro_batch_size in hp.micro_batch_choices():
+        return recorded.micro_batch_size
+    return hp.micro_steps()[0]
+
+
+def launch_plan(job: FineTuneJob, model: ModelConfig | None = None
+                ) -> tuple[LaunchPlan, FineTuneJob]:
+    """The record `launch_decisions` reads back, and the job as its workers will run it
+    (the record's step settings in its spec: what the planner's verdict is about)."""
     chosen, settings = launch_decisions(job, model)
-    return LaunchPlan(strategy=chosen, gradient_checkpointing=settings.gradient_checkpointing,
-                      gradient_checkpointing_policy=settings.checkpoint_policy,
-                      compile=settings.compile)
+    record = LaunchPlan(strategy=chosen, gradient_checkpointing=settings.gradient_checkpointing,
+                        gradient_checkpointing_policy=settings.checkpoint_policy,
+                        compile=settings.compile, micro_batch_size=settings.micro_batch)
+    return record, planner.with_step_settings(job, settings)
 
 
 def _explicit_lora(method: MethodConfig) -> MethodConfig:
@@ -102,7 +115,8 @@ def trainer_config_and_step_settings(job: FineTuneJob, mount: Mount = keep_locat
         method=_explicit_lora(spec.method),
         strategy=strategy,
         hyperparameters=spec.hyperparameters.model_copy(update={
-            "learning_rate": spec.hyperparameters.resolved_learning_rate(spec.method.type)}),
+            "learning_rate": spec.hyperparameters.resolved_learning_rate(spec.method.type),
+            "micro_batch_size": settings.micro_batch}),
         output=spec.output.model_copy(update={"uri": output_at}),
         preflight=TrainerPreflight(
             **spec.preflight.model_dump(),

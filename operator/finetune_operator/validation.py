@@ -137,6 +137,30 @@ def epochs_or_max_steps(job: FineTuneJob) -> Iterator[Problem]:
                       "keep one: remove `epochs` or `maxSteps`")
 
 
+@rule(CelRule("spec.hyperparameters",
+              "!has(self.microBatchSize) || "
+              "(self.batchSizePerDevice * self.gradientAccumulationSteps) % self.microBatchSize"
+              " == 0",
+              "spec.hyperparameters.microBatchSize must divide batchSizePerDevice x "
+              "gradientAccumulationSteps (the sequences a device trains on per optimizer step)"
+              " — pick a divisor, or remove it and let the planner choose",
+              ".microBatchSize"))
+def micro_batch_divides_the_step(job: FineTuneJob) -> Iterator[Problem]:
+    hp = job.spec.hyperparameters
+    per_device = hp.batch_size_per_device * hp.gradient_accumulation_steps
+    if hp.micro_batch_size is not None and per_device % hp.micro_batch_size:
+        choices = hp.micro_batch_choices()
+        below = max(d for d in choices if d < hp.micro_batch_size)
+        above = [d for d in choices if d > hp.micro_batch_size][:1]
+        nearest = " or ".join(str(d) for d in (below, *above))
+        yield Problem("spec.hyperparameters.microBatchSize",
+                      f"{hp.micro_batch_size} does not divide the {per_device} sequences a "
+                      f"device trains on per optimizer step (batchSizePerDevice "
+                      f"{hp.batch_size_per_device} x gradientAccumulationSteps "
+                      f"{hp.gradient_accumulation_steps})",
+                      f"use a divisor ({nearest}), or remove it and let the planner choose")
+
+
 @rule(
     CelRule("spec", "self.method.type != 'qlora' || self.resources.gpusPerNode > 0",
             "qlora needs GPUs (bitsandbytes 4-bit kernels) — set spec.resources.gpusPerNode "

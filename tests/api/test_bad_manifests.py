@@ -127,6 +127,10 @@ CASES = [
          "spec.output.mergeAdapter", "no adapter to merge", "cel"),
     Case("eval-every-without-split", {"spec.hyperparameters.evalEverySteps": 50},
          "spec.hyperparameters.evalEverySteps", "set `spec.dataset.evalFraction`", "cel"),
+    Case("micro-batch-not-dividing-the-step", {"spec.hyperparameters.batchSizePerDevice": 4,
+                                               "spec.hyperparameters.gradientAccumulationSteps": 2,
+                                               "spec.hyperparameters.microBatchSize": 3},
+         "spec.hyperparameters.microBatchSize", "use a divisor (2 or 4)", "cel"),
     Case("bad-quantity", {"spec.kubernetes": {"shmSize": "lots"}}, "spec.kubernetes.shmSize",
          "not a Kubernetes quantity", "schema"),
     Case("bad-toleration-effect", {"spec.kubernetes": {"tolerations": [

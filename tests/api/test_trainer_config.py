@@ -81,3 +81,16 @@ def test_workers_are_told_the_recorded_plan_not_a_fresh_decision():
     assert (told.type, told.gradient_checkpointing, told.gradient_checkpointing_policy,
             told.compile) == (recorded.strategy, recorded.gradient_checkpointing, "selective",
                               False)
+
+
+def test_workers_are_told_the_recorded_micro_batch_while_it_divides_the_step():
+    """A micro-batch recorded in status.plan is what every launch runs; a record from
+    before the operator chose one (none), or one the edited spec's step no longer divides,
+    falls back to the spec's."""
+    job = parse_job(minimal_job(hyperparameters={"maxSteps": 10, "batchSizePerDevice": 4,
+                                                 "gradientAccumulationSteps": 2}))
+    plan = {"strategy": "ddp", "gradient_checkpointing": True,
+            "gradient_checkpointing_policy": "full", "compile": False}
+    for recorded, told in ((2, 2), (8, 8), (None, 4), (3, 4)):
+        job.status = FineTuneJobStatus(plan=LaunchPlan(**plan, micro_batch_size=recorded))
+        assert build_trainer_config(job).hyperparameters.micro_steps()[0] == told

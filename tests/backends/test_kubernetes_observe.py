@@ -234,3 +234,13 @@ def test_a_previous_gangs_pods_do_not_fail_the_new_job():
     assert seen.failure is None and seen.running
     old["metadata"]["labels"]["batch.kubernetes.io/controller-uid"] = "uid-2"
     assert observe(new, [old, mine], nodes=1).failure.kind == "worker"
+
+
+def test_the_job_is_named_where_users_look():
+    """status.backendRef (kubectl describe, `finetune status`'s "where:") names the Job,
+    whatever state it is in."""
+    for workload in (job_object(), job_object("Complete"), job_object(suspend=True),
+                     job_object(deleting=True)):
+        ref = observe(workload, [pod("demo-0-y", "Running")], nodes=1).backend_ref
+        assert (ref.kind, ref.name) == ("Job", "demo")
+    assert observe(None, [], nodes=1).backend_ref is None

@@ -62,3 +62,26 @@ def test_finetune_run_refuses_it_before_anything_starts(tmp_path):
     assert result.returncode == 2, result.stdout + result.stderr
     assert "cannot be kept on 4 local processes" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("accumulation", "expected"), [
+    (3, 6),   # the spec's own machine: kept
+    (24, 6),  # 1 process for 8: 6 divides 2 x 24
+    (4, 2),   # 6 processes for 8: 2 x 4 = 8 sequences a step, the largest divisor of both
+])
+def test_the_micro_batch_divides_the_local_step_and_never_grows(accumulation, expected):
+    """The spec's 8 workers run 2 x 3 sequences a step in one pass of 6 (as the planner
+    may merge them); `finetune run` on another process count keeps a pass that divides
+    its step and is no larger than the spec's."""
+    from finetune_operator.local import with_accumulation
+    from finetune_operator.trainer_config import build_trainer_config
+
+    spec = minimal_job(resources={"nodes": 1, "gpusPerNode": 0, "processesPerNode": 8},
+                       hyperparameters={"maxSteps": 10, "batchSizePerDevice": 2,
+                                        "gradientAccumulationSteps": 3, "microBatchSize": 6},
+                       model={"uri": "/models/tiny"}, dataset={"uri": "/data/train.jsonl"},
+                       output={"uri": "/out"})
+    config = build_trainer_config(FineTuneJob.model_validate(spec))
+    local = with_accumulation(config, accumulation).hyperparameters
+    assert local.gradient_accumulation_steps == accumulation
+    assert local.micro_batch_size == expected

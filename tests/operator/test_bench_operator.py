@@ -42,7 +42,10 @@ def test_the_operator_load_benchmark_measures_both_side_by_side(tmp_path):
         assert 5 <= figures[ours]["api_requests_to_launch_a_job"] <= 6
     # the launcher created the same three children per job that ours did
     assert figures["launcher"]["api_requests_by_kind"]["create jobs"] == 1
-    assert figures["ours"]["steady_cpu_percent"] >= 0
+    # its own CPU time while nothing changes (robust to a busy machine): near 0 when it
+    # waits on watches; a poll or spin loop would hold most of a core
+    for ours in ("ours", "ours_unpaced"):
+        assert 0 <= figures[ours]["steady_cpu_percent"] < 50
     assert figures["ratios"]["peak_rss_mib"] == round(
         figures["ours"]["peak_rss_mib"] / figures["floor"]["peak_rss_mib"], 2)
     assert figures["unpaced_ratios_to_launcher"]["seconds_to_all_launched"] == round(

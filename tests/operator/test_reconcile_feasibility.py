@@ -89,3 +89,19 @@ def test_the_controller_plans_from_the_table_before_launch():
     launched = job(FineTuneJobStatus(launched_spec={"model": "x"}))
     assert asyncio.run(feasibility(runtime, launched, [])) is None
     assert asyncio.run(feasibility(runtime, job(), ["spec.x: bad — fix"])) is None
+
+
+def test_the_verdict_is_about_the_passes_the_workers_run():
+    """64 sequences of 4096 tokens a step do not fit one 80 GB GPU in one pass, even
+    recomputing every layer; in the smaller passes the planner records for the workers
+    they do, so the job launches (and the record says how it runs)."""
+    spec = dict(model={"uri": "hf://meta-llama/Llama-3.1-8B"},
+                dataset={"uri": "pvc://data/train.jsonl", "maxSeqLength": 4096},
+                resources={"gpusPerNode": 1, "gpuType": "H100"}, strategy={"type": "ddp"})
+    sized = _plan(**spec, hyperparameters={"maxSteps": 10, "batchSizePerDevice": 64})
+    assert sized.fits is True
+    assert sized.plan.micro_batch_size is not None and sized.plan.micro_batch_size < 64
+    assert 64 % sized.plan.micro_batch_size == 0
+    whole = _plan(**spec, hyperparameters={"maxSteps": 10, "batchSizePerDevice": 64,
+                                           "microBatchSize": 64})
+    assert whole.fits is False and whole.plan.micro_batch_size == 64

@@ -7,25 +7,32 @@ import pytest
 
 from finetune_operator.api import FineTuneJob
 from finetune_operator.planner import choose_step_settings
+from finetune_operator.planner.plan import TOKENS_PER_PASS
 from finetune_operator.planner.render import plan_with_notes, table
+from finetune_operator.planner.sources import from_table
 from finetune_operator.trainer_config import build_trainer_config
 from tests.conftest import minimal_job
 
 LLAMA_8B = "meta-llama/Llama-3.1-8B"  # in the planner's built-in table: no hub needed
 H100_X8 = "Standard_ND96isr_H100_v5"  # 80 GB
 T4 = "Standard_NC4as_T4_v3"  # 16 GB
+A100_40_X8 = "Standard_ND96asr_v4"  # 40 GB
 
 
 def job(method: str = "lora", *, gpu_type: str | None = H100_X8, batch: int = 1,
         seq: int = 2048, steps: int | None = 20_000, strategy: dict | None = None,
-        gpus: int = 8) -> FineTuneJob:
-    hyper = {"batchSizePerDevice": batch}
+        gpus: int = 8, accumulation: int = 1, micro: int | None = None,
+        packing: bool = True) -> FineTuneJob:
+    hyper = {"batchSizePerDevice": batch, "gradientAccumulationSteps": accumulation}
     hyper.update({"maxSteps": steps} if steps else {"epochs": 1})
+    if micro is not None:
+        hyper["microBatchSize"] = micro
     resources = {"gpusPerNode": gpus}
     if gpu_type:
         resources["gpuType"] = gpu_type
     manifest = minimal_job(model={"uri": f"hf://{LLAMA_8B}"}, method={"type": method},
-                           dataset={"uri": "pvc://data/train.jsonl", "maxSeqLength": seq},
+                           dataset={"uri": "pvc://data/train.jsonl", "maxSeqLength": seq,
+                                    "packing": packing},
                            hyperparameters=hyper, resources=resources,
                            strategy={"type": "ddp", **(strategy or {})})
     return FineTuneJob.model_validate(manifest)
@@ -44,8 +51,9 @@ def test_checkpointing_off_when_the_activations_fit():
 
 def test_selective_then_full_as_the_activations_grow():
     levels = []
-    for batch in (1, 4, 16):
-        chosen = settings(job(batch=batch, seq=4096))
+    for batch in (1, 4, 16):  # a set microBatchSize: the pass itself grows
+        chosen = settings(job(batch=batch, seq=4096, micro=batch))
+        assert chosen.micro_batch == batch
         levels.append("off" if not chosen.gradient_checkpointing else chosen.checkpoint_policy)
     assert levels[0] == "off"
     assert levels[-1] == "full"
@@ -102,3 +110,84 @@ def test_the_workers_get_the_choice_and_the_plan_prints_it():
 def test_a_short_t4_job_keeps_full_checkpointing_and_no_compile():
     chosen = settings(job(gpu_type=T4, gpus=1, batch=4, seq=4096, steps=50, method="qlora"))
     assert chosen.gradient_checkpointing is True and chosen.compile is False
+
+
+# --- micro-batch sized from memory --------------------------------------------------------
+
+def test_a_step_runs_in_smaller_passes_rather_than_recompute():
+    """8B LoRA, 4 x 4096 tokens: recomputing would be needed at 4 sequences a pass; one
+    sequence (4096 tokens) a pass fits without it, and the step's batch is kept."""
+    chosen = settings(job(batch=4, seq=4096))
+    assert (chosen.gradient_checkpointing, chosen.micro_batch) == (False, 1)
+    assert chosen.notes[0].startswith("gradientCheckpointing unset → off:")
+    assert "per GPU at microBatchSize 1 fits with 10% headroom" in chosen.notes[0]
+    assert chosen.notes[1] == ("microBatchSize unset → 1: batchSizePerDevice 4 does not fit "
+                               "with checkpointing off; 4 passes of 1 do and keep the global "
+                               "batch")
+    assert build_trainer_config(job(batch=4, seq=4096)).hyperparameters.micro_steps() == (1, 4)
+
+
+def test_passes_are_not_split_below_a_full_matmul_to_save_a_recompute():
+    """8B LoRA on 40 GB A100s, 8 x 512 tokens: without recomputing, only passes smaller
+    than TOKENS_PER_PASS fit; the planner recomputes selectively at 8 a pass instead."""
+    chosen = settings(job(batch=8, seq=512, gpu_type=A100_40_X8, packing=False))
+    assert chosen.micro_batch * 512 == TOKENS_PER_PASS
+    assert (chosen.gradient_checkpointing, chosen.checkpoint_policy) == (True, "selective")
+    without = settings(job(batch=8, seq=512, gpu_type=A100_40_X8, packing=False,
+                           strategy={"gradientCheckpointing": False}))
+    assert without.micro_batch * 512 < TOKENS_PER_PASS  # it fits, in smaller passes
+    assert "fits with 10% headroom" in without.notes[0]
+
+
+def test_whole_accumulation_steps_run_in_one_pass_where_they_fit():
+    """2 x 1024 tokens, 8 accumulation steps: 4 sequences a pass fit without recomputing,
+    so 4 passes of 4 instead of 8 of 2; not on unpacked data, where a larger pass pads."""
+    packed = settings(job(batch=2, seq=1024, accumulation=8))
+    assert (packed.gradient_checkpointing, packed.micro_batch) == (False, 4)
+    assert packed.notes[1] == ("microBatchSize unset → 4: 4 passes of 4 a step instead of 8 "
+                               "of batchSizePerDevice 2: fewer, larger passes")
+    # any divisor of the step's 12 sequences, not only whole accumulation steps of 4
+    assert settings(job(batch=4, seq=512, accumulation=3)).micro_batch == 6
+    unpacked = settings(job(batch=2, seq=1024, accumulation=8, packing=False))
+    assert unpacked.micro_batch == 2
+    assert not any(note.startswith("microBatchSize") for note in unpacked.notes)
+
+
+def test_a_job_that_fits_nowhere_gets_the_least_memory_there_is():
+    chosen = settings(job(method="full", batch=4, seq=32768, accumulation=2))
+    assert (chosen.gradient_checkpointing, chosen.checkpoint_policy) == (True, "full")
+    assert chosen.micro_batch == 1
+    assert "does not fit either" in chosen.notes[0]
+    assert chosen.notes[1] == ("microBatchSize unset → 1: no micro-batch fits; 8 passes of 1 "
+                               "need the least memory")
+
+
+def test_a_set_micro_batch_is_kept_and_checkpointing_chosen_around_it():
+    chosen = settings(job(batch=4, seq=4096, micro=4))
+    assert chosen.micro_batch == 4 and chosen.gradient_checkpointing is True
+    assert not any(note.startswith("microBatchSize") for note in chosen.notes)
+
+
+def test_set_checkpointing_is_kept_and_the_micro_batch_sized_around_it():
+    chosen = settings(job(batch=64, seq=4096, strategy={"gradientCheckpointing": True}))
+    assert chosen.gradient_checkpointing is True and chosen.checkpoint_policy == "full"
+    assert 1 < chosen.micro_batch < 64 and 64 % chosen.micro_batch == 0
+    assert chosen.notes[0].startswith(f"microBatchSize unset → {chosen.micro_batch}: "
+                                      "batchSizePerDevice 64 does not fit with checkpointing "
+                                      "full;")
+
+
+def test_cpu_workers_and_unknown_gpus_keep_batch_size_per_device():
+    for unknown in (job(batch=4, gpu_type=None), job(batch=4, gpu_type=None, gpus=0)):
+        assert settings(unknown).micro_batch == 4
+
+
+def test_the_plan_is_about_the_passes_the_workers_run():
+    """`finetune plan` prints the micro-batch the workers run, and its verdict estimates
+    that pass: 4 x 4096 tokens of 8B LoRA does not fit without recomputing, 1 x 4096 does."""
+    j = job(batch=4, seq=4096)
+    plan = plan_with_notes(j, from_table(f"hf://{LLAMA_8B}"))
+    assert plan.fits is True
+    printed = table(j, plan)
+    assert "micro-batch 1 x 4096 tokens, checkpointing off" in printed.splitlines()[0]
+    assert "note: microBatchSize unset → 1:" in printed

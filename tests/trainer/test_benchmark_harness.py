@@ -39,8 +39,8 @@ def test_the_peer_worker_sums_its_counts_over_two_ranks(tiny_model_dir, tmp_path
 
 
 def test_the_gpu_suite_runs_the_settings_users_get(tmp_path):
-    """checkpointing and compile unset in the suite: resolved by the planner as for a long
-    run on an 80 GB H100 (what `finetune plan` prints for such a job)."""
+    """checkpointing, micro-batch and compile unset in the suite: resolved by the planner
+    as for a long run on an 80 GB H100 (what `finetune plan` prints for such a job)."""
     chosen = {}
     for bench in throughput.SUITES["gpu"].benches:
         assert bench.checkpointing is None and bench.compile is None
@@ -58,6 +58,7 @@ def test_the_gpu_suite_runs_the_settings_users_get(tmp_path):
         chosen[bench.name] = (resolved.checkpointing, resolved.compile)
         config = throughput.trainer_config(resolved, model, tmp_path / "d.jsonl", tmp_path / "o")
         assert config["strategy"]["gradientCheckpointing"] is resolved.checkpointing
+        assert config["hyperparameters"]["microBatchSize"] == resolved.micro_batch
     assert chosen["gpu-1b-full"] == (False, True)
     assert chosen["gpu-1b-qlora"][1] is False  # 4-bit layers are not compiled
 

@@ -39,7 +39,8 @@ def test_the_record_names_spec_fields_and_leaves_out_what_may_change():
     assert record["method.lora.targetModules"] == ["all-linear"]
     unrecorded = config(**{"hyperparameters.maxSteps": 500,
                            "hyperparameters.learningRate": 1e-3,
-                           "output.checkpointEverySteps": 7, "output.keepLast": 5})
+                           "output.checkpointEverySteps": 7, "output.keepLast": 5,
+                           "hyperparameters.microBatchSize": 2})  # the same steps
     assert trained_with.record(unrecorded) == record
     assert trained_with.record(config(**{"method.type": "full", "method.lora": None}))[
         "method.lora.r"] is None

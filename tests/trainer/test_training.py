@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from finetune_operator.follow import run_log
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
@@ -29,7 +30,7 @@ def manifest(model_dir: Path, output: Path, *, strategy: str = "ddp", method: st
              steps: int = 6, batch: int = 2, accumulation: int = 1, processes: int = 2,
              checkpoint_every: int = 3, precision: str = "fp32", offload: str = "none",
              checkpointing: bool = False, merge: bool = False, fused_loss: bool = True,
-             compile: bool = False) -> dict:
+             compile: bool = False, micro: int | None = None) -> dict:
     spec = {
         "model": {"uri": str(model_dir)},
         "dataset": {"uri": str(DATA), "format": "chat", "maxSeqLength": 96},
@@ -45,6 +46,8 @@ def manifest(model_dir: Path, output: Path, *, strategy: str = "ddp", method: st
     }
     if merge:
         spec["output"]["mergeAdapter"] = True
+    if micro is not None:
+        spec["hyperparameters"]["microBatchSize"] = micro
     if method == "lora":
         spec["method"]["lora"] = {"r": 4, "alpha": 8, "dropout": 0.0}
     return {"apiVersion": "finetune.dev/v1alpha1", "kind": "FineTuneJob",
@@ -163,6 +166,18 @@ def test_two_ranks_match_one_rank_with_double_accumulation(runs):
     two = losses(runs("ddp", "full"))
     one = losses(runs("ddp", "full", processes=1, accumulation=2))
     assert one == pytest.approx(two, rel=1e-3)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_smaller_passes_train_the_same_numbers(runs, strategy):
+    """microBatchSize 1 runs each rank's 2 sequences of a step as 2 passes: the same
+    sequences per step, the same loss (the planner's choice changes memory, not training)."""
+    split = runs(strategy, "full", micro=1)
+    config = yaml.safe_load((split / ".finetune" / "trainer.yaml").read_text())
+    assert config["hyperparameters"]["microBatchSize"] == 1
+    assert "6 steps of 4 sequences, each process's in 2 passes of 1" in run_log(
+        split).read_text()
+    assert losses(split) == pytest.approx(losses(runs(strategy, "full")), rel=1e-3)
 
 
 def test_lora_run_leaves_checkpoints_progress_and_an_adapter_that_generates(runs):

@@ -11,6 +11,7 @@ This module must stay importable without torch: the operator image has no traini
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -214,10 +215,21 @@ class Hyperparameters(ApiModel):
     learning_rate: float | None = Field(default=None, gt=0, le=1)
     """Peak learning rate. Defaults to 2e-4 for lora/qlora and 2e-5 for full."""
     batch_size_per_device: int = Field(default=4, ge=1, le=4096)
-    """Sequences per device (GPU or CPU worker process) per micro-step."""
+    """Sequences per device (GPU or CPU worker process) per accumulation step. How many
+    go through one forward pass is `microBatchSize`."""
     gradient_accumulation_steps: int = Field(default=1, ge=1, le=4096)
-    """Micro-steps per optimizer step. Global batch = batchSizePerDevice x
+    """Accumulation steps per optimizer step. Global batch = batchSizePerDevice x
     gradientAccumulationSteps x devices."""
+    micro_batch_size: int | None = Field(default=None, ge=1, le=4096 * 4096)
+    """Sequences per forward and backward pass on each device. A device's
+    batchSizePerDevice x gradientAccumulationSteps sequences of an optimizer step run as
+    passes of this size (it must divide that product), so the global batch, the loss and
+    the data order do not depend on it. Unset (the default): chosen by the planner with
+    gradient checkpointing, from its memory estimate for the `gpuType` — smaller passes
+    (down to 4,096 tokens) rather than recomputing activations, larger ones up to 4,096
+    tokens (packed data), the smallest where nothing else fits; batchSizePerDevice where
+    the planner cannot tell (CPU workers, no gpuType, unknown model). `finetune plan` and
+    `finetune run` print the choice and why."""
     warmup_ratio: float = Field(default=0.03, ge=0.0, lt=1.0)
     """Fraction of steps over which the learning rate rises linearly from 0."""
     scheduler: Scheduler = "cosine"
@@ -232,6 +244,18 @@ class Hyperparameters(ApiModel):
     """Evaluate every N steps (needs `dataset.evalFraction` > 0); by default once at the end."""
     log_every_steps: int = Field(default=10, ge=1)
     """Log and publish metrics every N steps."""
+
+    def micro_steps(self) -> tuple[int, int]:
+        """(sequences per pass, passes per optimizer step) on each device."""
+        micro = self.micro_batch_size or self.batch_size_per_device
+        return micro, self.batch_size_per_device * self.gradient_accumulation_steps // micro
+
+    def micro_batch_choices(self) -> list[int]:
+        """Every `microBatchSize` that keeps the step's batch, ascending: the divisors of
+        batchSizePerDevice x gradientAccumulationSteps."""
+        per_device = self.batch_size_per_device * self.gradient_accumulation_steps
+        small = [d for d in range(1, math.isqrt(per_device) + 1) if per_device % d == 0]
+        return sorted({*small, *(per_device // d for d in small)})
 
     def resolved_learning_rate(self, method: MethodType) -> float:
         if self.learning_rate is not None:

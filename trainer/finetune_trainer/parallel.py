@@ -459,9 +459,10 @@ def deepspeed_config(strategy: StrategyConfig, hp: Hyperparameters) -> dict[str,
         zero["offload_optimizer"] = dict(target)
         if stage == 3:
             zero["offload_param"] = dict(target)
+    micro_batch, passes = hp.micro_steps()
     return {
-        "train_micro_batch_size_per_gpu": hp.batch_size_per_device,
-        "gradient_accumulation_steps": hp.gradient_accumulation_steps,
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": passes,
         "gradient_clipping": hp.max_grad_norm,
         "zero_optimization": zero,
         "bf16": {"enabled": strategy.precision == "bf16"},

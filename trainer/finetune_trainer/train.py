@@ -3,9 +3,10 @@
 Loss normalisation: a step's loss is the sum of token cross-entropies over every label
 token of the global batch, divided by that token count (known before the forward pass,
 summed over ranks on a CPU group, no device sync). Each micro-batch's summed loss is
-scaled by world x accumulation / tokens, because every strategy averages gradients over
-ranks and divides by the accumulation steps. So 2 ranks equal 1 rank with doubled
-accumulation, and padding or uneven packing never reweights tokens.
+scaled by world / tokens, because every strategy averages gradients over ranks and sums
+them over a step's micro-batches. So 2 ranks equal 1 rank with doubled accumulation, a
+step's micro-batch size (`microBatchSize`) changes nothing but memory and speed, and
+padding or uneven packing never reweights tokens.
 """
 
 from __future__ import annotations
@@ -499,8 +500,14 @@ class Trainer:
         from finetune_trainer.optim import build_scheduler
 
         hp = self.hp
-        self.batches = GlobalBatches(len(self.prepared.train), hp.batch_size_per_device,
-                                     hp.gradient_accumulation_steps, self.world, hp.seed)
+        micro_batch, passes = hp.micro_steps()
+        if micro_batch * passes != hp.batch_size_per_device * hp.gradient_accumulation_steps:
+            raise ValueError(
+                f"hyperparameters.microBatchSize {micro_batch} does not divide "
+                f"batchSizePerDevice x gradientAccumulationSteps "
+                f"({hp.batch_size_per_device} x {hp.gradient_accumulation_steps})")
+        self.batches = GlobalBatches(len(self.prepared.train), micro_batch, passes,
+                                     self.world, hp.seed)
         self.steps = total_steps(self.config, self.batches)
         self.scheduler = build_scheduler(self.strategy.base_optimizer, hp, self.steps)
 
@@ -602,7 +609,9 @@ class Trainer:
         _say(f"training {len(self.prepared.train)} sequences on {self.world} "
              f"{'process' if self.world == 1 else 'processes'} ({self.strategy.name}, "
              f"{self.config.strategy.precision}): {self.steps} steps of "
-             f"{self.batches.global_batch} sequences")
+             f"{self.batches.global_batch} sequences, each process's in "
+             f"{self.batches.accumulation} pass{'es' if self.batches.accumulation > 1 else ''}"
+             f" of {self.batches.micro_batch}")
         self.strategy.model.train()
         if self.stop.agree(self.control).wait():  # told to stop while loading: nothing new
             step = self.state.step
@@ -628,7 +637,7 @@ class Trainer:
 
     def evaluate(self, said: str) -> None:
         """The eval split's loss (where there is one): said, and published."""
-        loss = evaluate(self.strategy, self.prepared.eval, self.hp.batch_size_per_device,
+        loss = evaluate(self.strategy, self.prepared.eval, self.batches.micro_batch,
                         self.collation, self.control)
         if loss is not None:
             _say(f"{said} {loss:.4f}")

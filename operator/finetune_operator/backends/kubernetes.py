@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 
 from finetune_operator import naming, yamlio
-from finetune_operator.api import API_VERSION, KIND, FineTuneJob, Progress
+from finetune_operator.api import API_VERSION, KIND, BackendRef, FineTuneJob, Progress
 from finetune_operator.backends import BackendContext, BackendError
 from finetune_operator.backends.children import CONTROLLER_UID_KEY, Children
 from finetune_operator.kube import KUEUE_JOB_UID_LABEL, KubeError, timestamp
@@ -589,9 +589,17 @@ def needs_creation_events(workload: dict[str, Any] | None, pods: list[dict[str, 
 def observe(workload: dict[str, Any] | None, pods: list[dict[str, Any]], nodes: int,
             progress: Progress | None = None, not_created: str | None = None) -> Observation:
     """What the reconciler needs from the Job and its pods (pure: the caller fetches them).
-    `not_created`: why the Job controller could not create pods (`creation_failure`)."""
+    `not_created`: why the Job controller could not create pods (`creation_failure`). The
+    Job is the job's `status.backendRef`: what `kubectl describe` and `finetune status`
+    point a user to."""
     if workload is None:
         return Observation()
+    seen = _observe_job(workload, pods, nodes, progress, not_created)
+    return replace(seen, backend_ref=BackendRef(kind="Job", name=workload["metadata"]["name"]))
+
+
+def _observe_job(workload: dict[str, Any], pods: list[dict[str, Any]], nodes: int,
+                 progress: Progress | None, not_created: str | None) -> Observation:
     if workload["metadata"].get("deletionTimestamp"):
         return Observation(exists=True, deleting=True)
     pods = [p for p in pods if _made_by(p, workload)]  # not a previous gang's leftovers

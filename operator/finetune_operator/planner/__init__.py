@@ -16,6 +16,7 @@ from finetune_operator.planner.plan import (
     plan_job,
     recommend,
     resolve_strategy,
+    with_step_settings,
 )
 from finetune_operator.planner.sources import ModelConfig, ModelConfigs, fetch_from_hub
 
@@ -38,4 +39,5 @@ __all__ = [
     "plan_job",
     "recommend",
     "resolve_strategy",
+    "with_step_settings",
 ]

@@ -3,6 +3,7 @@ cheapest configuration that fits. Pure: the model's config is handed in."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -24,7 +25,7 @@ from finetune_operator.planner.memory import (
     estimate_memory,
 )
 from finetune_operator.planner.sources import ModelConfig, from_table
-from finetune_trainer.config import LoraConfig
+from finetune_trainer.config import Hyperparameters, LoraConfig
 
 HEADROOM = 0.10
 """A recommendation leaves this fraction of GPU memory free (allocator fragmentation,
@@ -35,6 +36,11 @@ NODE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 CHECKPOINTING_LEVELS: tuple[tuple[bool, CheckpointPolicy, str], ...] = (
     (False, "full", "off"), (True, "selective", "selective"), (True, "full", "full"))
 """What an unset gradientCheckpointing tries, fastest first."""
+TOKENS_PER_PASS = 4096
+"""A micro-batch of this many tokens keeps a GPU's matmuls large enough to run near their
+peak (M = tokens): the planner splits a step into smaller passes down to this size rather
+than recompute activations, and merges smaller passes up to it. Beyond it a larger pass
+gains little and spends memory the estimate may have misjudged."""
 COMPILE_PAYS_AFTER_S = 20 * 60
 """A per-layer compile costs a minute or two at start and saves ~18% of every step
 (benchmarks/changes-gpu.json): it pays back within a run of this length."""
@@ -76,11 +82,13 @@ class Recommendation(PlanModel):
 
 
 class StepSettings(PlanModel):
-    """Gradient checkpointing and compile as the workers run them, and why (for unset
-    fields): decided once, from the same estimate `finetune plan` prints."""
+    """Gradient checkpointing, micro-batch and compile as the workers run them, and why
+    (for unset fields): decided once, from the same estimate `finetune plan` prints."""
 
     gradient_checkpointing: bool
     checkpoint_policy: CheckpointPolicy
+    micro_batch: int
+    """Sequences per forward pass on each device (`microBatchSize`)."""
     compile: bool
     notes: list[str] = Field(default_factory=list)
 
@@ -137,18 +145,20 @@ def setup_for(job: FineTuneJob, strategy: Strategy, world_size: int | None = Non
     lora = spec.method.lora or LoraConfig()  # the trainer's defaults where the spec has none
     resources = spec.resources
     world = world_size or resources.nodes * resources.processes()
+    # unset microBatchSize: planned at batchSizePerDevice until `choose_step_settings` sizes it
+    micro_batch, passes = spec.hyperparameters.micro_steps()
     return TrainingSetup(
         method=spec.method.type,
         lora_rank=lora.r, lora_targets=list(lora.target_modules), lora_dropout=lora.dropout,
         strategy=strategy, offload=spec.strategy.offload,
         precision=precision or spec.strategy.precision,
-        micro_batch=spec.hyperparameters.batch_size_per_device,
+        micro_batch=micro_batch,
         seq_len=spec.dataset.max_seq_length,
         # unset: planned with checkpointing until `choose_step_settings` relaxes it
         gradient_checkpointing=spec.strategy.gradient_checkpointing is not False,
         checkpoint_policy=spec.strategy.gradient_checkpointing_policy,
         fused_loss=spec.strategy.fused_loss,
-        gradient_accumulation=spec.hyperparameters.gradient_accumulation_steps,
+        gradient_accumulation=passes,
         world_size=world, device="cuda" if resources.gpus_per_node else "cpu")
 
 
@@ -328,12 +338,16 @@ def resolve_strategy(job: FineTuneJob, model: ModelConfig | None = None) -> Stra
 
 
 def with_step_settings(job: FineTuneJob, settings: StepSettings) -> FineTuneJob:
-    """The job as its workers run it: checkpointing and compile set."""
-    strategy = job.spec.strategy.model_copy(update={
+    """The job as its workers run it: checkpointing, micro-batch and compile set."""
+    spec = job.spec
+    strategy = spec.strategy.model_copy(update={
         "gradient_checkpointing": settings.gradient_checkpointing,
         "gradient_checkpointing_policy": settings.checkpoint_policy,
         "compile": settings.compile})
-    return job.model_copy(update={"spec": job.spec.model_copy(update={"strategy": strategy})})
+    hyperparameters = spec.hyperparameters.model_copy(
+        update={"micro_batch_size": settings.micro_batch})
+    return job.model_copy(update={"spec": spec.model_copy(update={
+        "strategy": strategy, "hyperparameters": hyperparameters})})
 
 
 def _gpu_and_shape(job: FineTuneJob, model: ModelConfig | None
@@ -354,10 +368,11 @@ def _gpu_and_shape(job: FineTuneJob, model: ModelConfig | None
 
 def choose_step_settings(job: FineTuneJob, model: ModelConfig | None,
                          strategy: Strategy) -> StepSettings:
-    """What an unset `gradientCheckpointing` and `compile` stand for on this job: the
-    fastest checkpointing that fits the GPU with headroom (off, selective, full), and
-    compile for GPU runs long enough to pay for it. Set fields are kept as they are."""
-    chosen, notes = job.spec.strategy, []
+    """What an unset `gradientCheckpointing`, `microBatchSize` and `compile` stand for on
+    this job: the fastest checkpointing that fits the GPU with headroom (off, selective,
+    full) at the micro-batch that fits it (`_size_the_step`), and compile for GPU runs long
+    enough to pay for it. Set fields are kept as they are."""
+    chosen, hp, notes = job.spec.strategy, job.spec.hyperparameters, []
     shape, vm, unknown = _gpu_and_shape(job, model)
     resources = job.spec.resources
     world = resources.nodes * resources.processes()
@@ -367,33 +382,96 @@ def choose_step_settings(job: FineTuneJob, model: ModelConfig | None,
         setup = setup_for(job, strategy, world, precision).model_copy(update={"device": "cuda"})
 
     checkpointing, policy = chosen.gradient_checkpointing, chosen.gradient_checkpointing_policy
-    if checkpointing is None:
-        checkpointing, policy = True, "full"
-        if setup is None:
+    micro = hp.micro_steps()[0]
+    if setup is None or shape is None or vm is None:
+        if checkpointing is None:
+            checkpointing, policy = True, "full"
             notes.append(f"gradientCheckpointing unset → full: {unknown}")
-        else:
-            for enabled, level, label in CHECKPOINTING_LEVELS:
-                trial = setup.model_copy(update={"gradient_checkpointing": enabled,
-                                                 "checkpoint_policy": level})
-                estimate = estimate_memory(shape, trial)
-                fits = _fits(estimate, vm, HEADROOM)
-                if fits or label == CHECKPOINTING_LEVELS[-1][2]:
-                    checkpointing, policy = enabled, level
-                    notes.append(f"gradientCheckpointing unset → {label}: "
-                                 f"{gib(estimate.total)} of {gib(vm.gpu.memory_bytes)} per GPU"
-                                 + (f" fits with {HEADROOM:.0%} headroom" if fits
-                                    else ", the least there is, does not fit either"))
-                    break
-    if setup is not None:
-        setup = setup.model_copy(update={"gradient_checkpointing": checkpointing,
-                                         "checkpoint_policy": policy})
+    else:
+        levels = (CHECKPOINTING_LEVELS if checkpointing is None else
+                  ((checkpointing, policy, policy if checkpointing else "off"),))
+        sized = _size_the_step(shape, setup, vm, levels, hp, job.spec.dataset.packing)
+        checkpointing, policy = sized.level[0], sized.level[1]
+        setup = sized.setup
+        micro = setup.micro_batch
+        at = f" at microBatchSize {micro}" if micro != hp.batch_size_per_device else ""
+        total = (f"{gib(sized.estimate.total)} of {gib(vm.gpu.memory_bytes)} per GPU{at}"
+                 + (f" fits with {HEADROOM:.0%} headroom" if sized.fits
+                    else ", the least there is, does not fit either"))
+        if chosen.gradient_checkpointing is None:
+            notes.append(f"gradientCheckpointing unset → {sized.level[2]}: {total}")
+        if hp.micro_batch_size is None and micro != hp.batch_size_per_device:
+            notes.append(f"microBatchSize unset → {micro}: {sized.why}"
+                         + ("" if chosen.gradient_checkpointing is None else f"; {total}"))
 
     compile_ = chosen.compile
     if compile_ is None:
         compile_, why = _compile_by_length(job, strategy, setup, shape, vm, unknown)
         notes.append(f"compile unset → {'on' if compile_ else 'off'}: {why}")
     return StepSettings(gradient_checkpointing=checkpointing, checkpoint_policy=policy,
-                        compile=compile_, notes=notes)
+                        micro_batch=micro, compile=compile_, notes=notes)
+
+
+@dataclass(frozen=True)
+class _SizedStep:
+    level: tuple[bool, CheckpointPolicy, str]
+    setup: TrainingSetup
+    estimate: MemoryEstimate
+    fits: bool
+    why: str = ""
+
+
+def _size_the_step(shape: ModelShape, setup: TrainingSetup, vm: VmSize,
+                   levels: tuple[tuple[bool, CheckpointPolicy, str], ...],
+                   hp: Hyperparameters, packing: bool) -> _SizedStep:
+    """Checkpointing level and micro-batch, aiming at passes of `TOKENS_PER_PASS` tokens:
+    the fastest level (off, selective, full) at which a pass of at least that many tokens
+    (or the job's own, when smaller) fits, the largest such pass at that level.
+    Recomputation costs a third of the forward's work on every step; a smaller pass of
+    that many tokens keeps the matmuls large and costs next to nothing. A job whose passes
+    are smaller runs fewer, larger ones up to that size, on packed data (where a larger
+    pass adds no padding). When no level fits such a pass, the largest micro-batch that
+    fits at all; then the least memory there is. A set microBatchSize is kept."""
+    per_device = hp.batch_size_per_device * hp.gradient_accumulation_steps
+    own, seq = hp.micro_steps()[0], setup.seq_len
+    choices = hp.micro_batch_choices() if hp.micro_batch_size is None else [own]
+    choices = [m for m in choices if m <= own or (packing and m * seq <= TOKENS_PER_PASS)]
+    floor = min(TOKENS_PER_PASS, own * seq)
+
+    def trial(level: tuple[bool, CheckpointPolicy, str], micro: int) -> _SizedStep:
+        tried = setup.model_copy(update={
+            "gradient_checkpointing": level[0], "checkpoint_policy": level[1],
+            "micro_batch": micro, "gradient_accumulation": per_device // micro})
+        estimate = estimate_memory(shape, tried)
+        return _SizedStep(level=level, setup=tried, estimate=estimate,
+                          fits=_fits(estimate, vm, HEADROOM),
+                          why=_why(micro, own, level, per_device))
+
+    for level in levels:
+        for micro in reversed([m for m in choices if m * seq >= floor]):
+            if (step := trial(level, micro)).fits:
+                return step
+    for micro in reversed([m for m in choices if m * seq < floor]):
+        for level in levels:
+            if (step := trial(level, micro)).fits:
+                return step
+    least = trial(levels[-1], choices[0])
+    return replace(least, why=f"no micro-batch fits; {_passes(per_device, choices[0])} "
+                   "need the least memory")
+
+
+def _why(micro: int, own: int, level: tuple[bool, CheckpointPolicy, str], per_device: int
+         ) -> str:
+    if micro > own:
+        return (f"{_passes(per_device, micro)} a step instead of {per_device // own} of "
+                f"batchSizePerDevice {own}: fewer, larger passes")
+    return (f"batchSizePerDevice {own} does not fit with checkpointing {level[2]}; "
+            f"{_passes(per_device, micro)} do and keep the global batch")
+
+
+def _passes(per_device: int, micro: int) -> str:
+    count = per_device // micro
+    return f"{count} pass{'es' if count > 1 else ''} of {micro}"
 
 
 def _compile_by_length(job: FineTuneJob, strategy: Strategy, setup: TrainingSetup | None,
@@ -420,11 +498,15 @@ def _compile_by_length(job: FineTuneJob, strategy: Strategy, setup: TrainingSetu
 
 
 def plan_job(job: FineTuneJob, model: ModelConfig | None, strategy: Strategy,
-             gpu_type: str | None = None, search_catalog: bool = True) -> JobPlan:
+             gpu_type: str | None = None, search_catalog: bool = True,
+             as_written: FineTuneJob | None = None) -> JobPlan:
     """The plan for `job` run with `strategy` (already resolved) on `gpu_type` (default:
     the spec's), given the model's config (None: unknown). `search_catalog=False` (the
     operator's admission) only looks for alternatives on the requested VM size, and only
-    when the job does not fit: ~1 ms instead of ~100."""
+    when the job does not fit: ~1 ms instead of ~100. `as_written`: the spec before its
+    step settings were chosen for `gpu_type`, which the alternatives are sized from (a
+    micro-batch chosen for one GPU says nothing of another)."""
+    options_for = as_written or job
     spec, resources = job.spec, job.spec.resources
     gpu_type = gpu_type or resources.gpu_type
     shape, config_error = shape_of(model)
@@ -461,7 +543,7 @@ def plan_job(job: FineTuneJob, model: ModelConfig | None, strategy: Strategy,
             f"CPU workers: about {gib(estimate.total)} of memory per process "
             "(the planner checks GPU memory)"), **common)
     if search_catalog:
-        recommendation = recommend(shape, job, vm)
+        recommendation = recommend(shape, options_for, vm)
     else:
         recommendation = Recommendation(best=None, why="catalog not searched")
     if vm is None:
@@ -474,7 +556,7 @@ def plan_job(job: FineTuneJob, model: ModelConfig | None, strategy: Strategy,
     host = host_estimate(shape, job, setup)
     fits = estimate.total <= memory and host.total <= vm.memory_bytes
     if not fits and not search_catalog:
-        on_requested = sorted(options_on(shape, job, vm),
+        on_requested = sorted(options_on(shape, options_for, vm),
                               key=lambda o: (o.nodes, o.cost_per_million_tokens))
         recommendation = Recommendation(
             best=None, on_requested_gpu=on_requested[0] if on_requested else None,

@@ -27,7 +27,7 @@ VERDICTS = {"fits": "fits", "tight": "fits, with less than 10% headroom",
 def plan_with_notes(job: FineTuneJob, model: ModelConfig | None) -> JobPlan:
     strategy = resolve_strategy(job, model)
     settings = choose_step_settings(job, model, strategy)
-    plan = plan_job(with_step_settings(job, settings), model, strategy)
+    plan = plan_job(with_step_settings(job, settings), model, strategy, as_written=job)
     plan = plan.model_copy(update={"step_settings": settings,
                                    "notes": [*settings.notes, *plan.notes]})
     if job.spec.strategy.type == "auto":
@@ -46,6 +46,12 @@ def _step_settings(job: FineTuneJob, plan: JobPlan) -> str:
         return plan.step_settings.label()
     checkpointing = job.spec.strategy.gradient_checkpointing is not False
     return f"checkpointing {'on' if checkpointing else 'off'}"
+
+
+def _micro_batch(job: FineTuneJob, plan: JobPlan) -> int:
+    if plan.step_settings is not None:
+        return plan.step_settings.micro_batch
+    return job.spec.hyperparameters.micro_steps()[0]
 
 
 def _count(n: int | None) -> str:
@@ -79,7 +85,7 @@ def table(job: FineTuneJob, plan: JobPlan) -> str:
              f"{plan.precision or spec.strategy.precision}, {r.nodes} node"
              f"{'s' if r.nodes > 1 else ''} x {r.processes()} {'GPU' if r.gpus_per_node else 'CPU'}"
              f" process{'es' if r.processes() > 1 else ''}, micro-batch "
-             f"{spec.hyperparameters.batch_size_per_device} x {spec.dataset.max_seq_length} "
+             f"{_micro_batch(job, plan)} x {spec.dataset.max_seq_length} "
              f"tokens, {_step_settings(job, plan)}"]
     if plan.model_source:
         lines.append(f"model: {plan.model_source}: {_count(plan.total_params)} parameters, "

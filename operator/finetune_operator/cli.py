@@ -305,33 +305,37 @@ def run_command(file: str, nproc: int | None, fresh: bool, verbose: bool) -> Non
         sys.exit(EXIT_INVALID)
     doc, job = valid[0]
     model = local.model_config(job, doc.folder)
+    processes, gpus = nproc or local.default_processes(job), local.visible_gpus()
     try:
-        config, step_settings = local.local_config(job, doc.folder, model)
+        accumulation, differences = local.fit_to_machine(job, processes, gpus)
+    except local.MachineMismatch as error:
+        click.echo(f"{doc.source}: {error}", err=True)
+        sys.exit(EXIT_INVALID)
+    here = local.as_run_here(job, processes, accumulation)
+    machine = local.this_machine(processes) if gpus and job.spec.resources.gpus_per_node else None
+    try:
+        config, step_settings = local.local_config(here, doc.folder, model, machine)
     except InvalidJobError as error:
         for problem in error.problems:
             click.echo(f"{doc.source}: {problem}", err=True)
         sys.exit(EXIT_INVALID)
     output_dir = Path(config.output.uri)
-    processes = nproc or local.default_processes(job)
-    try:
-        accumulation, differences = local.fit_to_machine(job, processes, local.visible_gpus())
-    except local.MachineMismatch as error:
-        click.echo(f"{doc.source}: {error}", err=True)
-        sys.exit(EXIT_INVALID)
     lock = _hold_output(doc.source, output_dir)  # before anything in the folder changes
     if fresh and (moved := local.set_checkpoints_aside(output_dir)) is not None:
         click.echo(f"--fresh: the earlier checkpoints are kept in {moved}; starting over")
     if refused := trained_with.refusal(output_dir, config, local.START_OVER):
         click.echo(f"{doc.source}: {refused}", err=True)
         sys.exit(EXIT_INVALID)
-    config = local.with_accumulation(config, accumulation)
     config_path = local.write_config(config, output_dir)
     click.echo(f"{doc.source}: {_summary(job, where='this machine')}")
     for difference in differences:
         click.echo(f"{doc.source}: {difference}", err=True)
+    if machine is not None:
+        click.echo(f"{doc.source}: step settings sized for this machine's "
+                   f"{local.described(machine)}, not for spec.resources.gpuType")
     for note in step_settings.notes:
         click.echo(f"{doc.source}: {note}")
-    if warning := local.feasibility_warning(job, model):
+    if warning := local.feasibility_warning(here if machine else job, model, machine):
         click.echo(f"{doc.source}: {warning}", err=True)
     click.echo(f"trainer config: {config_path}")
     if local.needs_fetch(config) and (fetched := subprocess.run(

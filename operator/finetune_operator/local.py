@@ -21,7 +21,15 @@ from pathlib import Path
 from typing import TextIO
 
 from finetune_operator.api import FineTuneJob
-from finetune_operator.planner import ModelConfig, ModelConfigs, StepSettings, fetch_from_hub
+from finetune_operator.planner import (
+    ModelConfig,
+    ModelConfigs,
+    StepSettings,
+    VmSize,
+    catalog,
+    fetch_from_hub,
+)
+from finetune_operator.planner.plan import gib
 from finetune_operator.planner.render import plan_with_notes
 from finetune_operator.trainer_config import (
     Mount,
@@ -76,25 +84,32 @@ def needs_fetch(config: TrainerConfig) -> bool:
     return hub_repo(config.model) is not None
 
 
-def feasibility_warning(job: FineTuneJob, model: ModelConfig | None) -> str | None:
-    """What the operator's Feasible=False would say; here it only warns, since the GPUs
-    of this machine may not be the spec's gpuType."""
-    plan = plan_with_notes(job, model)
+def feasibility_warning(job: FineTuneJob, model: ModelConfig | None,
+                        machine: VmSize | None = None) -> str | None:
+    """What the operator's Feasible=False would say; here it only warns: on this
+    machine's GPUs (`machine`, by their free memory) the estimate may be off by its ±15%;
+    without them (`job`: the spec) it is what the operator would say of the spec's gpuType,
+    which this machine may not have."""
+    plan = plan_with_notes(job, model, machine)
     if plan.fits is not False or job.spec.resources.skip_feasibility_check:
         return None
+    if machine is not None:
+        return (f"warning: predicted not to fit this machine's GPUs — {plan.reason} (an "
+                "estimate, ±15%: the run starts anyway)")
     return (f"warning: spec.resources.gpuType: predicted not to fit — {plan.reason} "
             "(`finetune plan` shows the breakdown; the operator would not launch this job)")
 
 
-def local_config(job: FineTuneJob, base_dir: Path, model: ModelConfig | None = None
-                 ) -> tuple[TrainerConfig, StepSettings]:
+def local_config(job: FineTuneJob, base_dir: Path, model: ModelConfig | None = None,
+                 machine: VmSize | None = None) -> tuple[TrainerConfig, StepSettings]:
     """The trainer config with every location usable here (relative paths resolved), and
     the step settings it holds with why unset checkpointing and compile became what they
-    are (`notes`); `model` (its config.json) lets `strategy: auto` go through the planner."""
+    are (`notes`); `model` (its config.json) lets `strategy: auto` go through the planner,
+    which sizes the step for `machine` (this machine's GPUs) where given."""
     mount = local_mount(base_dir)
     if problems := unreachable_locations(job, mount):
         raise InvalidJobError(problems)
-    return trainer_config_and_step_settings(job, mount, model)
+    return trainer_config_and_step_settings(job, mount, model, machine)
 
 
 def local_mount(base_dir: Path) -> Mount:
@@ -156,13 +171,50 @@ def fit_to_machine(job: FineTuneJob, processes: int, gpus: int) -> tuple[int, li
     return accumulation, notes
 
 
-def with_accumulation(config: TrainerConfig, accumulation: int) -> TrainerConfig:
-    """The config with `fit_to_machine`'s accumulation, its micro-batch the largest that
-    still divides the step and is no larger than the one chosen for the spec's devices."""
-    hp = config.hyperparameters
-    micro = math.gcd(hp.micro_steps()[0], hp.batch_size_per_device * accumulation)
-    return config.model_copy(update={"hyperparameters": hp.model_copy(update={
-        "gradient_accumulation_steps": accumulation, "micro_batch_size": micro})})
+def as_run_here(job: FineTuneJob, processes: int, accumulation: int) -> FineTuneJob:
+    """The job this machine runs: one node of `processes` workers (GPU workers where the
+    spec asks for GPUs, planned as such even when none is visible), `fit_to_machine`'s
+    accumulation, and a set microBatchSize the largest that still divides the step and is
+    no larger than the spec's. What is planned, written to the trainer config and compared
+    with the checkpoints' settings, so a run resumes on the machine it ran on."""
+    spec = job.spec
+    hp, resources = spec.hyperparameters, spec.resources
+    here = ({"nodes": 1, "gpus_per_node": processes} if resources.gpus_per_node else
+            {"nodes": 1, "processes_per_node": processes})
+    step = {"gradient_accumulation_steps": accumulation}
+    if hp.micro_batch_size is not None:
+        step["micro_batch_size"] = math.gcd(hp.micro_batch_size,
+                                            hp.batch_size_per_device * accumulation)
+    return job.model_copy(update={"spec": spec.model_copy(update={
+        "resources": resources.model_copy(update=here),
+        "hyperparameters": hp.model_copy(update=step)})})
+
+
+def this_machine(processes: int) -> VmSize | None:
+    """The GPUs `processes` workers get here (the first visible ones, as CUDA assigns
+    them), as the planner sees a VM size: by what nvidia-smi says is free on them now.
+    None when nvidia-smi is missing or cannot say (an old driver without compute_cap)."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    command = ["nvidia-smi", "--query-gpu=name,memory.total,memory.free,compute_cap",
+               "--format=csv,noheader,nounits"]
+    if listed := os.environ.get("CUDA_VISIBLE_DEVICES", "").strip():
+        command.append(f"--id={listed}")
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, check=False,
+                                timeout=60)
+    except subprocess.TimeoutExpired:
+        return None
+    cards = catalog.cards_from_nvidia_smi(result.stdout)[:processes]
+    if result.returncode != 0 or not cards:
+        return None
+    return catalog.this_machine(cards, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def described(machine: VmSize) -> str:
+    """`this_machine` for people: its GPUs and what is free on each."""
+    return (f"{machine.gpus} x {machine.gpu.name} ({gib(machine.gpu.memory_bytes)} free on "
+            f"{'each' if machine.gpus > 1 else 'it'})")
 
 
 def visible_gpus() -> int:

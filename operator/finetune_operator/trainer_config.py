@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from finetune_operator import planner
 from finetune_operator.api import FineTuneJob, LaunchPlan
-from finetune_operator.planner import ModelConfig, StepSettings
+from finetune_operator.planner import ModelConfig, StepSettings, VmSize
 from finetune_operator.validation import Problem
 from finetune_trainer.config import (
     ConcreteStrategy,
@@ -47,10 +47,11 @@ def resolve_strategy(job: FineTuneJob, model: ModelConfig | None = None) -> Conc
     return planner.resolve_strategy(job, model)
 
 
-def launch_decisions(job: FineTuneJob, model: ModelConfig | None = None
-                     ) -> tuple[ConcreteStrategy, StepSettings]:
+def launch_decisions(job: FineTuneJob, model: ModelConfig | None = None,
+                     machine: VmSize | None = None) -> tuple[ConcreteStrategy, StepSettings]:
     """The strategy and step settings the workers run with: as recorded in the status
-    (`status.plan`, decided before the first launch), else decided now."""
+    (`status.plan`, decided before the first launch), else decided now (for `machine`'s
+    GPUs where given, `finetune run`; else for the job's gpuType)."""
     recorded = job.status.plan if job.status is not None else None
     if recorded is not None:
         return recorded.strategy, StepSettings(
@@ -58,8 +59,8 @@ def launch_decisions(job: FineTuneJob, model: ModelConfig | None = None
             checkpoint_policy=recorded.gradient_checkpointing_policy,
             micro_batch=_recorded_micro_batch(recorded, job),
             compile=recorded.compile, notes=["as recorded in status.plan"])
-    chosen = resolve_strategy(job, model)
-    return chosen, planner.choose_step_settings(job, model, chosen)
+    chosen = planner.resolve_strategy(job, model, machine)
+    return chosen, planner.choose_step_settings(job, model, chosen, machine)
 
 
 def _recorded_micro_batch(recorded: LaunchPlan, job: FineTuneJob) -> int:
@@ -97,13 +98,14 @@ def build_trainer_config(job: FineTuneJob, mount: Mount = keep_location,
 
 
 def trainer_config_and_step_settings(job: FineTuneJob, mount: Mount = keep_location,
-                                     model: ModelConfig | None = None
+                                     model: ModelConfig | None = None,
+                                     machine: VmSize | None = None
                                      ) -> tuple[TrainerConfig, StepSettings]:
     """`build_trainer_config`, and the step settings it chose with their reasons (the
-    notes `finetune run` prints come from this one decision)."""
+    notes `finetune run` prints come from this one decision), for `machine` if given."""
     spec = job.spec
     model_at, dataset_at, output_at = (mount(location) for location in spec.locations)
-    chosen, settings = launch_decisions(job, model)
+    chosen, settings = launch_decisions(job, model, machine)
     strategy: StrategyConfig = spec.strategy.model_copy(update={
         "type": chosen, "gradient_checkpointing": settings.gradient_checkpointing,
         "gradient_checkpointing_policy": settings.checkpoint_policy,

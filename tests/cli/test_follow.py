@@ -155,7 +155,9 @@ def test_the_namespace_is_the_kubeconfig_contexts(tmp_path):
 @pytest.mark.timeout(400)
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 def test_status_watch_in_a_terminal_follows_a_real_run_to_succeeded(tiny_model_dir, tmp_path):
-    job = manifest(tiny_model_dir, Path("out"), steps=30, checkpoint_every=1000)
+    # 90 steps of a tiny model take a few seconds: long enough for several redraws on a
+    # loaded machine (30 showed only two: 17 and 30)
+    job = manifest(tiny_model_dir, Path("out"), steps=90, checkpoint_every=1000)
     job["spec"]["output"]["uri"] = "./out"
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))
@@ -172,19 +174,19 @@ def test_status_watch_in_a_terminal_follows_a_real_run_to_succeeded(tiny_model_d
                and run.poll() in (None, 0)):
             screen = subprocess.run(["tmux", "capture-pane", "-p", "-t", session],
                                     capture_output=True, text=True).stdout
-            steps |= {int(s) for s in re.findall(r"\] (\d+)/30", screen)}
+            steps |= {int(s) for s in re.findall(r"\] (\d+)/90", screen)}
             time.sleep(0.2)
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
         output = run.communicate(timeout=120)[0]
     assert run.returncode == 0, output[-3000:]
     assert "EXIT=0" in screen, screen
-    assert len(steps) >= 3 and max(steps) == 30, f"the bar showed steps {sorted(steps)}"
+    assert len(steps) >= 3 and max(steps) == 90, f"the bar showed steps {sorted(steps)}"
     final = [line for line in screen.splitlines() if line.strip()]
     assert final[0].startswith(f"{job['metadata']['name']}  Succeeded"), screen
     assert screen.count("Succeeded") == 1, "redrawn in place, not scrolled"
     logs = subprocess.run([*FINETUNE, "logs", str(path)], capture_output=True, text=True)
-    assert logs.returncode == 0 and "step 30/30" in logs.stdout
+    assert logs.returncode == 0 and "step 90/90" in logs.stdout
 
 
 @pytest.mark.slow

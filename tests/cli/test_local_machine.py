@@ -3,6 +3,7 @@ spec's global batch, or refuses with the fix (#19, item 6)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import pytest
 import yaml
 
 from finetune_operator.api import FineTuneJob
-from finetune_operator.local import MachineMismatch, fit_to_machine
+from finetune_operator.local import MachineMismatch, as_run_here, fit_to_machine
 from tests.conftest import minimal_job
 
 
@@ -70,10 +71,9 @@ def test_finetune_run_refuses_it_before_anything_starts(tmp_path):
     (4, 2),   # 6 processes for 8: 2 x 4 = 8 sequences a step, the largest divisor of both
 ])
 def test_the_micro_batch_divides_the_local_step_and_never_grows(accumulation, expected):
-    """The spec's 8 workers run 2 x 3 sequences a step in one pass of 6 (as the planner
-    may merge them); `finetune run` on another process count keeps a pass that divides
-    its step and is no larger than the spec's."""
-    from finetune_operator.local import with_accumulation
+    """The spec's 8 workers run 2 x 3 sequences a step in one pass of 6; `finetune run` on
+    another process count keeps a pass that divides its step and is no larger than the
+    spec's."""
     from finetune_operator.trainer_config import build_trainer_config
 
     spec = minimal_job(resources={"nodes": 1, "gpusPerNode": 0, "processesPerNode": 8},
@@ -81,7 +81,66 @@ def test_the_micro_batch_divides_the_local_step_and_never_grows(accumulation, ex
                                         "gradientAccumulationSteps": 3, "microBatchSize": 6},
                        model={"uri": "/models/tiny"}, dataset={"uri": "/data/train.jsonl"},
                        output={"uri": "/out"})
-    config = build_trainer_config(FineTuneJob.model_validate(spec))
-    local = with_accumulation(config, accumulation).hyperparameters
+    here = as_run_here(FineTuneJob.model_validate(spec), processes=24 // accumulation,
+                       accumulation=accumulation)
+    local = build_trainer_config(here).hyperparameters
     assert local.gradient_accumulation_steps == accumulation
     assert local.micro_batch_size == expected
+
+
+def test_the_job_run_here_is_one_node_of_the_local_workers():
+    two_nodes = job(nodes=2, gpus=8, batch=4)
+    on_gpus = as_run_here(two_nodes, processes=2, accumulation=8).spec
+    assert (on_gpus.resources.nodes, on_gpus.resources.gpus_per_node) == (1, 2)
+    assert on_gpus.hyperparameters.gradient_accumulation_steps == 8
+    assert two_nodes.spec.resources.nodes == 2  # the spec itself is left as it is
+    cpu = job(nodes=2, gpus=0, processes=4, batch=4)
+    on_cpu = as_run_here(cpu, processes=3, accumulation=1).spec.resources
+    assert (on_cpu.nodes, on_cpu.gpus_per_node, on_cpu.processes()) == (1, 0, 3)
+
+
+def test_a_run_on_fewer_processes_than_the_spec_resumes_on_them(tiny_model_dir, tmp_path):
+    """Stopped and started again on the same machine, a run whose accumulation was raised
+    to keep the spec's global batch resumes: its checkpoints are compared with the settings
+    it runs with here, not the spec's (they were refused: 'gradientAccumulationSteps 2 → 1')."""
+    from tests.trainer.test_training import finetune_run, manifest
+
+    spec = manifest(tiny_model_dir, tmp_path / "out", steps=4, checkpoint_every=2)
+    first = finetune_run(spec, tmp_path, "--nproc", "1")
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "gradientAccumulationSteps 2 keeps the global batch" in first.stderr
+    spec["spec"]["hyperparameters"]["maxSteps"] = 6
+    again = finetune_run(spec, tmp_path, "--nproc", "1")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "resum" in again.stdout.lower() and "step-00000004" in again.stdout, again.stdout
+    assert "step 6/6" in again.stdout
+
+
+NVIDIA_SMI = """#!/bin/sh
+# what nvidia-smi prints for this query on a machine with these cards; the arguments, for the test
+echo "$@" > "$(dirname "$0")/args"
+cat <<'ROWS'
+NVIDIA H100 80GB HBM3, 81559, 61440, 9.0
+NVIDIA H100 80GB HBM3, 81559, 80000, 9.0
+ROWS
+"""
+
+
+def test_this_machine_is_planned_by_the_free_memory_nvidia_smi_reports(tmp_path, monkeypatch):
+    """`finetune run` asks nvidia-smi (here a script printing what it prints for the query)
+    about the GPUs its workers get, the ones CUDA_VISIBLE_DEVICES names: each worker gets
+    the least free memory, and the catalog GPU's speed."""
+    from finetune_operator.local import described, this_machine
+
+    (tmp_path / "nvidia-smi").write_text(NVIDIA_SMI)
+    (tmp_path / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    machine = this_machine(processes=2)
+    assert (tmp_path / "args").read_text().split() == [
+        "--query-gpu=name,memory.total,memory.free,compute_cap",
+        "--format=csv,noheader,nounits", "--id=2,3"]
+    assert described(machine) == "2 x NVIDIA H100 80GB HBM3 (60.0 GiB free on each)"
+    assert (machine.gpus, machine.gpu.memory_bytes) == (2, 61440 * 1024**2)
+    assert machine.gpu.peak_flops_16bit == 989e12 and machine.gpu.bf16
+    assert this_machine(processes=1).gpus == 1

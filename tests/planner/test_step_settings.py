@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from finetune_operator.api import FineTuneJob
-from finetune_operator.planner import choose_step_settings
+from finetune_operator.planner import catalog, choose_step_settings
 from finetune_operator.planner.plan import TOKENS_PER_PASS
 from finetune_operator.planner.render import plan_with_notes, table
 from finetune_operator.planner.sources import from_table
@@ -191,3 +191,54 @@ def test_the_plan_is_about_the_passes_the_workers_run():
     printed = table(j, plan)
     assert "micro-batch 1 x 4096 tokens, checkpointing off" in printed.splitlines()[0]
     assert "note: microBatchSize unset → 1:" in printed
+
+
+NVIDIA_SMI_ROWS = """NVIDIA H100 80GB HBM3, 81559, 81000, 9.0
+NVIDIA A100-SXM4-40GB, 40960, 40000, 8.0
+NVIDIA A100 80GB PCIe, 81920, 81000, 8.0
+NVIDIA H100 NVL, 95830, 95000, 9.0
+NVIDIA H200, 143771, 143000, 9.0
+Tesla V100-SXM2-32GB, 32768, 32000, 7.0
+Tesla T4, 15360, 15000, 7.5
+NVIDIA GeForce RTX 4090, 24564, 12288, 8.9
+NVIDIA GeForce RTX 2080 Ti, 11264, [N/A], 7.5
+"""
+
+
+def test_the_cards_nvidia_smi_lists_are_the_catalogs_gpus():
+    cards = catalog.cards_from_nvidia_smi(NVIDIA_SMI_ROWS)
+    assert len(cards) == 8  # the row without a free figure is left out
+    assert [getattr(catalog.gpu_of(card), "name", None) for card in cards] == [
+        "H100-80GB", "A100-40GB", "A100-80GB-PCIe", "H100-NVL-94GB", "H200-141GB",
+        "V100-32GB", "T4-16GB", None]
+    rtx = catalog.this_machine(cards[-1:], host_memory_bytes=64 * 1024**3)
+    assert rtx.gpu.memory_bytes == 12 * 1024**3  # what is free, not the card's 24 GiB
+    assert rtx.gpu.bf16  # compute capability 8.9
+    assert rtx.gpu.peak_flops_16bit == min(g.peak_flops_16bit for g in catalog.GPUS)
+    t4 = catalog.this_machine(cards[6:7], host_memory_bytes=64 * 1024**3)
+    assert not t4.gpu.bf16 and t4.gpu.peak_flops_16bit == catalog.T4.peak_flops_16bit
+
+
+def test_finetune_run_sizes_the_step_for_the_gpu_it_has():
+    """8B LoRA, 4 x 4096 a step, written for H100s: run on a machine whose one H100 has 24
+    GiB free (another process holds the rest), the planner sizes the step for those 24 GiB:
+    passes of 1 with recomputation, where the spec's 80 GB needed none; the notes name
+    the free memory."""
+    spec = job(batch=4, seq=4096, gpus=1)
+    row = "NVIDIA H100 80GB HBM3, 81559, 24576, 9.0"
+    machine = catalog.this_machine(catalog.cards_from_nvidia_smi(row), 256 * 1024**3)
+    on_spec = choose_step_settings(spec, None, "ddp")
+    here = choose_step_settings(spec, None, "ddp", machine)
+    assert (on_spec.gradient_checkpointing, on_spec.micro_batch) == (False, 1)
+    assert here.gradient_checkpointing is True and here.micro_batch == 1
+    assert "of 24.0 GiB per GPU" in here.notes[0]
+    plan = plan_with_notes(spec, from_table(f"hf://{LLAMA_8B}"), machine)
+    assert plan.gpu_type == "this machine" and plan.gpu_memory_bytes == 24 * 1024**3
+    assert "on this machine (NVIDIA H100 80GB HBM3, 24.0 GiB)" in plan.reason
+    assert plan.recommendation.on_requested_gpu is None  # more of this machine: not to be had
+    from finetune_operator.local import feasibility_warning
+
+    full = job(method="full", batch=4, seq=4096, gpus=1)
+    warning = feasibility_warning(full, from_table(f"hf://{LLAMA_8B}"), machine)
+    assert warning.startswith("warning: predicted not to fit this machine's GPUs — needs ")
+    assert "more than this machine (NVIDIA H100 80GB HBM3, 24.0 GiB)" in warning

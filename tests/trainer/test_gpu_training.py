@@ -22,6 +22,20 @@ def test_qlora_trains_and_exports_an_adapter(tiny_model_dir, tmp_path):
     assert (tmp_path / "out/final/adapter_config.json").is_file()
 
 
+def test_the_step_is_sized_for_the_gpu_it_runs_on(tiny_model_dir, tmp_path):
+    """`finetune run` sizes unset checkpointing and micro-batch for this machine's GPU by
+    its free memory (nvidia-smi), not for the spec's gpuType (a T4 here)."""
+    job = manifest(tiny_model_dir, tmp_path / "out", precision="bf16", processes=1)
+    del job["spec"]["strategy"]["gradientCheckpointing"]
+    job["spec"]["resources"] = {"gpusPerNode": 1, "gpuType": "T4"}
+    result = finetune_run(job, tmp_path, "--nproc", "1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "step settings sized for this machine's 1 x " in result.stdout, result.stdout
+    assert "gradientCheckpointing unset → off:" in result.stdout
+    assert "per GPU fits with 10% headroom" in result.stdout
+    assert "of 15.0 GiB per GPU" not in result.stdout  # the T4's
+
+
 def test_bf16_over_nccl_matches_fp32_closely(tiny_model_dir, tmp_path):
     runs = {}
     for precision in ("bf16", "fp32"):

@@ -160,6 +160,62 @@ def find(name: str, gpus_per_node: int = 1) -> VmSize | None:
     return max(candidates, key=lambda vm: (vm.gpus, -vm.price_per_hour))
 
 
+class Card(BaseModel):
+    """One GPU of this machine, as `nvidia-smi --query-gpu` reports it."""
+
+    model_config = ConfigDict(frozen=True)
+    name: str
+    total_bytes: int
+    free_bytes: int
+    compute_capability: float
+
+
+def cards_from_nvidia_smi(text: str) -> list[Card]:
+    """The rows of `nvidia-smi --query-gpu=name,memory.total,memory.free,compute_cap
+    --format=csv,noheader,nounits` (MiB); a row it cannot read is left out."""
+    cards = []
+    for row in text.splitlines():
+        fields = [field.strip() for field in row.rsplit(",", 3)]
+        try:
+            name, total, free, capability = fields[0], *map(float, fields[1:])
+        except ValueError:  # '[N/A]', a warning line, a short row
+            continue
+        cards.append(Card(name=name, total_bytes=int(total * MiB), free_bytes=int(free * MiB),
+                          compute_capability=capability))
+    return cards
+
+
+def gpu_of(card: Card) -> Gpu | None:
+    """The catalog GPU a card is (`NVIDIA H100 80GB HBM3` is H100-80GB, `NVIDIA A100-SXM4-40GB`
+    A100-40GB, `Tesla T4` T4-16GB): same family, the closest memory, PCIe or not as named."""
+    words = set(re.split(r"[^a-z0-9]+", card.name.lower()))
+    pcie = "pcie" in words
+
+    def family(gpu: Gpu) -> list[str]:
+        return gpu.name.lower().split("-")[:2 if "-nvl-" in gpu.name.lower() else 1]
+
+    same = [gpu for gpu in GPUS if set(family(gpu)) <= words]
+    return min(same, key=lambda gpu: (abs(gpu.memory_bytes - card.total_bytes) // GiB,
+                                      len(family(gpu)) == 1 and "nvl" in words,
+                                      (gpu.nvlink_busbw is None) != pcie), default=None)
+
+
+def this_machine(cards: list[Card], host_memory_bytes: int) -> VmSize:
+    """This machine's GPUs as the planner sees a VM size: each worker gets the least free
+    memory among `cards` (another process may hold some of a card), and the speed and
+    interconnect of the catalog GPU they are; a card the catalog does not know is planned
+    at the speed of the slowest it lists, in bf16 from compute capability 8.0 (Ampere)."""
+    known, name = gpu_of(cards[0]), cards[0].name.lower()
+    slowest = min(GPUS, key=lambda gpu: gpu.peak_flops_16bit)
+    free = min(card.free_bytes for card in cards)
+    gpu = Gpu(name=cards[0].name, memory_bytes=free,
+              peak_flops_16bit=(known or slowest).peak_flops_16bit,
+              bf16=known.bf16 if known else cards[0].compute_capability >= 8.0,
+              nvlink_busbw=known.nvlink_busbw if known and "pcie" not in name else None)
+    return VmSize(name="this machine", series="local", gpu=gpu, gpus=len(cards),
+                  memory_bytes=host_memory_bytes, price_per_hour=0.0)
+
+
 def known_names() -> list[str]:
     """Every VM size, then every GPU name (`finetune plan` prints GPUs by these)."""
     gpus = dict.fromkeys(n for gpu in GPUS for n in gpu_names(gpu))

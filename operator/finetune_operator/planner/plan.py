@@ -286,13 +286,23 @@ def recommend(shape: ModelShape, job: FineTuneJob, requested: VmSize | None = No
     return Recommendation(best=best, on_requested_gpu=mine, why=why, alternatives=options[1:6])
 
 
-def auto_strategy(job: FineTuneJob, model: ModelConfig | None) -> Strategy | None:
-    """The first strategy (fastest first) that fits the job's own GPUs with headroom, or
-    the least memory-hungry one when none does; None when the planner cannot tell (no
-    model config, no known gpuType, CPU workers)."""
+def _vm_of(job: FineTuneJob, machine: VmSize | None = None) -> VmSize | None:
+    """What the job's GPUs are planned as: `machine` (`finetune run`: this machine's GPUs,
+    `catalog.this_machine`), else the catalog's entry for its gpuType."""
+    resources = job.spec.resources
+    if machine is not None:
+        return machine
+    return catalog.find(resources.gpu_type, resources.gpus_per_node) if resources.gpu_type else None
+
+
+def auto_strategy(job: FineTuneJob, model: ModelConfig | None,
+                  machine: VmSize | None = None) -> Strategy | None:
+    """The first strategy (fastest first) that fits the job's own GPUs (or `machine`'s)
+    with headroom, or the least memory-hungry one when none does; None when the planner
+    cannot tell (no model config, no known gpuType, CPU workers)."""
     shape, _ = shape_of(model)
     resources = job.spec.resources
-    vm = catalog.find(resources.gpu_type, resources.gpus_per_node) if resources.gpu_type else None
+    vm = _vm_of(job, machine)
     if shape is None or vm is None or resources.gpus_per_node == 0:
         return None
     world = resources.nodes * resources.gpus_per_node
@@ -326,14 +336,16 @@ def fallback_strategy(job: FineTuneJob) -> Strategy:
     return "ddp"
 
 
-def resolve_strategy(job: FineTuneJob, model: ModelConfig | None = None) -> Strategy:
+def resolve_strategy(job: FineTuneJob, model: ModelConfig | None = None,
+                     machine: VmSize | None = None) -> Strategy:
     """The concrete strategy of a job: its own, or `auto` resolved through the planner
-    (with `model`, else the built-in table), else the fallback rules."""
+    (with `model`, else the built-in table; on `machine`, else its gpuType), else the
+    fallback rules."""
     if job.spec.strategy.type != "auto":
         return job.spec.strategy.type
     if job.spec.strategy.offload != "none":
         return "zero3"
-    return auto_strategy(job, model or from_table(job.spec.model.uri)) or (
+    return auto_strategy(job, model or from_table(job.spec.model.uri), machine) or (
         fallback_strategy(job))
 
 
@@ -350,16 +362,17 @@ def with_step_settings(job: FineTuneJob, settings: StepSettings) -> FineTuneJob:
         "strategy": strategy, "hyperparameters": hyperparameters})})
 
 
-def _gpu_and_shape(job: FineTuneJob, model: ModelConfig | None
+def _gpu_and_shape(job: FineTuneJob, model: ModelConfig | None, machine: VmSize | None
                    ) -> tuple[ModelShape | None, VmSize | None, str | None]:
-    """The model's shape and the job's VM size, or why the planner cannot tell."""
+    """The model's shape and the job's VM size (`machine`, else its gpuType's), or why the
+    planner cannot tell."""
     resources = job.spec.resources
     if resources.gpus_per_node == 0:
         return None, None, "CPU workers: the planner estimates GPU memory only"
     shape, error = shape_of(model or from_table(job.spec.model.uri))
     if shape is None:
         return None, None, error or f"no config.json known for {job.spec.model.uri}"
-    vm = catalog.find(resources.gpu_type, resources.gpus_per_node) if resources.gpu_type else None
+    vm = _vm_of(job, machine)
     if vm is None:
         return shape, None, ("spec.resources.gpuType is not set" if not resources.gpu_type
                              else f"gpuType {resources.gpu_type!r} is not in the catalog")
@@ -367,13 +380,14 @@ def _gpu_and_shape(job: FineTuneJob, model: ModelConfig | None
 
 
 def choose_step_settings(job: FineTuneJob, model: ModelConfig | None,
-                         strategy: Strategy) -> StepSettings:
+                         strategy: Strategy, machine: VmSize | None = None) -> StepSettings:
     """What an unset `gradientCheckpointing`, `microBatchSize` and `compile` stand for on
-    this job: the fastest checkpointing that fits the GPU with headroom (off, selective,
-    full) at the micro-batch that fits it (`_size_the_step`), and compile for GPU runs long
-    enough to pay for it. Set fields are kept as they are."""
+    this job: the fastest checkpointing that fits the GPU (the gpuType's, or `machine`'s
+    free memory) with headroom (off, selective, full) at the micro-batch that fits it
+    (`_size_the_step`), and compile for GPU runs long enough to pay for it. Set fields are
+    kept as they are."""
     chosen, hp, notes = job.spec.strategy, job.spec.hyperparameters, []
-    shape, vm, unknown = _gpu_and_shape(job, model)
+    shape, vm, unknown = _gpu_and_shape(job, model, machine)
     resources = job.spec.resources
     world = resources.nodes * resources.processes()
     setup = None
@@ -499,16 +513,18 @@ def _compile_by_length(job: FineTuneJob, strategy: Strategy, setup: TrainingSetu
 
 def plan_job(job: FineTuneJob, model: ModelConfig | None, strategy: Strategy,
              gpu_type: str | None = None, search_catalog: bool = True,
-             as_written: FineTuneJob | None = None) -> JobPlan:
+             as_written: FineTuneJob | None = None, machine: VmSize | None = None
+             ) -> JobPlan:
     """The plan for `job` run with `strategy` (already resolved) on `gpu_type` (default:
     the spec's), given the model's config (None: unknown). `search_catalog=False` (the
     operator's admission) only looks for alternatives on the requested VM size, and only
     when the job does not fit: ~1 ms instead of ~100. `as_written`: the spec before its
     step settings were chosen for `gpu_type`, which the alternatives are sized from (a
-    micro-batch chosen for one GPU says nothing of another)."""
+    micro-batch chosen for one GPU says nothing of another). `machine`: this machine's
+    GPUs in place of `gpu_type` (`finetune run`)."""
     options_for = as_written or job
     spec, resources = job.spec, job.spec.resources
-    gpu_type = gpu_type or resources.gpu_type
+    gpu_type = machine.name if machine else gpu_type or resources.gpu_type
     shape, config_error = shape_of(model)
     world = resources.nodes * resources.processes()
     if shape is None:
@@ -517,7 +533,7 @@ def plan_job(job: FineTuneJob, model: ModelConfig | None, strategy: Strategy,
         return JobPlan(fits=None, verdict="unknown", reason=why, strategy=strategy,
                        world_size=world, gpu_type=gpu_type,
                        model_source=model.source if model else None)
-    vm = catalog.find(gpu_type, resources.gpus_per_node) if gpu_type else None
+    vm = machine or (catalog.find(gpu_type, resources.gpus_per_node) if gpu_type else None)
     precision = _precision_on(vm.gpu.bf16, spec.strategy.precision) if vm else (
         spec.strategy.precision)
     setup = setup_for(job, strategy, world, precision)
@@ -542,8 +558,8 @@ def plan_job(job: FineTuneJob, model: ModelConfig | None, strategy: Strategy,
         return JobPlan(fits=None, verdict="unknown", gpu_type=None, reason=(
             f"CPU workers: about {gib(estimate.total)} of memory per process "
             "(the planner checks GPU memory)"), **common)
-    if search_catalog:
-        recommendation = recommend(shape, options_for, vm)
+    if search_catalog:  # more nodes of this machine are not to be had
+        recommendation = recommend(shape, options_for, None if machine else vm)
     else:
         recommendation = Recommendation(best=None, why="catalog not searched")
     if vm is None:
@@ -555,7 +571,7 @@ def plan_job(job: FineTuneJob, model: ModelConfig | None, strategy: Strategy,
     memory = vm.gpu.memory_bytes
     host = host_estimate(shape, job, setup)
     fits = estimate.total <= memory and host.total <= vm.memory_bytes
-    if not fits and not search_catalog:
+    if not fits and not search_catalog and machine is None:
         on_requested = sorted(options_on(shape, options_for, vm),
                               key=lambda o: (o.nodes, o.cost_per_million_tokens))
         recommendation = Recommendation(

@@ -5,6 +5,7 @@ differently (it never reads the hub for that)."""
 from __future__ import annotations
 
 from finetune_operator.api import FineTuneJob
+from finetune_operator.planner.catalog import VmSize
 from finetune_operator.planner.plan import (
     JobPlan,
     choose_step_settings,
@@ -24,10 +25,14 @@ VERDICTS = {"fits": "fits", "tight": "fits, with less than 10% headroom",
             "does-not-fit": "DOES NOT FIT", "unknown": "unknown"}
 
 
-def plan_with_notes(job: FineTuneJob, model: ModelConfig | None) -> JobPlan:
-    strategy = resolve_strategy(job, model)
-    settings = choose_step_settings(job, model, strategy)
-    plan = plan_job(with_step_settings(job, settings), model, strategy, as_written=job)
+def plan_with_notes(job: FineTuneJob, model: ModelConfig | None,
+                    machine: VmSize | None = None) -> JobPlan:
+    """The plan with the notes of every choice made for the job (on `machine`: this
+    machine's GPUs, else the job's gpuType)."""
+    strategy = resolve_strategy(job, model, machine)
+    settings = choose_step_settings(job, model, strategy, machine)
+    plan = plan_job(with_step_settings(job, settings), model, strategy, as_written=job,
+                    machine=machine)
     plan = plan.model_copy(update={"step_settings": settings,
                                    "notes": [*settings.notes, *plan.notes]})
     if job.spec.strategy.type == "auto":

@@ -236,7 +236,7 @@ async def test_a_restart_renders_the_strategy_recorded_at_launch(
     launched = status(cluster)["plan"]["strategy"]
     assert sent_strategy(azure, first) == launched
     other = "zero3" if launched != "zero3" else "fsdp"
-    monkeypatch.setattr(planner, "resolve_strategy", lambda job, model=None: other)
+    monkeypatch.setattr(planner, "resolve_strategy", lambda job, model=None, machine=None: other)
 
     azure.set_state(first, "Running")
     await eventually(phase_is(cluster, "Running"), what="Running")

@@ -386,6 +386,15 @@ class ControlPlane:
             f"crd/{yaml.safe_load(crd.read_text())['metadata']['name']}" for crd in crds))
         # discovery afresh: kubectl's cached discovery predates the CRD
         self.kubectl_run("api-resources", "--api-group=finetune.dev")
+        # a new CRD's lists are refused (429, "storage is (re)initializing") until its watch
+        # cache is up: an operator started at once would log its first watch as an ERROR
+        deadline = time.monotonic() + 30
+        for crd in crds:
+            names = yaml.safe_load(crd.read_text())
+            plural = f"{names['spec']['names']['plural']}.{names['spec']['group']}"
+            while (self.kubectl_run("get", plural, "-A", check=False).returncode != 0
+                   and time.monotonic() < deadline):
+                time.sleep(0.2)
         self.kubectl_run("create", "namespace", operator_namespace)
         objects = render_chart(operator_namespace)
         deployment = next(o for o in objects if o["kind"] == "Deployment")

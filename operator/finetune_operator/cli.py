@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import click
 
@@ -20,6 +19,9 @@ from finetune_operator.render import render
 from finetune_operator.sweep import check_sweep
 from finetune_operator.validation import Problem, short_repr
 from finetune_trainer import layout
+
+if TYPE_CHECKING:
+    from finetune_trainer.config import TrainerConfig
 
 EXIT_INVALID = 2
 
@@ -172,10 +174,12 @@ def validate(files: tuple[str, ...], output: str) -> None:
         sys.exit(EXIT_INVALID)
 
 
-def missing_local_paths(job: FineTuneJob, base_dir: Path) -> list[Problem]:
+def missing_local_paths(job: FineTuneJob, base_dir: Path, runs_here: bool = False
+                        ) -> list[Problem]:
     """Warnings for model and dataset paths this machine can look at and does not have:
     relative ones (they mean this machine) and absolute ones (they may exist only in the
-    job's image, so a warning, not an error)."""
+    job's image, so a warning, not an error). Errors where the job `runs_here`
+    (`finetune run`): found before anything starts or is written."""
     problems = []
     for location in job.spec.model.location, job.spec.dataset.location:
         scheme = location.scheme
@@ -188,7 +192,11 @@ def missing_local_paths(job: FineTuneJob, base_dir: Path) -> list[Problem]:
             missing, why = True, f"cannot be looked at on this machine ({error.strerror})"
         else:
             why = "does not exist on this machine"
-        if missing:
+        if missing and runs_here:
+            problems.append(Problem(location.field, f"{_plain(str(where))} {why}",
+                                    "fix the path (relative paths start at the manifest's "
+                                    "folder): `finetune run` reads it on this machine"))
+        elif missing:
             problems.append(Problem(
                 location.field, f"{_plain(str(where))} {why}",
                 "fix the path (relative paths start at the manifest's folder); ignore this "
@@ -297,15 +305,10 @@ def run_command(file: str, nproc: int | None, fresh: bool, verbose: bool) -> Non
     from finetune_operator.validation import InvalidJobError
     from finetune_trainer import trained_with
 
-    valid, invalid = _jobs_in((file,), "here")
-    if invalid:
-        sys.exit(EXIT_INVALID)
-    if len(valid) != 1:
-        click.echo(f"{file}: holds {len(valid)} FineTuneJobs — `finetune run` takes one", err=True)
-        sys.exit(EXIT_INVALID)
-    doc, job = valid[0]
+    doc, job = _the_job_to_run(file)
     model = local.model_config(job, doc.folder)
-    processes, gpus = nproc or local.default_processes(job), local.visible_gpus()
+    gpus = local.visible_gpus()
+    processes = nproc or local.default_processes(job, gpus)
     try:
         accumulation, differences = local.fit_to_machine(job, processes, gpus)
     except local.MachineMismatch as error:
@@ -326,6 +329,9 @@ def run_command(file: str, nproc: int | None, fresh: bool, verbose: bool) -> Non
     if refused := trained_with.refusal(output_dir, config, local.START_OVER):
         click.echo(f"{doc.source}: {refused}", err=True)
         sys.exit(EXIT_INVALID)
+    if not fresh and (done := local.already_done(output_dir, config)):
+        click.echo(f"{doc.source}: {done}")
+        sys.exit(0)
     config_path = local.write_config(config, output_dir)
     click.echo(f"{doc.source}: {_summary(job, where='this machine')}")
     for difference in differences:
@@ -338,16 +344,13 @@ def run_command(file: str, nproc: int | None, fresh: bool, verbose: bool) -> Non
     if warning := local.feasibility_warning(here if machine else job, model, machine):
         click.echo(f"{doc.source}: {warning}", err=True)
     click.echo(f"trainer config: {config_path}")
-    if local.needs_fetch(config) and (fetched := subprocess.run(
-            local.fetch_command(config_path), check=False).returncode) != 0:
-        sys.exit(fetched)  # 2: the name, revision or token; 1: the network or the disk
-    if subprocess.run(local.preflight_command(config_path), check=False).returncode != 0:
-        sys.exit(EXIT_INVALID)
+    from finetune_operator.follow import mark_failed, run_log
+
+    _fetch_and_check(config, config_path, run_log(output_dir), verbose)
     restarts = job.spec.run_policy.backoff_limit
     click.echo(f"starting {processes} training process{'es' if processes > 1 else ''} "
                f"(a failed worker restarts them all from the newest checkpoint, up to "
                f"{restarts} time{'' if restarts == 1 else 's'}: spec.runPolicy.backoffLimit)")
-    from finetune_operator.follow import mark_failed, run_log
 
     code = local.run_trainer(config_path, processes, run_log(output_dir),
                              max_restarts=restarts, verbose=verbose, lock=lock)
@@ -361,6 +364,35 @@ def run_command(file: str, nproc: int | None, fresh: bool, verbose: bool) -> Non
         mark_failed(output_dir)
         click.echo(f"training failed (exit {code}); see the log above", err=True)
     sys.exit(code)
+
+
+def _the_job_to_run(file: str) -> tuple[Document, FineTuneJob]:
+    """The manifest's one FineTuneJob, valid, with the model and data paths it reads on
+    this machine there; else the problems said and exit 2."""
+    valid, invalid = _jobs_in((file,), "here")
+    if invalid:
+        sys.exit(EXIT_INVALID)
+    if len(valid) != 1:
+        click.echo(f"{file}: holds {len(valid)} FineTuneJobs — `finetune run` takes one", err=True)
+        sys.exit(EXIT_INVALID)
+    doc, job = valid[0]
+    if missing := missing_local_paths(job, doc.folder, runs_here=True):
+        for problem in missing:
+            click.echo(f"{doc.source}: {problem}", err=True)
+        sys.exit(EXIT_INVALID)
+    return doc, job
+
+
+def _fetch_and_check(config: TrainerConfig, config_path: Path, log: Path, verbose: bool) -> None:
+    """Before any worker: an hf:// model fetched into the output folder, then the model and
+    data checked (the trainer's preflight); exits with their code when one fails."""
+    from finetune_operator import local
+
+    if local.needs_fetch(config) and (fetched := local.run_step(
+            local.fetch_command(config_path), log, verbose)) != 0:
+        sys.exit(fetched)  # 2: the name, revision or token; 1: the network or the disk
+    if local.run_step(local.preflight_command(config_path), log, verbose) != 0:
+        sys.exit(EXIT_INVALID)
 
 
 def _hold_output(source: str, output_dir: Path) -> int | None:
@@ -520,7 +552,9 @@ def status_command(target: str, namespace: str | None, kubeconfig: str | None, w
                     return follow.FINISHED[view.phase]
                 await asyncio.sleep(interval)
         except (kube.LoginError, kube.KubeError) as error:
-            click.echo(f"finetune status: {error}", err=True)
+            click.echo(f"finetune status: {error}{_LOCAL_HINT.format('status')}"
+                       if isinstance(error, kube.LoginError) else f"finetune status: {error}",
+                       err=True)
             return 1
         finally:
             if client is not None:
@@ -530,6 +564,10 @@ def status_command(target: str, namespace: str | None, kubeconfig: str | None, w
         sys.exit(asyncio.run(follow_job()))
     except KeyboardInterrupt:
         sys.exit(130)
+
+
+_LOCAL_HINT = ("; or, for a `finetune run` on this machine, name its manifest or output "
+               "folder (`finetune {} job.yaml`)")
 
 
 @main.command(name="logs")
@@ -574,13 +612,29 @@ def logs_command(target: str, namespace: str | None, kubeconfig: str | None, ran
                 click.echo(f"finetune logs: {target} has no pod of node rank {rank} (phase "
                            f"{phase}; nodes: spec.resources.nodes)", err=True)
                 return 1
-            async for chunk in client.pod_log(namespace, pod["metadata"]["name"],
-                                              TRAINER_CONTAINER, follow=keep_following):
-                sys.stdout.buffer.write(chunk)
-                sys.stdout.flush()
+            name = pod["metadata"]["name"]
+            if (waiting := follow.not_started(pod, TRAINER_CONTAINER)) is not None:
+                click.echo(f"finetune logs: pod {name} has not started its trainer yet "
+                           f"({waiting}) — `finetune status {target}` says what it waits for",
+                           err=True)
+                return 1
+            try:
+                async for chunk in client.pod_log(namespace, name, TRAINER_CONTAINER,
+                                                  follow=keep_following):
+                    sys.stdout.buffer.write(chunk)
+                    sys.stdout.flush()
+            except kube.KubeError as error:
+                if error.status is None or error.status < 500:
+                    raise
+                click.echo(f"finetune logs: read the log of pod {name}: {error.message} — "
+                           "the API server could not get it from the node's kubelet (the "
+                           "fake nodes of `make cluster` have none)", err=True)
+                return 1
             return 0
         except (kube.LoginError, kube.KubeError) as error:
-            click.echo(f"finetune logs: {error}", err=True)
+            click.echo(f"finetune logs: {error}{_LOCAL_HINT.format('logs')}"
+                       if isinstance(error, kube.LoginError) else f"finetune logs: {error}",
+                       err=True)
             return 1
         finally:
             await client.close()

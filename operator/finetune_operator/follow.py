@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from finetune_operator import run_lock
 from finetune_operator.api import (
@@ -23,9 +23,11 @@ from finetune_operator.api import (
     FineTuneSweepStatus,
     Progress,
 )
-from finetune_operator.kube import Kube
 from finetune_trainer.layout import PROGRESS_FILE, RUN_LOG, resolve_output
 from finetune_trainer.record import ProgressRecord, format_duration
+
+if TYPE_CHECKING:  # `finetune run` follows a local run: no Kubernetes client to import
+    from finetune_operator.kube import Kube
 
 FINISHED = {"Succeeded": 0, "Failed": 1, "Stopped": 1}
 """Phases after which nothing changes, and the exit code `--watch` ends with."""
@@ -111,6 +113,10 @@ def view_of_output(name: str, folder: Path) -> JobView:
     run that says Running with no `finetune run` left holding the folder was stopped."""
     path = folder / PROGRESS_FILE
     if not path.is_file():
+        if run_lock.ran_here(folder) and run_lock.holder(folder) is None:
+            return JobView(name=name, phase="Stopped", where=str(folder), message=(
+                "ended before its first step (interrupted, or its checks of the model and "
+                "data failed: `finetune logs` has why); the same `finetune run` starts again"))
         return JobView(name=name, phase="Pending", where=str(folder),
                        message=f"no {PROGRESS_FILE} yet: the run has not logged a step")
     record = ProgressRecord.model_validate(json.loads(path.read_text()))
@@ -229,6 +235,27 @@ def newest_pod(pods: list[dict[str, Any]], node_rank: int, index_key: str
             or (pod["metadata"].get("labels") or {}).get(index_key) == str(node_rank)]
     return max(mine, key=lambda pod: pod["metadata"].get("creationTimestamp") or "",
                default=None)
+
+
+def not_started(pod: dict[str, Any], container: str) -> str | None:
+    """Why `container` of `pod` has no log yet (the pod waits for a node, an image, a
+    volume), or None once it has started."""
+    status = pod.get("status") or {}
+    for state in (s.get("state") or {} for s in status.get("containerStatuses") or []
+                  if s.get("name") == container):
+        if "running" in state or "terminated" in state:
+            return None
+        waiting = state.get("waiting") or {}
+        if waiting.get("reason"):
+            return f"waiting: {waiting['reason']}" + (
+                f" ({waiting['message']})" if waiting.get("message") else "")
+    if status.get("phase") in ("Running", "Succeeded", "Failed"):
+        return None  # the container's own status is not there yet: try to read it
+    unscheduled = next((c for c in status.get("conditions") or []
+                        if c.get("type") == "PodScheduled" and c.get("status") == "False"), None)
+    if unscheduled is not None:
+        return f"not on a node: {unscheduled.get('reason')}: {unscheduled.get('message')}"
+    return status.get("phase") or "Pending"
 
 
 def azureml_logs_hint(obj: dict[str, Any]) -> str:

@@ -39,7 +39,14 @@ from finetune_operator.trainer_config import (
 from finetune_operator.validation import InvalidJobError
 from finetune_trainer.config import TrainerConfig
 from finetune_trainer.fetch import complete_copy, hub_repo
-from finetune_trainer.layout import checkpoint_root, latest_checkpoint, step_of
+from finetune_trainer.layout import (
+    FINAL_DIR,
+    PROGRESS_FILE,
+    checkpoint_root,
+    latest_checkpoint,
+    step_of,
+)
+from finetune_trainer.record import ProgressRecord
 from finetune_trainer.uris import Location, Unreachable
 
 CONFIG_DIR = ".finetune"
@@ -127,12 +134,12 @@ def local_mount(base_dir: Path) -> Mount:
     return mount
 
 
-def default_processes(job: FineTuneJob) -> int:
-    """Processes on this machine: the spec's CPU workers, or the GPUs that are visible."""
+def default_processes(job: FineTuneJob, gpus: int) -> int:
+    """Processes on this machine: the spec's CPU workers, or the `gpus` that are visible."""
     resources = job.spec.resources
     if resources.gpus_per_node == 0:
         return resources.nodes * resources.processes()
-    return max(1, min(visible_gpus(), resources.nodes * resources.gpus_per_node))
+    return max(1, min(gpus, resources.nodes * resources.gpus_per_node))
 
 
 class MachineMismatch(ValueError):
@@ -275,6 +282,7 @@ class QuietLog:
         self.stopping = stopping
         self.traceback: list[str] | None = None
         self.dropped = False
+        self.blanks: list[str] = []
 
     def feed(self, line: str) -> list[str]:
         if self.traceback is not None:
@@ -286,14 +294,19 @@ class QuietLog:
         if line.startswith("Traceback (most recent call last)"):
             self.traceback = [line]
             return []
-        # a progress bar's carriage returns leave empty lines behind it
-        noise = NOISE.match(line) is not None or (self.dropped and not line.strip())
-        self.dropped = noise
-        return [] if noise else [line]
+        # a progress bar's carriage returns leave empty lines before and behind it
+        if not line.strip():
+            if not self.dropped:
+                self.blanks.append(line)
+            return []
+        blanks, self.blanks = self.blanks, []
+        self.dropped = NOISE.match(line) is not None
+        return [] if self.dropped else [*blanks, line]
 
     def flush(self) -> list[str]:
         block, self.traceback = self.traceback or [], None
-        return block
+        blanks, self.blanks = self.blanks, []
+        return blanks + block
 
 
 class RunLog:
@@ -349,6 +362,35 @@ def _relay(source: TextIO, target: TextIO, log: QuietLog | None, keep: RunLog) -
     target.flush()
 
 
+def _relays(child: subprocess.Popen, keep: RunLog,
+            stopping: Callable[[], bool] | None) -> list[threading.Thread]:
+    """Threads copying the child's stdout and stderr to ours and to `keep`, through a
+    QuietLog each unless `stopping` is None (verbose)."""
+    relays = [threading.Thread(target=_relay, args=(
+        stream, target, None if stopping is None else QuietLog(stopping), keep), daemon=True)
+        for stream, target in ((child.stdout, sys.stdout), (child.stderr, sys.stderr))]
+    for relay in relays:
+        relay.start()
+    return relays
+
+
+def run_step(command: list[str], log_path: Path, verbose: bool) -> int:
+    """One step before the workers start (the model's fetch, the preflight), its lines
+    shown as the workers' are: filtered unless `verbose` (a first read of the data draws a
+    progress bar), and kept in `log_path`."""
+    child = subprocess.Popen(command, env=worker_env(1, verbose), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, errors="replace")
+    keep = RunLog(log_path)
+    relays = _relays(child, keep, None if verbose else lambda: False)
+    try:
+        code = child.wait()
+        for relay in relays:
+            relay.join()
+    finally:
+        keep.close()
+    return code
+
+
 def worker_env(processes: int, verbose: bool) -> dict[str, str]:
     """The environment of torchrun and the workers. torchrun's agent hosts one TCPStore for
     every attempt by default, and the process group's keys (each rank's address) survive a
@@ -378,11 +420,7 @@ def run_trainer(config_path: Path, processes: int, log_path: Path, max_restarts:
                              errors="replace", pass_fds=() if lock is None else (lock,))
     stopped = False
     keep = RunLog(log_path)
-    relays = [threading.Thread(target=_relay, args=(
-        stream, target, None if verbose else QuietLog(lambda: stopped), keep), daemon=True)
-              for stream, target in ((child.stdout, sys.stdout), (child.stderr, sys.stderr))]
-    for relay in relays:
-        relay.start()
+    relays = _relays(child, keep, None if verbose else lambda: stopped)
 
     def forward(signum, frame) -> None:
         nonlocal stopped
@@ -399,6 +437,25 @@ def run_trainer(config_path: Path, processes: int, log_path: Path, max_restarts:
             signal.signal(sig, handler)
         keep.close()
     return EXIT_STOPPED if stopped else code
+
+
+def already_done(output_dir: Path, config: TrainerConfig) -> str | None:
+    """The line a run that has nothing left to do ends with: the folder's run succeeded at
+    the config's maxSteps and its model is there. (An epochs-long run's total is known only
+    once the data is read: it runs again, resuming at its last step.)"""
+    max_steps = config.hyperparameters.max_steps
+    path, final = output_dir / PROGRESS_FILE, output_dir / FINAL_DIR
+    if max_steps is None or not path.is_file() or not final.is_dir():
+        return None
+    try:
+        record = ProgressRecord.model_validate_json(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    if record.phase != "Succeeded" or record.step != max_steps:
+        return None
+    return (f"already done: {max_steps}/{max_steps} steps, the model is in {final} — raise "
+            "hyperparameters.maxSteps to train on from the last checkpoint, or --fresh to "
+            "start over")
 
 
 def stopped_message(output_dir: Path) -> str:

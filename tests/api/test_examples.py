@@ -35,12 +35,14 @@ def test_examples_cover_both_backends_and_all_methods():
     assert any(j.spec.model.uri.startswith("azureml://registries/") for j in jobs)
 
 
-def test_the_cluster_setup_the_examples_expect_is_valid_and_shared():
-    """examples/cluster/ml-team.yaml: the namespace, PriorityClass and claims examples 02,
-    03 and 05 name; the output claim is ReadWriteMany (every rank writes checkpoints)."""
+@pytest.mark.parametrize("setup", ["ml-team.yaml", "make-cluster.yaml"])
+def test_the_cluster_setup_the_examples_expect_is_valid_and_shared(setup):
+    """examples/cluster/ml-team.yaml (AKS) and make-cluster.yaml (`make cluster`): the
+    namespace, PriorityClass and claims examples 02, 03 and 05 name; the output claim is
+    ReadWriteMany (every rank writes checkpoints)."""
     import kubernetes_validate
 
-    objects = list(yaml.safe_load_all((REPO / "examples/cluster/ml-team.yaml").read_text()))
+    objects = list(yaml.safe_load_all((REPO / "examples/cluster" / setup).read_text()))
     for obj in objects:
         kubernetes_validate.validate(obj, "1.32", strict=True)
     claims = {o["metadata"]["name"]: o for o in objects if o["kind"] == "PersistentVolumeClaim"}

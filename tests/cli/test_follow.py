@@ -23,6 +23,7 @@ from finetune_operator.api import Progress
 from finetune_operator.follow import (
     mark_failed,
     newest_pod,
+    not_started,
     output_folder,
     progress_bar,
     render,
@@ -31,6 +32,7 @@ from finetune_operator.follow import (
     view_of_sweep,
 )
 from finetune_operator.kube import default_namespace
+from finetune_trainer.layout import RUN_LOCK
 from finetune_trainer.record import ProgressRecord
 from tests.trainer.test_training import manifest
 
@@ -98,6 +100,28 @@ def test_the_newest_pod_of_a_node_rank_is_the_current_one():
     assert newest_pod(pods, 2, INDEX) is None
 
 
+def test_a_pod_that_has_not_started_says_what_it_waits_for():
+    def pod(phase, conditions=(), containers=()):
+        return {"status": {"phase": phase, "conditions": list(conditions),
+                           "containerStatuses": list(containers)}}
+
+    unscheduled = pod("Pending", [{"type": "PodScheduled", "status": "False",
+                                   "reason": "Unschedulable",
+                                   "message": "0/5 nodes are available: 5 Insufficient "
+                                              "nvidia.com/gpu."}])
+    assert not_started(unscheduled, "trainer") == (
+        "not on a node: Unschedulable: 0/5 nodes are available: 5 Insufficient nvidia.com/gpu.")
+    pulling = pod("Pending", containers=[{"name": "trainer", "state": {"waiting": {
+        "reason": "ImagePullBackOff", "message": "Back-off pulling image"}}}])
+    assert not_started(pulling, "trainer") == "waiting: ImagePullBackOff (Back-off pulling image)"
+    assert not_started(pod("Pending"), "trainer") == "Pending"
+    running = pod("Running", containers=[{"name": "trainer", "state": {"running": {}}}])
+    assert not_started(running, "trainer") is None
+    ended = pod("Failed", containers=[{"name": "trainer", "state": {"terminated": {}}}])
+    assert not_started(ended, "trainer") is None
+    assert not_started(pod("Succeeded"), "trainer") is None
+
+
 def test_a_local_run_is_found_from_its_manifest_and_a_failure_ends_the_watch(tmp_path):
     job = manifest(tmp_path / "model", Path("out"))
     job["spec"]["output"]["uri"] = "./out"
@@ -114,6 +138,21 @@ def test_a_local_run_is_found_from_its_manifest_and_a_failure_ends_the_watch(tmp
     mark_failed(folder)
     view = view_of_output(name, folder)
     assert view.finished and view.phase == "Failed" and view.progress.step == 3
+
+
+def test_a_run_that_ended_before_its_first_step_reads_stopped_not_pending(tmp_path):
+    """Ctrl-C while the model loads, or a preflight that failed: the folder has the run's
+    lock file, nobody holds it, and no progress.json. It read `Pending` forever."""
+    (tmp_path / RUN_LOCK).parent.mkdir(parents=True)
+    (tmp_path / RUN_LOCK).write_text("")
+    view = view_of_output("demo", tmp_path)
+    assert view.phase == "Stopped"
+    assert "ended before its first step" in view.message
+    held = run_lock.hold(tmp_path)  # a run loading its model right now
+    try:
+        assert view_of_output("demo", tmp_path).phase == "Pending"
+    finally:
+        os.close(held)
 
 
 def test_a_run_that_says_running_with_no_finetune_run_holding_its_folder_was_stopped(
@@ -266,6 +305,7 @@ async def test_status_and_logs_with_a_kubeconfig_against_the_real_api_server(
     # what the API server answered
     logs = await asyncio.to_thread(finetune, "logs", "demo", *cluster)
     assert logs.returncode == 1 and "read the log of pod demo-0" in logs.stderr, logs.stderr
+    assert "could not get it from the node's kubelet" in logs.stderr
     missing = await asyncio.to_thread(finetune, "logs", "demo", "--rank", "5", *cluster)
     assert "has no pod of node rank 5" in missing.stderr
 
@@ -279,3 +319,17 @@ async def test_status_and_logs_with_a_kubeconfig_against_the_real_api_server(
     assert blocks[-1].startswith("Succeeded"), out.decode()[-2000:]
     absent = await asyncio.to_thread(finetune, "status", "nope", *cluster)
     assert absent.returncode == 1 and "no FineTuneJob or FineTuneSweep nope" in absent.stderr
+
+
+@pytest.mark.parametrize("command", ["status", "logs"])
+def test_a_job_name_without_a_cluster_points_at_the_local_way_too(tmp_path, command):
+    """Someone who just used `finetune run` types the job's name: no kubeconfig works, and
+    the line says how to name a local run as well."""
+    env = {**os.environ, "KUBECONFIG": str(tmp_path / "none")}
+    result = subprocess.run([*FINETUNE, command, "tiny-cpu-lora"], capture_output=True,
+                            text=True, env=env, cwd=tmp_path, timeout=60)
+    assert result.returncode == 1
+    assert "set KUBECONFIG to a kubeconfig that works with kubectl" in result.stderr
+    assert result.stderr.rstrip().endswith(
+        f"or, for a `finetune run` on this machine, name its manifest or output folder "
+        f"(`finetune {command} job.yaml`)")

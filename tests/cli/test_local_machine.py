@@ -57,11 +57,34 @@ def test_finetune_run_refuses_it_before_anything_starts(tmp_path):
                            resources={"gpusPerNode": 0, "processesPerNode": 2},
                            hyperparameters={"maxSteps": 10, "batchSizePerDevice": 3})
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(manifest))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "data.jsonl").write_text("{}\n")
     result = subprocess.run([sys.executable, "-m", "finetune_operator.cli", "run", "job.yaml",
                              "--nproc", "4"], cwd=tmp_path, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 2, result.stdout + result.stderr
     assert "cannot be kept on 4 local processes" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_model_or_data_path_that_is_not_there_is_refused_before_anything_starts(tmp_path):
+    """Before: the trainer's preflight found it 6 s later, prefixed `finetune-train:` with
+    a hint about pvc:// mounts, and left out/.finetune/ and out/logs/run.lock behind."""
+    manifest = minimal_job(model={"uri": "./tiny-lama"}, dataset={"uri": "./data.jsonl"},
+                           output={"uri": "./out"},
+                           resources={"gpusPerNode": 0, "processesPerNode": 1})
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(manifest))
+    result = subprocess.run([sys.executable, "-m", "finetune_operator.cli", "run", "job.yaml"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.splitlines() == [
+        f"job.yaml: spec.model.uri: {tmp_path / 'tiny-lama'} does not exist on this machine — "
+        "fix the path (relative paths start at the manifest's folder): `finetune run` reads "
+        "it on this machine",
+        f"job.yaml: spec.dataset.uri: {tmp_path / 'data.jsonl'} does not exist on this "
+        "machine — fix the path (relative paths start at the manifest's folder): `finetune "
+        "run` reads it on this machine"]
+    assert result.stdout == ""
     assert not (tmp_path / "out").exists()
 
 
@@ -114,6 +137,15 @@ def test_a_run_on_fewer_processes_than_the_spec_resumes_on_them(tiny_model_dir, 
     assert again.returncode == 0, again.stdout + again.stderr
     assert "resum" in again.stdout.lower() and "step-00000004" in again.stdout, again.stdout
     assert "step 6/6" in again.stdout
+    # the same command once more: nothing left to do, said at once (it started the
+    # workers, evaluated and exported the model again)
+    done = finetune_run(spec, tmp_path, "--nproc", "1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines()[-1].endswith(
+        f"already done: 6/6 steps, the model is in {tmp_path / 'out' / 'final'} — raise "
+        "hyperparameters.maxSteps to train on from the last checkpoint, or --fresh to start "
+        "over")
+    assert "starting" not in done.stdout
 
 
 NVIDIA_SMI = """#!/bin/sh

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from finetune_operator.local import QuietLog, stopped_message
+import sys
+
+from finetune_operator.local import QuietLog, run_step, stopped_message
 
 SIGNAL_TRACEBACK = """Traceback (most recent call last):
   File "<frozen runpy>", line 198, in _run_module_as_main
@@ -35,6 +37,29 @@ def test_loading_bars_banner_and_the_stop_it_asked_for_are_dropped():
             "step 129/4000 | loss 5.1297\n"
             "stopped by SIGTERM after step 129; a restart resumes from the checkpoint above\n")
     assert shown(text) == "step 129/4000 | loss 5.1297\n"
+
+
+def test_the_blank_lines_a_bar_leaves_before_it_go_with_it_and_others_stay():
+    # a pipe read in text mode turns a bar's carriage returns into line ends
+    text = ("\nGenerating train split: 0 examples\nGenerating train split: 64 examples\n\n"
+            "preflight: 16 training sequences\n\nstep 1/2\n\n")
+    assert shown(text) == "preflight: 16 training sequences\n\nstep 1/2\n\n"
+
+
+def test_a_step_before_the_workers_is_shown_as_they_are(tmp_path, capfd):
+    """The preflight reads the data first and `datasets` draws its bar on stderr: a plain
+    `finetune run` drops it, `--verbose` shows it, the run log keeps it either way."""
+    script = ("import sys, tqdm\n"
+              "for _ in tqdm.tqdm(range(64), desc='Generating train split'): pass\n"
+              "print('preflight: 16 training sequences')\n")
+    log = tmp_path / "logs" / "run.log"
+    assert run_step([sys.executable, "-c", script], log, verbose=False) == 0
+    out, err = capfd.readouterr()
+    assert out == "preflight: 16 training sequences\n"
+    assert err == ""
+    assert "Generating train split: 100%" in log.read_text()
+    assert run_step([sys.executable, "-c", script + "sys.exit(2)"], log, verbose=True) == 2
+    assert "Generating train split" in capfd.readouterr().err
 
 
 def test_torchruns_signal_traceback_goes_only_when_finetune_run_stopped_it():

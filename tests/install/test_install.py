@@ -218,3 +218,36 @@ def test_a_port_in_use_is_one_line_naming_the_option(installation, operator_inst
             env={"PATH": "/usr/bin:/bin", "KUBECONFIG": str(installation.operator_kubeconfig)})
     line = _one_line(result)
     assert f"port {port} is in use (--metrics-port)" in line
+
+
+def test_the_readmes_make_cluster_steps_take_example_02_to_succeeded(installation,
+                                                                     operator_process):
+    """README, `make cluster`: examples/cluster/make-cluster.yaml (claims bound to volumes of
+    no storage), the hub token's Secret, then example 02 as it is written: its pods are
+    scheduled onto the ndasrv4 nodes and the job ends Succeeded. Before, only ml-team.yaml
+    existed, whose Azure Files claims never bind here: the pods stayed Pending."""
+    import time
+
+    from tests.conftest import REPO
+
+    kubectl = installation.kubectl
+    kubectl("apply", "-f", str(REPO / "examples/cluster/make-cluster.yaml"))
+    try:
+        kubectl("create", "secret", "generic", "hf-token", "-n", "ml-team",
+                "--from-literal=token=unused")
+        kubectl("apply", "-f", str(REPO / "examples/02-aks-fsdp-full-8b.yaml"))
+        deadline, phase = time.monotonic() + 120, ""
+        while phase != "Succeeded":
+            assert time.monotonic() < deadline, kubectl(
+                "describe", "ftj", "llama-8b-full", "-n", "ml-team").stdout
+            time.sleep(1)
+            phase = kubectl("get", "ftj", "llama-8b-full", "-n", "ml-team", "-o",
+                            "jsonpath={.status.phase}").stdout
+        pods = json.loads(kubectl("get", "pods", "-n", "ml-team", "-o", "json").stdout)
+        assert {p["spec"]["nodeSelector"]["agentpool"] for p in pods["items"]} == {"ndasrv4"}
+        assert len({p["spec"]["nodeName"] for p in pods["items"]}) == 2  # one per node
+    finally:
+        kubectl("delete", "namespace", "ml-team", "--wait=false")
+        kubectl("delete", "pv", "ml-team-datasets", "ml-team-checkpoints", "--wait=false")
+        # at once: test_control_plane's missing-PriorityClass test needs it gone
+        kubectl("delete", "priorityclass", "training-high")

@@ -137,7 +137,9 @@ async def test_finetune_logs_streams_the_current_pod_of_a_node_rank(server, tmp_
 
     def pod(name: str, rank: int, created: str) -> dict:
         return {"metadata": {"name": name, "creationTimestamp": created,
-                             "annotations": {index: str(rank)}}}
+                             "annotations": {index: str(rank)}},
+                "status": {"phase": "Running", "containerStatuses": [
+                    {"name": "trainer", "state": {"running": {}}}]}}
 
     server.answers["/apis/finetune.dev/v1alpha1/namespaces/team/finetunejobs/demo"] = (
         aiohttp.web.json_response({"metadata": {"name": "demo"},

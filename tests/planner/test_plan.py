@@ -11,9 +11,9 @@ import pytest
 from finetune_operator.planner import catalog, plan_job, recommend, resolve_strategy
 from finetune_operator.planner.architecture import from_hf_config
 from finetune_operator.planner.known_models import KNOWN_MODELS
-from finetune_operator.planner.memory import TrainingSetup, estimate_memory
 from finetune_operator.planner.plan import HEADROOM, fallback_strategy
-from finetune_operator.planner.sources import ModelConfig, ModelConfigs, fetch_from_hub
+from finetune_operator.planner.render import plan_with_notes
+from finetune_operator.planner.sources import ModelConfig, ModelConfigs, fetch_from_hub, from_table
 from finetune_operator.validation import check_document, parse_job
 from tests.conftest import minimal_job
 
@@ -121,10 +121,9 @@ def test_auto_goes_through_the_planner_when_model_and_gpu_are_known():
               resources={"gpusPerNode": 8, "gpuType": "Standard_ND96amsr_A100_v4"})
     chosen = resolve_strategy(mid)
     assert chosen in ("zero1", "zero2", "fsdp", "zero3")
-    setup = TrainingSetup(method="full", strategy=chosen, world_size=8,
-                          micro_batch=4, seq_len=2048)
-    used = estimate_memory(from_hf_config(KNOWN_MODELS["meta-llama/Llama-3.1-8B"]), setup)
-    assert used.total <= catalog.find("A100-80GB").gpu.memory_bytes * (1 - HEADROOM)
+    plan = plan_with_notes(mid, from_table("hf://meta-llama/Llama-3.1-8B"))  # sized for chosen
+    assert plan.strategy == chosen and plan.fits is True
+    assert plan.per_gpu_bytes <= catalog.find("A100-80GB").gpu.memory_bytes * (1 - HEADROOM)
 
 
 def test_auto_keeps_the_simple_rules_without_a_config_or_gpu_type():

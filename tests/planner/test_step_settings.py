@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from finetune_operator.api import FineTuneJob
-from finetune_operator.planner import catalog, choose_step_settings
-from finetune_operator.planner.plan import TOKENS_PER_PASS
+from finetune_operator.planner import catalog, choose_step_settings, resolve_strategy
+from finetune_operator.planner.plan import AUTO_ORDER, TOKENS_PER_PASS
 from finetune_operator.planner.render import plan_with_notes, table
 from finetune_operator.planner.sources import from_table
 from finetune_operator.trainer_config import build_trainer_config
@@ -191,6 +191,58 @@ def test_the_plan_is_about_the_passes_the_workers_run():
     printed = table(j, plan)
     assert "micro-batch 1 x 4096 tokens, checkpointing off" in printed.splitlines()[0]
     assert "note: microBatchSize unset → 1:" in printed
+
+
+# --- strategy auto, judged by the step its workers run ----------------------------------
+
+def auto_job(method: str, batch: int, **overrides) -> FineTuneJob:
+    j = job(method, batch=batch, seq=4096, **overrides)
+    spec = j.spec.model_copy(update={"strategy": j.spec.strategy.model_copy(
+        update={"type": "auto"})})
+    return j.model_copy(update={"spec": spec})
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_auto_picks_the_same_strategy_whatever_batch_size_per_device(method):
+    """8B on 8 H100s at 4096 tokens: every batchSizePerDevice runs as passes of one
+    sequence without recomputation, so the strategy is the same. Judged by
+    batchSizePerDevice alone, LoRA went from ddp to fsdp at 32 sequences, and full from
+    zero1 (then needing selective recomputation) to zero2 to fsdp."""
+    model = from_table(f"hf://{LLAMA_8B}")
+    chosen = set()
+    for batch in (4, 16, 32):
+        j = auto_job(method, batch)
+        strategy = resolve_strategy(j, model)
+        step = choose_step_settings(j, model, strategy)
+        assert (step.gradient_checkpointing, step.micro_batch) == (False, 1)
+        chosen.add(strategy)
+    assert chosen == {"ddp" if method == "lora" else "fsdp"}
+
+
+def test_auto_prefers_a_compiled_strategy_over_deepspeed_at_the_same_passes():
+    """8B full on 8 H100s: ZeRO-2 and FSDP both fit passes of 4096 tokens without
+    recomputation; FSDP is compiled (COMPILE_SPEEDUP), DeepSpeed's engine is not. A short
+    run, where compiling does not pay back, keeps AUTO_ORDER: zero2 before fsdp."""
+    model = from_table(f"hf://{LLAMA_8B}")
+    assert resolve_strategy(auto_job("full", 4), model) == "fsdp"
+    assert resolve_strategy(auto_job("full", 4, steps=20), model) == "zero2"
+    no_compile = auto_job("full", 4, strategy={"compile": False})
+    assert resolve_strategy(no_compile, model) == "zero2"
+
+
+def test_auto_prefers_no_recomputation_to_an_earlier_strategy():
+    """A short 8B full run (no compile) on 8 H100s: ddp does not fit, zero1 fits passes
+    of 4096 tokens only with selective recomputation, zero2 without: zero2 is chosen (it
+    was zero1, the first that fitted at batchSizePerDevice with checkpointing)."""
+    model = from_table(f"hf://{LLAMA_8B}")
+    j = auto_job("full", 4, steps=20)
+    strategy = resolve_strategy(j, model)
+    assert strategy == "zero2"
+    step = choose_step_settings(j, model, strategy)
+    for earlier in AUTO_ORDER[:AUTO_ORDER.index(strategy)]:
+        other = choose_step_settings(j, model, earlier)
+        assert other.gradient_checkpointing, earlier  # needs recomputation (or fits no pass)
+    assert step.gradient_checkpointing is False
 
 
 NVIDIA_SMI_ROWS = """NVIDIA H100 80GB HBM3, 81559, 81000, 9.0

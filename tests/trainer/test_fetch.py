@@ -332,8 +332,11 @@ def test_finetune_run_fetches_once_and_a_second_run_asks_the_hub_nothing(hub, tm
     print(f"first run: {len(hub.requests)} requests, {len(hub.downloads())} downloads "
           f"({', '.join(sorted(hub.downloads()))})")
     hub.reset()
+    job["spec"]["hyperparameters"]["maxSteps"] = 3  # resumed (the same 2 would be done)
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stdout + second.stderr
+    assert "(step 2/3)" in second.stdout, second.stdout
     assert hub.requests == [], hub.requests
     adapter = json.loads((tmp_path / "out/final/adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == "org/tiny"

@@ -196,7 +196,6 @@ def gpu_of(card: Card) -> Gpu | None:
 
     same = [gpu for gpu in GPUS if set(family(gpu)) <= words]
     return min(same, key=lambda gpu: (abs(gpu.memory_bytes - card.total_bytes) // GiB,
-                                      len(family(gpu)) == 1 and "nvl" in words,
                                       (gpu.nvlink_busbw is None) != pcie), default=None)
 
 

@@ -13,7 +13,7 @@ from finetune_operator.api import FineTuneJob
 from finetune_operator.planner import catalog
 from finetune_operator.planner.architecture import ConfigError, ModelShape, from_hf_config
 from finetune_operator.planner.catalog import VmSize
-from finetune_operator.planner.compute import Throughput, estimate_throughput
+from finetune_operator.planner.compute import COMPILE_SPEEDUP, Throughput, estimate_throughput
 from finetune_operator.planner.disk import estimate_disk, stored_bytes_per_param
 from finetune_operator.planner.host import HostMemoryEstimate, estimate_host_memory
 from finetune_operator.planner.memory import (
@@ -25,7 +25,7 @@ from finetune_operator.planner.memory import (
     estimate_memory,
 )
 from finetune_operator.planner.sources import ModelConfig, from_table
-from finetune_trainer.config import Hyperparameters, LoraConfig
+from finetune_trainer.config import Hyperparameters, LoraConfig, StrategyConfig
 
 HEADROOM = 0.10
 """A recommendation leaves this fraction of GPU memory free (allocator fragmentation,
@@ -297,9 +297,13 @@ def _vm_of(job: FineTuneJob, machine: VmSize | None = None) -> VmSize | None:
 
 def auto_strategy(job: FineTuneJob, model: ModelConfig | None,
                   machine: VmSize | None = None) -> Strategy | None:
-    """The first strategy (fastest first) that fits the job's own GPUs (or `machine`'s)
-    with headroom, or the least memory-hungry one when none does; None when the planner
-    cannot tell (no model config, no known gpuType, CPU workers)."""
+    """The strategy expected to run fastest on the job's own GPUs (or `machine`'s), each
+    judged by the step its workers would run (`_size_the_step`: the checkpointing and
+    micro-batch chosen for it), not by batchSizePerDevice alone: first those at which a
+    full-size pass fits with headroom, then those that fit only smaller passes; among
+    them the least estimated step time (compute, or traffic where that is longer), then
+    the least recomputation, then AUTO_ORDER. When none fits, the least memory-hungry.
+    None when the planner cannot tell (no model config, no known gpuType, CPU workers)."""
     shape, _ = shape_of(model)
     resources = job.spec.resources
     vm = _vm_of(job, machine)
@@ -307,20 +311,34 @@ def auto_strategy(job: FineTuneJob, model: ModelConfig | None,
         return None
     world = resources.nodes * resources.gpus_per_node
     precision = _precision_on(vm.gpu.bf16, job.spec.strategy.precision)
-    setups = {s: setup_for(job, s, world, precision) for s in allowed_strategies(job)}
-    estimates = {s: estimate_memory(shape, setup) for s, setup in setups.items()}
+    levels = _levels(job.spec.strategy)
+    ranked = []
+    for order, strategy in enumerate(allowed_strategies(job)):
+        # the validator looks only at a strategy that would be chosen
+        if refused(as_recommended(job, vm, resources.nodes, strategy, precision)):
+            continue
+        sized = _size_the_step(shape, setup_for(job, strategy, world, precision), vm, levels,
+                               job.spec.hyperparameters, job.spec.dataset.packing)
+        fits = sized.fits and _fits(sized.estimate, vm, HEADROOM,
+                                    host_estimate(shape, job, sized.setup))
+        if not fits:
+            ranked.append(((2, sized.estimate.total, order), strategy))
+            continue
+        step = estimate_throughput(shape, sized.setup, vm, resources.nodes).step_seconds
+        if _compiled(job, strategy, sized.setup, shape, vm):
+            step /= COMPILE_SPEEDUP
+        ranked.append(((0 if sized.full_pass else 1, round(step, 3),
+                        levels.index(sized.level), order), strategy))
+    return min(ranked)[1] if ranked else None
 
-    def accepted(strategy: Strategy) -> bool:
-        return refused(as_recommended(job, vm, resources.nodes, strategy, precision)) is None
 
-    # the validator looks only at a strategy that would be chosen: the first that fits,
-    # else the least memory-hungry
-    for strategy, estimate in estimates.items():
-        host = host_estimate(shape, job, setups[strategy])
-        if _fits(estimate, vm, HEADROOM, host) and accepted(strategy):
-            return strategy
-    return next((s for s in sorted(estimates, key=lambda s: estimates[s].total)
-                 if accepted(s)), None)
+def _compiled(job: FineTuneJob, strategy: Strategy, setup: TrainingSetup, shape: ModelShape,
+              vm: VmSize) -> bool:
+    """Whether the workers would compile with `strategy`: the spec's `compile`, else the
+    planner's choice."""
+    if (compile_ := job.spec.strategy.compile) is not None:
+        return compile_
+    return _compile_by_length(job, strategy, setup, shape, vm, None)[0]
 
 
 def fallback_strategy(job: FineTuneJob) -> Strategy:
@@ -402,9 +420,7 @@ def choose_step_settings(job: FineTuneJob, model: ModelConfig | None,
             checkpointing, policy = True, "full"
             notes.append(f"gradientCheckpointing unset → full: {unknown}")
     else:
-        levels = (CHECKPOINTING_LEVELS if checkpointing is None else
-                  ((checkpointing, policy, policy if checkpointing else "off"),))
-        sized = _size_the_step(shape, setup, vm, levels, hp, job.spec.dataset.packing)
+        sized = _size_the_step(shape, setup, vm, _levels(chosen), hp, job.spec.dataset.packing)
         checkpointing, policy = sized.level[0], sized.level[1]
         setup = sized.setup
         micro = setup.micro_batch
@@ -426,12 +442,24 @@ def choose_step_settings(job: FineTuneJob, model: ModelConfig | None,
                         micro_batch=micro, compile=compile_, notes=notes)
 
 
+def _levels(chosen: StrategyConfig) -> tuple[tuple[bool, CheckpointPolicy, str], ...]:
+    """The checkpointing levels the planner may choose from: all, fastest first, when
+    gradientCheckpointing is unset; else the one the spec sets."""
+    if chosen.gradient_checkpointing is None:
+        return CHECKPOINTING_LEVELS
+    policy = chosen.gradient_checkpointing_policy
+    return ((chosen.gradient_checkpointing, policy,
+             policy if chosen.gradient_checkpointing else "off"),)
+
+
 @dataclass(frozen=True)
 class _SizedStep:
     level: tuple[bool, CheckpointPolicy, str]
     setup: TrainingSetup
     estimate: MemoryEstimate
     fits: bool
+    full_pass: bool
+    """A pass of TOKENS_PER_PASS tokens (or the job's own, when smaller) or more."""
     why: str = ""
 
 
@@ -458,7 +486,7 @@ def _size_the_step(shape: ModelShape, setup: TrainingSetup, vm: VmSize,
             "micro_batch": micro, "gradient_accumulation": per_device // micro})
         estimate = estimate_memory(shape, tried)
         return _SizedStep(level=level, setup=tried, estimate=estimate,
-                          fits=_fits(estimate, vm, HEADROOM),
+                          fits=_fits(estimate, vm, HEADROOM), full_pass=micro * seq >= floor,
                           why=_why(micro, own, level, per_device))
 
     for level in levels:

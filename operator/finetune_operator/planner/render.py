@@ -62,7 +62,9 @@ def _micro_batch(job: FineTuneJob, plan: JobPlan) -> int:
 def _count(n: int | None) -> str:
     if n is None:
         return "?"
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+    if n >= 1e9:
+        return f"{n / 1e9:.2f}B"
+    return f"{n / 1e6:.1f}M" if n >= 1e5 else f"{n / 1e3:.1f}K"  # tiny test models: 98.3K
 
 
 def host_line(plan: JobPlan) -> str:

@@ -23,7 +23,7 @@ from finetune_operator.api import (
     FineTuneSweepStatus,
     Progress,
 )
-from finetune_trainer.layout import PROGRESS_FILE, RUN_LOG, resolve_output
+from finetune_trainer.layout import LOCAL_CONFIG, PROGRESS_FILE, RUN_LOG, resolve_output
 from finetune_trainer.record import ProgressRecord, format_duration
 
 if TYPE_CHECKING:  # `finetune run` follows a local run: no Kubernetes client to import
@@ -129,12 +129,23 @@ def view_of_output(name: str, folder: Path) -> JobView:
                    progress=Progress.from_record(record))
 
 
+def _job_name(folder: Path) -> str:
+    """The job a `finetune run` output folder belongs to, as its trainer config names it;
+    the folder's name where it has none (not written by `finetune run`)."""
+    import yaml
+
+    try:
+        return yaml.safe_load((folder / LOCAL_CONFIG).read_text())["job"]["name"]
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, TypeError, KeyError):
+        return folder.name
+
+
 def output_folder(target: str) -> tuple[str, Path] | None:
     """(name, output folder) when `target` means this machine: a `finetune run` output
     folder, or the manifest it ran (its spec.output.uri, relative to the manifest)."""
     path = Path(target)
     if path.is_dir():
-        return path.resolve().name, path.resolve()
+        return _job_name(path.resolve()), path.resolve()
     if path.is_file():
         import pydantic
         import yaml

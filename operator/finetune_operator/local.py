@@ -41,6 +41,7 @@ from finetune_trainer.config import TrainerConfig
 from finetune_trainer.fetch import complete_copy, hub_repo
 from finetune_trainer.layout import (
     FINAL_DIR,
+    LOCAL_CONFIG,
     PROGRESS_FILE,
     checkpoint_root,
     latest_checkpoint,
@@ -49,7 +50,6 @@ from finetune_trainer.layout import (
 from finetune_trainer.record import ProgressRecord
 from finetune_trainer.uris import Location, Unreachable
 
-CONFIG_DIR = ".finetune"
 EXIT_STOPPED = 143
 START_OVER = ("point spec.output.uri at a new folder, or start over with `finetune run "
               "--fresh` (the old checkpoints are moved aside, not deleted)")
@@ -236,7 +236,7 @@ def visible_gpus() -> int:
 def write_config(config: TrainerConfig, output_dir: Path) -> Path:
     from finetune_operator import yamlio
 
-    path = output_dir / CONFIG_DIR / "trainer.yaml"
+    path = output_dir / LOCAL_CONFIG
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yamlio.dump(config.to_dict()))
     return path

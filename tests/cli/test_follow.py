@@ -32,7 +32,7 @@ from finetune_operator.follow import (
     view_of_sweep,
 )
 from finetune_operator.kube import default_namespace
-from finetune_trainer.layout import RUN_LOCK
+from finetune_trainer.layout import LOCAL_CONFIG, RUN_LOCK
 from finetune_trainer.record import ProgressRecord
 from tests.trainer.test_training import manifest
 
@@ -138,6 +138,15 @@ def test_a_local_run_is_found_from_its_manifest_and_a_failure_ends_the_watch(tmp
     mark_failed(folder)
     view = view_of_output(name, folder)
     assert view.finished and view.phase == "Failed" and view.progress.step == 3
+
+
+def test_an_output_folder_is_named_by_its_job_not_by_the_folder(tmp_path):
+    folder = tmp_path / "output"
+    folder.mkdir()
+    assert output_folder(str(folder)) == ("output", folder)  # not written by `finetune run`
+    (folder / LOCAL_CONFIG).parent.mkdir()
+    (folder / LOCAL_CONFIG).write_text(yaml.safe_dump({"job": {"name": "tiny-cpu-lora"}}))
+    assert output_folder(str(folder)) == ("tiny-cpu-lora", folder)
 
 
 def test_a_run_that_ended_before_its_first_step_reads_stopped_not_pending(tmp_path):

@@ -21,6 +21,8 @@ RUN_LOG = "logs/run.log"
 RUN_LOCK = "logs/run.lock"
 """`finetune run`: locked (flock) by the run writing this folder while it and its torchrun
 live; it names their pid and start. The kernel lets go when they end, kill -9 included."""
+LOCAL_CONFIG = ".finetune/trainer.yaml"
+"""`finetune run`: the trainer config it wrote and the workers read (the job's name in it)."""
 TENSORBOARD_DIR = "tensorboard"
 """Rank 0's TensorBoard event files (`tensorboard --logdir <output>`)."""
 CHECKPOINTS = "checkpoints"

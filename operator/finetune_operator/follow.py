@@ -158,8 +158,9 @@ def output_folder(target: str) -> tuple[str, Path] | None:
     return None
 
 
-def progress_bar(progress: Progress | None, width: int = 30) -> str:
-    """`[#########.....] 120/400  30% | loss 1.2345 | eval 1.3010 | 5,120 tok/s | eta 0:12:00`"""
+def progress_bar(progress: Progress | None, width: int = 30, running: bool = True) -> str:
+    """`[#########.....] 120/400  30% | loss 1.2345 | eval 1.3010 | 5,120 tok/s | eta 0:12:00`
+    (no eta unless `running`: a stopped or finished run's last record has a stale one)"""
     if progress is None or progress.step is None:
         return "[" + "." * width + "] no step yet"
     total = progress.total_steps or 0
@@ -173,7 +174,7 @@ def progress_bar(progress: Progress | None, width: int = 30) -> str:
                                 ("MFU", progress.mfu, "{:.1%}")):
         if isinstance(value, (int, float)) and math.isfinite(value):
             parts.append(f"{label} {shown.format(value)}".strip())
-    if progress.eta_seconds is not None:
+    if progress.eta_seconds is not None and running:
         parts.append(f"eta {format_duration(progress.eta_seconds)}")
     return " | ".join(parts)
 
@@ -185,7 +186,7 @@ def render(view: JobView, now: datetime | None = None) -> list[str]:
     if view.details is not None:
         lines += ["  " + line for line in view.details]
     else:
-        lines.append("  " + progress_bar(view.progress))
+        lines.append("  " + progress_bar(view.progress, running=view.phase == "Running"))
     if view.restarts:
         lines.append(f"  restarts: {view.restarts}")
     if view.where:

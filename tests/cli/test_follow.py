@@ -46,6 +46,8 @@ def test_the_bar_shows_step_total_loss_throughput_and_eta():
     assert bar == ("[#####...............] 30/120  25% | loss 1.2346 | eval 1.5000 | "
                    "5,120 tok/s | eta 0:12:05")
     assert progress_bar(None).endswith("no step yet")
+    stopped = progress_bar(Progress(step=74, total_steps=100, eta_seconds=0), running=False)
+    assert "eta" not in stopped  # a stopped or finished run's last record: a stale eta
 
 
 def test_a_job_from_the_api_server_with_its_last_events():

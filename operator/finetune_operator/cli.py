@@ -192,17 +192,15 @@ def missing_local_paths(job: FineTuneJob, base_dir: Path, runs_here: bool = Fals
             missing, why = True, f"cannot be looked at on this machine ({error.strerror})"
         else:
             why = "does not exist on this machine"
-        if missing and runs_here:
-            problems.append(Problem(location.field, f"{_plain(str(where))} {why}",
-                                    "fix the path (relative paths start at the manifest's "
-                                    "folder): `finetune run` reads it on this machine"))
-        elif missing:
-            problems.append(Problem(
-                location.field, f"{_plain(str(where))} {why}",
-                "fix the path (relative paths start at the manifest's folder); ignore this "
-                "if it exists where the job runs (inside its image)" if scheme == "path" else
-                "fix the path (relative paths start at the manifest's folder)",
-                severity="warning"))
+        if not missing:
+            continue
+        fix = "fix the path (relative paths start at the manifest's folder)"
+        if runs_here:
+            fix += ": `finetune run` reads it on this machine"
+        elif scheme == "path":
+            fix += "; ignore this if it exists where the job runs (inside its image)"
+        problems.append(Problem(location.field, f"{_plain(str(where))} {why}", fix,
+                                severity="error" if runs_here else "warning"))
     return problems
 
 
@@ -552,9 +550,7 @@ def status_command(target: str, namespace: str | None, kubeconfig: str | None, w
                     return follow.FINISHED[view.phase]
                 await asyncio.sleep(interval)
         except (kube.LoginError, kube.KubeError) as error:
-            click.echo(f"finetune status: {error}{_LOCAL_HINT.format('status')}"
-                       if isinstance(error, kube.LoginError) else f"finetune status: {error}",
-                       err=True)
+            click.echo(_cluster_error("status", error), err=True)
             return 1
         finally:
             if client is not None:
@@ -566,8 +562,16 @@ def status_command(target: str, namespace: str | None, kubeconfig: str | None, w
         sys.exit(130)
 
 
-_LOCAL_HINT = ("; or, for a `finetune run` on this machine, name its manifest or output "
-               "folder (`finetune {} job.yaml`)")
+def _cluster_error(command: str, error: Exception) -> str:
+    """The line for a failed call to the cluster; one that could not log in at all also
+    says how a `finetune run` on this machine is named instead."""
+    from finetune_operator import kube
+
+    line = f"finetune {command}: {error}"
+    if isinstance(error, kube.LoginError):
+        line += (f"; or, for a `finetune run` on this machine, name its manifest or output "
+                 f"folder (`finetune {command} job.yaml`)")
+    return line
 
 
 @main.command(name="logs")
@@ -632,9 +636,7 @@ def logs_command(target: str, namespace: str | None, kubeconfig: str | None, ran
                 return 1
             return 0
         except (kube.LoginError, kube.KubeError) as error:
-            click.echo(f"finetune logs: {error}{_LOCAL_HINT.format('logs')}"
-                       if isinstance(error, kube.LoginError) else f"finetune logs: {error}",
-                       err=True)
+            click.echo(_cluster_error("logs", error), err=True)
             return 1
         finally:
             await client.close()

@@ -111,15 +111,14 @@ def _values(params: dict[str, Any]) -> str:
 def view_of_output(name: str, folder: Path) -> JobView:
     """A `finetune run` from its output folder: progress.json, as rank 0 last wrote it; a
     run that says Running with no `finetune run` left holding the folder was stopped."""
-    path = folder / PROGRESS_FILE
-    if not path.is_file():
+    record = read_progress(folder)
+    if record is None:
         if run_lock.ran_here(folder) and run_lock.holder(folder) is None:
             return JobView(name=name, phase="Stopped", where=str(folder), message=(
                 "ended before its first step (interrupted, or its checks of the model and "
                 "data failed: `finetune logs` has why); the same `finetune run` starts again"))
         return JobView(name=name, phase="Pending", where=str(folder),
                        message=f"no {PROGRESS_FILE} yet: the run has not logged a step")
-    record = ProgressRecord.model_validate(json.loads(path.read_text()))
     phase, message = record.phase, None
     if phase == "Running" and run_lock.ran_here(folder) and run_lock.holder(folder) is None:
         phase, message = "Stopped", (
@@ -127,6 +126,15 @@ def view_of_output(name: str, folder: Path) -> JobView:
             "machine restarted); the same `finetune run` resumes from the newest checkpoint")
     return JobView(name=name, phase=phase, message=message, where=str(folder),
                    progress=Progress.from_record(record))
+
+
+def read_progress(output_dir: Path) -> ProgressRecord | None:
+    """A `finetune run` output folder's progress.json as rank 0 last wrote it (None: none
+    yet, or unreadable)."""
+    try:
+        return ProgressRecord.model_validate_json((output_dir / PROGRESS_FILE).read_bytes())
+    except (OSError, ValueError):
+        return None
 
 
 def _job_name(folder: Path) -> str:
@@ -212,10 +220,7 @@ def mark_failed(output_dir: Path) -> None:
     """After a failed `finetune run`: progress.json says so (rank 0 could not), so a
     `finetune status --watch` of it ends."""
     path = output_dir / PROGRESS_FILE
-    try:
-        record = ProgressRecord.model_validate(json.loads(path.read_text()))
-    except (OSError, ValueError):
-        record = ProgressRecord(step=0)
+    record = read_progress(output_dir) or ProgressRecord(step=0)
     record.phase, record.eta_seconds = "Failed", None
     tmp = path.with_suffix(".tmp")
     try:

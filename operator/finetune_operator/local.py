@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TextIO
 
 from finetune_operator.api import FineTuneJob
+from finetune_operator.follow import read_progress
 from finetune_operator.planner import (
     ModelConfig,
     ModelConfigs,
@@ -42,12 +43,10 @@ from finetune_trainer.fetch import complete_copy, hub_repo
 from finetune_trainer.layout import (
     FINAL_DIR,
     LOCAL_CONFIG,
-    PROGRESS_FILE,
     checkpoint_root,
     latest_checkpoint,
     step_of,
 )
-from finetune_trainer.record import ProgressRecord
 from finetune_trainer.uris import Location, Unreachable
 
 EXIT_STOPPED = 143
@@ -443,15 +442,10 @@ def already_done(output_dir: Path, config: TrainerConfig) -> str | None:
     """The line a run that has nothing left to do ends with: the folder's run succeeded at
     the config's maxSteps and its model is there. (An epochs-long run's total is known only
     once the data is read: it runs again, resuming at its last step.)"""
-    max_steps = config.hyperparameters.max_steps
-    path, final = output_dir / PROGRESS_FILE, output_dir / FINAL_DIR
-    if max_steps is None or not path.is_file() or not final.is_dir():
-        return None
-    try:
-        record = ProgressRecord.model_validate_json(path.read_bytes())
-    except (OSError, ValueError):
-        return None
-    if record.phase != "Succeeded" or record.step != max_steps:
+    max_steps, final = config.hyperparameters.max_steps, output_dir / FINAL_DIR
+    record = read_progress(output_dir) if max_steps is not None else None
+    if record is None or record.phase != "Succeeded" or record.step != max_steps or (
+            not final.is_dir()):
         return None
     return (f"already done: {max_steps}/{max_steps} steps, the model is in {final} — raise "
             "hyperparameters.maxSteps to train on from the last checkpoint, or --fresh to "

@@ -122,16 +122,21 @@ def test_the_job_run_here_is_one_node_of_the_local_workers():
     assert (on_cpu.nodes, on_cpu.gpus_per_node, on_cpu.processes()) == (1, 0, 3)
 
 
-def test_a_run_on_fewer_processes_than_the_spec_resumes_on_them(tiny_model_dir, tmp_path):
+def test_a_run_on_fewer_processes_than_the_spec_resumes_on_them(tiny_model_dir, tmp_path,
+                                                                 monkeypatch):
     """Stopped and started again on the same machine, a run whose accumulation was raised
     to keep the spec's global batch resumes: its checkpoints are compared with the settings
     it runs with here, not the spec's (they were refused: 'gradientAccumulationSteps 2 → 1')."""
     from tests.trainer.test_training import finetune_run, manifest
 
     spec = manifest(tiny_model_dir, tmp_path / "out", steps=4, checkpoint_every=2)
+    # a cold datasets cache: the preflight's first read of the data draws a bar (it showed)
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets-cache"))
     first = finetune_run(spec, tmp_path, "--nproc", "1")
     assert first.returncode == 0, first.stdout + first.stderr
     assert "gradientAccumulationSteps 2 keeps the global batch" in first.stderr
+    assert "Generating train split" not in first.stdout + first.stderr
+    assert "Generating train split" in (tmp_path / "out" / "logs" / "run.log").read_text()
     spec["spec"]["hyperparameters"]["maxSteps"] = 6
     again = finetune_run(spec, tmp_path, "--nproc", "1")
     assert again.returncode == 0, again.stdout + again.stderr

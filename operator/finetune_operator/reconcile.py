@@ -64,7 +64,8 @@ class Observation:
     succeeded: bool = False
     failure: Failure | None = None
     waiting: str | None = None
-    """Why workers are not running yet, in the pod's own words (ImagePullBackOff: ...)."""
+    """Why workers are not running yet, in the pod's own words (ImagePullBackOff: ...) or the
+    backend's."""
     progress: Progress | None = None
     """Rank 0's latest progress record, if it could be read."""
     queued: str | None = None
@@ -377,12 +378,16 @@ def _progress(b: _Builder) -> bool:
 
 
 def _restarting(b: _Builder) -> bool:
-    """A gang restart waits until the old workload is gone."""
+    """A gang restart waits until the old workload is gone; so does a new job whose name
+    a deleted job's workers still hold."""
     seen = b.seen
     if not (seen.deleting or (seen.exists and b.status.phase == "Restarting")):
         return False
     if not seen.deleting:  # the delete was asked for but has not shown yet: ask again
         b.act("delete-workload", "restart")
+    elif b.status.phase in (None, "Pending") and seen.waiting:
+        b.status.phase = "Pending"  # another job's leftovers: said in the status alone
+        b.status.message = seen.waiting
     b.requeue(2)
     return True
 

@@ -162,7 +162,11 @@ async def test_a_job_made_again_under_its_name_gets_workers_of_its_own(testbed: 
     await testbed.apply(testbed.manifest())
     if held:
         await asyncio.sleep(2)
-        assert not testbed.status().get("launchedSpec"), "the old job's workers adopted"
+        status = testbed.status()
+        assert not status.get("launchedSpec"), "the old job's workers adopted"
+        assert status.get("phase") == "Pending", status  # not a blank phase while it waits
+        assert status["message"].startswith(
+            "waiting for the workers of a deleted job of this name to stop and go (Job demo")
         testbed.hold_garbage_collection(False)
     await testbed.until_phase("Running", timeout=60)
     new = testbed.ftj()["metadata"]["uid"]

@@ -245,6 +245,28 @@ def test_auto_prefers_no_recomputation_to_an_earlier_strategy():
     assert step.gradient_checkpointing is False
 
 
+
+def test_the_plan_says_why_auto_chose_its_strategy():
+    """`finetune plan` names the strategies auto weighed, their estimated steps ranked, and
+    why the others lost: a user can check the choice, or overrule it knowingly."""
+    model = from_table(f"hf://{LLAMA_8B}")
+    note = next(n for n in plan_with_notes(auto_job("full", 4), model).notes
+                if n.startswith("strategy auto"))
+    assert note.startswith("strategy auto → fsdp: a full-size pass fits; the shortest "
+                           "estimated step of those (fsdp "), note
+    steps = note.split("(")[1].split(")")[0].split(", ")
+    assert steps[0].endswith(" s compiled") and steps[1].startswith("zero2 ")
+    seconds = [float(s.split()[1]) for s in steps]
+    assert seconds == sorted(seconds) and seconds[0] < seconds[1]
+    assert note.endswith("; nothing fits with ddp")
+    unknown = auto_job("full", 4, gpu_type=None)
+    assert next(n for n in plan_with_notes(unknown, model).notes
+                if n.startswith("strategy auto")) == (
+        "strategy auto → fsdp: the planner cannot size this job (no model config, no known "
+        "gpuType, or CPU workers), so the simple rules: fsdp for full fine-tuning on several "
+        "devices, else ddp")
+
+
 NVIDIA_SMI_ROWS = """NVIDIA H100 80GB HBM3, 81559, 81000, 9.0
 NVIDIA A100-SXM4-40GB, 40960, 40000, 8.0
 NVIDIA A100 80GB PCIe, 81920, 81000, 8.0

@@ -39,6 +39,9 @@ class ControlPlaneTestbed(RealTestbed):
         self.installation, self.operator = installation, operator
         self.progress_port = progress_port
         self.rank0: list[ProgressServer] = []
+        self._audit_read = 0
+        """Bytes of the session's audit log read so far (audit())."""
+        self._audit_events: list[dict[str, Any]] = []
 
     @classmethod
     async def open(cls, installation: Any, operator: Any, progress_port: int
@@ -64,7 +67,8 @@ class ControlPlaneTestbed(RealTestbed):
                  "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "",
                           "volumeName": volume, "resources": {"requests": {"storage": "1Ti"}}}},
             ]
-        self.audit_start = len(self.audit())
+        audit = self._audit_path()
+        self._audit_read = audit.stat().st_size if audit.exists() else 0
         await asyncio.to_thread(kubectl, "create", "namespace", self.namespace)
         await asyncio.to_thread(kubectl, "apply", "-f", "-", input=json.dumps(
             {"apiVersion": "v1", "kind": "List", "items": volumes}))
@@ -113,13 +117,27 @@ class ControlPlaneTestbed(RealTestbed):
         """Calls of the operator that RBAC refused since this test began: the chart's Role
         must let it do everything it does."""
         user = f"system:serviceaccount:finetune-system:{self.installation.service_account}"
-        return [f"{e['verb']} {e.get('requestURI')}" for e in self.audit()[self.audit_start:]
+        return [f"{e['verb']} {e.get('requestURI')}" for e in self.audit()
                 if e.get("user", {}).get("username") == user
                 and e.get("responseStatus", {}).get("code") == 403]
 
     def audit(self) -> list[dict[str, Any]]:
-        path = Path(self.installation.plane.folder) / "logs" / "audit.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        """The audit log's events since this test began. The log is the whole session's and
+        tests poll it several times a second, so each call reads on from where the last one
+        stopped; a line the API server is still writing waits for the next call."""
+        if not self._audit_path().exists():
+            return self._audit_events
+        with self._audit_path().open("rb") as log:
+            log.seek(self._audit_read)
+            chunk = log.read()
+        whole = chunk.rfind(b"\n") + 1
+        self._audit_read += whole
+        self._audit_events += [json.loads(line) for line in chunk[:whole].splitlines()
+                               if line.strip()]
+        return self._audit_events
+
+    def _audit_path(self) -> Path:
+        return Path(self.installation.plane.folder) / "logs" / "audit.jsonl"
 
     # --- the workers: what KWOK plays -----------------------------------------------------
     def _pod(self, name: str, index: int) -> dict[str, Any]:

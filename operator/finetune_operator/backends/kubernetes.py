@@ -734,7 +734,10 @@ class KubernetesBackend:
             # collector took its children: wait for them to go (their deletion wakes it)
             logger.info("%s/%s waits for the children of a deleted job of its name to go: "
                         "%s", ns, job.name, ", ".join(leftovers))
-            return Observation(exists=True, deleting=True)
+            return Observation(exists=True, deleting=True, waiting=(
+                "waiting for the workers of a deleted job of this name to stop and go ("
+                f"{', '.join(leftovers)}); it launches once the garbage collector has "
+                "removed them"))
         workload = children.get("Job", ns, job.name, naming.worker_job(job.name))
         if workload is None:
             return Observation()

@@ -304,11 +304,33 @@ def auto_strategy(job: FineTuneJob, model: ModelConfig | None,
     them the least estimated step time (compute, or traffic where that is longer), then
     the least recomputation, then AUTO_ORDER. When none fits, the least memory-hungry.
     None when the planner cannot tell (no model config, no known gpuType, CPU workers)."""
+    ranked = _ranked_strategies(job, model, machine)
+    return ranked[0].strategy if ranked else None
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    strategy: Strategy
+    key: tuple[Any, ...]
+    """What auto_strategy ranks by, smallest first."""
+    step_seconds: float | None
+    """The estimated step (compile counted); None when not even the smallest pass fits."""
+    compiled: bool
+
+    @property
+    def fit(self) -> int:
+        """0: a full-size pass fits, 1: only smaller passes, 2: nothing fits."""
+        return self.key[0]
+
+
+def _ranked_strategies(job: FineTuneJob, model: ModelConfig | None,
+                       machine: VmSize | None) -> list[_Candidate]:
+    """Every strategy that `auto` may choose for the job, best first (auto_strategy)."""
     shape, _ = shape_of(model)
     resources = job.spec.resources
     vm = _vm_of(job, machine)
     if shape is None or vm is None or resources.gpus_per_node == 0:
-        return None
+        return []
     world = resources.nodes * resources.gpus_per_node
     precision = _precision_on(vm.gpu.bf16, job.spec.strategy.precision)
     levels = _levels(job.spec.strategy)
@@ -322,14 +344,40 @@ def auto_strategy(job: FineTuneJob, model: ModelConfig | None,
         fits = sized.fits and _fits(sized.estimate, vm, HEADROOM,
                                     host_estimate(shape, job, sized.setup))
         if not fits:
-            ranked.append(((2, sized.estimate.total, order), strategy))
+            ranked.append(_Candidate(strategy, (2, sized.estimate.total, order), None, False))
             continue
         step = estimate_throughput(shape, sized.setup, vm, resources.nodes).step_seconds
-        if _compiled(job, strategy, sized.setup, shape, vm):
+        compiled = _compiled(job, strategy, sized.setup, shape, vm)
+        if compiled:
             step /= COMPILE_SPEEDUP
-        ranked.append(((0 if sized.full_pass else 1, round(step, 3),
-                        levels.index(sized.level), order), strategy))
-    return min(ranked)[1] if ranked else None
+        ranked.append(_Candidate(strategy, (0 if sized.full_pass else 1, round(step, 3),
+                                            levels.index(sized.level), order), step, compiled))
+    return sorted(ranked, key=lambda c: c.key)
+
+
+def why_auto(job: FineTuneJob, model: ModelConfig | None,
+             machine: VmSize | None = None) -> str:
+    """Why `strategy: auto` resolves as it does, in a line: the estimated step of each
+    strategy it weighed, or the rule it fell back on."""
+    if job.spec.strategy.offload != "none":
+        return "offload needs DeepSpeed ZeRO-3"
+    ranked = _ranked_strategies(job, model or from_table(job.spec.model.uri), machine)
+    if not ranked:
+        return ("the planner cannot size this job (no model config, no known gpuType, or CPU "
+                "workers), so the simple rules: fsdp for full fine-tuning on several "
+                "devices, else ddp")
+    best = ranked[0]
+    if best.fit == 2:
+        return "nothing fits; it needs the least memory"
+    where = ("a full-size pass fits" if best.fit == 0 else
+             "no strategy fits a full-size pass; smaller ones fit")
+    steps = ", ".join(f"{c.strategy} {c.step_seconds:.2f} s{' compiled' if c.compiled else ''}"
+                      for c in ranked if c.fit == best.fit)
+    why = f"{where}; the shortest estimated step of those ({steps})"
+    for fit, what in ((1, "only smaller passes fit"), (2, "nothing fits")):
+        if fit > best.fit and (names := [c.strategy for c in ranked if c.fit == fit]):
+            why += f"; {what} with {', '.join(names)}"
+    return why
 
 
 def _compiled(job: FineTuneJob, strategy: Strategy, setup: TrainingSetup, shape: ModelShape,

@@ -12,6 +12,7 @@ from finetune_operator.planner.plan import (
     gib,
     plan_job,
     resolve_strategy,
+    why_auto,
     with_step_settings,
 )
 from finetune_operator.planner.sources import ModelConfig
@@ -37,7 +38,7 @@ def plan_with_notes(job: FineTuneJob, model: ModelConfig | None,
                                    "notes": [*settings.notes, *plan.notes]})
     if job.spec.strategy.type == "auto":
         operator_choice = resolve_strategy(job)
-        note = f"strategy auto → {strategy}"
+        note = f"strategy auto → {strategy}: {why_auto(job, model, machine)}"
         if operator_choice != strategy:
             note += (f"; the operator resolves auto without the hub (built-in table, else the "
                      f"simple rules) → {operator_choice}: set strategy.type: {strategy} to "

@@ -245,7 +245,6 @@ def test_auto_prefers_no_recomputation_to_an_earlier_strategy():
     assert step.gradient_checkpointing is False
 
 
-
 def test_the_plan_says_why_auto_chose_its_strategy():
     """`finetune plan` names the strategies auto weighed, their estimated steps ranked, and
     why the others lost: a user can check the choice, or overrule it knowingly."""

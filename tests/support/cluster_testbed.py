@@ -125,9 +125,10 @@ class ControlPlaneTestbed(RealTestbed):
         """The audit log's events since this test began. The log is the whole session's and
         tests poll it several times a second, so each call reads on from where the last one
         stopped; a line the API server is still writing waits for the next call."""
-        if not self._audit_path().exists():
+        path = self._audit_path()
+        if not path.exists():
             return self._audit_events
-        with self._audit_path().open("rb") as log:
+        with path.open("rb") as log:
             log.seek(self._audit_read)
             chunk = log.read()
         whole = chunk.rfind(b"\n") + 1

@@ -355,17 +355,9 @@ def _ranked_strategies(job: FineTuneJob, model: ModelConfig | None,
     return sorted(ranked, key=lambda c: c.key)
 
 
-def why_auto(job: FineTuneJob, model: ModelConfig | None,
-             machine: VmSize | None = None) -> str:
-    """Why `strategy: auto` resolves as it does, in a line: the estimated step of each
-    strategy it weighed, or the rule it fell back on."""
-    if job.spec.strategy.offload != "none":
-        return "offload needs DeepSpeed ZeRO-3"
-    ranked = _ranked_strategies(job, model or from_table(job.spec.model.uri), machine)
-    if not ranked:
-        return ("the planner cannot size this job (no model config, no known gpuType, or CPU "
-                "workers), so the simple rules: fsdp for full fine-tuning on several "
-                "devices, else ddp")
+def _why_ranked(ranked: list[_Candidate]) -> str:
+    """Why the first of `ranked` won, in a line: each strategy's estimated step where the
+    winner's passes fit, and what the others fit."""
     best = ranked[0]
     if best.fit == 2:
         return "nothing fits; it needs the least memory"
@@ -407,12 +399,23 @@ def resolve_strategy(job: FineTuneJob, model: ModelConfig | None = None,
     """The concrete strategy of a job: its own, or `auto` resolved through the planner
     (with `model`, else the built-in table; on `machine`, else its gpuType), else the
     fallback rules."""
+    return explain_strategy(job, model, machine)[0]
+
+
+def explain_strategy(job: FineTuneJob, model: ModelConfig | None = None,
+                     machine: VmSize | None = None) -> tuple[Strategy, str | None]:
+    """`resolve_strategy`, and why `auto` resolved so (None: the spec names the strategy)."""
     if job.spec.strategy.type != "auto":
-        return job.spec.strategy.type
+        return job.spec.strategy.type, None
     if job.spec.strategy.offload != "none":
-        return "zero3"
-    return auto_strategy(job, model or from_table(job.spec.model.uri), machine) or (
-        fallback_strategy(job))
+        return "zero3", "offload needs DeepSpeed ZeRO-3"
+    ranked = _ranked_strategies(job, model or from_table(job.spec.model.uri), machine)
+    if not ranked:
+        return fallback_strategy(job), (
+            "the planner cannot size this job (no model config, no known gpuType, or CPU "
+            "workers), so the simple rules: fsdp for full fine-tuning on several devices, "
+            "else ddp")
+    return ranked[0].strategy, _why_ranked(ranked)
 
 
 def with_step_settings(job: FineTuneJob, settings: StepSettings) -> FineTuneJob:

@@ -9,10 +9,10 @@ from finetune_operator.planner.catalog import VmSize
 from finetune_operator.planner.plan import (
     JobPlan,
     choose_step_settings,
+    explain_strategy,
     gib,
     plan_job,
     resolve_strategy,
-    why_auto,
     with_step_settings,
 )
 from finetune_operator.planner.sources import ModelConfig
@@ -30,7 +30,7 @@ def plan_with_notes(job: FineTuneJob, model: ModelConfig | None,
                     machine: VmSize | None = None) -> JobPlan:
     """The plan with the notes of every choice made for the job (on `machine`: this
     machine's GPUs, else the job's gpuType)."""
-    strategy = resolve_strategy(job, model, machine)
+    strategy, why = explain_strategy(job, model, machine)
     settings = choose_step_settings(job, model, strategy, machine)
     plan = plan_job(with_step_settings(job, settings), model, strategy, as_written=job,
                     machine=machine)
@@ -38,7 +38,7 @@ def plan_with_notes(job: FineTuneJob, model: ModelConfig | None,
                                    "notes": [*settings.notes, *plan.notes]})
     if job.spec.strategy.type == "auto":
         operator_choice = resolve_strategy(job)
-        note = f"strategy auto → {strategy}: {why_auto(job, model, machine)}"
+        note = f"strategy auto → {strategy}: {why}"
         if operator_choice != strategy:
             note += (f"; the operator resolves auto without the hub (built-in table, else the "
                      f"simple rules) → {operator_choice}: set strategy.type: {strategy} to "

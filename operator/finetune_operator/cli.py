@@ -21,6 +21,7 @@ from finetune_operator.validation import Problem, short_repr
 from finetune_trainer import layout
 
 if TYPE_CHECKING:
+    from finetune_operator.kube import Kube
     from finetune_trainer.config import TrainerConfig
 
 EXIT_INVALID = 2
@@ -609,32 +610,34 @@ def logs_command(target: str, namespace: str | None, kubeconfig: str | None, ran
             if obj["spec"].get("backend") == "azureml":
                 click.echo(follow.azureml_logs_hint(obj))
                 return 0
-            pods = await client.pods(namespace, f"{naming.LABEL_JOB}={target}")
-            pod = follow.newest_pod(pods, rank, COMPLETION_INDEX_KEY)
-            if pod is None:
-                phase = (obj.get("status") or {}).get("phase") or "Pending"
-                click.echo(f"finetune logs: {target} has no pod of node rank {rank} (phase "
-                           f"{phase}; nodes: spec.resources.nodes)", err=True)
-                return 1
-            name = pod["metadata"]["name"]
-            if (waiting := follow.not_started(pod, TRAINER_CONTAINER)) is not None:
-                click.echo(f"finetune logs: pod {name} has not started its trainer yet "
-                           f"({waiting}) — `finetune status {target}` says what it waits for",
-                           err=True)
-                return 1
-            try:
-                async for chunk in client.pod_log(namespace, name, TRAINER_CONTAINER,
-                                                  follow=keep_following):
-                    sys.stdout.buffer.write(chunk)
-                    sys.stdout.flush()
-            except kube.KubeError as error:
-                if error.status is None or error.status < 500:
-                    raise
-                click.echo(f"finetune logs: read the log of pod {name}: {error.message} — "
-                           "the API server could not get it from the node's kubelet (the "
-                           "fake nodes of `make cluster` have none)", err=True)
-                return 1
-            return 0
+            read: list[str] = []  # the init containers whose logs were read, in order
+            while True:
+                pods = await client.pods(namespace, f"{naming.LABEL_JOB}={target}")
+                pod = follow.newest_pod(pods, rank, COMPLETION_INDEX_KEY)
+                if pod is None:
+                    phase = (obj.get("status") or {}).get("phase") or "Pending"
+                    click.echo(f"finetune logs: {target} has no pod of node rank {rank} "
+                               f"(phase {phase}; nodes: spec.resources.nodes)", err=True)
+                    return 1
+                name = pod["metadata"]["name"]
+                container, waiting = follow.log_to_read(pod, TRAINER_CONTAINER, read)
+                if container is None and read and keep_following and waiting in (
+                        "waiting: PodInitializing", "waiting: ContainerCreating"):
+                    await asyncio.sleep(1)  # the next container is on its way
+                    continue
+                if container is None:
+                    click.echo(f"finetune logs: pod {name} has not started its trainer yet "
+                               f"({waiting}) — `finetune status {target}` says what it waits "
+                               "for", err=True)
+                    return 0 if read else 1
+                if container != TRAINER_CONTAINER:
+                    click.echo(f"finetune logs: pod {name} runs its init container {container} "
+                               "before the trainer: its log", err=True)
+                if not await _print_log(client, namespace, name, container, keep_following):
+                    return 1
+                if container == TRAINER_CONTAINER or not keep_following:
+                    return 0
+                read.append(container)
         except (kube.LoginError, kube.KubeError) as error:
             click.echo(_cluster_error("logs", error), err=True)
             return 1
@@ -645,6 +648,26 @@ def logs_command(target: str, namespace: str | None, kubeconfig: str | None, ran
         sys.exit(asyncio.run(read()))
     except KeyboardInterrupt:
         sys.exit(130)
+
+
+async def _print_log(client: Kube, namespace: str, pod: str, container: str,
+                     keep_following: bool) -> bool:
+    """One container's log onto stdout (to its end with `keep_following`); False, said on
+    stderr, where the node's kubelet could not serve it."""
+    from finetune_operator import kube
+
+    try:
+        async for chunk in client.pod_log(namespace, pod, container, follow=keep_following):
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.flush()
+    except kube.KubeError as error:
+        if error.status is None or error.status < 500:
+            raise
+        click.echo(f"finetune logs: read the log of pod {pod}: {error.message} — the API "
+                   "server could not get it from the node's kubelet (the fake nodes of "
+                   "`make cluster` have none)", err=True)
+        return False
+    return True
 
 
 def _local_logs(path: Path, output_dir: Path, keep_following: bool) -> int:

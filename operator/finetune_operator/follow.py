@@ -27,6 +27,8 @@ from finetune_trainer.layout import LOCAL_CONFIG, PROGRESS_FILE, RUN_LOG, resolv
 from finetune_trainer.record import ProgressRecord, format_duration
 
 if TYPE_CHECKING:  # `finetune run` follows a local run: no Kubernetes client to import
+    from collections.abc import Collection
+
     from finetune_operator.kube import Kube
 
 FINISHED = {"Succeeded": 0, "Failed": 1, "Stopped": 1}
@@ -254,14 +256,40 @@ def newest_pod(pods: list[dict[str, Any]], node_rank: int, index_key: str
                default=None)
 
 
+def log_to_read(pod: dict[str, Any], container: str, read: Collection[str] = ()
+                ) -> tuple[str | None, str | None]:
+    """Whose log says what the pod does now: `container` once it has started; before that,
+    an init container that runs (the model's download) or failed (a refusal), other than
+    those `read` already. Else (None, why nothing has started: `not_started`)."""
+    status = pod.get("status") or {}
+    if _started(status.get("containerStatuses"), container):
+        return container, None
+    for init in status.get("initContainerStatuses") or []:
+        state = init.get("state") or {}
+        if init.get("name") not in read and ("running" in state or (
+                state.get("terminated") or {}).get("exitCode") not in (None, 0)):
+            return init["name"], None
+    return None, not_started(pod, container)
+
+
+def _started(statuses: list[dict[str, Any]] | None, container: str) -> bool:
+    return any("running" in (s.get("state") or {}) or "terminated" in (s.get("state") or {})
+               for s in statuses or [] if s.get("name") == container)
+
+
 def not_started(pod: dict[str, Any], container: str) -> str | None:
     """Why `container` of `pod` has no log yet (the pod waits for a node, an image, a
-    volume), or None once it has started."""
+    volume, an init container), or None once it has started."""
     status = pod.get("status") or {}
-    for state in (s.get("state") or {} for s in status.get("containerStatuses") or []
+    if _started(status.get("containerStatuses"), container):
+        return None
+    for init in status.get("initContainerStatuses") or []:  # they run first, in order
+        waiting = (init.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") not in (None, "PodInitializing", "ContainerCreating"):
+            return f"init container {init.get('name')} waiting: {waiting['reason']}" + (
+                f" ({waiting['message']})" if waiting.get("message") else "")
+    for state in ((s.get("state") or {}) for s in status.get("containerStatuses") or []
                   if s.get("name") == container):
-        if "running" in state or "terminated" in state:
-            return None
         waiting = state.get("waiting") or {}
         if waiting.get("reason"):
             return f"waiting: {waiting['reason']}" + (

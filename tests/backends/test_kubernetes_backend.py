@@ -387,3 +387,30 @@ def test_a_queued_jobs_workload_is_read_seldom_once_kueue_has_had_its_minute():
                                     runPolicy={"suspend": True}))
     asyncio.run(looks(suspend, 2))
     assert kube.reads == 5  # to be suspended: the switch's state is read every time
+
+
+def test_an_earlier_jobs_children_are_not_taken_for_this_ones_before_the_watches_are_up():
+    """Read from the API server (the watches not up yet), the children of a deleted job of
+    the same name, owned by its uid, are waited out, as the watched path does."""
+    class LeftoversKube:
+        async def get(self, kind, namespace, name):
+            return {"kind": kind, "metadata": {"name": name, "namespace": namespace,
+                                               "ownerReferences": [{"controller": True,
+                                                                    "uid": "deleted-uid"}]}}
+
+        async def pods(self, namespace, selector):
+            return []
+
+        async def events(self, namespace, kind, name, uid):
+            return []
+
+    k8s = backend.KubernetesBackend(BackendContext(settings=OperatorSettings(),
+                                                   kube=LeftoversKube()))
+    manifest = minimal_job()
+    manifest["metadata"]["uid"] = "new-uid"
+    seen = asyncio.run(k8s.observe(parse_job(manifest)))
+    assert seen.exists and seen.deleting and not seen.failure
+    assert seen.waiting.startswith("waiting for the workers of a deleted job of this name to "
+                                   "stop and go (Job demo, Service demo, ConfigMap demo-trainer)")
+    manifest["metadata"]["uid"] = "deleted-uid"  # its own children: observed as usual
+    assert asyncio.run(k8s.observe(parse_job(manifest))).deleting is False

@@ -3,14 +3,16 @@ restart budget, waiting reasons in the pod's own words."""
 
 from __future__ import annotations
 
-from finetune_operator.api import Progress
+from finetune_operator.api import FineTuneJob, Progress
 from finetune_operator.backends.kubernetes import (
     creation_failure,
+    named_by_field,
     needs_creation_events,
     observe,
     pod_failure,
     pod_waiting,
 )
+from tests.conftest import minimal_job
 
 
 def job_object(*conditions: str, suspend: bool = False, deleting: bool = False) -> dict:
@@ -91,6 +93,79 @@ def test_waiting_reasons_in_the_pods_words():
     creating = pod("demo-1-c", "Pending", containerStatuses=[{"state": {"waiting": {
         "reason": "ContainerCreating"}}}])
     assert pod_waiting(creating) is None
+
+
+def test_a_missing_claim_is_named_by_the_field_that_names_it():
+    """The scheduler says only 'persistentvolumeclaim "x" not found': the status names the
+    field (a pvc:// location or a user volume), the namespace and the fix."""
+    manifest = minimal_job(output={"uri": "pvc://data/out"}, kubernetes={"volumes": [
+        {"name": "scratch", "mountPath": "/scratch", "emptyDir": {}},
+        {"name": "shared", "mountPath": "/shared", "persistentVolumeClaim": {"claimName": "data"}},
+    ]})
+    manifest["metadata"]["namespace"] = "ml-team"
+    job = FineTuneJob.model_validate(manifest)
+    unschedulable = pod("demo-0-a", "Pending", conditions=[{
+        "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+        "message": '0/5 nodes are available: persistentvolumeclaim "data" not found. not found'}])
+    said = named_by_field(job, pod_waiting(unschedulable))
+    assert said == (
+        "demo-0-a: namespace ml-team has no PersistentVolumeClaim 'data', which "
+        "spec.dataset.uri (pvc://data/train.jsonl) and spec.output.uri (pvc://data/out) and "
+        "spec.kubernetes.volumes[1] (shared) name — create the claim (the workers start once "
+        "it is bound) or name one that exists (kubectl get pvc -n ml-team)")
+    other = unschedulable["status"]["conditions"][0]["message"].replace('"data"', '"other"')
+    not_ours = f"demo-0-a: Unschedulable: {other}"  # a claim the job does not name
+    assert named_by_field(job, not_ours) == not_ours
+    pulling = "demo-0-a: ImagePullBackOff: Back-off"
+    assert named_by_field(job, pulling) == pulling
+    assert named_by_field(job, None) is None
+
+
+def test_an_init_container_that_cannot_start_is_the_reason_not_pod_initializing():
+    """resume-check runs first in the trainer's image: a typo in the image stops it, and the
+    kubelet says only PodInitializing of the trainer (kubectl: Init:ImagePullBackOff)."""
+    pulling = pod("demo-0-a", "Pending", initContainerStatuses=[
+        {"name": "resume-check", "state": {"waiting": {
+            "reason": "ImagePullBackOff", "message": 'Back-off pulling image "trainer:typo"'}}},
+        {"name": "fetch-model", "state": {"waiting": {"reason": "PodInitializing"}}}],
+        containerStatuses=[{"name": "trainer", "state": {"waiting": {
+            "reason": "PodInitializing"}}}])
+    assert pod_waiting(pulling) == ('demo-0-a: ImagePullBackOff: Back-off pulling image '
+                                    '"trainer:typo" (init container resume-check)')
+    checking = pod("demo-0-a", "Pending", initContainerStatuses=[
+        {"name": "resume-check", "state": {"running": {}}}],
+        containerStatuses=[{"name": "trainer", "state": {"waiting": {
+            "reason": "PodInitializing"}}}])
+    assert pod_waiting(checking) is None  # on its way: nothing to act on
+
+
+def test_a_missing_secret_or_key_is_named_by_the_field_that_names_it():
+    """The kubelet says 'secret "hf-token" not found' (older ones: 'secrets'), or that a key
+    is not in it: the status names the field, and the command that makes the Secret."""
+    job = FineTuneJob.model_validate(minimal_job(
+        model={"uri": "hf://org/gated", "tokenSecretRef": {"name": "hf-token", "key": "token"}},
+        kubernetes={"env": [
+            {"name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": {"name": "hf-token",
+                                                                     "key": "wandb"}}},
+            {"name": "OTHER", "value": "1"}]}))
+    for kubelet_said in ('secret "hf-token" not found', 'secrets "hf-token" not found'):
+        waiting = pod_waiting(pod("demo-0-a", "Pending", initContainerStatuses=[
+            {"name": "fetch-model", "state": {"waiting": {
+                "reason": "CreateContainerConfigError", "message": kubelet_said}}}]))
+        assert named_by_field(job, waiting) == (
+            "demo-0-a: namespace default has no Secret 'hf-token', which "
+            "spec.model.tokenSecretRef and spec.kubernetes.env[0] (WANDB_API_KEY) name — "
+            "create it (kubectl create secret generic hf-token -n default "
+            "--from-literal=token=... --from-literal=wandb=...) or name one that exists "
+            "(kubectl get secrets -n default)")
+    no_key = ("demo-0-a: CreateContainerConfigError: couldn't find key wandb in Secret "
+              "default/hf-token (init container fetch-model)")
+    assert named_by_field(job, no_key) == (
+        "demo-0-a: Secret 'hf-token' has no key 'wandb', which "
+        "spec.kubernetes.env[0] (WANDB_API_KEY) names — add the key to the Secret or name a "
+        "key it has (kubectl describe secret hf-token -n default)")
+    theirs = 'demo-0-a: CreateContainerConfigError: secret "registry" not found'
+    assert named_by_field(job, theirs) == theirs
 
 
 def test_a_pod_fetching_the_model_says_so():

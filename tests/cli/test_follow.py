@@ -23,6 +23,7 @@ from finetune_operator.api import Progress
 from finetune_operator.follow import (
     mark_failed,
     newest_pod,
+    log_to_read,
     not_started,
     output_folder,
     progress_bar,
@@ -122,6 +123,33 @@ def test_a_pod_that_has_not_started_says_what_it_waits_for():
     ended = pod("Failed", containers=[{"name": "trainer", "state": {"terminated": {}}}])
     assert not_started(ended, "trainer") is None
     assert not_started(pod("Succeeded"), "trainer") is None
+
+
+def test_before_the_trainer_starts_the_log_to_read_is_an_init_containers():
+    """resume-check and fetch-model run first, in the trainer's image: one that cannot start
+    is the reason (not the trainer's PodInitializing); one that runs or failed has the log
+    that says what happens (the model's download, a refusal)."""
+    def pod(phase, *inits, trainer=None):
+        return {"status": {"phase": phase, "initContainerStatuses": [
+            {"name": name, "state": state} for name, state in inits],
+            "containerStatuses": [{"name": "trainer", "state": trainer or {
+                "waiting": {"reason": "PodInitializing"}}}]}}
+
+    done, running = {"terminated": {"exitCode": 0}}, {"running": {}}
+    pulling = pod("Pending", ("resume-check", {"waiting": {
+        "reason": "ErrImagePull", "message": "failed to pull image"}}),
+        ("fetch-model", {"waiting": {"reason": "PodInitializing"}}))
+    assert not_started(pulling, "trainer") == (
+        "init container resume-check waiting: ErrImagePull (failed to pull image)")
+    assert log_to_read(pulling, "trainer") == (None, not_started(pulling, "trainer"))
+    fetching = pod("Pending", ("resume-check", done), ("fetch-model", running))
+    assert log_to_read(fetching, "trainer") == ("fetch-model", None)
+    assert log_to_read(fetching, "trainer", ["fetch-model"]) == (None, "waiting: PodInitializing")
+    refused = pod("Failed", ("resume-check", {"terminated": {"exitCode": 4}}),
+                  ("fetch-model", {"waiting": {"reason": "PodInitializing"}}))
+    assert log_to_read(refused, "trainer") == ("resume-check", None)
+    training = pod("Running", ("resume-check", done), ("fetch-model", done), trainer=running)
+    assert log_to_read(training, "trainer") == ("trainer", None)
 
 
 def test_a_local_run_is_found_from_its_manifest_and_a_failure_ends_the_watch(tmp_path):

@@ -264,31 +264,37 @@ async def test_a_multi_node_job_is_not_launched_onto_a_claim_of_one_node(
     Role lets it), says why in a Warning event, and creates nothing."""
     bed: ControlPlaneTestbed = control_plane_testbed
     kubectl = bed.installation.kubectl
-    volume = f"{bed.namespace}-single"
-    await asyncio.to_thread(kubectl, "apply", "-f", "-", input=json.dumps({
-        "apiVersion": "v1", "kind": "List", "items": [
-            {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": volume},
-             "spec": {"capacity": {"storage": "1Ti"}, "accessModes": ["ReadWriteOnce"],
-                      "hostPath": {"path": f"/fake/{volume}"}, "storageClassName": "",
-                      "claimRef": {"namespace": bed.namespace, "name": "single"}}},
-            {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-             "metadata": {"name": "single", "namespace": bed.namespace},
-             "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "",
-                      "volumeName": volume, "resources": {"requests": {"storage": "1Ti"}}}}]}))
-    try:
-        await bed.apply(bed.manifest(output={"uri": "pvc://single/out"}))
+    await bed.make_claim("single", "ReadWriteOnce")
+    await bed.apply(bed.manifest(output={"uri": "pvc://single/out"}))
 
-        def warned() -> bool:
-            listed = json.loads(kubectl("get", "events", "-n", bed.namespace, "-o", "json").stdout)
-            return any("claim 'single' is ReadWriteOnce" in (e.get("message") or "")
-                       for e in listed["items"])
+    def warned() -> bool:
+        listed = json.loads(kubectl("get", "events", "-n", bed.namespace, "-o", "json").stdout)
+        return any("claim 'single' is ReadWriteOnce" in (e.get("message") or "")
+                   for e in listed["items"])
 
-        await bed.until(warned, "the Warning event naming the claim")
-        assert bed.jobs_created("demo") == 0
-        assert bed.create_attempts("jobs", "demo") == 0
-        assert not bed.operator_denials()
-    finally:
-        await asyncio.to_thread(kubectl, "delete", "pv", volume, "--wait=false")
+    await bed.until(warned, "the Warning event naming the claim")
+    assert bed.jobs_created("demo") == 0
+    assert bed.create_attempts("jobs", "demo") == 0
+    assert not bed.operator_denials()
+
+
+@pytest.mark.asyncio
+async def test_a_claim_that_does_not_exist_is_named_by_its_field_until_it_is_made(
+        control_plane_testbed):
+    """The scheduler says only 'persistentvolumeclaim "later" not found': the status says
+    which field names it and what to do. The job waits (a claim made after the job is a
+    normal order) and runs once the claim is made."""
+    bed: ControlPlaneTestbed = control_plane_testbed
+    await bed.apply(bed.manifest(output={"uri": "pvc://later/out"}))
+    named = (f"namespace {bed.namespace} has no PersistentVolumeClaim 'later', which "
+             "spec.output.uri (pvc://later/out) names")
+    await bed.until(lambda: named in bed.condition("Running").get("message", ""),
+                    "the missing claim named by its field in the Running condition")
+    assert bed.status()["phase"] == "Launching"
+    assert f"kubectl get pvc -n {bed.namespace}" in bed.status()["message"]
+    await bed.make_claim("later")
+    await bed.until_phase("Running")
+    assert bed.jobs_created("demo") == 1
 
 
 @pytest.mark.asyncio

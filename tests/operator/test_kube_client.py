@@ -26,7 +26,9 @@ class Server:
         self.token = "first"
         self.seen: list[tuple[str, str, str]] = []  # (method, path, Authorization)
         self.answers: dict[str, aiohttp.web.Response] = {}
-        self.streams: dict[str, list[bytes]] = {}  # path → chunks written a while apart
+        self.streams: dict[str, list[bytes]] = {}
+        """path, or path?container=name → chunks written a while apart."""
+        self.streamed: list[str] = []  # path?container=name of each stream served whole
         self.hang = False
 
     async def handle(self, request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
@@ -36,14 +38,17 @@ class Server:
         if request.headers.get("Authorization") != f"Bearer {self.token}":
             return status(401, "Unauthorized", "Unauthorized")
         if request.path in self.answers:
-            return self.answers[request.path]
-        if request.path in self.streams:
+            answer = self.answers[request.path]
+            return answer() if callable(answer) else answer
+        container = f"{request.path}?container={request.query.get('container')}"
+        if (stream := self.streams.get(container, self.streams.get(request.path))) is not None:
             streamed = aiohttp.web.StreamResponse(headers={"Content-Type": "text/plain"})
             await streamed.prepare(request)
-            for chunk in self.streams[request.path]:
+            for chunk in stream:
                 await streamed.write(chunk)
                 await asyncio.sleep(0.1)
             await streamed.write_eof()
+            self.streamed.append(container)
             return streamed
         return aiohttp.web.json_response({"kind": "FineTuneJobList", "items": []})
 
@@ -158,3 +163,45 @@ async def test_finetune_logs_streams_the_current_pod_of_a_node_rank(server, tmp_
     assert out.decode() == "step 1/4 | loss 2.0\nstep 2/4 | loss 1.5\n"
     asked = [(m, p) for m, p, _ in server.seen if p.endswith("/log")]
     assert asked == [("GET", "/api/v1/namespaces/team/pods/demo-1-b/log")]
+
+
+async def test_finetune_logs_follows_the_models_download_into_the_trainers_log(server, tmp_path):
+    """Before the trainer starts, fetch-model downloads the model (minutes for a large one):
+    `finetune logs -f` shows that init container's log, then waits for the trainer and
+    follows its log, as a user watching a first start wants."""
+    kubeconfig = tmp_path / "kubeconfig"
+    write_kubeconfig(kubeconfig, server)
+    done = {"terminated": {"exitCode": 0}}
+    looks = []
+
+    def pods() -> aiohttp.web.Response:
+        looks.append(len(server.streamed))
+        fetched = any(s.endswith("container=fetch-model") for s in server.streamed)
+        trainer = ({"running": {}} if fetched and looks.count(len(server.streamed)) > 1
+                   else {"waiting": {"reason": "PodInitializing"}})
+        return aiohttp.web.json_response({"items": [{
+            "metadata": {"name": "demo-0-a", "creationTimestamp": "2026-11-23T10:00:00Z",
+                         "annotations": {"batch.kubernetes.io/job-completion-index": "0"}},
+            "status": {"phase": "Pending", "initContainerStatuses": [
+                {"name": "resume-check", "state": done},
+                {"name": "fetch-model", "state": done if fetched else {"running": {}}}],
+                "containerStatuses": [{"name": "trainer", "state": trainer}]}}]})
+
+    server.answers["/apis/finetune.dev/v1alpha1/namespaces/team/finetunejobs/demo"] = (
+        lambda: aiohttp.web.json_response({"metadata": {"name": "demo"},
+                                           "spec": {"backend": "kubernetes"}}))
+    server.answers["/api/v1/namespaces/team/pods"] = pods
+    log = "/api/v1/namespaces/team/pods/demo-0-a/log"
+    server.streams[f"{log}?container=fetch-model"] = [b"fetching org/model: 2 files\n",
+                                                      b"fetched in 3 s\n"]
+    server.streams[f"{log}?container=trainer"] = [b"step 1/4 | loss 2.0\n"]
+    logs = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "finetune_operator.cli", "logs", "demo", "-n", "team", "-f",
+        "--kubeconfig", str(kubeconfig),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(logs.communicate(), timeout=60)
+    assert logs.returncode == 0, err.decode()
+    assert out.decode() == "fetching org/model: 2 files\nfetched in 3 s\nstep 1/4 | loss 2.0\n"
+    assert "runs its init container fetch-model before the trainer" in err.decode()
+    assert server.streamed == [f"{log}?container=fetch-model", f"{log}?container=trainer"]
+    assert looks == [0, 1, 1]  # once more while the trainer was on its way

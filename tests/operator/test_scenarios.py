@@ -124,6 +124,9 @@ async def test_pods_stuck_past_the_startup_deadline_fail_with_their_reason(testb
     await testbed.apply(testbed.unpullable(testbed.manifest()))
     await testbed.until_phase("Failed", timeout=30)
     assert "ImagePull" in testbed.status()["message"]  # ImagePullBackOff or ErrImagePull
+    # resume-check runs first in the trainer's image: the kubelet says only PodInitializing
+    # of the trainer, and the init container's reason is the one a user needs
+    assert "(init container resume-check)" in testbed.status()["message"]
     assert testbed.condition("Failed")["reason"] == "StartupDeadlineExceeded"
 
 

@@ -42,6 +42,8 @@ class ControlPlaneTestbed(RealTestbed):
         self._audit_read = 0
         """Bytes of the session's audit log read so far (audit())."""
         self._audit_events: list[dict[str, Any]] = []
+        self._volumes: list[str] = []
+        """The PersistentVolumes made for this namespace's claims (make_claim)."""
 
     @classmethod
     async def open(cls, installation: Any, operator: Any, progress_port: int
@@ -53,26 +55,28 @@ class ControlPlaneTestbed(RealTestbed):
 
     # --- what the namespace holds ---------------------------------------------------------
     async def start(self) -> None:
-        kubectl = self.installation.kubectl
-        volumes: list[dict[str, Any]] = []
+        audit = self._audit_path()
+        self._audit_read = audit.stat().st_size if audit.exists() else 0
+        await asyncio.to_thread(self.installation.kubectl, "create", "namespace", self.namespace)
         for claim in CLAIMS:
-            volume = f"{self.namespace}-{claim}"
-            volumes += [
+            await self.make_claim(claim)
+        # no Job watcher (RealTestbed.start): the audit log counts creates (jobs_created)
+
+    async def make_claim(self, claim: str, mode: str = "ReadWriteMany") -> None:
+        """A claim in this namespace, bound to a volume made for it (that holds nothing: no
+        kubelet mounts it); the volume goes with the namespace (clean)."""
+        volume = f"{self.namespace}-{claim}"
+        self._volumes.append(volume)
+        await asyncio.to_thread(self.installation.kubectl, "apply", "-f", "-", input=json.dumps(
+            {"apiVersion": "v1", "kind": "List", "items": [
                 {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": volume},
-                 "spec": {"capacity": {"storage": "1Ti"}, "accessModes": ["ReadWriteMany"],
+                 "spec": {"capacity": {"storage": "1Ti"}, "accessModes": [mode],
                           "hostPath": {"path": f"/fake/{volume}"}, "storageClassName": "",
                           "claimRef": {"namespace": self.namespace, "name": claim}}},
                 {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
                  "metadata": {"name": claim, "namespace": self.namespace},
-                 "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "",
-                          "volumeName": volume, "resources": {"requests": {"storage": "1Ti"}}}},
-            ]
-        audit = self._audit_path()
-        self._audit_read = audit.stat().st_size if audit.exists() else 0
-        await asyncio.to_thread(kubectl, "create", "namespace", self.namespace)
-        await asyncio.to_thread(kubectl, "apply", "-f", "-", input=json.dumps(
-            {"apiVersion": "v1", "kind": "List", "items": volumes}))
-        # no Job watcher (RealTestbed.start): the audit log counts creates (jobs_created)
+                 "spec": {"accessModes": [mode], "storageClassName": "", "volumeName": volume,
+                          "resources": {"requests": {"storage": "1Ti"}}}}]}))
 
     async def clean(self) -> None:
         for server in self.rank0:
@@ -80,8 +84,7 @@ class ControlPlaneTestbed(RealTestbed):
         await super().clean()
         kubectl = self.installation.kubectl
         await asyncio.to_thread(kubectl, "delete", "namespace", self.namespace, "--wait=false")
-        await asyncio.to_thread(kubectl, "delete", "pv", "--wait=false",
-                                *(f"{self.namespace}-{c}" for c in CLAIMS))
+        await asyncio.to_thread(kubectl, "delete", "pv", "--wait=false", *self._volumes)
 
     def manifest(self, name="demo", **spec):
         """2 nodes x 8 GPUs (the ndasrv4 pool); pods run until told otherwise."""

@@ -297,15 +297,28 @@ class Kubelet:
                 await self._set_pod(pod, {"phase": "Running", "podIP": "127.0.0.1"})
             elif pod["status"].get("phase") == "Pending" and not pod["status"].get(
                     "containerStatuses"):
-                reason, message = self.stuck_reason
-                await self._set_pod(pod, {"containerStatuses": [{"name": "trainer", "state": {
-                    "waiting": {"reason": reason, "message": message}}}]})
+                await self._set_pod(pod, self._stuck_status(pod))
         phases = [p["status"].get("phase") for p in pods]
         if "Failed" in phases:
             await self._set_job(job, "Failed", "BackoffLimitExceeded",
                                 "Job has reached the specified backoff limit")
         elif phases and all(p == "Succeeded" for p in phases):
             await self._set_job(job, "Complete", "CompletionsReached", "")
+
+    def _stuck_status(self, pod: dict[str, Any]) -> dict[str, Any]:
+        """As a kubelet: the first init container waits for the stuck reason (they run in
+        order, all in the trainer's image here), the rest and the containers wait
+        PodInitializing; without init containers, the containers wait for it."""
+        reason, message = self.stuck_reason
+        stuck = {"waiting": {"reason": reason, "message": message}}
+        initializing = {"waiting": {"reason": "PodInitializing"}}
+        inits = [c["name"] for c in pod["spec"].get("initContainers") or []]
+        containers = [c["name"] for c in pod["spec"]["containers"]]
+        return {
+            "initContainerStatuses": [{"name": name, "state": initializing if index else stuck}
+                                      for index, name in enumerate(inits)],
+            "containerStatuses": [{"name": name, "state": initializing if inits else stuck}
+                                  for name in containers]}
 
     async def _create_pod(self, job: dict[str, Any], index: int) -> None:
         template = job["spec"]["template"]

@@ -290,7 +290,7 @@ def test_a_lock_left_by_a_process_of_another_host_is_taken_over_once_it_stops_ch
     started = time.monotonic()
     with fetch.VolumeLock(path, timing, say=lambda line: None):
         assert json.loads(path.read_text())["host"] != "another-node"
-    assert 0.5 <= time.monotonic() - started < 5
+    assert 0.5 <= time.monotonic() - started < 60  # once still for `stale` (0.55 s here)
     assert not path.exists()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from dataclasses import replace
 from datetime import UTC, datetime
@@ -20,7 +21,7 @@ import aiohttp
 from finetune_operator import naming, yamlio
 from finetune_operator.api import API_VERSION, KIND, BackendRef, FineTuneJob, Progress
 from finetune_operator.backends import BackendContext, BackendError
-from finetune_operator.backends.children import CONTROLLER_UID_KEY, Children
+from finetune_operator.backends.children import CONTROLLER_UID_KEY, Children, owner_uid
 from finetune_operator.kube import KUEUE_JOB_UID_LABEL, KubeError, timestamp
 from finetune_operator.reconcile import Failure, Observation, queued
 from finetune_operator.settings import OperatorSettings, Taint
@@ -512,22 +513,96 @@ def pod_failure(pod: dict[str, Any]) -> Failure | None:
     return Failure("worker", f"{name} exited {code} ({reason}){detail}")
 
 
+_STARTING = (None, "ContainerCreating", "PodInitializing")
+"""Waiting reasons of a container on its way: no cause for a user to act on."""
+
+
 def pod_waiting(pod: dict[str, Any]) -> str | None:
-    """Why a pod is not running yet, in its own words."""
+    """Why a pod is not running yet, in its own words. The init containers come first: while
+    one waits (an image it cannot pull, a Secret it cannot read), the kubelet says only
+    PodInitializing of the trainer."""
     name = pod["metadata"]["name"]
-    scheduled = next((c for c in pod.get("status", {}).get("conditions") or []
+    status = pod.get("status") or {}
+    scheduled = next((c for c in status.get("conditions") or []
                       if c.get("type") == "PodScheduled"), None)
     if scheduled and scheduled.get("status") == "False":
         return f"{name}: {scheduled.get('reason', 'Unschedulable')}: {scheduled.get('message', '')}"
-    for status in pod.get("status", {}).get("initContainerStatuses") or []:
-        if status.get("name") == FETCH_MODEL_CONTAINER and "running" in status.get("state", {}):
+    for container in status.get("initContainerStatuses") or []:
+        state = container.get("state") or {}
+        if container.get("name") == FETCH_MODEL_CONTAINER and "running" in state:
             # a first start of a large model: the startup deadline covers this download
             return f"{name}: fetching the model into the output volume ({FETCH_MODEL_CONTAINER})"
-    for status in pod.get("status", {}).get("containerStatuses") or []:
-        waiting = status.get("state", {}).get("waiting")
-        if waiting and waiting.get("reason") not in (None, "ContainerCreating"):
+        if (waiting := state.get("waiting")) and waiting.get("reason") not in _STARTING:
+            said = f"{waiting['reason']}: {waiting.get('message', '')}".rstrip(": ")
+            return f"{name}: {said} (init container {container.get('name')})"
+    for container in status.get("containerStatuses") or []:
+        waiting = (container.get("state") or {}).get("waiting")
+        if waiting and waiting.get("reason") not in _STARTING:
             return f"{name}: {waiting['reason']}: {waiting.get('message', '')}".rstrip(": ")
     return None
+
+
+_MISSING_CLAIM = re.compile(r'persistentvolumeclaim "([^"]+)" not found')
+_MISSING_SECRET = re.compile(r'secrets? "([^"]+)" not found')
+_MISSING_KEY = re.compile(r"couldn't find key (\S+) in Secret [^/\s]+/([^\s:]+)")
+
+
+def named_by_field(job: FineTuneJob, waiting: str | None) -> str | None:
+    """`waiting` with the spec field behind it, where the pods wait for a claim, a Secret or
+    a Secret's key the namespace lacks: the scheduler's and the kubelet's words
+    ('persistentvolumeclaim "x" not found', 'secret "x" not found') name neither the field
+    nor the fix. The pods wait on: one made after the job is a normal order."""
+    if waiting is None:
+        return None
+    ns = job.namespace
+    if match := _MISSING_CLAIM.search(waiting):
+        fields = _claim_fields(job, match[1])
+        lacking = f"namespace {ns} has no PersistentVolumeClaim {match[1]!r}"
+        fix = ("create the claim (the workers start once it is bound) or name one that "
+               f"exists (kubectl get pvc -n {ns})")
+    elif match := _MISSING_SECRET.search(waiting):
+        refs = _secret_refs(job, match[1])
+        fields = [field for field, _ in refs]
+        literals = " ".join(f"--from-literal={key}=..." for key in dict.fromkeys(
+            key for _, key in refs))
+        lacking = f"namespace {ns} has no Secret {match[1]!r}"
+        fix = (f"create it (kubectl create secret generic {match[1]} -n {ns} {literals}) or "
+               f"name one that exists (kubectl get secrets -n {ns})")
+    elif match := _MISSING_KEY.search(waiting):
+        fields = [field for field, key in _secret_refs(job, match[2]) if key == match[1]]
+        lacking = f"Secret {match[2]!r} has no key {match[1]!r}"
+        fix = (f"add the key to the Secret or name a key it has (kubectl describe secret "
+               f"{match[2]} -n {ns})")
+    else:
+        return waiting
+    if not fields:
+        return waiting  # not one the job names (the pods' own service account's, say)
+    pod = waiting.split(":", 1)[0]  # pod_waiting's words start with the pod's name
+    verb = "names" if len(fields) == 1 else "name"
+    return f"{pod}: {lacking}, which {' and '.join(fields)} {verb} — {fix}"
+
+
+def _claim_fields(job: FineTuneJob, claim: str) -> list[str]:
+    fields = [f"{location.field} ({location.raw})" for location in job.spec.locations
+              if location.scheme == "pvc" and location.uri.pvc_claim == claim]
+    volumes = job.spec.kubernetes.volumes if job.spec.kubernetes else []
+    return fields + [f"spec.kubernetes.volumes[{index}] ({volume.name})"
+                     for index, volume in enumerate(volumes)
+                     if volume.persistent_volume_claim is not None
+                     and volume.persistent_volume_claim.claim_name == claim]
+
+
+def _secret_refs(job: FineTuneJob, secret: str) -> list[tuple[str, str]]:
+    """(field, key) of each reference to a key of `secret`: the hub token, the user's env."""
+    refs = []
+    if (token := job.spec.model.token_secret_ref) is not None and token.name == secret:
+        refs.append(("spec.model.tokenSecretRef", token.key))
+    env = job.spec.kubernetes.env if job.spec.kubernetes else []
+    for index, variable in enumerate(env):
+        ref = variable.value_from.secret_key_ref if variable.value_from else None
+        if ref is not None and ref.name == secret:
+            refs.append((f"spec.kubernetes.env[{index}] ({variable.name})", ref.key))
+    return refs
 
 
 def job_failure(failed: dict[str, Any]) -> Failure:
@@ -627,6 +702,17 @@ def _observe_job(workload: dict[str, Any], pods: list[dict[str, Any]], nodes: in
     return Observation(exists=True, running=running >= nodes, waiting=waiting, progress=progress)
 
 
+def waiting_for_leftovers(job: FineTuneJob, leftovers: list[str]) -> Observation:
+    """An earlier job of this name was deleted and this one made before the garbage collector
+    took its children (`Kind name` each): they are not this job's, and it waits for them to
+    go rather than adopt them or fail on their name."""
+    logger.info("%s/%s waits for the children of a deleted job of its name to go: %s",
+                job.namespace, job.name, ", ".join(leftovers))
+    return Observation(exists=True, deleting=True, waiting=(
+        "waiting for the workers of a deleted job of this name to stop and go ("
+        f"{', '.join(leftovers)}); it launches once the garbage collector has removed them"))
+
+
 def queue_state(kueue_workload: dict[str, Any] | None, job_age: float
                 ) -> tuple[bool | None, str | None]:
     """Kueue's word on a queued Job (pure): whether its Workload is active, and why it is
@@ -701,13 +787,23 @@ class KubernetesBackend:
             return None
 
     async def observe(self, job: FineTuneJob) -> Observation:
-        if self.children.ready:
-            return await self._observe_watched(job)
+        seen = await (self._observe_watched(job) if self.children.ready
+                      else self._observe_asking(job))
+        return replace(seen, waiting=named_by_field(job, seen.waiting)) if seen.waiting else seen
+
+    async def _observe_asking(self, job: FineTuneJob) -> Observation:
+        """The observation read from the API server: until the watches are up, and outside
+        the operator."""
         children = (("Job", naming.worker_job(job.name)),
                     ("Service", naming.headless_service(job.name)),
                     ("ConfigMap", naming.trainer_config_map(job.name)))
         workload, *others = await asyncio.gather(
             *(self.kube.get(kind, job.namespace, name) for kind, name in children))
+        if job.metadata.uid and (leftovers := [
+                f"{kind} {found['metadata']['name']}"
+                for (kind, _), found in zip(children, (workload, *others), strict=True)
+                if found is not None and owner_uid(found) not in (None, job.metadata.uid)]):
+            return waiting_for_leftovers(job, leftovers)
         if workload is None:
             return Observation()
         selector = f"{naming.LABEL_JOB}={job.name}"
@@ -730,14 +826,7 @@ class KubernetesBackend:
         events while pods are missing (nothing else says why) and rank 0's /progress."""
         children, ns = self.children, job.namespace
         if leftovers := children.foreign(ns, job.name, job.metadata.uid):
-            # an earlier job of this name was deleted and this one made before the garbage
-            # collector took its children: wait for them to go (their deletion wakes it)
-            logger.info("%s/%s waits for the children of a deleted job of its name to go: "
-                        "%s", ns, job.name, ", ".join(leftovers))
-            return Observation(exists=True, deleting=True, waiting=(
-                "waiting for the workers of a deleted job of this name to stop and go ("
-                f"{', '.join(leftovers)}); it launches once the garbage collector has "
-                "removed them"))
+            return waiting_for_leftovers(job, leftovers)  # their deletion wakes it
         workload = children.get("Job", ns, job.name, naming.worker_job(job.name))
         if workload is None:
             return Observation()

@@ -116,8 +116,8 @@ def test_a_missing_claim_is_named_by_the_field_that_names_it():
     other = unschedulable["status"]["conditions"][0]["message"].replace('"data"', '"other"')
     not_ours = f"demo-0-a: Unschedulable: {other}"  # a claim the job does not name
     assert named_by_field(job, not_ours) == not_ours
-    pulling = "demo-0-a: ImagePullBackOff: Back-off"
-    assert named_by_field(job, pulling) == pulling
+    crashing = "demo-0-a: CrashLoopBackOff: back-off restarting failed container"
+    assert named_by_field(job, crashing) == crashing
     assert named_by_field(job, None) is None
 
 
@@ -137,6 +137,21 @@ def test_an_init_container_that_cannot_start_is_the_reason_not_pod_initializing(
         containerStatuses=[{"name": "trainer", "state": {"waiting": {
             "reason": "PodInitializing"}}}])
     assert pod_waiting(checking) is None  # on its way: nothing to act on
+
+
+def test_an_image_the_nodes_cannot_pull_is_traced_to_where_it_is_set():
+    """The kubelet names the image, not where it comes from: the job's spec.kubernetes.image,
+    else the operator's trainer image (the chart's trainer.image)."""
+    pulling = ('demo-0-a: ErrImagePull: failed to pull image "trainer:typo" (init container '
+               'resume-check)')
+    default = FineTuneJob.model_validate(minimal_job())
+    assert named_by_field(default, pulling) == (
+        f"{pulling} — the operator's trainer image (Helm value trainer.image): set "
+        "spec.kubernetes.image to one the nodes can pull, or fix the chart's value")
+    own = FineTuneJob.model_validate(minimal_job(kubernetes={"image": "trainer:typo"}))
+    assert named_by_field(own, pulling.replace("ErrImagePull", "ImagePullBackOff")).endswith(
+        "— spec.kubernetes.image names the image: check its name and tag, and that the nodes "
+        "may pull from its registry (on AKS: az aks update --attach-acr)")
 
 
 def test_a_missing_secret_or_key_is_named_by_the_field_that_names_it():

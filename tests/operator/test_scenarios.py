@@ -127,6 +127,7 @@ async def test_pods_stuck_past_the_startup_deadline_fail_with_their_reason(testb
     # resume-check runs first in the trainer's image: the kubelet says only PodInitializing
     # of the trainer, and the init container's reason is the one a user needs
     assert "(init container resume-check)" in testbed.status()["message"]
+    assert "spec.kubernetes.image" in testbed.status()["message"]  # where the image is set
     assert testbed.condition("Failed")["reason"] == "StartupDeadlineExceeded"
 
 

@@ -542,19 +542,28 @@ def pod_waiting(pod: dict[str, Any]) -> str | None:
     return None
 
 
+_UNPULLABLE = re.compile(r"^[^:]+: (ErrImagePull|ImagePullBackOff|InvalidImageName):")
 _MISSING_CLAIM = re.compile(r'persistentvolumeclaim "([^"]+)" not found')
 _MISSING_SECRET = re.compile(r'secrets? "([^"]+)" not found')
 _MISSING_KEY = re.compile(r"couldn't find key (\S+) in Secret [^/\s]+/([^\s:]+)")
 
 
 def named_by_field(job: FineTuneJob, waiting: str | None) -> str | None:
-    """`waiting` with the spec field behind it, where the pods wait for a claim, a Secret or
-    a Secret's key the namespace lacks: the scheduler's and the kubelet's words
-    ('persistentvolumeclaim "x" not found', 'secret "x" not found') name neither the field
-    nor the fix. The pods wait on: one made after the job is a normal order."""
+    """`waiting` with the spec field behind it, where the pods wait for an image they cannot
+    pull, or a claim, a Secret or a Secret's key the namespace lacks: the scheduler's and the
+    kubelet's words ('persistentvolumeclaim "x" not found', 'secret "x" not found') name
+    neither the field nor the fix. The pods wait on: one made after the job is a normal
+    order."""
     if waiting is None:
         return None
     ns = job.namespace
+    if _UNPULLABLE.search(waiting):
+        if job.spec.kubernetes is not None and job.spec.kubernetes.image:
+            return (f"{waiting} — spec.kubernetes.image names the image: check its name and "
+                    "tag, and that the nodes may pull from its registry (on AKS: az aks "
+                    "update --attach-acr)")
+        return (f"{waiting} — the operator's trainer image (Helm value trainer.image): set "
+                "spec.kubernetes.image to one the nodes can pull, or fix the chart's value")
     if match := _MISSING_CLAIM.search(waiting):
         fields = _claim_fields(job, match[1])
         lacking = f"namespace {ns} has no PersistentVolumeClaim {match[1]!r}"

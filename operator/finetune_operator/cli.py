@@ -610,7 +610,7 @@ def logs_command(target: str, namespace: str | None, kubeconfig: str | None, ran
             if obj["spec"].get("backend") == "azureml":
                 click.echo(follow.azureml_logs_hint(obj))
                 return 0
-            read: list[str] = []  # the init containers whose logs were read, in order
+            read: list[tuple[str, str]] = []  # (pod, init container) whose logs were read
             while True:
                 pods = await client.pods(namespace, f"{naming.LABEL_JOB}={target}")
                 pod = follow.newest_pod(pods, rank, COMPLETION_INDEX_KEY)
@@ -620,9 +620,11 @@ def logs_command(target: str, namespace: str | None, kubeconfig: str | None, ran
                                f"(phase {phase}; nodes: spec.resources.nodes)", err=True)
                     return 1
                 name = pod["metadata"]["name"]
-                container, waiting = follow.log_to_read(pod, TRAINER_CONTAINER, read)
+                container, waiting = follow.log_to_read(
+                    pod, TRAINER_CONTAINER, [c for p, c in read if p == name])
                 if container is None and read and keep_following and waiting in (
-                        "waiting: PodInitializing", "waiting: ContainerCreating"):
+                        "waiting: PodInitializing", "waiting: ContainerCreating") and (
+                        pod.get("status") or {}).get("phase") == "Pending":
                     await asyncio.sleep(1)  # the next container is on its way
                     continue
                 if container is None:
@@ -631,13 +633,15 @@ def logs_command(target: str, namespace: str | None, kubeconfig: str | None, ran
                                "for", err=True)
                     return 0 if read else 1
                 if container != TRAINER_CONTAINER:
-                    click.echo(f"finetune logs: pod {name} runs its init container {container} "
-                               "before the trainer: its log", err=True)
+                    failed = (pod.get("status") or {}).get("phase") == "Failed"
+                    click.echo(f"finetune logs: pod {name} {'failed in' if failed else 'runs'} "
+                               f"its init container {container}, before the trainer: its log",
+                               err=True)
                 if not await _print_log(client, namespace, name, container, keep_following):
                     return 1
                 if container == TRAINER_CONTAINER or not keep_following:
                     return 0
-                read.append(container)
+                read.append((name, container))
         except (kube.LoginError, kube.KubeError) as error:
             click.echo(_cluster_error("logs", error), err=True)
             return 1

@@ -6,6 +6,8 @@ from __future__ import annotations
 from finetune_operator.api import FineTuneJob, Progress
 from finetune_operator.backends.kubernetes import (
     creation_failure,
+    mount_failure,
+    mounting,
     named_by_field,
     needs_creation_events,
     observe,
@@ -181,6 +183,44 @@ def test_a_missing_secret_or_key_is_named_by_the_field_that_names_it():
         "key it has (kubectl describe secret hf-token -n default)")
     theirs = 'demo-0-a: CreateContainerConfigError: secret "registry" not found'
     assert named_by_field(job, theirs) == theirs
+
+
+def test_a_volume_that_does_not_mount_is_read_from_the_kubelets_events():
+    """A pod on its node whose containers wait ContainerCreating says nothing in its status
+    of a volume it cannot mount: the kubelet's FailedMount event does, and a ConfigMap the
+    namespace lacks is named by the volume that names it."""
+    creating = pod("demo-0-a", "Pending", containerStatuses=[{"name": "trainer", "state": {
+        "waiting": {"reason": "ContainerCreating"}}}])
+    assert not mounting(creating)  # not on a node yet
+    creating["spec"] = {"nodeName": "gpu-0"}
+    assert mounting(creating)
+    assert not mounting({**pod("demo-0-a", "Running"), "spec": {"nodeName": "gpu-0"}})
+
+    def event(reason, message, at):
+        return {"metadata": {"creationTimestamp": at}, "reason": reason, "message": message,
+                "lastTimestamp": at}
+
+    events = [
+        event("FailedMount", 'MountVolume.SetUp failed for volume "cfg" : configmap '
+              '"train-cfg" not found', "2026-11-25T10:00:01Z"),
+        event("FailedMount", "Unable to attach or mount volumes: unmounted volumes=[cfg], "
+              "unattached volumes=[]: timed out waiting for the condition",
+              "2026-11-25T10:02:01Z"),
+        event("FailedScheduling", "an older word", "2026-11-25T09:59:00Z")]
+    said = mount_failure(creating, events)
+    assert said == ('demo-0-a: FailedMount: MountVolume.SetUp failed for volume "cfg" : '
+                    'configmap "train-cfg" not found')
+    assert mount_failure(creating, events[1:]).endswith("timed out waiting for the condition")
+    assert mount_failure(creating, events[2:]) is None
+    job = FineTuneJob.model_validate(minimal_job(kubernetes={"volumes": [
+        {"name": "cfg", "mountPath": "/cfg", "configMap": {"name": "train-cfg"}}]}))
+    assert named_by_field(job, said) == (
+        "demo-0-a: namespace default has no ConfigMap 'train-cfg', which "
+        "spec.kubernetes.volumes[0] (cfg) names — create it (kubectl create configmap "
+        "train-cfg -n default --from-file=...) or name one that exists (kubectl get "
+        "configmaps -n default)")
+    seen = observe(job_object(), [creating], nodes=1, not_mounted=said)
+    assert seen.waiting == said and not seen.running
 
 
 def test_a_pod_fetching_the_model_says_so():

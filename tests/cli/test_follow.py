@@ -21,9 +21,9 @@ import yaml
 from finetune_operator import run_lock
 from finetune_operator.api import Progress
 from finetune_operator.follow import (
+    log_to_read,
     mark_failed,
     newest_pod,
-    log_to_read,
     not_started,
     output_folder,
     progress_bar,

@@ -298,6 +298,52 @@ async def test_a_claim_that_does_not_exist_is_named_by_its_field_until_it_is_mad
 
 
 @pytest.mark.asyncio
+async def test_a_volume_that_does_not_mount_is_named_from_the_kubelets_event(
+        control_plane_testbed):
+    """A ConfigMap volume the namespace lacks: the pod stays ContainerCreating, and only the
+    kubelet's FailedMount event says why. KWOK's nodes mount nothing, so the test posts the
+    event a kubelet posts; the operator finds it (a field-selected list of the namespace's
+    pod warnings), names the volume and the fix, and the job runs once the pod mounts."""
+    bed: ControlPlaneTestbed = control_plane_testbed
+    kubectl, ns = bed.installation.kubectl, bed.namespace
+    await bed.apply(bed.manifest(resources={"nodes": 1, "gpusPerNode": 8}, kubernetes={
+        "labels": {"fake.finetune.dev/outcome": "mounting"},
+        "annotations": {"fake.finetune.dev/run-time": "1h"},
+        "volumes": [{"name": "cfg", "mountPath": "/cfg", "configMap": {"name": "train-cfg"}}]}))
+    placed: list[dict] = []
+
+    def on_a_node() -> bool:
+        listed = json.loads(kubectl("get", "pods", "-n", ns, "-l", "finetune.dev/job=demo",
+                                    "-o", "json").stdout)["items"]
+        placed[:] = [p for p in listed if p["spec"].get("nodeName")]
+        return bool(placed)
+
+    await bed.until(on_a_node, "the worker on a node")
+    worker = placed[0]
+    now = worker["metadata"]["creationTimestamp"]
+    await asyncio.to_thread(kubectl, "create", "-f", "-", input=json.dumps({
+        "apiVersion": "v1", "kind": "Event",
+        "metadata": {"generateName": f"{worker['metadata']['name']}.", "namespace": ns},
+        "involvedObject": {"apiVersion": "v1", "kind": "Pod", "namespace": ns,
+                           "name": worker["metadata"]["name"],
+                           "uid": worker["metadata"]["uid"]},
+        "type": "Warning", "reason": "FailedMount", "count": 1,
+        "message": 'MountVolume.SetUp failed for volume "cfg" : configmap "train-cfg" not found',
+        "source": {"component": "kubelet", "host": worker["spec"]["nodeName"]},
+        "firstTimestamp": now, "lastTimestamp": now}))
+    named = (f"namespace {ns} has no ConfigMap 'train-cfg', which spec.kubernetes.volumes[0] "
+             "(cfg) names")
+    await bed.until(lambda: named in bed.condition("Running").get("message", ""),
+                    "the volume named in the Running condition")
+    assert bed.status()["phase"] == "Launching"
+    assert f"kubectl create configmap train-cfg -n {ns}" in bed.status()["message"]
+    await asyncio.to_thread(kubectl, "label", "pod", "-n", ns, worker["metadata"]["name"],
+                            "fake.finetune.dev/outcome-")
+    await bed.until_phase("Running")
+    assert not bed.operator_denials()  # the chart's Role lets it list the events
+
+
+@pytest.mark.asyncio
 async def test_a_model_the_hub_refuses_fails_the_job_at_once_through_the_job_controller(
         control_plane_testbed):
     """The fetch-model init container's exit 2 (no such model, a gated one without a token)

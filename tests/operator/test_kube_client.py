@@ -202,6 +202,35 @@ async def test_finetune_logs_follows_the_models_download_into_the_trainers_log(s
     out, err = await asyncio.wait_for(logs.communicate(), timeout=60)
     assert logs.returncode == 0, err.decode()
     assert out.decode() == "fetching org/model: 2 files\nfetched in 3 s\nstep 1/4 | loss 2.0\n"
-    assert "runs its init container fetch-model before the trainer" in err.decode()
+    assert "runs its init container fetch-model, before the trainer" in err.decode()
     assert server.streamed == [f"{log}?container=fetch-model", f"{log}?container=trainer"]
     assert looks == [0, 1, 1]  # once more while the trainer was on its way
+
+
+async def test_finetune_logs_of_a_pod_that_failed_in_its_resume_check_shows_why(
+        server, tmp_path):
+    """The trainer never started: the log that says why is resume-check's (the refusal to
+    resume other settings' checkpoints), not an error about the trainer's missing log."""
+    kubeconfig = tmp_path / "kubeconfig"
+    write_kubeconfig(kubeconfig, server)
+    server.answers["/apis/finetune.dev/v1alpha1/namespaces/team/finetunejobs/demo"] = (
+        aiohttp.web.json_response({"metadata": {"name": "demo"},
+                                   "spec": {"backend": "kubernetes"}}))
+    server.answers["/api/v1/namespaces/team/pods"] = aiohttp.web.json_response({"items": [{
+        "metadata": {"name": "demo-0-a", "creationTimestamp": "2026-11-23T10:00:00Z",
+                     "annotations": {"batch.kubernetes.io/job-completion-index": "0"}},
+        "status": {"phase": "Failed", "initContainerStatuses": [
+            {"name": "resume-check", "state": {"terminated": {"exitCode": 4}}}],
+            "containerStatuses": [{"name": "trainer", "state": {
+                "waiting": {"reason": "PodInitializing"}}}]}}]})
+    log = "/api/v1/namespaces/team/pods/demo-0-a/log"
+    server.streams[f"{log}?container=resume-check"] = [b"method.lora.r: 8 -> 16\n"]
+    logs = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "finetune_operator.cli", "logs", "demo", "-n", "team",
+        "--kubeconfig", str(kubeconfig),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(logs.communicate(), timeout=60)
+    assert logs.returncode == 0, err.decode()
+    assert out.decode() == "method.lora.r: 8 -> 16\n"
+    assert "failed in its init container resume-check, before the trainer" in err.decode()
+    assert server.streamed == [f"{log}?container=resume-check"]

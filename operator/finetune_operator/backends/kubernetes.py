@@ -37,9 +37,15 @@ COMPLETION_INDEX_KEY = "batch.kubernetes.io/job-completion-index"
 CREATION_GRACE_SECONDS = 3.0
 """How long a Job may lack pods before the operator asks the events why."""
 CREATION_EVENTS_SECONDS = 10.0
-"""How long one read of a namespace's FailedCreate events serves every job in it that
-waits for pods: a burst of a thousand Jobs the Job controller is slow to fill costs one
-list per namespace this often, not one per job."""
+"""How long one read of a namespace's FailedCreate (or pods' Warning) events serves every
+job in it that waits for pods: a burst of a thousand Jobs the Job controller is slow to fill
+costs one list per namespace this often, not one per job."""
+MOUNT_GRACE_SECONDS = 10.0
+"""How long a scheduled pod may be on its way (its volumes mounting) before the operator
+asks the kubelet's events why (a ConfigMap or Secret the namespace lacks, a disk attached
+to another node): nothing in the pod's status says so."""
+JOB_WARNINGS = "involvedObject.kind=Job,reason=FailedCreate"
+POD_WARNINGS = "involvedObject.kind=Pod,type=Warning"
 COMPLETION_INDEX = f"metadata.annotations['{COMPLETION_INDEX_KEY}']"
 QUEUE_LOOK_SECONDS = 120.0
 """How often a queued Job's Kueue Workload is read once the Job is older than that: its
@@ -544,8 +550,8 @@ def pod_waiting(pod: dict[str, Any]) -> str | None:
 
 _UNPULLABLE = re.compile(r"^[^:]+: (ErrImagePull|ImagePullBackOff|InvalidImageName):")
 _MISSING_CLAIM = re.compile(r'persistentvolumeclaim "([^"]+)" not found')
-_MISSING_SECRET = re.compile(r'secrets? "([^"]+)" not found')
-_MISSING_KEY = re.compile(r"couldn't find key (\S+) in Secret [^/\s]+/([^\s:]+)")
+_MISSING_OBJECT = re.compile(r'(secret|configmap)s? "([^"]+)" not found')
+_MISSING_KEY = re.compile(r"couldn't find key (\S+) in (Secret|ConfigMap) [^/\s]+/([^\s:]+)")
 
 
 def named_by_field(job: FineTuneJob, waiting: str | None) -> str | None:
@@ -569,19 +575,23 @@ def named_by_field(job: FineTuneJob, waiting: str | None) -> str | None:
         lacking = f"namespace {ns} has no PersistentVolumeClaim {match[1]!r}"
         fix = ("create the claim (the workers start once it is bound) or name one that "
                f"exists (kubectl get pvc -n {ns})")
-    elif match := _MISSING_SECRET.search(waiting):
-        refs = _secret_refs(job, match[1])
+    elif match := _MISSING_OBJECT.search(waiting):
+        kind = "Secret" if match[1] == "secret" else "ConfigMap"
+        refs = _object_refs(job, kind, match[2])
         fields = [field for field, _ in refs]
-        literals = " ".join(f"--from-literal={key}=..." for key in dict.fromkeys(
-            key for _, key in refs))
-        lacking = f"namespace {ns} has no Secret {match[1]!r}"
-        fix = (f"create it (kubectl create secret generic {match[1]} -n {ns} {literals}) or "
-               f"name one that exists (kubectl get secrets -n {ns})")
+        keys = [key for _, key in refs if key is not None]
+        sources = " ".join([*(f"--from-literal={key}=..." for key in dict.fromkeys(keys)),
+                            *(["--from-file=..."] if None in (key for _, key in refs) else [])])
+        make = "secret generic" if kind == "Secret" else "configmap"
+        lacking = f"namespace {ns} has no {kind} {match[2]!r}"
+        fix = (f"create it (kubectl create {make} {match[2]} -n {ns} {sources}) or name one "
+               f"that exists (kubectl get {kind.lower()}s -n {ns})")
     elif match := _MISSING_KEY.search(waiting):
-        fields = [field for field, key in _secret_refs(job, match[2]) if key == match[1]]
-        lacking = f"Secret {match[2]!r} has no key {match[1]!r}"
-        fix = (f"add the key to the Secret or name a key it has (kubectl describe secret "
-               f"{match[2]} -n {ns})")
+        fields = [field for field, key in _object_refs(job, match[2], match[3])
+                  if key == match[1]]
+        lacking = f"{match[2]} {match[3]!r} has no key {match[1]!r}"
+        fix = (f"add the key to the {match[2]} or name a key it has (kubectl describe "
+               f"{match[2].lower()} {match[3]} -n {ns})")
     else:
         return waiting
     if not fields:
@@ -601,16 +611,26 @@ def _claim_fields(job: FineTuneJob, claim: str) -> list[str]:
                      and volume.persistent_volume_claim.claim_name == claim]
 
 
-def _secret_refs(job: FineTuneJob, secret: str) -> list[tuple[str, str]]:
-    """(field, key) of each reference to a key of `secret`: the hub token, the user's env."""
-    refs = []
-    if (token := job.spec.model.token_secret_ref) is not None and token.name == secret:
+def _object_refs(job: FineTuneJob, kind: str, name: str) -> list[tuple[str, str | None]]:
+    """(field, key) of each reference to the Secret or ConfigMap `name`: the hub token and
+    the user's env name a key, the user's volumes the whole object (None)."""
+    refs: list[tuple[str, str | None]] = []
+    token = job.spec.model.token_secret_ref
+    if kind == "Secret" and token is not None and token.name == name:
         refs.append(("spec.model.tokenSecretRef", token.key))
-    env = job.spec.kubernetes.env if job.spec.kubernetes else []
-    for index, variable in enumerate(env):
-        ref = variable.value_from.secret_key_ref if variable.value_from else None
-        if ref is not None and ref.name == secret:
+    k8s = job.spec.kubernetes
+    for index, variable in enumerate(k8s.env if k8s else []):
+        source = variable.value_from
+        ref = source and (source.secret_key_ref if kind == "Secret"
+                          else source.config_map_key_ref)
+        if ref is not None and ref.name == name:
             refs.append((f"spec.kubernetes.env[{index}] ({variable.name})", ref.key))
+    for index, volume in enumerate(k8s.volumes if k8s else []):
+        if (kind == "Secret" and volume.secret is not None
+                and volume.secret.secret_name == name) or (
+                kind == "ConfigMap" and volume.config_map is not None
+                and volume.config_map.name == name):
+            refs.append((f"spec.kubernetes.volumes[{index}] ({volume.name})", None))
     return refs
 
 
@@ -660,6 +680,35 @@ def creation_failure(events: list[dict[str, Any]]) -> str | None:
     return f"FailedCreate: {newest.get('message') or newest.get('note') or ''}".rstrip(": ")
 
 
+def mounting(pod: dict[str, Any]) -> bool:
+    """On a node, and none of its containers started nor waiting for a reason of its own:
+    the kubelet is still setting up its volumes (kubectl: ContainerCreating)."""
+    status = pod.get("status") or {}
+    if status.get("phase") != "Pending" or not (pod.get("spec") or {}).get("nodeName"):
+        return False
+    states = [c.get("state") or {} for c in (status.get("initContainerStatuses") or [])
+              + (status.get("containerStatuses") or [])]
+    return not any("running" in s or "terminated" in s for s in states) and \
+        pod_waiting(pod) is None
+
+
+MOUNT_REASONS = ("FailedMount", "FailedAttachVolume")
+"""The kubelet's and the attach controller's events for a volume a pod cannot have."""
+
+
+def mount_failure(pod: dict[str, Any], events: list[dict[str, Any]]) -> str | None:
+    """Why `pod` cannot mount its volumes, from the newest of its FailedMount /
+    FailedAttachVolume events; the kubelet's 'Unable to attach or mount volumes ... timed
+    out' comes after the specific one and says less, so it counts only alone."""
+    mine = [e for e in events if e.get("reason") in MOUNT_REASONS]
+    if not mine:
+        return None
+    specific = [e for e in mine if not (e.get("message") or "").startswith("Unable to attach")]
+    newest = max(specific or mine, key=lambda e: e.get("lastTimestamp") or e.get("eventTime")
+                 or e["metadata"].get("creationTimestamp") or "")
+    return f"{pod['metadata']['name']}: {newest['reason']}: {newest.get('message') or ''}"
+
+
 def needs_creation_events(workload: dict[str, Any] | None, pods: list[dict[str, Any]],
                           nodes: int) -> bool:
     """Pods are missing from a Job that should have them: worth asking the events why."""
@@ -671,19 +720,21 @@ def needs_creation_events(workload: dict[str, Any] | None, pods: list[dict[str, 
 
 
 def observe(workload: dict[str, Any] | None, pods: list[dict[str, Any]], nodes: int,
-            progress: Progress | None = None, not_created: str | None = None) -> Observation:
+            progress: Progress | None = None, not_created: str | None = None,
+            not_mounted: str | None = None) -> Observation:
     """What the reconciler needs from the Job and its pods (pure: the caller fetches them).
-    `not_created`: why the Job controller could not create pods (`creation_failure`). The
-    Job is the job's `status.backendRef`: what `kubectl describe` and `finetune status`
-    point a user to."""
+    `not_created`: why the Job controller could not create pods (`creation_failure`);
+    `not_mounted`: why a pod's volumes do not mount (`mount_failure`). The Job is the job's
+    `status.backendRef`: what `kubectl describe` and `finetune status` point a user to."""
     if workload is None:
         return Observation()
-    seen = _observe_job(workload, pods, nodes, progress, not_created)
+    seen = _observe_job(workload, pods, nodes, progress, not_created, not_mounted)
     return replace(seen, backend_ref=BackendRef(kind="Job", name=workload["metadata"]["name"]))
 
 
 def _observe_job(workload: dict[str, Any], pods: list[dict[str, Any]], nodes: int,
-                 progress: Progress | None, not_created: str | None) -> Observation:
+                 progress: Progress | None, not_created: str | None,
+                 not_mounted: str | None) -> Observation:
     if workload["metadata"].get("deletionTimestamp"):
         return Observation(exists=True, deleting=True)
     pods = [p for p in pods if _made_by(p, workload)]  # not a previous gang's leftovers
@@ -706,7 +757,7 @@ def _observe_job(workload: dict[str, Any], pods: list[dict[str, Any]], nodes: in
         # the pods of a suspended Job go only once their trainers have checkpointed
         return Observation(exists=True, suspended=True, stopping=bool(pods))
     running = sum(p.get("status", {}).get("phase") == "Running" for p in current)
-    waiting = next((w for w in map(pod_waiting, current) if w), None) or (
+    waiting = next((w for w in map(pod_waiting, current) if w), None) or not_mounted or (
         not_created if len(current) < nodes else None)
     return Observation(exists=True, running=running >= nodes, waiting=waiting, progress=progress)
 
@@ -753,8 +804,8 @@ class KubernetesBackend:
         self.progress_port = context.progress_port or context.settings.metrics_port
         self._queue_looks: dict[str, tuple[float, bool | None, str | None]] = {}
         """Job uid → (when, active, message) of its Kueue Workload's last read."""
-        self._creation_events: dict[str, tuple[float, asyncio.Future]] = {}
-        """Namespace → (when, the read) of its FailedCreate events (`_failed_creates`)."""
+        self._events: dict[tuple[str, str], tuple[float, asyncio.Future]] = {}
+        """(namespace, field selector) → (when, the read) of those events (`_warnings`)."""
         self.children = Children()
         """The workers as the operator's watches see them; until the controller attaches its
         indexes (and outside the operator), `observe` asks the API server instead."""
@@ -824,8 +875,9 @@ class KubernetesBackend:
             not_created = creation_failure(await self.kube.events(
                 job.namespace, "Job", naming.worker_job(job.name),
                 workload["metadata"].get("uid")))
+        not_mounted = await self._not_mounted(job.namespace, pods)
         seen = await self._with_queue(job, workload, observe(
-            workload, pods, nodes, await self.progress(pods), not_created))
+            workload, pods, nodes, await self.progress(pods), not_created, not_mounted))
         missing = tuple(f"{kind} {name}" for (kind, name), found
                         in zip(children[1:], others, strict=True) if found is None)
         return replace(seen, missing=missing) if missing and not seen.deleting else seen
@@ -847,11 +899,14 @@ class KubernetesBackend:
             # not (a refused PriorityClass, a quota), and no watch event says when to ask
             polled = True
             if self._age(workload) > CREATION_GRACE_SECONDS:
-                failed = await self._failed_creates(ns)
+                failed = await self._warnings(ns, JOB_WARNINGS)
                 not_created = creation_failure(failed.get(workload["metadata"].get("uid"), []))
+        # nor does a watch event say when the kubelet gives up on a pod's volumes
+        polled = polled or any(map(mounting, pods))
+        not_mounted = await self._not_mounted(ns, pods)
         progress = await self.progress(pods)
         seen = await self._with_queue(job, workload, observe(
-            workload, pods, nodes, progress, not_created))
+            workload, pods, nodes, progress, not_created, not_mounted))
         missing = tuple(f"{kind} {name}" for kind, name in (
             ("Service", naming.headless_service(job.name)),
             ("ConfigMap", naming.trainer_config_map(job.name)))
@@ -862,27 +917,39 @@ class KubernetesBackend:
         seen = replace(seen, polled=polled)
         return replace(seen, missing=missing) if missing and not seen.deleting else seen
 
-    async def _failed_creates(self, namespace: str) -> dict[str | None, list[dict[str, Any]]]:
-        """The Job controller's FailedCreate events in `namespace`, by the uid of their Job:
-        one list, shared by every look within CREATION_EVENTS_SECONDS (and by the looks
-        that ask while it is on its way)."""
+    async def _not_mounted(self, namespace: str, pods: list[dict[str, Any]]) -> str | None:
+        """Why the first pod on its way for MOUNT_GRACE_SECONDS cannot mount its volumes,
+        from its Warning events (one list per namespace, `_warnings`)."""
+        late = [p for p in pods if mounting(p) and self._age(p) > MOUNT_GRACE_SECONDS
+                and not p["metadata"].get("deletionTimestamp")]
+        if not late:
+            return None
+        warnings = await self._warnings(namespace, POD_WARNINGS)
+        return next((why for pod in late if (why := mount_failure(
+            pod, warnings.get(pod["metadata"].get("uid"), [])))), None)
+
+    async def _warnings(self, namespace: str, fields: str
+                        ) -> dict[str | None, list[dict[str, Any]]]:
+        """The events in `namespace` that `fields` selects (the Job controller's
+        FailedCreate, the pods' Warnings), by the uid of their object: one list, shared by
+        every look within CREATION_EVENTS_SECONDS (and by the looks that ask while it is on
+        its way)."""
         now = time.monotonic()
-        cached = self._creation_events.get(namespace)
+        cached = self._events.get((namespace, fields))
         if cached is None or now - cached[0] > CREATION_EVENTS_SECONDS or (
                 cached[1].done() and cached[1].exception() is not None):
-            cached = (now, asyncio.ensure_future(self._read_failed_creates(namespace)))
-            self._creation_events[namespace] = cached
+            cached = (now, asyncio.ensure_future(self._read_events(namespace, fields)))
+            self._events[namespace, fields] = cached
         return await asyncio.shield(cached[1])
 
-    async def _read_failed_creates(self, namespace: str
-                                   ) -> dict[str | None, list[dict[str, Any]]]:
-        events = await self.kube.list("Event", namespace,
-                                      fields="involvedObject.kind=Job,reason=FailedCreate",
-                                      action=f"list the FailedCreate events of {namespace}")
-        by_job: dict[str | None, list[dict[str, Any]]] = {}
+    async def _read_events(self, namespace: str, fields: str
+                           ) -> dict[str | None, list[dict[str, Any]]]:
+        events = await self.kube.list("Event", namespace, fields=fields,
+                                      action=f"list the events of {namespace} ({fields})")
+        by_uid: dict[str | None, list[dict[str, Any]]] = {}
         for event in events:
-            by_job.setdefault((event.get("involvedObject") or {}).get("uid"), []).append(event)
-        return by_job
+            by_uid.setdefault((event.get("involvedObject") or {}).get("uid"), []).append(event)
+        return by_uid
 
     async def _with_queue(self, job: FineTuneJob, workload: dict[str, Any],
                           seen: Observation) -> Observation:

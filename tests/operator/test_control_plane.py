@@ -288,9 +288,7 @@ async def test_a_claim_that_does_not_exist_is_named_by_its_field_until_it_is_mad
     await bed.apply(bed.manifest(output={"uri": "pvc://later/out"}))
     named = (f"namespace {bed.namespace} has no PersistentVolumeClaim 'later', which "
              "spec.output.uri (pvc://later/out) names")
-    await bed.until(lambda: named in bed.condition("Running").get("message", ""),
-                    "the missing claim named by its field in the Running condition")
-    assert bed.status()["phase"] == "Launching"
+    await bed.until_waiting_says(named)
     assert f"kubectl get pvc -n {bed.namespace}" in bed.status()["message"]
     await bed.make_claim("later")
     await bed.until_phase("Running")
@@ -333,9 +331,7 @@ async def test_a_volume_that_does_not_mount_is_named_from_the_kubelets_event(
         "firstTimestamp": now, "lastTimestamp": now}))
     named = (f"namespace {ns} has no ConfigMap 'train-cfg', which spec.kubernetes.volumes[0] "
              "(cfg) names")
-    await bed.until(lambda: named in bed.condition("Running").get("message", ""),
-                    "the volume named in the Running condition")
-    assert bed.status()["phase"] == "Launching"
+    await bed.until_waiting_says(named)
     assert f"kubectl create configmap train-cfg -n {ns}" in bed.status()["message"]
     await asyncio.to_thread(kubectl, "label", "pod", "-n", ns, worker["metadata"]["name"],
                             "fake.finetune.dev/outcome-")

@@ -133,6 +133,16 @@ async def test_a_server_that_never_answers_is_a_kube_error_within_the_timeout(se
         await kube.close()
 
 
+async def finetune_logs(kubeconfig: Path, *args: str) -> tuple[int, str, str]:
+    """The real `finetune logs demo -n team ...` command: its exit code, stdout, stderr."""
+    logs = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "finetune_operator.cli", "logs", "demo", "-n", "team", *args,
+        "--kubeconfig", str(kubeconfig),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(logs.communicate(), timeout=60)
+    return logs.returncode, out.decode(), err.decode()
+
+
 async def test_finetune_logs_streams_the_current_pod_of_a_node_rank(server, tmp_path):
     """The real `finetune logs -f` against a server answering as the API server does: the
     FineTuneJob, its pods (rank 1's restarted: the newer pod is read), the log followed."""
@@ -154,13 +164,9 @@ async def test_finetune_logs_streams_the_current_pod_of_a_node_rank(server, tmp_
         pod("demo-1-b", 1, "2026-11-23T10:05:00Z")]})
     server.streams["/api/v1/namespaces/team/pods/demo-1-b/log"] = [
         b"step 1/4 | loss 2.0\n", b"step 2/4 | lo", b"ss 1.5\n"]
-    logs = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "finetune_operator.cli", "logs", "demo", "-n", "team",
-        "--rank", "1", "-f", "--kubeconfig", str(kubeconfig),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, err = await asyncio.wait_for(logs.communicate(), timeout=60)
-    assert logs.returncode == 0, err.decode()
-    assert out.decode() == "step 1/4 | loss 2.0\nstep 2/4 | loss 1.5\n"
+    code, out, err = await finetune_logs(kubeconfig, "--rank", "1", "-f")
+    assert code == 0, err
+    assert out == "step 1/4 | loss 2.0\nstep 2/4 | loss 1.5\n"
     asked = [(m, p) for m, p, _ in server.seen if p.endswith("/log")]
     assert asked == [("GET", "/api/v1/namespaces/team/pods/demo-1-b/log")]
 
@@ -195,14 +201,10 @@ async def test_finetune_logs_follows_the_models_download_into_the_trainers_log(s
     server.streams[f"{log}?container=fetch-model"] = [b"fetching org/model: 2 files\n",
                                                       b"fetched in 3 s\n"]
     server.streams[f"{log}?container=trainer"] = [b"step 1/4 | loss 2.0\n"]
-    logs = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "finetune_operator.cli", "logs", "demo", "-n", "team", "-f",
-        "--kubeconfig", str(kubeconfig),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, err = await asyncio.wait_for(logs.communicate(), timeout=60)
-    assert logs.returncode == 0, err.decode()
-    assert out.decode() == "fetching org/model: 2 files\nfetched in 3 s\nstep 1/4 | loss 2.0\n"
-    assert "runs its init container fetch-model, before the trainer" in err.decode()
+    code, out, err = await finetune_logs(kubeconfig, "-f")
+    assert code == 0, err
+    assert out == "fetching org/model: 2 files\nfetched in 3 s\nstep 1/4 | loss 2.0\n"
+    assert "runs its init container fetch-model, before the trainer" in err
     assert server.streamed == [f"{log}?container=fetch-model", f"{log}?container=trainer"]
     assert looks == [0, 1, 1]  # once more while the trainer was on its way
 
@@ -225,12 +227,8 @@ async def test_finetune_logs_of_a_pod_that_failed_in_its_resume_check_shows_why(
                 "waiting": {"reason": "PodInitializing"}}}]}}]})
     log = "/api/v1/namespaces/team/pods/demo-0-a/log"
     server.streams[f"{log}?container=resume-check"] = [b"method.lora.r: 8 -> 16\n"]
-    logs = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "finetune_operator.cli", "logs", "demo", "-n", "team",
-        "--kubeconfig", str(kubeconfig),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, err = await asyncio.wait_for(logs.communicate(), timeout=60)
-    assert logs.returncode == 0, err.decode()
-    assert out.decode() == "method.lora.r: 8 -> 16\n"
-    assert "failed in its init container resume-check, before the trainer" in err.decode()
+    code, out, err = await finetune_logs(kubeconfig)
+    assert code == 0, err
+    assert out == "method.lora.r: 8 -> 16\n"
+    assert "failed in its init container resume-check, before the trainer" in err
     assert server.streamed == [f"{log}?container=resume-check"]

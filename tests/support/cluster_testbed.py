@@ -93,6 +93,13 @@ class ControlPlaneTestbed(RealTestbed):
         doc["metadata"] = {"name": name, "namespace": self.namespace}
         return merged(doc, spec)
 
+    async def until_waiting_says(self, words: str, name: str = "demo") -> None:
+        """Until the job's Running condition says `words` of its workers, as they wait (the
+        job Launching, not failed)."""
+        await self.until(lambda: words in self.condition("Running", name).get("message", ""),
+                         f"{words!r} in the Running condition")
+        assert self.status(name)["phase"] == "Launching", self.status(name)
+
     # --- the Kubernetes API, as a user reaches it -----------------------------------------
     async def apply(self, doc):
         await asyncio.to_thread(self.installation.kubectl, "apply", "-f", "-",

@@ -32,7 +32,7 @@ from typing import Any
 
 import kopf
 
-from finetune_operator import kube
+from finetune_operator import crd, kube
 from finetune_operator.admission import admit
 from finetune_operator.api import (
     API_GROUP,
@@ -590,6 +590,29 @@ async def run(runtime: Runtime, *, namespaces: tuple[str, ...] = (),
             await runtime.kube.close()
 
 
+CRD_UPGRADE = "kubectl apply --server-side --force-conflicts -f charts/finetune-operator/crds/"
+
+
+async def warn_of_crd_drift(client: Kube) -> list[str]:
+    """A warning for each CRD the API server serves other than this operator's own (an
+    upgrade of the chart leaves them as they were): what differs, and the command that
+    upgrades them. The operator runs on: what both know works."""
+    warnings = []
+    for ours in (crd.crd(), crd.sweep_crd()):
+        name = ours["metadata"]["name"]
+        try:
+            differs = crd.drift(ours, await client.get("CustomResourceDefinition", None, name))
+        except KubeError as error:
+            logger.warning("cannot read the CRD %s to compare it with this operator's: %s",
+                           name, error)
+            continue
+        if differs is not None:
+            warnings.append(f"the CRD {name} on this cluster is not this operator's: it "
+                            f"{differs} — upgrade it: {CRD_UPGRADE}")
+            logger.warning("%s", warnings[-1])
+    return warnings
+
+
 def register(registry: kopf.OperatorRegistry, runtime: Runtime) -> Controller:
     """Attach the watch handlers to `registry` (one per operator process, or per test); the
     returned controller's reconcilers are started by `run`."""
@@ -621,6 +644,10 @@ def register(registry: kopf.OperatorRegistry, runtime: Runtime) -> Controller:
         for group, version, plural in RESOURCES.values():
             settings.watching.label_selectors[(group, version, plural) if group
                                               else (version, plural)] = selector
+
+    @kopf.on.startup(registry=registry)
+    async def check_crds(**_: Any) -> None:
+        await warn_of_crd_drift(runtime.kube)
 
     async def job_event(type: str | None, body: kopf.Body, **indexes: Any) -> None:
         # kopf calls this once every child index is listed in full, and passes the indexes

@@ -77,6 +77,7 @@ PATHS: dict[str, tuple[str, str]] = {  # kind: (API prefix, plural)
     "Workload": (f"apis/{KUEUE_GROUP}/{KUEUE_VERSION}", "workloads"),
     "KopfPeering": ("apis/kopf.dev/v1", "kopfpeerings"),
     "ClusterKopfPeering": ("apis/kopf.dev/v1", "clusterkopfpeerings"),
+    "CustomResourceDefinition": ("apis/apiextensions.k8s.io/v1", "customresourcedefinitions"),
 }
 
 

@@ -128,3 +128,30 @@ def test_every_default_passes_the_rules_of_its_object(committed_crd):
                 f"{rule['rule']!r} on the default {default}: {result!r}")
             checked += 1
     assert checked >= 4  # method, strategy (3), resources ...
+
+
+def test_drift_says_which_fields_a_served_crd_lacks_or_adds():
+    """What the operator says at start of a CRD that Helm left as it was (never upgraded)."""
+    import copy
+
+    ours = crd.crd()
+    assert crd.drift(ours, copy.deepcopy(ours)) is None
+    served = copy.deepcopy(ours)
+    spec = served["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    del spec["properties"]["strategy"]["properties"]["fusedLoss"]
+    spec["properties"]["legacy"] = {"type": "array", "items": {
+        "type": "object", "properties": {"name": {"type": "string"}}}}
+    assert crd.drift(ours, served) == (
+        "lacks spec.strategy.fusedLoss; has fields this operator does not know: "
+        "spec.legacy, spec.legacy[].name")
+    del spec["properties"]["legacy"], spec["properties"]["strategy"]
+    said = crd.drift(ours, served)  # a whole section: its first five paths, and a count
+    assert said.startswith("lacks spec.strategy, spec.strategy.") and said.count(", ") == 4
+    assert said.endswith(" more")
+    reworded = copy.deepcopy(ours)
+    reworded["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["description"] = "older"
+    assert crd.drift(ours, reworded) == "differs in its validation rules or descriptions"
+    assert crd.drift(ours, None) == "is not installed"
+    other = copy.deepcopy(ours)
+    other["spec"]["versions"][0]["name"] = "v1beta1"
+    assert crd.drift(ours, other) == "serves no version v1alpha1"

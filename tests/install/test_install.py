@@ -12,7 +12,15 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from tests.support.cluster_fixtures import OPERATOR_NAMESPACE, OperatorProcess, controlplane
+from finetune_operator import crd
+from finetune_operator.controller import CRD_UPGRADE
+from tests.conftest import REPO
+from tests.support.cluster_fixtures import (
+    OPERATOR_NAMESPACE,
+    OperatorProcess,
+    controlplane,
+    standing_in,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -59,6 +67,35 @@ def test_the_operator_runs_as_the_charts_service_account(installation, operator_
     user = json.loads(whoami.stdout)["status"]["userInfo"]["username"]
     assert user == f"system:serviceaccount:{OPERATOR_NAMESPACE}:{installation.service_account}"
     assert operator_process.process is not None and operator_process.process.poll() is None
+    assert "is not this operator's" not in operator_process.log.read_text()  # CRDs current
+
+
+@pytest.mark.asyncio
+async def test_a_crd_an_upgrade_left_behind_is_named_with_the_command_that_upgrades_it(
+        installation, operator_install, operator_process, tmp_path):
+    """Helm installs crds/ once and never upgrades it: an operator upgraded alone reads
+    fields the API server does not serve. At start it compares the served CRDs with its own
+    (as the chart's ServiceAccount) and says what differs and how to upgrade them."""
+    kubectl = installation.kubectl
+    stale = crd.crd()
+    strategy = stale["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
+        "properties"]["strategy"]
+    del strategy["properties"]["packedAttention"]  # a field added after the installed chart's
+    del strategy["default"]["packedAttention"]
+    await asyncio.to_thread(kubectl, "apply", "--server-side", "--force-conflicts", "-f", "-",
+                            input=json.dumps(stale))
+    upgraded = OperatorProcess(operator_install, installation.operator_kubeconfig,
+                               operator_process.settings, tmp_path / "operator.log",
+                               interval=operator_process.interval)
+    try:
+        async with standing_in(operator_process, upgraded):
+            said = upgraded.log.read_text()
+    finally:
+        await asyncio.to_thread(kubectl, "apply", "--server-side", "--force-conflicts", "-f",
+                                str(REPO / "crds" / "finetunejobs.finetune.dev.yaml"))
+    assert ("the CRD finetunejobs.finetune.dev on this cluster is not this operator's: it "
+            f"lacks spec.strategy.packedAttention — upgrade it: {CRD_UPGRADE}") in said, said
+    assert "finetunesweeps.finetune.dev on this cluster" not in said  # that one is current
 
 
 def test_it_lists_and_watches_only_its_own_children(installation, operator_process):

@@ -601,15 +601,18 @@ async def warn_of_crd_drift(client: Kube) -> list[str]:
     for ours in (crd.crd(), crd.sweep_crd()):
         name = ours["metadata"]["name"]
         try:
-            differs = crd.drift(ours, await client.get("CustomResourceDefinition", None, name))
-        except KubeError as error:
+            served = await client.get("CustomResourceDefinition", None, name)
+        except Exception as error:  # advisory: nothing here may keep the operator from starting
             logger.warning("cannot read the CRD %s to compare it with this operator's: %s",
                            name, error)
             continue
-        if differs is not None:
+        if served is None:
+            warnings.append(f"the CRD {name} is not installed — install it: {CRD_UPGRADE}")
+        elif (differs := crd.drift(ours, served)) is not None:
             warnings.append(f"the CRD {name} on this cluster is not this operator's: it "
                             f"{differs} — upgrade it: {CRD_UPGRADE}")
-            logger.warning("%s", warnings[-1])
+    for warning in warnings:
+        logger.warning("%s", warning)
     return warnings
 
 

@@ -245,12 +245,10 @@ def sweep_crd() -> dict[str, Any]:
                        api.SWEEP_SHORT_NAMES, SWEEP_PRINTER_COLUMNS, sweep_openapi_schema())
 
 
-def drift(ours: dict[str, Any], served: dict[str, Any] | None) -> str | None:
+def drift(ours: dict[str, Any], served: dict[str, Any]) -> str | None:
     """How the CRD the API server serves differs from `ours` (None: it does not). Helm
     installs a chart's CRDs once and never upgrades them: an operator upgraded without them
     reads fields the API server refuses, or prunes from objects written unvalidated."""
-    if served is None:
-        return "is not installed"
     version = next((v for v in (served.get("spec") or {}).get("versions") or []
                     if v.get("name") == api.VERSION), None)
     if version is None:

@@ -264,7 +264,7 @@ async def test_a_multi_node_job_is_not_launched_onto_a_claim_of_one_node(
     Role lets it), says why in a Warning event, and creates nothing."""
     bed: ControlPlaneTestbed = control_plane_testbed
     kubectl = bed.installation.kubectl
-    await bed.make_claim("single", "ReadWriteOnce")
+    await bed.make_claims("single", mode="ReadWriteOnce")
     await bed.apply(bed.manifest(output={"uri": "pvc://single/out"}))
 
     def warned() -> bool:
@@ -290,7 +290,7 @@ async def test_a_claim_that_does_not_exist_is_named_by_its_field_until_it_is_mad
              "spec.output.uri (pvc://later/out) names")
     await bed.until_waiting_says(named)
     assert f"kubectl get pvc -n {bed.namespace}" in bed.status()["message"]
-    await bed.make_claim("later")
+    await bed.make_claims("later")
     await bed.until_phase("Running")
     assert bed.jobs_created("demo") == 1
 

@@ -43,7 +43,7 @@ class ControlPlaneTestbed(RealTestbed):
         """Bytes of the session's audit log read so far (audit())."""
         self._audit_events: list[dict[str, Any]] = []
         self._volumes: list[str] = []
-        """The PersistentVolumes made for this namespace's claims (make_claim)."""
+        """The PersistentVolumes made for this namespace's claims (make_claims)."""
 
     @classmethod
     async def open(cls, installation: Any, operator: Any, progress_port: int
@@ -58,17 +58,17 @@ class ControlPlaneTestbed(RealTestbed):
         audit = self._audit_path()
         self._audit_read = audit.stat().st_size if audit.exists() else 0
         await asyncio.to_thread(self.installation.kubectl, "create", "namespace", self.namespace)
-        for claim in CLAIMS:
-            await self.make_claim(claim)
+        await self.make_claims(*CLAIMS)
         # no Job watcher (RealTestbed.start): the audit log counts creates (jobs_created)
 
-    async def make_claim(self, claim: str, mode: str = "ReadWriteMany") -> None:
-        """A claim in this namespace, bound to a volume made for it (that holds nothing: no
-        kubelet mounts it); the volume goes with the namespace (clean)."""
-        volume = f"{self.namespace}-{claim}"
-        self._volumes.append(volume)
-        await asyncio.to_thread(self.installation.kubectl, "apply", "-f", "-", input=json.dumps(
-            {"apiVersion": "v1", "kind": "List", "items": [
+    async def make_claims(self, *claims: str, mode: str = "ReadWriteMany") -> None:
+        """Claims in this namespace, each bound to a volume made for it (that holds nothing:
+        no kubelet mounts it), in one apply; the volumes go with the namespace (clean)."""
+        items: list[dict[str, Any]] = []
+        for claim in claims:
+            volume = f"{self.namespace}-{claim}"
+            self._volumes.append(volume)
+            items += [
                 {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": volume},
                  "spec": {"capacity": {"storage": "1Ti"}, "accessModes": [mode],
                           "hostPath": {"path": f"/fake/{volume}"}, "storageClassName": "",
@@ -76,7 +76,9 @@ class ControlPlaneTestbed(RealTestbed):
                 {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
                  "metadata": {"name": claim, "namespace": self.namespace},
                  "spec": {"accessModes": [mode], "storageClassName": "", "volumeName": volume,
-                          "resources": {"requests": {"storage": "1Ti"}}}}]}))
+                          "resources": {"requests": {"storage": "1Ti"}}}}]
+        await asyncio.to_thread(self.installation.kubectl, "apply", "-f", "-", input=json.dumps(
+            {"apiVersion": "v1", "kind": "List", "items": items}))
 
     async def clean(self) -> None:
         for server in self.rank0:

@@ -17,7 +17,7 @@ as being deleted, so a look in between neither creates twice nor restarts twice.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from typing import Any
 
 from finetune_operator import naming
@@ -54,6 +54,15 @@ def owner_uid(body: Mapping[str, Any]) -> str | None:
     """The uid of the FineTuneJob a child belongs to (its controlling owner reference)."""
     refs = (body.get("metadata") or {}).get("ownerReferences") or []
     return next((r.get("uid") for r in refs if r.get("controller")), None)
+
+
+def foreign(children: Iterable[tuple[str, Mapping[str, Any]]], uid: str | None) -> list[str]:
+    """`Kind name` of each of `children` (kind, object) that an owner other than the job of
+    `uid` controls: an earlier job of the same name, deleted, whose children remain."""
+    if not uid:
+        return []
+    return [f"{kind} {child['metadata']['name']}" for kind, child in children
+            if owner_uid(child) not in (None, uid)]
 
 
 def slim(kind: str, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -148,10 +157,8 @@ class Children:
     def foreign(self, namespace: str, job: str, uid: str | None) -> list[str]:
         """Children of an earlier FineTuneJob of the same name (deleted and made again
         before the garbage collector removed them): `Kind name` of each."""
-        if not uid:
-            return []
-        return [f"{kind} {o['metadata']['name']}" for kind in ("Job", "Service", "ConfigMap")
-                for o in self.of(kind, namespace, job) if owner_uid(o) not in (None, uid)]
+        return foreign(((kind, o) for kind in ("Job", "Service", "ConfigMap")
+                        for o in self.of(kind, namespace, job)), uid)
 
     def get(self, kind: str, namespace: str, job: str, name: str) -> dict[str, Any] | None:
         return next((o for o in self.of(kind, namespace, job)

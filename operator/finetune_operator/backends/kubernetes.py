@@ -21,7 +21,7 @@ import aiohttp
 from finetune_operator import naming, yamlio
 from finetune_operator.api import API_VERSION, KIND, BackendRef, FineTuneJob, Progress
 from finetune_operator.backends import BackendContext, BackendError
-from finetune_operator.backends.children import CONTROLLER_UID_KEY, Children, owner_uid
+from finetune_operator.backends.children import CONTROLLER_UID_KEY, Children, foreign
 from finetune_operator.kube import KUEUE_JOB_UID_LABEL, KubeError, timestamp
 from finetune_operator.reconcile import Failure, Observation, queued
 from finetune_operator.settings import OperatorSettings, Taint
@@ -539,13 +539,16 @@ def pod_waiting(pod: dict[str, Any]) -> str | None:
             # a first start of a large model: the startup deadline covers this download
             return f"{name}: fetching the model into the output volume ({FETCH_MODEL_CONTAINER})"
         if (waiting := state.get("waiting")) and waiting.get("reason") not in _STARTING:
-            said = f"{waiting['reason']}: {waiting.get('message', '')}".rstrip(": ")
-            return f"{name}: {said} (init container {container.get('name')})"
+            return f"{name}: {_said(waiting)} (init container {container.get('name')})"
     for container in status.get("containerStatuses") or []:
         waiting = (container.get("state") or {}).get("waiting")
         if waiting and waiting.get("reason") not in _STARTING:
-            return f"{name}: {waiting['reason']}: {waiting.get('message', '')}".rstrip(": ")
+            return f"{name}: {_said(waiting)}"
     return None
+
+
+def _said(waiting: dict[str, Any]) -> str:
+    return f"{waiting['reason']}: {waiting.get('message', '')}".rstrip(": ")
 
 
 _UNPULLABLE = re.compile(r"^[^:]+: (ErrImagePull|ImagePullBackOff|InvalidImageName):")
@@ -579,9 +582,8 @@ def named_by_field(job: FineTuneJob, waiting: str | None) -> str | None:
         kind = "Secret" if match[1] == "secret" else "ConfigMap"
         refs = _object_refs(job, kind, match[2])
         fields = [field for field, _ in refs]
-        keys = [key for _, key in refs if key is not None]
-        sources = " ".join([*(f"--from-literal={key}=..." for key in dict.fromkeys(keys)),
-                            *(["--from-file=..."] if None in (key for _, key in refs) else [])])
+        sources = " ".join(f"--from-literal={key}=..." if key else "--from-file=..."
+                           for key in dict.fromkeys(key for _, key in refs))
         make = "secret generic" if kind == "Secret" else "configmap"
         lacking = f"namespace {ns} has no {kind} {match[2]!r}"
         fix = (f"create it (kubectl create {make} {match[2]} -n {ns} {sources}) or name one "
@@ -675,9 +677,14 @@ def creation_failure(events: list[dict[str, Any]]) -> str | None:
     failed = [e for e in events if e.get("reason") == "FailedCreate"]
     if not failed:
         return None
-    newest = max(failed, key=lambda e: e.get("lastTimestamp") or e.get("eventTime")
-                 or e["metadata"].get("creationTimestamp") or "")
+    newest = max(failed, key=_event_time)
     return f"FailedCreate: {newest.get('message') or newest.get('note') or ''}".rstrip(": ")
+
+
+def _event_time(event: dict[str, Any]) -> str:
+    """When an event last happened (core/v1 events, events.k8s.io ones, else its making)."""
+    return (event.get("lastTimestamp") or event.get("eventTime")
+            or event["metadata"].get("creationTimestamp") or "")
 
 
 def mounting(pod: dict[str, Any]) -> bool:
@@ -704,8 +711,7 @@ def mount_failure(pod: dict[str, Any], events: list[dict[str, Any]]) -> str | No
     if not mine:
         return None
     specific = [e for e in mine if not (e.get("message") or "").startswith("Unable to attach")]
-    newest = max(specific or mine, key=lambda e: e.get("lastTimestamp") or e.get("eventTime")
-                 or e["metadata"].get("creationTimestamp") or "")
+    newest = max(specific or mine, key=_event_time)
     return f"{pod['metadata']['name']}: {newest['reason']}: {newest.get('message') or ''}"
 
 
@@ -859,10 +865,9 @@ class KubernetesBackend:
                     ("ConfigMap", naming.trainer_config_map(job.name)))
         workload, *others = await asyncio.gather(
             *(self.kube.get(kind, job.namespace, name) for kind, name in children))
-        if job.metadata.uid and (leftovers := [
-                f"{kind} {found['metadata']['name']}"
-                for (kind, _), found in zip(children, (workload, *others), strict=True)
-                if found is not None and owner_uid(found) not in (None, job.metadata.uid)]):
+        found = [(kind, obj) for (kind, _), obj in zip(children, (workload, *others),
+                                                        strict=True) if obj is not None]
+        if leftovers := foreign(found, job.metadata.uid):
             return waiting_for_leftovers(job, leftovers)
         if workload is None:
             return Observation()

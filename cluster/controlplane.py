@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -96,13 +97,31 @@ def binaries_dir() -> Path:
     return cache_root() / cache_key()
 
 
-def build(log=print) -> Path:
-    """The binaries folder, building what is missing. Prints the cold build time."""
+def _say(message: str) -> None:
+    print(message, flush=True)  # seen at once under make or a pipe, before a long wait
+
+
+def build(log=_say) -> Path:
+    """The binaries folder, building what is missing. Prints the cold build time. One build
+    at a time per folder (a lock file): a second `make cluster` or test session started
+    meanwhile waits for the first and builds nothing."""
     target = binaries_dir()
-    missing = [b for b in BINARIES if not (target / b).exists()]
-    if not missing:
+    if all((target / b).exists() for b in BINARIES):
         return target
     target.mkdir(parents=True, exist_ok=True)
+    with open(target / ".build.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"another process is building the control plane into {target}: waiting for it")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        missing = [b for b in BINARIES if not (target / b).exists()]
+        if missing:
+            _build(target, missing, log)
+    return target
+
+
+def _build(target: Path, missing: list[str], log) -> None:
     log(f"building the control plane ({', '.join(missing)}) into {target}; "
         "cold, this takes ~9 minutes on 2 cores")
     version_flags = []
@@ -126,7 +145,6 @@ def build(log=print) -> Path:
         partial.rename(target / binary)
         log(f"  {binary}: {time.monotonic() - one:.0f} s")
     log(f"control plane built in {time.monotonic() - started:.0f} s")
-    return target
 
 
 # --- certificates and credentials -----------------------------------------------------------

@@ -102,6 +102,12 @@ GPU_CHANGES += [
                 "hyperparameters": {"microBatchSize": 8}},
            why="1B full, 8 x 4096 tokens a step: 2 passes of 4 kept whole (the planner's "
                "choice) vs 1 pass of 8 with whole layers recomputed"),
+    Change("gpu-compiled-fsdp-vs-zero2", replace(GPU_BASE, steps=40, warmup=10),
+           on={"strategy": {"type": "fsdp", "compile": True}},
+           off={"strategy": {"type": "zero2", "compile": False}},
+           why="1B full: compiled FSDP2 vs DeepSpeed ZeRO-2's engine (not compiled), the "
+               "choice strategy auto makes by counting compile as 1.2x (one GPU: the "
+               "engines and compile, not the sharding)"),
     Change("gpu-qlora-bf16-norms", GPU_QLORA, on={}, off={},
            env_on={"FINETUNE_QLORA_UPCAST": "0"}, env_off={"FINETUNE_QLORA_UPCAST": "1"},
            why="1B QLoRA: norms and embeddings kept in bf16 (vs peft's upcast to fp32)"),

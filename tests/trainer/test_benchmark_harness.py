@@ -68,3 +68,20 @@ def test_collectives_run_on_the_device_their_backend_serves():
 
     assert hf_worker.collective_device("nccl", 3) == "cuda:3"
     assert hf_worker.collective_device("gloo", 3) == "cpu"
+
+
+def test_every_change_pair_is_two_trainer_configs_the_trainer_takes(tmp_path):
+    """Each side of each `changes.py` pair, CPU and GPU, is a config the trainer accepts and
+    the two differ: a misspelt GPU pair would otherwise be found only on a GPU, whose time is
+    rare."""
+    import changes
+
+    from finetune_trainer.config import TrainerConfig
+
+    for change in changes.CHANGES + changes.GPU_CHANGES:
+        base = throughput.trainer_config(change.bench, tmp_path / "m", tmp_path / "d.jsonl",
+                                         tmp_path / "o")
+        sides = [changes.merged(base, change.on), changes.merged(base, change.off)]
+        assert sides[0] != sides[1] or change.env_on != change.env_off, change.name
+        for side in sides:
+            TrainerConfig.model_validate(side)

@@ -629,8 +629,8 @@ def logs_command(target: str, namespace: str | None, kubeconfig: str | None, ran
                     continue
                 if container is None:
                     click.echo(f"finetune logs: pod {name} has not started its trainer yet "
-                               f"({waiting}) — `finetune status {target}` says what it waits "
-                               "for", err=True)
+                               f"({waiting}) — `finetune status {target} -n {namespace}` says "
+                               "what it waits for", err=True)
                     return 0 if read else 1
                 if container != TRAINER_CONTAINER:
                     failed = (pod.get("status") or {}).get("phase") == "Failed"

@@ -66,6 +66,11 @@ class Observation:
     waiting: str | None = None
     """Why workers are not running yet, in the pod's own words (ImagePullBackOff: ...) or the
     backend's."""
+    blocked: str | None = None
+    """The reason, one CamelCase word, when `waiting` lasts until something changes (an
+    image, a Secret, a claim, a node that fits: ErrImagePull, Unschedulable, ...); None for
+    a wait that ends by itself (a model's download). The Running condition's reason, and a
+    Warning event each time it changes."""
     progress: Progress | None = None
     """Rank 0's latest progress record, if it could be read."""
     queued: str | None = None
@@ -555,7 +560,12 @@ def _starting(b: _Builder) -> bool:
                f"startupDeadlineSeconds ({deadline}s): {why}", stop_workload=True)
         return True
     if b.seen.waiting:
-        b.cond("Running", False, "WorkersWaiting", b.seen.waiting)
+        reason = b.seen.blocked or "WorkersWaiting"
+        before = condition(b.status, "Running")
+        if b.seen.blocked and (before is None or before.reason != reason):
+            # `kubectl describe`, kubectl get events and event exporters see what to fix
+            b.event("Warning", reason, f"workers cannot start: {b.seen.waiting}")
+        b.cond("Running", False, reason, b.seen.waiting)
         b.status.message = f"waiting for workers: {b.seen.waiting}"
     b.requeue(min(10.0, max(1.0, deadline - waited)) if deadline else 10.0)
     return True

@@ -92,6 +92,8 @@ def test_waiting_reasons_in_the_pods_words():
         "reason": "ImagePullBackOff", "message": "Back-off pulling image 'trainer:typo'"}}}])
     seen = observe(job_object(), [pulling], nodes=2)
     assert seen.waiting.startswith("demo-1-b: ImagePullBackOff: Back-off pulling image")
+    assert seen.blocked == "ErrImagePull"  # the kubelet's retry of the same pull: one cause
+    assert observe(job_object(), [unschedulable], nodes=1).blocked == "Unschedulable"
     creating = pod("demo-1-c", "Pending", containerStatuses=[{"state": {"waiting": {
         "reason": "ContainerCreating"}}}])
     assert pod_waiting(creating) is None
@@ -220,7 +222,7 @@ def test_a_volume_that_does_not_mount_is_read_from_the_kubelets_events():
         "train-cfg -n default --from-file=...) or name one that exists (kubectl get "
         "configmaps -n default)")
     seen = observe(job_object(), [creating], nodes=1, not_mounted=said)
-    assert seen.waiting == said and not seen.running
+    assert seen.waiting == said and not seen.running and seen.blocked == "FailedMount"
 
 
 def test_a_pod_fetching_the_model_says_so():
@@ -233,7 +235,9 @@ def test_a_pod_fetching_the_model_says_so():
             "reason": "PodInitializing"}}}])
     assert pod_waiting(fetching) == (
         "demo-0-a: fetching the model into the output volume (fetch-model)")
-    assert observe(job_object(), [fetching], nodes=1).waiting == pod_waiting(fetching)
+    seen = observe(job_object(), [fetching], nodes=1)
+    assert seen.waiting == pod_waiting(fetching)
+    assert seen.blocked is None  # it ends by itself: no Warning event
 
 
 def failed_by_policy(message: str) -> dict:
@@ -288,7 +292,8 @@ def test_pods_the_job_controller_could_not_create_say_why():
     why = creation_failure(events)
     assert why == ('FailedCreate: Error creating: pods "demo-0-b" is forbidden: no '
                    'PriorityClass with name training-high was found')
-    assert observe(job_object(), [], nodes=2, not_created=why).waiting == why
+    seen = observe(job_object(), [], nodes=2, not_created=why)
+    assert (seen.waiting, seen.blocked) == (why, "FailedCreate")
     # a pod's own reason says more, and a Job with all its pods needs no events
     assert needs_creation_events(job_object(), [], nodes=2)
     assert not needs_creation_events(job_object(), [pod("a", "Running")] * 2, nodes=2)

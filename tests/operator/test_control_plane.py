@@ -290,9 +290,22 @@ async def test_a_claim_that_does_not_exist_is_named_by_its_field_until_it_is_mad
              "spec.output.uri (pvc://later/out) names")
     await bed.until_waiting_says(named)
     assert f"kubectl get pvc -n {bed.namespace}" in bed.status()["message"]
+    await bed.until(lambda: job_warnings(bed, "Unschedulable"), "the job's Warning event")
     await bed.make_claims("later")
     await bed.until_phase("Running")
     assert bed.jobs_created("demo") == 1
+    [warned] = job_warnings(bed, "Unschedulable")  # once, however often the scheduler retried
+    assert named in warned["message"], warned
+
+
+def job_warnings(bed: ControlPlaneTestbed, reason: str, name: str = "demo") -> list[dict]:
+    """The Warning events on the FineTuneJob `name` of `reason`: what `kubectl describe ftj`
+    and `kubectl get events` show."""
+    listed = json.loads(bed.installation.kubectl(
+        "get", "events", "-n", bed.namespace, "-o", "json", "--field-selector",
+        f"involvedObject.kind=FineTuneJob,involvedObject.name={name},type=Warning,"
+        f"reason={reason}").stdout)
+    return listed["items"]
 
 
 @pytest.mark.asyncio
@@ -333,6 +346,7 @@ async def test_a_volume_that_does_not_mount_is_named_from_the_kubelets_event(
              "(cfg) names")
     await bed.until_waiting_says(named)
     assert f"kubectl create configmap train-cfg -n {ns}" in bed.status()["message"]
+    await bed.until(lambda: job_warnings(bed, "FailedMount"), "the job's Warning event")
     await asyncio.to_thread(kubectl, "label", "pod", "-n", ns, worker["metadata"]["name"],
                             "fake.finetune.dev/outcome-")
     await bed.until_phase("Running")

@@ -232,3 +232,30 @@ async def test_finetune_logs_of_a_pod_that_failed_in_its_resume_check_shows_why(
     assert out == "method.lora.r: 8 -> 16\n"
     assert "failed in its init container resume-check, before the trainer" in err
     assert server.streamed == [f"{log}?container=resume-check"]
+
+
+async def test_finetune_logs_of_a_pod_that_cannot_start_names_the_command_that_says_why(
+        server, tmp_path):
+    """An init container that cannot start (an image, a Secret): no log to show; the hint
+    is a command the user can paste (its namespace included: `-n team`, not the default)."""
+    kubeconfig = tmp_path / "kubeconfig"
+    write_kubeconfig(kubeconfig, server)
+    server.answers["/apis/finetune.dev/v1alpha1/namespaces/team/finetunejobs/demo"] = (
+        aiohttp.web.json_response({"metadata": {"name": "demo"},
+                                   "spec": {"backend": "kubernetes"}}))
+    server.answers["/api/v1/namespaces/team/pods"] = aiohttp.web.json_response({"items": [{
+        "metadata": {"name": "demo-0-a", "creationTimestamp": "2026-11-23T10:00:00Z",
+                     "annotations": {"batch.kubernetes.io/job-completion-index": "0"}},
+        "status": {"phase": "Pending", "initContainerStatuses": [
+            {"name": "resume-check", "state": {"waiting": {
+                "reason": "CreateContainerConfigError",
+                "message": 'secret "hf-tokn" not found'}}}],
+            "containerStatuses": [{"name": "trainer", "state": {
+                "waiting": {"reason": "PodInitializing"}}}]}}]})
+    code, out, err = await finetune_logs(kubeconfig)
+    assert code == 1 and out == ""
+    assert err.strip() == (
+        "finetune logs: pod demo-0-a has not started its trainer yet (init container "
+        'resume-check waiting: CreateContainerConfigError (secret "hf-tokn" not found)) — '
+        "`finetune status demo -n team` says what it waits for")
+    assert not server.streamed

@@ -72,6 +72,30 @@ def test_waiting_workers_are_reported_until_the_startup_deadline():
     assert "demo-0-x7k2p: ImagePullBackOff" in late.status.message
 
 
+def test_workers_that_cannot_start_are_a_warning_event_once_per_cause():
+    """What blocks the workers (an image, a Secret, no node that fits) is a Warning event,
+    once per cause: the kubelet's retries and the scheduler's changing counts reword it, and
+    `kubectl get events` must not fill up; a wait that ends by itself (a model's download)
+    is said in the status only."""
+    def look(status, waiting, blocked, seconds):
+        return reconcile(job(status), Observation(exists=True, waiting=waiting,
+                                                  blocked=blocked), at(seconds))
+
+    fetching = look(launched(), "demo-0-a: fetching the model", None, 10)
+    assert fetching.events == []
+    assert condition(fetching.status, "Running").reason == "WorkersWaiting"
+    pull = "demo-0-a: ErrImagePull: not found (init container resume-check)"
+    first = look(fetching.status, pull, "ErrImagePull", 20)
+    assert [(e.type, e.reason, e.message) for e in first.events] == [
+        ("Warning", "ErrImagePull", f"workers cannot start: {pull}")]
+    assert condition(first.status, "Running").reason == "ErrImagePull"
+    retried = look(first.status, "demo-0-a: ImagePullBackOff: Back-off", "ErrImagePull", 40)
+    assert retried.events == [] and "Back-off" in retried.status.message
+    secret = look(retried.status, "demo-0-a: CreateContainerConfigError: secret",
+                  "CreateContainerConfigError", 60)
+    assert [e.reason for e in secret.events] == ["CreateContainerConfigError"]
+
+
 def test_running_workers_and_progress_reach_the_status():
     progress = Progress(step=10, total_steps=100, loss=1.5, tokens_per_second=1e4,
                         eta_seconds=900)

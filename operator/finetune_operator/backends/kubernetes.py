@@ -765,7 +765,21 @@ def _observe_job(workload: dict[str, Any], pods: list[dict[str, Any]], nodes: in
     running = sum(p.get("status", {}).get("phase") == "Running" for p in current)
     waiting = next((w for w in map(pod_waiting, current) if w), None) or not_mounted or (
         not_created if len(current) < nodes else None)
-    return Observation(exists=True, running=running >= nodes, waiting=waiting, progress=progress)
+    return Observation(exists=True, running=running >= nodes, waiting=waiting,
+                       blocked=blocking_reason(waiting), progress=progress)
+
+
+_REASON = re.compile(r"^(?:[a-z0-9][a-z0-9.-]*: )?([A-Z][A-Za-z]+)(?::|$)")
+_SAME_CAUSE = {"ImagePullBackOff": "ErrImagePull", "InvalidImageName": "ErrImagePull"}
+"""The kubelet's retries of one pull alternate ErrImagePull and ImagePullBackOff: one cause."""
+
+
+def blocking_reason(waiting: str | None) -> str | None:
+    """The reason word of a wait that lasts until someone acts, from the words this module
+    writes (`[pod: ]Reason: message`: pod_waiting, mount_failure, creation_failure); None
+    for one on its way (`pod: fetching the model ...`)."""
+    match = _REASON.match(waiting or "")
+    return _SAME_CAUSE.get(match[1], match[1]) if match else None
 
 
 def waiting_for_leftovers(job: FineTuneJob, leftovers: list[str]) -> Observation:

@@ -209,22 +209,28 @@ async def test_finetune_logs_follows_the_models_download_into_the_trainers_log(s
     assert looks == [0, 1, 1]  # once more while the trainer was on its way
 
 
-async def test_finetune_logs_of_a_pod_that_failed_in_its_resume_check_shows_why(
-        server, tmp_path):
-    """The trainer never started: the log that says why is resume-check's (the refusal to
-    resume other settings' checkpoints), not an error about the trainer's missing log."""
-    kubeconfig = tmp_path / "kubeconfig"
-    write_kubeconfig(kubeconfig, server)
+def one_pod_before_its_trainer(server, phase: str, resume_check: dict) -> None:
+    """The job demo in namespace team, with one pod whose trainer waits behind its
+    resume-check init container in the state `resume_check`."""
     server.answers["/apis/finetune.dev/v1alpha1/namespaces/team/finetunejobs/demo"] = (
         aiohttp.web.json_response({"metadata": {"name": "demo"},
                                    "spec": {"backend": "kubernetes"}}))
     server.answers["/api/v1/namespaces/team/pods"] = aiohttp.web.json_response({"items": [{
         "metadata": {"name": "demo-0-a", "creationTimestamp": "2026-11-23T10:00:00Z",
                      "annotations": {"batch.kubernetes.io/job-completion-index": "0"}},
-        "status": {"phase": "Failed", "initContainerStatuses": [
-            {"name": "resume-check", "state": {"terminated": {"exitCode": 4}}}],
+        "status": {"phase": phase, "initContainerStatuses": [
+            {"name": "resume-check", "state": resume_check}],
             "containerStatuses": [{"name": "trainer", "state": {
                 "waiting": {"reason": "PodInitializing"}}}]}}]})
+
+
+async def test_finetune_logs_of_a_pod_that_failed_in_its_resume_check_shows_why(
+        server, tmp_path):
+    """The trainer never started: the log that says why is resume-check's (the refusal to
+    resume other settings' checkpoints), not an error about the trainer's missing log."""
+    kubeconfig = tmp_path / "kubeconfig"
+    write_kubeconfig(kubeconfig, server)
+    one_pod_before_its_trainer(server, "Failed", {"terminated": {"exitCode": 4}})
     log = "/api/v1/namespaces/team/pods/demo-0-a/log"
     server.streams[f"{log}?container=resume-check"] = [b"method.lora.r: 8 -> 16\n"]
     code, out, err = await finetune_logs(kubeconfig)
@@ -240,18 +246,8 @@ async def test_finetune_logs_of_a_pod_that_cannot_start_names_the_command_that_s
     is a command the user can paste (its namespace included: `-n team`, not the default)."""
     kubeconfig = tmp_path / "kubeconfig"
     write_kubeconfig(kubeconfig, server)
-    server.answers["/apis/finetune.dev/v1alpha1/namespaces/team/finetunejobs/demo"] = (
-        aiohttp.web.json_response({"metadata": {"name": "demo"},
-                                   "spec": {"backend": "kubernetes"}}))
-    server.answers["/api/v1/namespaces/team/pods"] = aiohttp.web.json_response({"items": [{
-        "metadata": {"name": "demo-0-a", "creationTimestamp": "2026-11-23T10:00:00Z",
-                     "annotations": {"batch.kubernetes.io/job-completion-index": "0"}},
-        "status": {"phase": "Pending", "initContainerStatuses": [
-            {"name": "resume-check", "state": {"waiting": {
-                "reason": "CreateContainerConfigError",
-                "message": 'secret "hf-tokn" not found'}}}],
-            "containerStatuses": [{"name": "trainer", "state": {
-                "waiting": {"reason": "PodInitializing"}}}]}}]})
+    one_pod_before_its_trainer(server, "Pending", {"waiting": {
+        "reason": "CreateContainerConfigError", "message": 'secret "hf-tokn" not found'}})
     code, out, err = await finetune_logs(kubeconfig)
     assert code == 1 and out == ""
     assert err.strip() == (

@@ -42,6 +42,8 @@ PRINTER_COLUMNS = [
     {"name": "Tokens/s", "type": "number", "jsonPath": ".status.progress.tokensPerSecond",
      "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    {"name": "Message", "type": "string", "jsonPath": ".status.message", "priority": 1,
+     "description": "What the job does or waits for (a Secret the namespace lacks, ...)"},
 ]
 
 SWEEP_PRINTER_COLUMNS = [

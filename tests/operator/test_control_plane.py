@@ -291,6 +291,8 @@ async def test_a_claim_that_does_not_exist_is_named_by_its_field_until_it_is_mad
     await bed.until_waiting_says(named)
     assert f"kubectl get pvc -n {bed.namespace}" in bed.status()["message"]
     await bed.until(lambda: job_warnings(bed, "Unschedulable"), "the job's Warning event")
+    wide = bed.installation.kubectl("get", "ftj", "demo", "-n", bed.namespace, "-o", "wide")
+    assert "has no PersistentVolumeClaim 'later'" in wide.stdout  # the MESSAGE column
     await bed.make_claims("later")
     await bed.until_phase("Running")
     assert bed.jobs_created("demo") == 1

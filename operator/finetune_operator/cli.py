@@ -340,7 +340,7 @@ def run_command(file: str, nproc: int | None, fresh: bool, verbose: bool) -> Non
                    f"{local.described(machine)}, not for spec.resources.gpuType")
     for note in step_settings.notes:
         click.echo(f"{doc.source}: {note}")
-    if warning := local.feasibility_warning(here if machine else job, model, machine):
+    for warning in local.plan_warnings(here if machine else job, model, machine):
         click.echo(f"{doc.source}: {warning}", err=True)
     click.echo(f"trainer config: {config_path}")
     from finetune_operator.follow import mark_failed, run_log

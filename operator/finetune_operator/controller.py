@@ -144,7 +144,8 @@ async def feasibility(runtime: Runtime, job: FineTuneJob, problems: list[str]
         decided, as_run = launch_plan(job, model)
         verdict = plan_job(as_run, model, decided.strategy, search_catalog=False,
                            as_written=job)
-        return Feasibility(fits=verdict.fits, message=verdict.reason, plan=decided)
+        return Feasibility(fits=verdict.fits, message=verdict.reason, plan=decided,
+                           warnings=tuple(verdict.warnings))
 
     return await asyncio.to_thread(plan)
 

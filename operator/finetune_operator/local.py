@@ -90,20 +90,23 @@ def needs_fetch(config: TrainerConfig) -> bool:
     return hub_repo(config.model) is not None
 
 
-def feasibility_warning(job: FineTuneJob, model: ModelConfig | None,
-                        machine: VmSize | None = None) -> str | None:
-    """What the operator's Feasible=False would say; here it only warns: on this
-    machine's GPUs (`machine`, by their free memory) the estimate may be off by its ±15%;
-    without them (`job`: the spec) it is what the operator would say of the spec's gpuType,
-    which this machine may not have."""
+def plan_warnings(job: FineTuneJob, model: ModelConfig | None,
+                  machine: VmSize | None = None) -> list[str]:
+    """The plan's warnings (a maxSeqLength beyond the model's context), and what the
+    operator's Feasible=False would say; here it only warns: on this machine's GPUs
+    (`machine`, by their free memory) the estimate may be off by its ±15%; without them
+    (`job`: the spec) it is what the operator would say of the spec's gpuType, which this
+    machine may not have."""
     plan = plan_with_notes(job, model, machine)
+    warnings = [f"warning: {warning}" for warning in plan.warnings]
     if plan.fits is not False or job.spec.resources.skip_feasibility_check:
-        return None
+        return warnings
     if machine is not None:
-        return (f"warning: predicted not to fit this machine's GPUs — {plan.reason} (an "
-                "estimate, ±15%: the run starts anyway)")
-    return (f"warning: spec.resources.gpuType: predicted not to fit — {plan.reason} "
-            "(`finetune plan` shows the breakdown; the operator would not launch this job)")
+        return [*warnings, f"warning: predicted not to fit this machine's GPUs — "
+                f"{plan.reason} (an estimate, ±15%: the run starts anyway)"]
+    return [*warnings, f"warning: spec.resources.gpuType: predicted not to fit — "
+            f"{plan.reason} (`finetune plan` shows the breakdown; the operator would not "
+            "launch this job)"]
 
 
 def local_config(job: FineTuneJob, base_dir: Path, model: ModelConfig | None = None,

@@ -109,6 +109,9 @@ class Feasibility:
     """The per-GPU breakdown and, when it does not fit, what would."""
     plan: LaunchPlan | None = None
     """The strategy and step settings the verdict is for: recorded at the first launch."""
+    warnings: tuple[str, ...] = ()
+    """What the spec asks that the model was not made for (a maxSeqLength beyond its
+    context): a Warning event each at the first launch; the job runs."""
 
 
 ActionKind = Literal["launch", "delete-workload", "suspend", "resume", "delete-job"]
@@ -413,6 +416,8 @@ def _launch(b: _Builder) -> bool:
     b.act("launch")
     if not status.launched_spec and b.feasibility is not None:
         status.plan = b.feasibility.plan  # what this and every later launch renders
+        for warning in b.feasibility.warnings:
+            b.event("Warning", "PlanWarning", warning)
     status.launched_spec = spec_fingerprint(job)
     status.launch_time = b.now
     status.start_time = status.start_time or b.now

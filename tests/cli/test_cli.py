@@ -178,3 +178,28 @@ def test_a_control_character_is_named_with_its_line_on_one_line(tmp_path):
     assert result.stderr.splitlines() == [
         f"{path}:3:19: not valid YAML: character #x0000 is not allowed — remove it (control "
         "characters other than tab and newline)"]
+
+
+def test_plan_warns_of_a_max_seq_length_beyond_the_models_context(tmp_path):
+    """A model made for 1,024 positions asked to train on 4,096-token samples: it trains
+    (HF's and TRL's trainers only warn too), and `finetune plan` says which field to lower."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 1000, "hidden_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
+        "max_position_embeddings": 1024}))
+    manifest = minimal_job(model={"uri": str(model)})
+    manifest["spec"]["dataset"]["maxSeqLength"] = 4096
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    result = finetune("plan", "--offline", str(path))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == (
+        "warning: spec.dataset.maxSeqLength: 4096 is longer than the model's context "
+        "(max_position_embeddings 1024 in its config.json): a sample longer than 1024 "
+        "tokens trains at positions the model was not made for — set maxSeqLength to 1024 "
+        "or less, or use a model with a longer context")
+    manifest["spec"]["dataset"]["maxSeqLength"] = 1024
+    path.write_text(yaml.safe_dump(manifest))
+    assert "warning:" not in finetune("plan", "--offline", str(path)).stdout

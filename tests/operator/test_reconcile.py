@@ -96,6 +96,19 @@ def test_workers_that_cannot_start_are_a_warning_event_once_per_cause():
     assert [e.reason for e in secret.events] == ["CreateContainerConfigError"]
 
 
+def test_a_plan_warning_is_a_warning_event_at_the_first_launch_only():
+    """A maxSeqLength beyond the model's context does not stop the job: the operator says
+    so once, in an event, where `kubectl describe` shows it."""
+    said = "spec.dataset.maxSeqLength: 4096 is longer than the model's context"
+    verdict = Feasibility(fits=True, message="fits", warnings=(said,))
+    first = reconcile(job(), Observation(), T0, feasibility=verdict)
+    assert kinds(first) == ["launch"]
+    assert [(e.type, e.reason, e.message) for e in first.events if e.type == "Warning"] == [
+        ("Warning", "PlanWarning", said)]
+    again = reconcile(job(first.status), Observation(exists=True), at(5), feasibility=verdict)
+    assert [e for e in again.events if e.reason == "PlanWarning"] == []
+
+
 def test_running_workers_and_progress_reach_the_status():
     progress = Progress(step=10, total_steps=100, loss=1.5, tokens_per_second=1e4,
                         eta_seconds=900)

@@ -119,3 +119,15 @@ def test_table_lookup_accepts_registry_spellings():
     assert lookup("mistralai-Mistral-7B-v01")[0] == "mistralai/Mistral-7B-v0.1"
     assert lookup("META-LLAMA/llama-3.1-8b-instruct")[0] == "meta-llama/Llama-3.1-8B-Instruct"
     assert lookup("someone/unknown-7b") is None
+
+
+def test_the_context_length_is_read_where_each_family_writes_it():
+    base = {"model_type": "llama", "vocab_size": 100, "hidden_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 4}
+    assert from_hf_config({**base, "max_position_embeddings": 8192}).context_length == 8192
+    assert from_hf_config({**base, "model_type": "gpt2", "n_positions": 1024}
+                          ).context_length == 1024
+    assert from_hf_config(base).context_length is None  # unknown: no warning is made of it
+    multimodal = {"model_type": "gemma3", "text_config": {**base, "model_type": "gemma3_text",
+                                                          "max_position_embeddings": 131072}}
+    assert from_hf_config(multimodal).context_length == 131072

@@ -217,10 +217,10 @@ def test_finetune_run_warns_where_the_operator_would_refuse():
     spec = {"model": {"uri": "hf://meta-llama/Llama-3.1-70B"}, "method": {"type": "full"},
             "strategy": {"type": "ddp"}, "resources": {"gpusPerNode": 1, "gpuType": "A100-80GB"}}
     model = from_table(spec["model"]["uri"])
-    warning = local.feasibility_warning(job(**spec), model)
+    [warning] = local.plan_warnings(job(**spec), model)
     assert warning.startswith("warning: spec.resources.gpuType: predicted not to fit")
     assert "the operator would not launch this job" in warning
     skipped = {**spec, "resources": {**spec["resources"], "skipFeasibilityCheck": True}}
-    assert local.feasibility_warning(job(**skipped), model) is None
+    assert local.plan_warnings(job(**skipped), model) == []
     small = {**spec, "model": {"uri": "hf://Qwen/Qwen2.5-0.5B"}}
-    assert local.feasibility_warning(job(**small), from_table(small["model"]["uri"])) is None
+    assert local.plan_warnings(job(**small), from_table(small["model"]["uri"])) == []

@@ -309,9 +309,9 @@ def test_finetune_run_sizes_the_step_for_the_gpu_it_has():
     assert plan.gpu_type == "this machine" and plan.gpu_memory_bytes == 24 * 1024**3
     assert "on this machine (NVIDIA H100 80GB HBM3, 24.0 GiB)" in plan.reason
     assert plan.recommendation.on_requested_gpu is None  # more of this machine: not to be had
-    from finetune_operator.local import feasibility_warning
+    from finetune_operator.local import plan_warnings
 
     full = job(method="full", batch=4, seq=4096, gpus=1)
-    warning = feasibility_warning(full, from_table(f"hf://{LLAMA_8B}"), machine)
+    [warning] = plan_warnings(full, from_table(f"hf://{LLAMA_8B}"), machine)
     assert warning.startswith("warning: predicted not to fit this machine's GPUs — needs ")
     assert "more than this machine (NVIDIA H100 80GB HBM3, 24.0 GiB)" in warning

@@ -70,6 +70,8 @@ def test_malformed_jsonl_line_is_named(tmp_path):
         read_records(DatasetSource(uri=str(path)))
     assert error.value.where == f"{path}:3"
     assert "is not valid JSON" in error.value.what and error.value.fix == "fix or remove that line"
+    # a line cut short: the column where it ends (18), not column 1 of what follows it
+    assert error.value.what.endswith("(Expecting ',' delimiter, column 18)"), error.value.what
 
 
 def test_missing_path_and_empty_folder(tmp_path):

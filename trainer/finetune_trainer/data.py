@@ -93,7 +93,7 @@ def check_jsonl(path: Path) -> list[int]:
         if not line.strip():
             continue
         try:
-            value = json.loads(line)
+            value = json.loads(line.rstrip("\r\n"))  # a column past the end, not 1 of a next line
         except json.JSONDecodeError as error:
             raise DataError(f"{path}:{number}", f"is not valid JSON ({error.msg}, column "
                             f"{error.colno})", "fix or remove that line") from error

@@ -69,6 +69,9 @@ class ModelShape(BaseModel):
     shared_expert_intermediate_size: int = 0
     approximate: bool = False
     """True when `model_type` is not one the counts were checked against."""
+    context_length: int | None = None
+    """The longest sequence the model was made for (`max_position_embeddings`); None where
+    its config does not say."""
 
     # --- the pieces ---------------------------------------------------------------
 
@@ -228,4 +231,10 @@ def from_hf_config(config: dict[str, Any]) -> ModelShape:
         shared_expert_intermediate_size=int(
             config.get("shared_expert_intermediate_size") or 0) if experts else 0,
         approximate=not known,
+        context_length=_context_length(config),
     )
+
+
+def _context_length(config: dict[str, Any]) -> int | None:
+    value = _get(config, "max_position_embeddings", "n_positions", "max_sequence_length")
+    return value if isinstance(value, int) and value > 0 else None

@@ -118,6 +118,9 @@ class JobPlan(PlanModel):
     throughput: Throughput | None = None
     recommendation: Recommendation | None = None
     notes: list[str] = Field(default_factory=list)
+    warnings: list[str] = Field(default_factory=list)
+    """What the spec asks that the model was not made for (`context_warning`): the job
+    runs, and `finetune plan`, `finetune run` and the operator's events say so."""
     step_settings: StepSettings | None = None
     """Checkpointing and compile as the workers will run them (`plan_with_notes`)."""
     host_bytes: int | None = None
@@ -175,6 +178,19 @@ def allowed_strategies(job: FineTuneJob) -> list[Strategy]:
     if spec.method.type == "full" and spec.strategy.precision == "fp16":
         out = [s for s in out if s != "fsdp"]  # refused by validation (unstable)
     return out
+
+
+def context_warning(job: FineTuneJob, shape: ModelShape) -> str | None:
+    """maxSeqLength beyond the model's context: a sample that long trains at positions the
+    model never saw (its position encoding extrapolated), which HF's and TRL's trainers
+    also only warn of; packed samples each start at position 0, so only long ones do."""
+    longest, context = job.spec.dataset.max_seq_length, shape.context_length
+    if context is None or longest <= context:
+        return None
+    return (f"spec.dataset.maxSeqLength: {longest} is longer than the model's context "
+            f"(max_position_embeddings {context} in its config.json): a sample longer than "
+            f"{context} tokens trains at positions the model was not made for — set "
+            f"maxSeqLength to {context} or less, or use a model with a longer context")
 
 
 def shape_of(model: ModelConfig | None) -> tuple[ModelShape | None, str | None]:
@@ -627,12 +643,13 @@ def plan_job(job: FineTuneJob, model: ModelConfig | None, strategy: Strategy,
     disk = estimate_disk(shape, setup, fetched=spec.model.location.scheme == "hf",
                          stored_bytes=stored_bytes_per_param(model.config),
                          keep_last=output.keep_last, merge_adapter=output.merge_adapter)
+    warning = context_warning(job, shape)
     common = dict(model_source=model.source, total_params=estimate.total_params,
                   trainable_params=estimate.trainable_params, strategy=strategy,
                   precision=precision, world_size=world, per_gpu_bytes=estimate.total,
                   breakdown=estimate.breakdown, temporary_buffers=estimate.temporary_buffers,
                   peak_phase=estimate.peak_phase, notes=notes, disk_bytes=disk.total,
-                  disk_breakdown=disk.breakdown)
+                  disk_breakdown=disk.breakdown, warnings=[warning] if warning else [])
     if resources.gpus_per_node == 0:
         return JobPlan(fits=None, verdict="unknown", gpu_type=None, reason=(
             f"CPU workers: about {gib(estimate.total)} of memory per process "
@@ -745,4 +762,4 @@ def _where_configs_come_from(uri: str) -> str:
     if uri.startswith("hf://"):
         return ("the hub could not be reached (or the repo is gated) and the built-in "
                 "table does not know it")
-    return "the path holds no config.json here"
+    return "the path holds no config.json here that reads as JSON"

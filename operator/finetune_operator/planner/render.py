@@ -132,4 +132,5 @@ def table(job: FineTuneJob, plan: JobPlan) -> str:
                          f"{'s' if o.nodes > 1 else ''} ({gib(o.per_gpu_bytes)} per GPU)")
     for note in plan.notes:
         lines.append(f"note: {note}")
+    lines += [f"warning: {warning}" for warning in plan.warnings]
     return "\n".join(lines)

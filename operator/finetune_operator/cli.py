@@ -345,7 +345,7 @@ def run_command(file: str, nproc: int | None, fresh: bool, verbose: bool) -> Non
     click.echo(f"trainer config: {config_path}")
     from finetune_operator.follow import mark_failed, run_log
 
-    _fetch_and_check(config, config_path, run_log(output_dir), verbose)
+    _fetch_and_check(config, config_path, output_dir, verbose)
     restarts = job.spec.run_policy.backoff_limit
     click.echo(f"starting {processes} training process{'es' if processes > 1 else ''} "
                f"(a failed worker restarts them all from the newest checkpoint, up to "
@@ -382,15 +382,21 @@ def _the_job_to_run(file: str) -> tuple[Document, FineTuneJob]:
     return doc, job
 
 
-def _fetch_and_check(config: TrainerConfig, config_path: Path, log: Path, verbose: bool) -> None:
+def _fetch_and_check(config: TrainerConfig, config_path: Path, output_dir: Path,
+                     verbose: bool) -> None:
     """Before any worker: an hf:// model fetched into the output folder, then the model and
-    data checked (the trainer's preflight); exits with their code when one fails."""
+    data checked (the trainer's preflight); exits with their code when one fails, the run
+    marked Failed (`finetune status` of the folder says so, not Stopped)."""
     from finetune_operator import local
+    from finetune_operator.follow import mark_failed, run_log
 
+    log = run_log(output_dir)
     if local.needs_fetch(config) and (fetched := local.run_step(
             local.fetch_command(config_path), log, verbose)) != 0:
+        mark_failed(output_dir)
         sys.exit(fetched)  # 2: the name, revision or token; 1: the network or the disk
     if local.run_step(local.preflight_command(config_path), log, verbose) != 0:
+        mark_failed(output_dir)
         sys.exit(EXIT_INVALID)
 
 

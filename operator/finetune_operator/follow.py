@@ -117,11 +117,14 @@ def view_of_output(name: str, folder: Path) -> JobView:
     if record is None:
         if run_lock.ran_here(folder) and run_lock.holder(folder) is None:
             return JobView(name=name, phase="Stopped", where=str(folder), message=(
-                "ended before its first step (interrupted, or its checks of the model and "
-                "data failed: `finetune logs` has why); the same `finetune run` starts again"))
+                "ended before its first step (interrupted); the same `finetune run` starts "
+                "again"))
         return JobView(name=name, phase="Pending", where=str(folder),
                        message=f"no {PROGRESS_FILE} yet: the run has not logged a step")
     phase, message = record.phase, None
+    if phase == "Failed":  # the run, its fetch or its checks of the model and data
+        message = (f"`finetune logs {folder}` shows why; once mended, the same `finetune "
+                   "run` starts again (from the newest checkpoint, if any)")
     if phase == "Running" and run_lock.ran_here(folder) and run_lock.holder(folder) is None:
         phase, message = "Stopped", (
             "no `finetune run` is writing here: it ended without finishing (killed, or the "
@@ -171,8 +174,9 @@ def output_folder(target: str) -> tuple[str, Path] | None:
 def progress_bar(progress: Progress | None, width: int = 30, running: bool = True) -> str:
     """`[#########.....] 120/400  30% | loss 1.2345 | eval 1.3010 | 5,120 tok/s | eta 0:12:00`
     (no eta unless `running`: a stopped or finished run's last record has a stale one)"""
-    if progress is None or progress.step is None:
-        return "[" + "." * width + "] no step yet"
+    if progress is None or progress.step is None or not (progress.step
+                                                         or progress.total_steps):
+        return "[" + "." * width + "] no step yet"  # (step 0 of ?: a run failed before one)
     total = progress.total_steps or 0
     done = min(progress.step / total, 1.0) if total else 0.0
     filled = round(done * width)
@@ -210,7 +214,7 @@ def render(view: JobView, now: datetime | None = None) -> list[str]:
         lines += [f"    {kind:<8} {reason:<22} {message}".rstrip()
                   for kind, reason, message in view.events]
     stamp = (now or datetime.now(timezone.utc)).strftime("%H:%M:%S")
-    lines.append(f"  ({stamp})")
+    lines.append(f"  (as of {stamp} UTC)")  # --watch redraws: when this look was
     return lines
 
 

@@ -47,6 +47,8 @@ def test_the_bar_shows_step_total_loss_throughput_and_eta():
     assert bar == ("[#####...............] 30/120  25% | loss 1.2346 | eval 1.5000 | "
                    "5,120 tok/s | eta 0:12:05")
     assert progress_bar(None).endswith("no step yet")
+    assert progress_bar(Progress(step=0)).endswith("no step yet")  # failed before a step
+    assert progress_bar(Progress(step=0, total_steps=40)).startswith("[....")
     stopped = progress_bar(Progress(step=74, total_steps=100, eta_seconds=0), running=False)
     assert "eta" not in stopped  # a stopped or finished run's last record: a stale eta
 

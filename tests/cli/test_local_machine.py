@@ -88,6 +88,30 @@ def test_a_model_or_data_path_that_is_not_there_is_refused_before_anything_start
     assert not (tmp_path / "out").exists()
 
 
+def test_a_model_the_checks_refuse_marks_the_run_failed_with_where_to_read_why(tmp_path):
+    """A folder that is there but holds no model passes the path check and fails the
+    trainer's preflight: `finetune status` of the folder read `Stopped` ('interrupted, or
+    ...'), not Failed as the README says of a failed run."""
+    manifest = minimal_job(model={"uri": "./model"}, dataset={"uri": "./data.jsonl"},
+                           output={"uri": "./out"},
+                           resources={"gpusPerNode": 0, "processesPerNode": 1})
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(manifest))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "data.jsonl").write_text('{"text": "hello"}\n')
+    finetune = [sys.executable, "-m", "finetune_operator.cli"]
+    run = subprocess.run([*finetune, "run", "job.yaml"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert f"{tmp_path / 'model'}: has no config.json, so it is not a saved model" in run.stderr
+    status = subprocess.run([*finetune, "status", "out"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=60)
+    lines = status.stdout.splitlines()
+    assert lines[0] == (f"demo  Failed  `finetune logs {tmp_path / 'out'}` shows why; once "
+                        "mended, the same `finetune run` starts again (from the newest "
+                        "checkpoint, if any)"), status.stdout
+    assert lines[1].endswith("no step yet") and lines[-1].endswith(" UTC)")
+
+
 @pytest.mark.parametrize(("accumulation", "expected"), [
     (3, 6),   # the spec's own machine: kept
     (24, 6),  # 1 process for 8: 6 divides 2 x 24

@@ -275,6 +275,10 @@ NOISE = re.compile(
 torchrun's thread banner, and its log of the stop `finetune run` itself asked for."""
 
 
+_TRACEBACK = "Traceback (most recent call last)"
+_CHAINED = ("During handling of the above exception", "The above exception was the direct")
+
+
 class QuietLog:
     """Filters one output stream of torchrun line by line. Drops `NOISE`, and the traceback
     torchrun's agent prints when `finetune run` forwards Ctrl-C or SIGTERM to it
@@ -283,17 +287,27 @@ class QuietLog:
     def __init__(self, stopping: Callable[[], bool]) -> None:
         self.stopping = stopping
         self.traceback: list[str] | None = None
+        self.held: list[str] = []
+        """The signal traceback dropped last: shown after all if an exception chained to
+        it is not one (a second Ctrl-C raises one while the agent handles the first)."""
         self.dropped = False
         self.blanks: list[str] = []
 
     def feed(self, line: str) -> list[str]:
         if self.traceback is not None:
             self.traceback.append(line)
-            if line[:1].isspace() or not line.strip():
+            if line[:1].isspace() or not line.strip() or line.startswith(_TRACEBACK):
                 return []
             block, self.traceback = self.traceback, None  # the exception's own line
-            return [] if self.stopping() and "SignalException" in line else block
-        if line.startswith("Traceback (most recent call last)"):
+            if self.stopping() and "SignalException" in line:
+                self.held, self.dropped = block, True
+                return []
+            held, self.held, self.dropped = self.held, [], False
+            blanks, self.blanks = self.blanks, []
+            if held and block[0].startswith(_CHAINED):
+                return [*held, "\n", *block]
+            return [*blanks, *block]
+        if line.startswith((_TRACEBACK, *_CHAINED)):
             self.traceback = [line]
             return []
         # a progress bar's carriage returns leave empty lines before and behind it

@@ -67,6 +67,19 @@ def test_torchruns_signal_traceback_goes_only_when_finetune_run_stopped_it():
     assert shown(SIGNAL_TRACEBACK, stopping=False) == SIGNAL_TRACEBACK
 
 
+def test_a_second_ctrl_c_while_torchrun_stops_shows_nothing_of_its_traceback():
+    """The agent's handling of the first SIGTERM is cut by the second: Python chains the
+    two tracebacks ('During handling of the above exception ...'), which leaked that line."""
+    chained = (SIGNAL_TRACEBACK + "\nDuring handling of the above exception, another "
+               "exception occurred:\n\n" + SIGNAL_TRACEBACK.replace("24266", "24267"))
+    assert shown(chained + "interrupted\n", stopping=True) == "interrupted\n"
+    assert shown(chained, stopping=False) == chained
+    # a real error chained to the stop is shown with the stop it came from
+    real = (SIGNAL_TRACEBACK + "\nDuring handling of the above exception, another "
+            "exception occurred:\n\n" + WORKER_TRACEBACK)
+    assert shown(real, stopping=True) == real
+
+
 def test_a_workers_traceback_passes_whole_even_while_stopping():
     assert shown(WORKER_TRACEBACK, stopping=True) == WORKER_TRACEBACK
     assert shown("step 1\n" + WORKER_TRACEBACK[:60]) == "step 1\n" + WORKER_TRACEBACK[:60]

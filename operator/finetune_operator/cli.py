@@ -391,6 +391,7 @@ def _fetch_and_check(config: TrainerConfig, config_path: Path, output_dir: Path,
     from finetune_operator.follow import mark_failed, run_log
 
     log = run_log(output_dir)
+    local.RunLog(log).begin("finetune run")  # where this run's lines start
     if local.needs_fetch(config) and (fetched := local.run_step(
             local.fetch_command(config_path), log, verbose)) != 0:
         mark_failed(output_dir)

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TextIO
 
@@ -340,6 +341,11 @@ class RunLog:
         except OSError as error:
             self._give_up(path, error)
         self.path = path
+
+    def begin(self, what: str) -> None:
+        """A line that starts a run's part of the log (each run appends to it), closed."""
+        self.write(f"=== {what}, {datetime.now(UTC):%Y-%m-%d %H:%M:%S} UTC ===\n")
+        self.close()
 
     def write(self, line: str) -> None:
         with self.lock:

@@ -166,6 +166,9 @@ def test_a_run_on_fewer_processes_than_the_spec_resumes_on_them(tiny_model_dir, 
     assert again.returncode == 0, again.stdout + again.stderr
     assert "resum" in again.stdout.lower() and "step-00000004" in again.stdout, again.stdout
     assert "step 6/6" in again.stdout
+    log = (tmp_path / "out" / "logs" / "run.log").read_text().splitlines()
+    starts = [line for line in log if line.startswith("=== finetune run, ")]
+    assert len(starts) == 2 and log[0] == starts[0]  # where each run's lines begin
     # the same command once more: nothing left to do, said at once (it started the
     # workers, evaluated and exported the model again)
     done = finetune_run(spec, tmp_path, "--nproc", "1")

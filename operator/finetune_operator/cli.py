@@ -112,11 +112,12 @@ def _plain(value: object) -> str:
     return value if plain else short_repr(value)
 
 
-def _summary(job: FineTuneJob, where: str | None = None) -> str:
-    """One line about the job; `where`: `here` for `finetune run`, else its backend."""
+def _summary(job: FineTuneJob, where: str | None = None, on_gpus: bool = True) -> str:
+    """One line about the job; `where`: `here` for `finetune run`, else its backend;
+    `on_gpus`: False where `finetune run` trains a GPU job's workers on CPUs."""
     spec, r = job.spec, job.spec.resources
     count = r.processes()
-    unit = ("GPU" if count == 1 else "GPUs") if r.gpus_per_node else (
+    unit = ("GPU" if count == 1 else "GPUs") if r.gpus_per_node and on_gpus else (
         "CPU process" if count == 1 else "CPU processes")
     nodes = "1 node" if r.nodes == 1 else f"{r.nodes} nodes"
     return (f"{KIND} {job.namespace}/{job.name}: {spec.method.type} on {where or spec.backend}, "
@@ -332,7 +333,7 @@ def run_command(file: str, nproc: int | None, fresh: bool, verbose: bool) -> Non
         click.echo(f"{doc.source}: {done}")
         sys.exit(0)
     config_path = local.write_config(config, output_dir)
-    click.echo(f"{doc.source}: {_summary(job, where='this machine')}")
+    click.echo(f"{doc.source}: {_summary(here, 'this machine', on_gpus=bool(gpus))}")
     for difference in differences:
         click.echo(f"{doc.source}: {difference}", err=True)
     if machine is not None:

@@ -65,8 +65,9 @@ def read_documents(path: str) -> list[Document]:
         mark = getattr(error, "problem_mark", None)
         where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
         problem = " ".join(str(getattr(error, "problem", None) or error).split())
-        raise ManifestError(f"{path}{where}: not valid YAML: {problem} — fix the syntax "
-                            "(indentation, quoting, colons)") from error
+        fix = ("indent with spaces: YAML takes no tab there" if "'\\t'" in problem
+               else "fix the syntax (indentation, quoting, colons)")
+        raise ManifestError(f"{path}{where}: not valid YAML: {problem} — {fix}") from error
     except RecursionError:
         raise ManifestError(f"{path}: nests YAML too deeply to read — a manifest needs a "
                             "few levels; check the brackets and indentation") from None

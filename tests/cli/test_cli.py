@@ -76,6 +76,14 @@ def test_validate_yaml_syntax_error_names_the_line(tmp_path):
     result = finetune("validate", str(path))
     assert result.returncode == 2
     assert f"{path}:5:1: not valid YAML" in result.stderr
+    assert "fix the syntax (indentation, quoting, colons)" in result.stderr
+    path.write_text("apiVersion: finetune.dev/v1alpha1\nkind: FineTuneJob\nmetadata:\n"
+                    "\tname: x\n")
+    tabbed = finetune("validate", str(path))
+    assert tabbed.returncode == 2
+    assert tabbed.stderr.strip().endswith(  # an editor's tab, not a syntax to look up
+        ":4:1: not valid YAML: found character '\\t' that cannot start any token — indent "
+        "with spaces: YAML takes no tab there")
 
 
 def test_validate_missing_file():

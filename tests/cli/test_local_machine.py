@@ -159,6 +159,7 @@ def test_a_run_on_fewer_processes_than_the_spec_resumes_on_them(tiny_model_dir, 
     first = finetune_run(spec, tmp_path, "--nproc", "1")
     assert first.returncode == 0, first.stdout + first.stderr
     assert "gradientAccumulationSteps 2 keeps the global batch" in first.stderr
+    assert "on this machine, 1 node x 1 CPU process, " in first.stdout  # not the spec's 2
     assert "Generating train split" not in first.stdout + first.stderr
     assert "Generating train split" in (tmp_path / "out" / "logs" / "run.log").read_text()
     spec["spec"]["hyperparameters"]["maxSteps"] = 6

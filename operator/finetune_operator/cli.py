@@ -161,7 +161,7 @@ def validate(files: tuple[str, ...], output: str) -> None:
     say = collect if output == "json" else _say_problem
     valid, invalid = _jobs_in(files, "validate", say=say)
     for doc, job in valid:
-        for problem in missing_local_paths(job, doc.folder):
+        for problem in local_path_problems(job, doc.folder):
             say(doc.source, problem)
     if output == "json":
         click.echo(json.dumps({
@@ -176,34 +176,47 @@ def validate(files: tuple[str, ...], output: str) -> None:
         sys.exit(EXIT_INVALID)
 
 
-def missing_local_paths(job: FineTuneJob, base_dir: Path, runs_here: bool = False
+def local_path_problems(job: FineTuneJob, base_dir: Path, runs_here: bool = False
                         ) -> list[Problem]:
-    """Warnings for model and dataset paths this machine can look at and does not have:
-    relative ones (they mean this machine) and absolute ones (they may exist only in the
-    job's image, so a warning, not an error). Errors where the job `runs_here`
-    (`finetune run`): found before anything starts or is written."""
+    """Warnings for model and dataset paths this machine can look at and does not have
+    (or has as a folder that is no saved model, an empty data file): relative ones (they
+    mean this machine) and absolute ones (they may exist only in the job's image, so a
+    warning, not an error). Errors where the job `runs_here` (`finetune run`): found before
+    anything starts or is written."""
     problems = []
-    for location in job.spec.model.location, job.spec.dataset.location:
+    for is_model, location in (True, job.spec.model.location), (False,
+                                                                job.spec.dataset.location):
         scheme = location.scheme
         if scheme not in ("path", "relative"):
             continue
         where = base_dir / location.raw if scheme == "relative" else Path(location.raw)
         try:
-            missing = not where.exists()
+            why, fix = _unusable(where, is_model)
         except OSError as error:  # a name too long for this filesystem, a loop of links
-            missing, why = True, f"cannot be looked at on this machine ({error.strerror})"
-        else:
-            why = "does not exist on this machine"
-        if not missing:
+            why, fix = f"cannot be looked at on this machine ({error.strerror})", None
+        if why is None:
             continue
-        fix = "fix the path (relative paths start at the manifest's folder)"
-        if runs_here:
-            fix += ": `finetune run` reads it on this machine"
-        elif scheme == "path":
-            fix += "; ignore this if it exists where the job runs (inside its image)"
+        if fix is None:
+            fix = "fix the path (relative paths start at the manifest's folder)"
+            if runs_here:
+                fix += ": `finetune run` reads it on this machine"
+        if not runs_here and scheme == "path":
+            fix += "; ignore this if it is right where the job runs (inside its image)"
         problems.append(Problem(location.field, f"{_plain(str(where))} {why}", fix,
                                 severity="error" if runs_here else "warning"))
     return problems
+
+
+def _unusable(where: Path, is_model: bool) -> tuple[str | None, str | None]:
+    """(what is wrong, its fix or None for the path's) of a local model or data path."""
+    if not where.exists():
+        return "does not exist on this machine", None
+    if is_model and where.is_dir() and not (where / "config.json").is_file():
+        return ("holds no config.json, so it is not a saved model", "point it at a folder "
+                "written by save_pretrained (config.json and the weights)")
+    if not is_model and where.is_file() and where.stat().st_size == 0:
+        return "is empty", "write at least one record to it, or name another file"
+    return None, None
 
 
 @main.command(name="render")
@@ -376,7 +389,7 @@ def _the_job_to_run(file: str) -> tuple[Document, FineTuneJob]:
         click.echo(f"{file}: holds {len(valid)} FineTuneJobs — `finetune run` takes one", err=True)
         sys.exit(EXIT_INVALID)
     doc, job = valid[0]
-    if missing := missing_local_paths(job, doc.folder, runs_here=True):
+    if missing := local_path_problems(job, doc.folder, runs_here=True):
         for problem in missing:
             click.echo(f"{doc.source}: {problem}", err=True)
         sys.exit(EXIT_INVALID)

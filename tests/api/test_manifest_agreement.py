@@ -16,7 +16,7 @@ import yaml
 from click.testing import CliRunner
 
 from finetune_operator.admission import admit, offline_backends
-from finetune_operator.cli import main, missing_local_paths
+from finetune_operator.cli import local_path_problems, main
 from finetune_operator.manifests import read_documents
 from finetune_operator.validation import parse_job
 from tests.conftest import REPO, minimal_job
@@ -180,7 +180,7 @@ def test_validate_reads_relative_paths_from_the_manifests_folder(tmp_path):
 
 def test_a_path_this_machine_cannot_look_at_is_a_warning_not_a_crash(tmp_path):
     job = parse_job(minimal_job(model={"uri": "/" + "a" * 3000}))
-    [warning] = missing_local_paths(job, tmp_path)
+    [warning] = local_path_problems(job, tmp_path)
     assert warning.severity == "warning" and warning.path == "spec.model.uri"
     assert "cannot be looked at on this machine (File name too long)" in warning.message
     assert len(str(warning)) < 400

@@ -88,21 +88,48 @@ def test_a_model_or_data_path_that_is_not_there_is_refused_before_anything_start
     assert not (tmp_path / "out").exists()
 
 
-def test_a_model_the_checks_refuse_marks_the_run_failed_with_where_to_read_why(tmp_path):
-    """A folder that is there but holds no model passes the path check and fails the
-    trainer's preflight: `finetune status` of the folder read `Stopped` ('interrupted, or
-    ...'), not Failed as the README says of a failed run."""
+def test_an_empty_model_folder_or_data_file_is_refused_before_anything_starts(tmp_path):
+    """There, but no saved model / no record: the trainer's checks found it 3-5 s later and
+    left the output folder behind; `finetune validate` said nothing."""
     manifest = minimal_job(model={"uri": "./model"}, dataset={"uri": "./data.jsonl"},
                            output={"uri": "./out"},
                            resources={"gpusPerNode": 0, "processesPerNode": 1})
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(manifest))
     (tmp_path / "model").mkdir()
+    (tmp_path / "data.jsonl").write_text("")
+    finetune = [sys.executable, "-m", "finetune_operator.cli"]
+    said = [f"job.yaml: spec.model.uri: {tmp_path / 'model'} holds no config.json, so it is "
+            "not a saved model — point it at a folder written by save_pretrained (config.json "
+            "and the weights)",
+            f"job.yaml: spec.dataset.uri: {tmp_path / 'data.jsonl'} is empty — write at least "
+            "one record to it, or name another file"]
+    run = subprocess.run([*finetune, "run", "job.yaml"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2 and run.stderr.splitlines() == said, run.stdout + run.stderr
+    assert not (tmp_path / "out").exists()
+    validate = subprocess.run([*finetune, "validate", "job.yaml"], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+    assert validate.returncode == 0  # warnings: a cluster reads its own copy
+    assert validate.stderr.splitlines()[1:] == [  # after the warning of relative paths
+        f"job.yaml: warning: {line.removeprefix('job.yaml: ')}" for line in said]
+
+
+def test_a_model_the_checks_refuse_marks_the_run_failed_with_where_to_read_why(tmp_path):
+    """A model the trainer cannot load (its config.json does not parse) fails its preflight:
+    `finetune status` of the folder read `Stopped` ('interrupted, or ...'), not Failed as
+    the README says of a failed run."""
+    manifest = minimal_job(model={"uri": "./model"}, dataset={"uri": "./data.jsonl"},
+                           output={"uri": "./out"},
+                           resources={"gpusPerNode": 0, "processesPerNode": 1})
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(manifest))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{not json")
     (tmp_path / "data.jsonl").write_text('{"text": "hello"}\n')
     finetune = [sys.executable, "-m", "finetune_operator.cli"]
     run = subprocess.run([*finetune, "run", "job.yaml"], cwd=tmp_path, capture_output=True,
                          text=True, timeout=120)
     assert run.returncode == 2, run.stdout + run.stderr
-    assert f"{tmp_path / 'model'}: has no config.json, so it is not a saved model" in run.stderr
+    assert f"{tmp_path / 'model'}: cannot be loaded" in run.stderr, run.stderr
     status = subprocess.run([*finetune, "status", "out"], cwd=tmp_path, capture_output=True,
                             text=True, timeout=60)
     lines = status.stdout.splitlines()

@@ -58,6 +58,7 @@ def test_finetune_run_refuses_it_before_anything_starts(tmp_path):
                            hyperparameters={"maxSteps": 10, "batchSizePerDevice": 3})
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(manifest))
     (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")  # there: the machine is refused
     (tmp_path / "data.jsonl").write_text("{}\n")
     result = subprocess.run([sys.executable, "-m", "finetune_operator.cli", "run", "job.yaml",
                              "--nproc", "4"], cwd=tmp_path, capture_output=True, text=True,

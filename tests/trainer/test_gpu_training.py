@@ -1,4 +1,5 @@
-"""GPU-only runs: QLoRA (bitsandbytes 4-bit) and bf16 over nccl. Skipped without CUDA."""
+"""GPU-only runs: QLoRA (bitsandbytes 4-bit), bf16 over nccl, the step sized for this GPU, MFU and
+NVML series, a step that never waits for the GPU. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import json
 
 import pytest
 
-from tests.trainer.test_training import finetune_run, losses, manifest
+from tests.trainer.test_training import DATA, finetune_run, losses, manifest
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -76,3 +77,55 @@ def test_a_gpu_run_reports_mfu_and_nvml_series(tiny_model_dir, tmp_path):
     finally:
         process.send_signal(signal.SIGTERM)
         process.communicate(timeout=300)
+
+
+@pytest.mark.parametrize(("strategy", "method", "compiled"), [
+    ("ddp", "lora", False), ("fsdp", "full", False), ("ddp", "full", True)])
+def test_a_step_never_waits_for_the_gpu(tiny_model_dir, tmp_path, monkeypatch, strategy,
+                                        method, compiled):
+    """#22: no host synchronisation inside a training step; the loop reads the GPU only at
+    log steps, checkpoints and evaluation, between steps. Every step after the first (lazy
+    initialisation, compilation) runs under torch's sync debug mode set to error, so an
+    `.item()`, a `nonzero`, a blocking copy to or from the GPU in the step raises. Log and
+    checkpoint steps fall inside the run, with a background checkpoint written meanwhile."""
+    import signal
+
+    import torch
+
+    from finetune_trainer.config import TrainerConfig
+    from finetune_trainer.parallel import _free_port
+    from finetune_trainer.train import Trainer
+
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
+                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port()))):
+        monkeypatch.setenv(name, value)
+    config = TrainerConfig.model_validate({
+        "job": {"name": f"nosync-{strategy}-{method}"}, "model": {"uri": str(tiny_model_dir)},
+        "dataset": {"uri": str(DATA), "format": "chat", "maxSeqLength": 96},
+        "method": {"type": method},
+        "strategy": {"type": strategy, "precision": "bf16", "compile": compiled,
+                     "gradientCheckpointing": False},
+        "hyperparameters": {"maxSteps": 8, "batchSizePerDevice": 4, "microBatchSize": 2,
+                            "logEverySteps": 3, "warmupRatio": 0.0},
+        "output": {"uri": str(tmp_path / "out"), "checkpointEverySteps": 4},
+        "metrics": {"port": _free_port()}, "preflight": {"enabled": False}})
+    guarded = []
+    train_step = Trainer.train_step
+
+    def guarded_step(trainer) -> bool:
+        if trainer.state.step == 0:
+            return train_step(trainer)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return train_step(trainer)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            guarded.append(trainer.state.step)
+
+    monkeypatch.setattr(Trainer, "train_step", guarded_step)
+    sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        assert Trainer(config, tmp_path).train() == 0
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)  # the trainer's StopRequest took it
+    assert guarded == list(range(2, 9))

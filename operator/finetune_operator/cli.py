@@ -135,6 +135,8 @@ def main() -> None:
       finetune render job.yaml        print the objects the operator would create
       finetune plan job.yaml          per-GPU memory, step time, the cheapest GPUs that fit
       finetune run job.yaml           train it on this machine (CPU or local GPUs)
+      finetune status NAME --watch    phase, progress bar, events (a cluster's job or a run's)
+      finetune logs NAME -f           the trainer's log
       finetune operator               run the controller (in-cluster, or via KUBECONFIG)
     """
 

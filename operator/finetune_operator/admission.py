@@ -9,7 +9,7 @@ or every installed one offline (`offline_backends`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -21,7 +21,8 @@ from finetune_operator.validation import Problem, check_document, relative_locat
 Where = Literal["cluster", "here"]
 """cluster: the job runs on its backend (the operator, `validate`, `render`). here: on this
 machine (`finetune run`, `finetune plan`): the backend's own rules and the rules that only
-a cluster has do not apply."""
+a cluster has do not apply, so its code is not loaded (a GPU box given only the training
+stack has no Kubernetes client)."""
 
 
 @dataclass(frozen=True)
@@ -50,17 +51,21 @@ def offline_backends(settings: OperatorSettings | None = None) -> dict[str, Back
 
 def admit(doc: Any, backends: Mapping[str, Backend], where: Where = "cluster") -> Admission:
     """Check one manifest (a parsed YAML/JSON document) for a run `where` it is meant to
-    run, on one of `backends`. A backend's refusal of a relative path is `cluster_only`:
-    validation says already that those paths are for `finetune run` on one machine."""
+    run, on one of `backends` (`here`: one of the installed backends' names, none loaded).
+    A backend's refusal of a relative path is `cluster_only`: validation says already that
+    those paths are for `finetune run` on one machine."""
     job, problems = check_document(doc)
     if where == "here":
         problems = [p for p in problems if not p.cluster_only]
+        if job is not None and job.spec.backend not in installed_names():
+            problems = [*problems, _not_there(job.spec.backend, installed_names())]
+        return Admission(job, problems)
     if job is None:
         return Admission(job, problems)
     backend = backends.get(job.spec.backend)
     if backend is None:  # said with the API's own problems: every problem at once
         problems = [*problems, _not_there(job.spec.backend, backends)]
-    if backend is None or any(p.severity == "error" for p in problems) or where == "here":
+    if backend is None or any(p.severity == "error" for p in problems):
         return Admission(job, problems, backend)
     relative = set(relative_locations(job))
     refusals = [replace(p, cluster_only=True) if p.path in relative else p
@@ -68,7 +73,7 @@ def admit(doc: Any, backends: Mapping[str, Backend], where: Where = "cluster") -
     return Admission(job, problems + refusals, backend)
 
 
-def _not_there(name: str, backends: Mapping[str, Backend]) -> Problem:
+def _not_there(name: str, backends: Collection[str]) -> Problem:
     what = "is not served by this operator" if name in installed_names() else (
         "is not an installed backend")
     return Problem("spec.backend", f"{name!r} {what}", "use one of: " + ", ".join(

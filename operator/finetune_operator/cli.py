@@ -65,7 +65,7 @@ def _jobs_in(paths: tuple[str, ...], use: Use, backend: str | None = None,
     as if `spec.backend` said so (`render --backend`)."""
     valid: list[tuple[Document, FineTuneJob]] = []
     invalid = 0
-    installed = offline_backends()
+    installed = offline_backends() if use != "here" else {}  # `here` needs their names only
     for path in paths:
         try:
             documents = read_documents(path)
@@ -546,11 +546,15 @@ def status_command(target: str, namespace: str | None, kubeconfig: str | None, w
     it ran: then no cluster is asked."""
     import asyncio
 
-    from finetune_operator import follow, kube
+    from finetune_operator import follow
 
     here = follow.output_folder(target) if namespace is None and kubeconfig is None else None
-    client = None if here else kube.Kube(kubeconfig)
-    namespace = namespace or (None if here else kube.default_namespace(kubeconfig))
+    client, cluster_errors = None, ()  # a run on this machine asks no cluster: no client
+    if not here:
+        from finetune_operator import kube
+
+        client, cluster_errors = kube.Kube(kubeconfig), (kube.LoginError, kube.KubeError)
+        namespace = namespace or kube.default_namespace(kubeconfig)
 
     async def look_once() -> follow.JobView | None:
         if here:
@@ -573,7 +577,7 @@ def status_command(target: str, namespace: str | None, kubeconfig: str | None, w
                 if view.finished:
                     return follow.FINISHED[view.phase]
                 await asyncio.sleep(interval)
-        except (kube.LoginError, kube.KubeError) as error:
+        except cluster_errors as error:
             click.echo(_cluster_error("status", error), err=True)
             return 1
         finally:
@@ -612,11 +616,13 @@ def logs_command(target: str, namespace: str | None, kubeconfig: str | None, ran
     it), or of `finetune run` (NAME: its output folder or manifest; every process)."""
     import asyncio
 
-    from finetune_operator import follow, kube
+    from finetune_operator import follow
 
     here = follow.output_folder(target) if namespace is None and kubeconfig is None else None
     if here:
         sys.exit(_local_logs(follow.run_log(here[1]), here[1], keep_following))
+    from finetune_operator import kube
+
     client = kube.Kube(kubeconfig)
     namespace = namespace or kube.default_namespace(kubeconfig)
 

@@ -12,7 +12,10 @@ import yaml
 
 from finetune_operator.api import FineTuneJob
 from finetune_operator.local import MachineMismatch, as_run_here, fit_to_machine
-from tests.conftest import minimal_job
+from tests.conftest import REPO, minimal_job
+
+TRAINING_STACK_ONLY = str(REPO / "tests/support/training_stack_only")
+"""On PYTHONPATH: the operator's client stack is refused in every process (its sitecustomize)."""
 
 
 def job(nodes=2, gpus=8, batch=4, accumulation=1, processes=None) -> FineTuneJob:
@@ -207,6 +210,30 @@ def test_a_run_on_fewer_processes_than_the_spec_resumes_on_them(tiny_model_dir, 
         "hyperparameters.maxSteps to train on from the last checkpoint, or --fresh to start "
         "over")
     assert "starting" not in done.stdout
+
+
+def test_the_training_stack_alone_plans_runs_and_follows_a_job(tiny_model_dir, tmp_path,
+                                                              monkeypatch):
+    """A GPU box given only the trainer's wheels (scripts/gpu-wheels.sh: no kopf, Kubernetes
+    client, aiohttp, Optuna or Azure SDK) plans, runs and follows a job with the real
+    commands, each of their processes refused those imports. Every manifest check loaded
+    every backend, and the kubernetes one brought kopf and aiohttp: `finetune run` did not
+    start there, nor `status` / `logs` of a run's folder."""
+    from tests.trainer.test_training import manifest
+
+    monkeypatch.setenv("PYTHONPATH", TRAINING_STACK_ONLY)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(manifest(tiny_model_dir, tmp_path / "out", steps=2)))
+    said = {}
+    for command in (["plan", str(path)], ["run", str(path), "--nproc", "1"],
+                    ["status", str(path)], ["logs", str(tmp_path / "out")]):
+        result = subprocess.run([sys.executable, "-m", "finetune_operator.cli", *command],
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, (command, result.stdout + result.stderr)
+        said[command[0]] = result.stdout
+    assert "verdict:" in said["plan"]
+    assert said["status"].startswith("t-ddp-lora  Succeeded"), said["status"]
+    assert f"exported {tmp_path / 'out' / 'final'}" in said["logs"]
 
 
 NVIDIA_SMI = """#!/bin/sh

@@ -68,16 +68,17 @@ def test_a_planted_import_breaks_its_contract(tmp_path, module, line, contract):
     assert f"{contract} BROKEN" in result.stdout, result.stdout[-3000:]
 
 
-def test_finetune_run_imports_no_kubernetes_client():
-    """What `finetune run` imports to plan, configure, start and follow a local run needs
-    no Kubernetes client: a GPU box with only the training stack (and kopf's ~0.5 s import
-    spared on every run). `follow` imported `kube` for a type annotation."""
-    code = ("import sys\n"
-            "import finetune_operator.cli, finetune_operator.follow, finetune_operator.local\n"
-            "import finetune_operator.planner, finetune_operator.trainer_config\n"
-            "print(sorted({m.split('.')[0] for m in sys.modules} & "
-            "{'kopf', 'kubernetes', 'aiohttp', 'optuna', 'azure'}))\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "[]"
+def test_the_gpu_tests_collect_with_the_training_stack_alone():
+    """A GPU box given only the trainer's wheels (scripts/gpu-wheels.sh) runs the GPU tests:
+    the shared conftest loaded the cluster fixtures, which import kopf, kmock and
+    pytest-asyncio, so pytest stopped before collecting anything there. `finetune run`
+    itself there: test_local_machine.py's test_the_training_stack_alone_plans_runs_…"""
+    result = subprocess.run(  # their pytest plugins absent too (they register on install)
+        [sys.executable, "-m", "pytest", "-p", "no:asyncio", "-p", "no:kmock",
+         "-p", "no:cacheprovider",
+         "--collect-only", "-q", "-m", "gpu", "tests/trainer/test_gpu_training.py",
+         "tests/trainer/test_packed_attention_gpu.py"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO / "tests/support/training_stack_only")})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "test_a_step_never_waits_for_the_gpu" in result.stdout

@@ -1,0 +1,16 @@
+"""A GPU box given only the training stack (scripts/gpu-wheels.sh): with this folder first on
+PYTHONPATH, every Python process started, torchrun's workers too, is refused the operator's
+client stack and the cluster tests' own plugins, as if they were not installed."""
+
+import sys
+
+ABSENT = {"kopf", "kubernetes", "aiohttp", "optuna", "azure", "kmock", "pytest_asyncio"}
+
+
+class Absent:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ABSENT:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+
+sys.meta_path.insert(0, Absent())

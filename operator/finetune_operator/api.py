@@ -77,7 +77,7 @@ class Resources(ApiModel):
     """Worker nodes (Kubernetes pods, or Azure ML instances). Must be at least 1."""
     gpus_per_node: int = Field(default=1, ge=0, le=16)
     """GPUs per node; one training process per GPU. 0 runs CPU workers (gloo), useful for
-    smoke tests."""
+    smoke tests; they see no GPU, even on a machine that has some."""
     processes_per_node: int | None = Field(default=None, ge=1, le=256)
     """Training processes per CPU worker (only with `gpusPerNode: 0`; default 1)."""
     gpu_type: str | None = Field(default=None, max_length=128)

@@ -368,7 +368,8 @@ def run_command(file: str, nproc: int | None, fresh: bool, verbose: bool) -> Non
                f"{restarts} time{'' if restarts == 1 else 's'}: spec.runPolicy.backoffLimit)")
 
     code = local.run_trainer(config_path, processes, run_log(output_dir),
-                             max_restarts=restarts, verbose=verbose, lock=lock)
+                             max_restarts=restarts, verbose=verbose, lock=lock,
+                             on_gpus=bool(job.spec.resources.gpus_per_node))
     if code == 0:
         click.echo(f"done: model in {output_dir / layout.FINAL_DIR}, checkpoints in "
                    f"{layout.checkpoint_root(output_dir)}, progress in "

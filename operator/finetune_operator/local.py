@@ -157,6 +157,12 @@ def fit_to_machine(job: FineTuneJob, processes: int, gpus: int) -> tuple[int, li
     spec, resources = job.spec, job.spec.resources
     hp = spec.hyperparameters
     world = resources.nodes * resources.processes()
+    if resources.gpus_per_node and processes > gpus > 0:  # a worker each; the rest would fail
+        raise MachineMismatch(
+            f"--nproc {processes}: this machine shows {gpus} GPU{'s' if gpus > 1 else ''} "
+            f"(CUDA_VISIBLE_DEVICES, else nvidia-smi) and each GPU worker needs one of its "
+            f"own — pass --nproc {gpus} or fewer (more gradientAccumulationSteps keep the "
+            "global batch)")
     notes = []
     if resources.gpus_per_node and gpus == 0:
         notes.append(f"no GPU is visible here: training on {processes} CPU process"
@@ -413,14 +419,19 @@ def run_step(command: list[str], log_path: Path, verbose: bool) -> int:
     return code
 
 
-def worker_env(processes: int, verbose: bool) -> dict[str, str]:
+def worker_env(processes: int, verbose: bool, on_gpus: bool = True) -> dict[str, str]:
     """The environment of torchrun and the workers. torchrun's agent hosts one TCPStore for
     every attempt by default, and the process group's keys (each rank's address) survive a
     restart there: a restarted rank can read its peer's from the failed attempt and fail to
     connect (pytorch/pytorch#135712). With sharing off, every attempt's rank 0 hosts a fresh
-    store on a fresh port. Without `verbose`: the cores shared out between the workers (what
-    torchrun's banner asks for) and library FutureWarnings off, unless set already."""
+    store on a fresh port. Not `on_gpus` (a job of CPU workers): no GPU is visible to them,
+    or each would take the GPU of its local rank (the trainer uses any it sees), which a
+    machine with fewer GPUs than workers does not have. Without `verbose`: the cores shared
+    out between the workers (what torchrun's banner asks for) and library FutureWarnings
+    off, unless set already."""
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    if not on_gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     if not verbose:
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
         env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
@@ -429,15 +440,16 @@ def worker_env(processes: int, verbose: bool) -> dict[str, str]:
 
 
 def run_trainer(config_path: Path, processes: int, log_path: Path, max_restarts: int = 0,
-                verbose: bool = True, lock: int | None = None) -> int:
+                verbose: bool = True, lock: int | None = None, on_gpus: bool = True) -> int:
     """Run torchrun in its own session; Ctrl-C or SIGTERM here becomes a SIGTERM there, so
     the workers checkpoint at the next step boundary and exit (143). A signal to torchrun
     itself never restarts the workers; a failed worker does, up to `max_restarts` times.
     Every line goes to `log_path` (RunLog); without `verbose`, the terminal gets them
     through `QuietLog`. `lock`: the output folder's (`run_lock.hold`), held by torchrun
-    too."""
+    too. `on_gpus`: False for a job of CPU workers (`worker_env`)."""
     child = subprocess.Popen(trainer_command(config_path, processes, max_restarts),
-                             start_new_session=True, env=worker_env(processes, verbose),
+                             start_new_session=True,
+                             env=worker_env(processes, verbose, on_gpus),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              errors="replace", pass_fds=() if lock is None else (lock,))
     stopped = False

@@ -131,6 +131,11 @@ def test_attached_kubernetes_compute_named_environment_and_cpu_workers(tmp_path)
     assert loaded.environment in ("azureml:trainer-env@latest", "trainer-env@latest")
     assert loaded.queue_settings.job_tier == "spot" and loaded.experiment_name == "sweeps"
     assert set(loaded.inputs) == {jobspec.CONFIG_INPUT}  # hub and https stay with the trainer
+    # CPU workers on a GPU instance: the trainer takes any GPU it sees, rank by rank
+    assert loaded.environment_variables["CUDA_VISIBLE_DEVICES"] == ""
+    (tmp_path / "gpus").mkdir()
+    gpus = round_trip(aml_job(resources={"gpusPerNode": 8}), tmp_path / "gpus")
+    assert "CUDA_VISIBLE_DEVICES" not in gpus.environment_variables
     assert "inputs.model" not in loaded.command
     config = decoded_config(loaded)
     assert config.model.uri == "hf://Qwen/Qwen2.5-0.5B"

@@ -109,6 +109,14 @@ def test_infiniband_resources_capability_and_nccl_env():
     assert plain == {"drop": ["ALL"]}
 
 
+def test_cpu_workers_see_no_gpu_of_their_node():
+    """Without a GPU limit a GPU node's devices can still be visible (an NVIDIA image's
+    NVIDIA_VISIBLE_DEVICES=all), and the trainer takes the GPU of each local rank."""
+    cpu = env(minimal_job(resources={"gpusPerNode": 0, "processesPerNode": 4}))
+    assert cpu["CUDA_VISIBLE_DEVICES"] == ""
+    assert "CUDA_VISIBLE_DEVICES" not in env(minimal_job(resources={"gpusPerNode": 8}))
+
+
 def test_non_root_read_only_root_and_shared_memory():
     spec = pod(minimal_job(kubernetes={"shmSize": "32Gi"}))
     assert spec["securityContext"]["runAsNonRoot"] is True

@@ -54,6 +54,26 @@ def test_a_global_batch_that_does_not_divide_is_refused_with_the_fix():
             in str(refused.value))
 
 
+def test_more_processes_than_visible_gpus_are_refused_with_the_fix():
+    with pytest.raises(MachineMismatch) as refused:
+        fit_to_machine(job(nodes=1, gpus=8), processes=4, gpus=2)
+    assert str(refused.value).startswith(
+        "--nproc 4: this machine shows 2 GPUs (CUDA_VISIBLE_DEVICES, else nvidia-smi) and each "
+        "GPU worker needs one of its own — pass --nproc 2 or fewer")
+    assert fit_to_machine(job(nodes=1, gpus=8), processes=2, gpus=2)[0] == 4
+
+
+def test_a_cpu_jobs_workers_see_no_gpu(monkeypatch):
+    """A job of CPU workers on a machine with GPUs: the trainer takes the GPU of each
+    worker's local rank wherever it sees one, so worker 1 of examples/01 failed on a machine
+    with one GPU (on a GPU: test_gpu_training.py's test_a_cpu_job_trains_on_cpus_there)."""
+    from finetune_operator.local import worker_env
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert worker_env(2, verbose=False, on_gpus=False)["CUDA_VISIBLE_DEVICES"] == ""
+    assert worker_env(1, verbose=False)["CUDA_VISIBLE_DEVICES"] == "0"
+
+
 def test_finetune_run_refuses_it_before_anything_starts(tmp_path):
     manifest = minimal_job(model={"uri": "./model"}, dataset={"uri": "./data.jsonl"},
                            output={"uri": "./out"},
@@ -68,6 +88,13 @@ def test_finetune_run_refuses_it_before_anything_starts(tmp_path):
                             timeout=120)
     assert result.returncode == 2, result.stdout + result.stderr
     assert "cannot be kept on 4 local processes" in result.stderr
+    manifest["spec"]["resources"] = {"gpusPerNode": 8}  # more workers than GPUs here
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(manifest))
+    result = subprocess.run([sys.executable, "-m", "finetune_operator.cli", "run", "job.yaml",
+                             "--nproc", "4"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": "0,1"})
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "job.yaml: --nproc 4: this machine shows 2 GPUs" in result.stderr
     assert not (tmp_path / "out").exists()
 
 

@@ -1,5 +1,6 @@
-"""GPU-only runs: QLoRA (bitsandbytes 4-bit), bf16 over nccl, the step sized for this GPU, MFU and
-NVML series, a step that never waits for the GPU. Skipped without CUDA."""
+"""GPU-only runs: QLoRA (bitsandbytes 4-bit), a CPU job beside the GPUs, bf16 over nccl, the
+step sized for this GPU, MFU and NVML series, a step that never waits for the GPU. Skipped
+without CUDA."""
 
 from __future__ import annotations
 
@@ -35,6 +36,16 @@ def test_the_step_is_sized_for_the_gpu_it_runs_on(tiny_model_dir, tmp_path):
     assert "gradientCheckpointing unset → off:" in result.stdout
     assert "per GPU fits with 10% headroom" in result.stdout
     assert "of 15.0 GiB per GPU" not in result.stdout  # the T4's
+
+
+def test_a_cpu_job_trains_on_cpus_there(tiny_model_dir, tmp_path):
+    """A job of CPU workers (examples/01, `make demo`) on a GPU machine: two workers, more
+    than a one-GPU machine has, on CPUs as its plan says (each took its local rank's GPU)."""
+    job = manifest(tiny_model_dir, tmp_path / "out", processes=2)
+    result = finetune_run(job, tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 node x 2 CPU processes" in result.stdout
+    assert losses(tmp_path / "out")
 
 
 def test_bf16_over_nccl_matches_fp32_closely(tiny_model_dir, tmp_path):

@@ -175,6 +175,10 @@ def _env(job: FineTuneJob, settings: OperatorSettings) -> list[dict[str, Any]]:
         # the node in every metric's `node` label and the preflight's per-node figures
         {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
     ]
+    if not resources.gpus_per_node:
+        # CPU workers: a GPU node's devices can be visible without a limit (an NVIDIA image's
+        # NVIDIA_VISIBLE_DEVICES=all), and the trainer takes any GPU it sees
+        env.append({"name": "CUDA_VISIBLE_DEVICES", "value": ""})
     if spec.model.token_secret_ref is not None:
         ref = spec.model.token_secret_ref
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {

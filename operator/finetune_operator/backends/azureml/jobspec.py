@@ -220,6 +220,8 @@ def build_command_job(job: FineTuneJob, settings: OperatorSettings, attempt: int
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
         "NCCL_DEBUG": "WARN",
     }
+    if not spec.resources.gpus_per_node:  # CPU workers on a GPU instance: none takes a GPU
+        environment_variables["CUDA_VISIBLE_DEVICES"] = ""
     command_job = sdk.command(
         name=attempt_name(job, attempt),
         display_name=job.name if attempt <= 1 else f"{job.name} (attempt {attempt})",

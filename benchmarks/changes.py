@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import shutil
 import sys
@@ -197,10 +196,8 @@ def main() -> None:
             print(f"running {change.name} on/off ...", flush=True)
             rows.append(measure(change, Path(tmp), repeats))
             print(table(rows[-1:]), flush=True)
+            throughput.write_results(out, rows)  # after each: a run cut short keeps them
     print(f"\n{throughput.machine()}\n{table(rows)}")
-    out.write_text(json.dumps({"machine": throughput.machine(),
-                               "libraries": throughput.libraries(), "results": rows},
-                              indent=2) + "\n")
     print(f"\nwrote {out}")
 
 

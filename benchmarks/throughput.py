@@ -457,10 +457,14 @@ def main() -> None:
                 os.environ["FINETUNE_PROFILE_STEPS"] = f"2:{max(bench.warmup - 2, 1)}"
             rows.append(compare(bench, Path(tmp), repeats, peers))
             print(table(rows[-1:]), flush=True)
+            write_results(args.out, rows)  # after each: a run cut short keeps what finished
     print(f"\n{machine()}\n{table(rows)}")
-    args.out.write_text(json.dumps({"machine": machine(), "libraries": libraries(),
-                                    "results": rows}, indent=2) + "\n")
     print(f"\nwrote {args.out}")
+
+
+def write_results(out: Path, rows: list[dict]) -> None:
+    out.write_text(json.dumps({"machine": machine(), "libraries": libraries(),
+                               "results": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

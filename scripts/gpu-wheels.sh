@@ -4,10 +4,8 @@
 # `make bench-gpu` import, and this project, into .whl/ (git-ignored, ~60 MB).
 #
 #   bash scripts/gpu-wheels.sh            # here, with PyPI
-#   # there, at the start of each shell (nothing is installed system-wide):
-#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-#   export PYTHONPATH=/tmp/site
-#   python3 -m pytest -m gpu tests/trainer -p no:cacheprovider
+#   bash scripts/gpu-session.sh tests      # there: installs them into /tmp (nothing
+#                                          # system-wide), then one step of the GPU checks
 #
 # Versions are the ones the CPU test venv resolved (`make venv`), so both machines run
 # the same libraries; deepspeed has no wheel on PyPI and is built here.

@@ -4,6 +4,7 @@ each plant below, in a scratch copy of the sources, breaks the contract it names
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -68,17 +69,23 @@ def test_a_planted_import_breaks_its_contract(tmp_path, module, line, contract):
     assert f"{contract} BROKEN" in result.stdout, result.stdout[-3000:]
 
 
-def test_the_gpu_tests_collect_with_the_training_stack_alone():
-    """A GPU box given only the trainer's wheels (scripts/gpu-wheels.sh) runs the GPU tests:
-    the shared conftest loaded the cluster fixtures, which import kopf, kmock and
-    pytest-asyncio, so pytest stopped before collecting anything there. `finetune run`
-    itself there: test_local_machine.py's test_the_training_stack_alone_plans_runs_…"""
-    result = subprocess.run(  # their pytest plugins absent too (they register on install)
-        [sys.executable, "-m", "pytest", "-p", "no:asyncio", "-p", "no:kmock",
-         "-p", "no:cacheprovider",
-         "--collect-only", "-q", "-m", "gpu", "tests/trainer/test_gpu_training.py",
-         "tests/trainer/test_packed_attention_gpu.py"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "PYTHONPATH": str(REPO / "tests/support/training_stack_only")})
+def test_the_gpu_session_runs_the_gpu_tests_with_the_training_stack_alone(tmp_path):
+    """`scripts/gpu-session.sh tests` on a GPU box given only the trainer's wheels: the
+    shared conftest loaded the cluster fixtures, which import kopf, kmock and pytest-asyncio,
+    so pytest stopped there before collecting anything. Here the GPU tests skip (no GPU);
+    `finetune run` itself with that stack: test_local_machine.py's
+    test_the_training_stack_alone_plans_runs_and_follows_a_job."""
+    site = tmp_path / "site"  # the wheels' folder, installed already (this venv has them)
+    site.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO / "tests/support/training_stack_only"),
+           "PY": sys.executable, "OUT": str(tmp_path / "out"), "FINETUNE_SITE": str(site),
+           "FINETUNE_SCRATCH": str(tmp_path / "scratch")}
+    script = str(REPO / "scripts/gpu-session.sh")
+    result = subprocess.run(["bash", script, "tests"], env=env, capture_output=True,
+                            text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "test_a_step_never_waits_for_the_gpu" in result.stdout
+    said = (tmp_path / "out" / "tests.txt").read_text()
+    assert re.search(r"\b\d+ skipped\b", said) and " error" not in said, said
+    assert "torch" in (tmp_path / "out" / "machine.txt").read_text()
+    wrong = subprocess.run(["bash", script, "train"], env=env, capture_output=True, text=True)
+    assert wrong.returncode == 2 and "unknown step train" in wrong.stderr

@@ -165,6 +165,10 @@ def fit_to_machine(job: FineTuneJob, processes: int, gpus: int) -> tuple[int, li
             "global batch)")
     notes = []
     if resources.gpus_per_node and gpus == 0:
+        if refused := on_cpus_refused(job, processes):
+            raise MachineMismatch(
+                f"{refused} — no GPU is visible here (nvidia-smi, CUDA_VISIBLE_DEVICES), so "
+                "`finetune run` would train on CPU processes: run it where one is")
         notes.append(f"no GPU is visible here: training on {processes} CPU process"
                      f"{'es' if processes > 1 else ''} instead of the {world} GPU"
                      f"{'s' if world > 1 else ''} the spec asks for (slow; fine for a check)")
@@ -185,6 +189,19 @@ def fit_to_machine(job: FineTuneJob, processes: int, gpus: int) -> tuple[int, li
                  f"spec's {world}: gradientAccumulationSteps {accumulation} keeps the global "
                  f"batch of {global_batch} sequences")
     return accumulation, notes
+
+
+def on_cpus_refused(job: FineTuneJob, processes: int) -> str | None:
+    """Why a GPU job cannot train on `processes` CPU workers (QLoRA's 4-bit kernels,
+    DeepSpeed's fp16): the rules a manifest of CPU workers meets, asked of this one, so the
+    trainer is not started to refuse it once per restart."""
+    from finetune_operator.validation import setting_errors
+
+    on_cpus = job.spec.resources.model_copy(update={
+        "nodes": 1, "gpus_per_node": 0, "processes_per_node": processes})
+    problems = setting_errors(job.model_copy(update={
+        "spec": job.spec.model_copy(update={"resources": on_cpus})}))
+    return "; ".join(f"{p.path}: {p.message}" for p in problems) or None
 
 
 def as_run_here(job: FineTuneJob, processes: int, accumulation: int) -> FineTuneJob:

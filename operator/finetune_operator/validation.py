@@ -174,8 +174,8 @@ def qlora_needs_gpus_and_half_precision(job: FineTuneJob) -> Iterator[Problem]:
     if spec.method.type != "qlora":
         return
     if spec.resources.gpus_per_node == 0:
-        yield Problem("spec.method.type", "qlora needs GPUs (bitsandbytes 4-bit kernels) but "
-                      "spec.resources.gpusPerNode is 0",
+        yield Problem("spec.method.type", "qlora needs GPUs (bitsandbytes 4-bit kernels), and "
+                      "CPU workers (gpusPerNode: 0) have none",
                       "set spec.resources.gpusPerNode >= 1, or use `method.type: lora` on CPU")
     if spec.strategy.precision == "fp32":
         yield Problem("spec.strategy.precision", "qlora cannot compute in fp32",
@@ -193,6 +193,20 @@ def no_fp16_full_fsdp(job: FineTuneJob) -> Iterator[Problem]:
                       "numerically unstable (sharded fp16 gradients overflow without a "
                       "global loss scaler)",
                       "use bf16 (A100/H100), fp32, or `strategy.type: zero3` for fp16 GPUs")
+
+
+@rule(CelRule("spec", "self.resources.gpusPerNode > 0 || self.strategy.precision != 'fp16' "
+              "|| !(self.strategy.type in ['zero1', 'zero2', 'zero3'])",
+              "fp16 under DeepSpeed needs GPUs (its CPU accelerator has no fp16) — use bf16 or "
+              "fp32 on CPU workers, or strategy ddp or fsdp", ".strategy.precision"))
+def deepspeed_fp16_needs_gpus(job: FineTuneJob) -> Iterator[Problem]:
+    spec = job.spec
+    if (spec.resources.gpus_per_node == 0 and spec.strategy.precision == "fp16"
+            and spec.strategy.type in ("zero1", "zero2", "zero3")):
+        yield Problem("spec.strategy.precision", f"fp16 under DeepSpeed ({spec.strategy.type}) "
+                      "needs GPUs: its CPU accelerator has no fp16, and CPU workers "
+                      "(gpusPerNode: 0) have no GPU",
+                      "use bf16 or fp32 on CPU workers, or `strategy.type: ddp` or `fsdp`")
 
 
 @rule(

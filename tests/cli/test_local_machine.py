@@ -63,6 +63,27 @@ def test_more_processes_than_visible_gpus_are_refused_with_the_fix():
     assert fit_to_machine(job(nodes=1, gpus=8), processes=2, gpus=2)[0] == 4
 
 
+def test_a_gpu_only_job_is_refused_where_no_gpu_is_visible():
+    """QLoRA, or DeepSpeed in fp16, on the CPU processes `finetune run` falls back to: the
+    rules a manifest of CPU workers meets, said before anything starts (the trainer refused
+    it once per restart, then torchrun's traceback; DeepSpeed: 'Type fp16 is not supported
+    on your device')."""
+    qlora = job(nodes=1, gpus=1).model_copy(deep=True)
+    qlora.spec.method.type = "qlora"
+    with pytest.raises(MachineMismatch) as refused:
+        fit_to_machine(qlora, processes=1, gpus=0)
+    assert str(refused.value) == (
+        "spec.method.type: qlora needs GPUs (bitsandbytes 4-bit kernels), and CPU workers "
+        "(gpusPerNode: 0) have none — no GPU is visible here (nvidia-smi, "
+        "CUDA_VISIBLE_DEVICES), so `finetune run` would train on CPU processes: run it where "
+        "one is")
+    zero2 = job(nodes=1, gpus=2).model_copy(deep=True)
+    zero2.spec.strategy.type, zero2.spec.strategy.precision = "zero2", "fp16"
+    with pytest.raises(MachineMismatch, match=r"^spec.strategy.precision: fp16 under DeepSpeed"):
+        fit_to_machine(zero2, processes=2, gpus=0)
+    assert fit_to_machine(zero2, processes=2, gpus=2)[0] == 1  # on GPUs it runs
+
+
 def test_a_cpu_jobs_workers_see_no_gpu(monkeypatch):
     """A job of CPU workers on a machine with GPUs: the trainer takes the GPU of each
     worker's local rank wherever it sees one, so worker 1 of examples/01 failed on a machine
@@ -95,6 +116,14 @@ def test_finetune_run_refuses_it_before_anything_starts(tmp_path):
                             timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": "0,1"})
     assert result.returncode == 2, result.stdout + result.stderr
     assert "job.yaml: --nproc 4: this machine shows 2 GPUs" in result.stderr
+    manifest["spec"]["method"] = {"type": "qlora"}  # GPU-only, and no GPU is visible
+    manifest["spec"]["strategy"] = {"precision": "bf16"}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(manifest))
+    result = subprocess.run([sys.executable, "-m", "finetune_operator.cli", "run", "job.yaml"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.startswith("job.yaml: spec.method.type: qlora needs GPUs")
     assert not (tmp_path / "out").exists()
 
 

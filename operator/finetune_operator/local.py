@@ -167,7 +167,7 @@ def fit_to_machine(job: FineTuneJob, processes: int, gpus: int) -> tuple[int, li
     if resources.gpus_per_node and gpus == 0:
         if refused := on_cpus_refused(job, processes):
             raise MachineMismatch(
-                f"{refused} — no GPU is visible here (nvidia-smi, CUDA_VISIBLE_DEVICES), so "
+                f"{refused} — no GPU is visible here (CUDA_VISIBLE_DEVICES, else nvidia-smi), so "
                 "`finetune run` would train on CPU processes: run it where one is")
         notes.append(f"no GPU is visible here: training on {processes} CPU process"
                      f"{'es' if processes > 1 else ''} instead of the {world} GPU"

@@ -74,9 +74,8 @@ def test_a_gpu_only_job_is_refused_where_no_gpu_is_visible():
         fit_to_machine(qlora, processes=1, gpus=0)
     assert str(refused.value) == (
         "spec.method.type: qlora needs GPUs (bitsandbytes 4-bit kernels), and CPU workers "
-        "(gpusPerNode: 0) have none — no GPU is visible here (nvidia-smi, "
-        "CUDA_VISIBLE_DEVICES), so `finetune run` would train on CPU processes: run it where "
-        "one is")
+        "(gpusPerNode: 0) have none — no GPU is visible here (CUDA_VISIBLE_DEVICES, else "
+        "nvidia-smi), so `finetune run` would train on CPU processes: run it where one is")
     zero2 = job(nodes=1, gpus=2).model_copy(deep=True)
     zero2.spec.strategy.type, zero2.spec.strategy.precision = "zero2", "fp16"
     with pytest.raises(MachineMismatch, match=r"^spec.strategy.precision: fp16 under DeepSpeed"):

@@ -312,9 +312,10 @@ def run_command(file: str, nproc: int | None, fresh: bool, verbose: bool) -> Non
     Ctrl-C (or SIGTERM) checkpoints at the next step and exits 143 with one line saying
     where; running the same command again resumes from that checkpoint. A worker that
     fails (an exception, an OOM kill, kill -9) restarts all of them from the newest
-    complete checkpoint, up to spec.runPolicy.backoffLimit times. Checkpoints trained with
-    other settings (another LoRA rank, model, strategy, ...) are never resumed: the run is
-    refused, naming them.
+    complete checkpoint, up to spec.runPolicy.backoffLimit times; a model or data the
+    trainer refuses is said once and not restarted. Checkpoints trained with other settings
+    (another LoRA rank, model, strategy, ...) are never resumed: the run is refused, naming
+    them.
     """
     from finetune_operator import local
     from finetune_operator.validation import InvalidJobError
@@ -378,8 +379,16 @@ def run_command(file: str, nproc: int | None, fresh: bool, verbose: bool) -> Non
         click.echo(local.stopped_message(output_dir), err=True)
     else:
         mark_failed(output_dir)
-        click.echo(f"training failed (exit {code}); see the log above", err=True)
+        click.echo(f"training failed (exit {code}): {_failure_hint(code)}", err=True)
     sys.exit(code)
+
+
+def _failure_hint(code: int) -> str:
+    from finetune_operator import local
+
+    if code in local.NOT_RESTARTED:
+        return "the line above names the setting; no restart would change it, so none was made"
+    return "the line above names the rank and the cause; the log above has the rest"
 
 
 def _the_job_to_run(file: str) -> tuple[Document, FineTuneJob]:

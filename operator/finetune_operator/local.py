@@ -40,6 +40,7 @@ from finetune_operator.trainer_config import (
 )
 from finetune_operator.validation import InvalidJobError
 from finetune_trainer.config import TrainerConfig
+from finetune_trainer.errors import EXIT_BAD_INPUT, EXIT_OTHER_CHECKPOINTS
 from finetune_trainer.fetch import complete_copy, hub_repo
 from finetune_trainer.layout import (
     FINAL_DIR,
@@ -268,14 +269,14 @@ def write_config(config: TrainerConfig, output_dir: Path) -> Path:
     return path
 
 
-def trainer_command(config_path: Path, processes: int, max_restarts: int = 0) -> list[str]:
-    """torchrun on this machine. `max_restarts` (the job's runPolicy.backoffLimit): when a
-    worker fails (an exception, an OOM kill, `kill -9`), torchrun stops the others and starts
-    them all again, up to that many times; they resume from the newest complete checkpoint
-    (each rank sees TORCHELASTIC_RESTART_COUNT and says so in the log)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={processes}", f"--max-restarts={max_restarts}",
-            "-m", "finetune_trainer", "--config", str(config_path)]
+def trainer_command(config_path: Path, processes: int) -> list[str]:
+    """torchrun on this machine, through the launcher the pods use
+    (finetune_trainer.launch): it ends with the failed worker's own exit code where that
+    names the cause, and one line saying which rank failed and why. No torchrun restarts:
+    `run_trainer` decides those, and skips the failures no restart can help."""
+    return [sys.executable, "-m", "finetune_trainer.launch", "--standalone",
+            f"--nproc-per-node={processes}", "-m", "finetune_trainer",
+            "--config", str(config_path)]
 
 
 def preflight_command(config_path: Path) -> list[str]:
@@ -437,16 +438,13 @@ def run_step(command: list[str], log_path: Path, verbose: bool) -> int:
 
 
 def worker_env(processes: int, verbose: bool, on_gpus: bool = True) -> dict[str, str]:
-    """The environment of torchrun and the workers. torchrun's agent hosts one TCPStore for
-    every attempt by default, and the process group's keys (each rank's address) survive a
-    restart there: a restarted rank can read its peer's from the failed attempt and fail to
-    connect (pytorch/pytorch#135712). With sharing off, every attempt's rank 0 hosts a fresh
-    store on a fresh port. Not `on_gpus` (a job of CPU workers): no GPU is visible to them,
+    """The environment of torchrun and the workers: after Ctrl-C, SHUTDOWN_TIMEOUT_SECONDS
+    to checkpoint. Not `on_gpus` (a job of CPU workers): no GPU is visible to them,
     or each would take the GPU of its local rank (the trainer uses any it sees), which a
     machine with fewer GPUs than workers does not have. Without `verbose`: the cores shared
     out between the workers (what torchrun's banner asks for) and library FutureWarnings
     off, unless set already."""
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env = {**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(SHUTDOWN_TIMEOUT_SECONDS)}
     if not on_gpus:
         env["CUDA_VISIBLE_DEVICES"] = ""
     if not verbose:
@@ -456,17 +454,45 @@ def worker_env(processes: int, verbose: bool, on_gpus: bool = True) -> dict[str,
     return env
 
 
+SHUTDOWN_TIMEOUT_SECONDS = 120
+"""How long the workers have after Ctrl-C to finish their step and checkpoint before
+torchrun kills them (its default is 30 s, less than a large model's checkpoint takes)."""
+NOT_RESTARTED = (EXIT_BAD_INPUT, EXIT_OTHER_CHECKPOINTS)
+"""Exit codes no restart can change: the model or the data refused, checkpoints of other
+settings in the output folder."""
+
+
 def run_trainer(config_path: Path, processes: int, log_path: Path, max_restarts: int = 0,
                 verbose: bool = True, lock: int | None = None, on_gpus: bool = True) -> int:
-    """Run torchrun in its own session; Ctrl-C or SIGTERM here becomes a SIGTERM there, so
-    the workers checkpoint at the next step boundary and exit (143). A signal to torchrun
-    itself never restarts the workers; a failed worker does, up to `max_restarts` times.
-    Every line goes to `log_path` (RunLog); without `verbose`, the terminal gets them
-    through `QuietLog`. `lock`: the output folder's (`run_lock.hold`), held by torchrun
-    too. `on_gpus`: False for a job of CPU workers (`worker_env`)."""
-    child = subprocess.Popen(trainer_command(config_path, processes, max_restarts),
-                             start_new_session=True,
-                             env=worker_env(processes, verbose, on_gpus),
+    """The workers, started again from the newest complete checkpoint after a failure (an
+    exception, an OOM kill, `kill -9`), up to `max_restarts` times (the job's
+    runPolicy.backoffLimit), except for the failures in NOT_RESTARTED; each rank's
+    finetune_restarts metric counts the attempts (FINETUNE_RESTARTS). Ctrl-C or SIGTERM
+    ends it (EXIT_STOPPED) and is never restarted. Every line goes to `log_path` (RunLog);
+    without `verbose`, the terminal gets them through `QuietLog`. `lock`: the output
+    folder's (`run_lock.hold`), held by the workers too. `on_gpus`: False for a job of CPU
+    workers (`worker_env`)."""
+    restarts = 0
+    while True:
+        env = {**worker_env(processes, verbose, on_gpus), "FINETUNE_RESTARTS": str(restarts)}
+        code = _run_attempt(trainer_command(config_path, processes), env, log_path, lock,
+                            verbose)
+        if code in (0, EXIT_STOPPED, *NOT_RESTARTED) or restarts == max_restarts:
+            return code
+        restarts += 1
+        line = (f"finetune run: a worker failed (exit {code}); restarting every worker from "
+                f"the newest complete checkpoint: restart {restarts} of at most "
+                f"{max_restarts} (spec.runPolicy.backoffLimit)\n")
+        sys.stderr.write(line)
+        with contextlib.closing(RunLog(log_path)) as keep:
+            keep.write(line)
+
+
+def _run_attempt(command: list[str], env: dict[str, str], log_path: Path,
+                 lock: int | None, verbose: bool) -> int:
+    """One torchrun, in its own session; Ctrl-C or SIGTERM here becomes a SIGTERM there, so
+    the workers checkpoint at the next step boundary and exit: EXIT_STOPPED."""
+    child = subprocess.Popen(command, start_new_session=True, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              errors="replace", pass_fds=() if lock is None else (lock,))
     stopped = False

@@ -60,7 +60,7 @@ def test_torchrun_rendezvous_at_rank_zero():
     assert values["PET_NODE_RANK"] == {"fieldRef": {"fieldPath": backend.COMPLETION_INDEX}}
     assert values["PET_MASTER_ADDR"] == "demo-0.demo.default.svc"
     container = pod(doc)["containers"][0]
-    assert container["command"] == ["torchrun"]
+    assert container["command"] == ["python", "-m", "finetune_trainer.launch"]
     assert "--node-rank=$(PET_NODE_RANK)" in container["args"]
     assert container["args"][-3:] == ["-m", "finetune_trainer", "--config=$(FINETUNE_CONFIG)"]
     service = objects(doc)["Service"]["spec"]

@@ -331,8 +331,7 @@ GATED = ("finetune-train: spec.model.tokenSecretRef: hf://meta-llama/Llama-3.1-8
 
 def test_the_hubs_refusal_of_the_model_fails_the_job_at_once():
     """Exit 2 of fetch-model (no such model or revision, a gated model without a token): a
-    restart would only ask again, so it is a refusal, with the fetch's own line; the trainer's
-    own exit 2 stays a worker failure."""
+    restart would only ask again, so it is a refusal, with the fetch's own line."""
     refused = pod("demo-0-a", "Failed", initContainerStatuses=[
         {"name": "resume-check", "state": {"terminated": {"exitCode": 0}}},
         {"name": "fetch-model", "state": {"terminated": {
@@ -342,9 +341,8 @@ def test_the_hubs_refusal_of_the_model_fails_the_job_at_once():
     failure = pod_failure(refused)
     assert (failure.kind, failure.reason) == ("refused", "ModelRefused")
     assert failure.message == GATED.removeprefix("finetune-train: ")
-    assert pod_failure(pod("demo-0-b", "Failed", **terminated(2))).kind == "worker"
     by_policy = failed_by_policy("Container fetch-model for pod t-1/demo-0-a failed with "
-                                 "exit code 2 matching FailJob rule at index 3")
+                                 "exit code 2 matching FailJob rule at index 4")
     failure = observe(by_policy, [], nodes=2).failure
     assert failure.kind == "refused" and "spec.model" in failure.message
 
@@ -379,3 +377,22 @@ def test_the_job_is_named_where_users_look():
         ref = observe(workload, [pod("demo-0-y", "Running")], nodes=1).backend_ref
         assert (ref.kind, ref.name) == ("Job", "demo")
     assert observe(None, [], nodes=1).backend_ref is None
+
+
+BAD_LINE = ("finetune-train: /data/chats.jsonl:7: is not valid JSON (Expecting ',' delimiter, "
+            "column 40) — fix that line, or remove it")
+
+
+def test_the_trainers_refusal_of_the_data_fails_the_job_at_once():
+    """Exit 2 of the trainer container (passed on by finetune_trainer.launch): the model or
+    the data cannot be used, on any attempt; the launcher's last line is the message. The
+    run itself: tests/backends/test_trainer_pod.py."""
+    failure = pod_failure(pod("demo-0-b", "Failed", **terminated(2, message=BAD_LINE)))
+    assert (failure.kind, failure.reason) == ("refused", "InputRefused")
+    assert failure.message == BAD_LINE.removeprefix("finetune-train: ")
+    by_policy = failed_by_policy("Container trainer for pod t-1/demo-0-b failed with "
+                                 "exit code 2 matching FailJob rule at index 3")
+    failure = observe(by_policy, [], nodes=2).failure
+    assert (failure.kind, failure.reason) == ("refused", "InputRefused")
+    assert "its log names the field" in failure.message
+    assert pod_failure(pod("demo-0-b", "Failed", **terminated(1))).kind == "worker"

@@ -38,7 +38,7 @@ async def test_apply_creates_the_workers_and_reports_progress(testbed: Testbed):
     nodes = testbed.manifest()["spec"]["resources"]["nodes"]
     assert job["spec"]["completions"] == nodes and job["spec"]["completionMode"] == "Indexed"
     container = job["spec"]["template"]["spec"]["containers"][0]
-    assert container["command"] == ["torchrun"]
+    assert container["command"] == ["python", "-m", "finetune_trainer.launch"]
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["PET_NNODES"] == str(nodes)
     assert env["PET_MASTER_ADDR"] == f"demo-0.demo.{testbed.namespace}.svc"

@@ -235,18 +235,25 @@ class EmulatedTestbed(Testbed):
         await self.operator.start()
 
 
-# The trainer processes on a worker, SIGKILLed after the message is left where the kubelet
-# reads a termination message: what an uncaught CUDA error does to a real worker.
+# The trainer processes on a worker, SIGKILLed after the message is left where each reports
+# its failure (torchrun's error file, errors.record_failure): what an uncaught CUDA error
+# does to a real worker, as finetune_trainer.launch then says it in the termination message.
 KILL_TRAINER = """
-import os, signal, sys
-open("/dev/termination-log", "w").write(sys.argv[1])
+import json, os, signal, sys, time
 for pid in filter(str.isdigit, os.listdir("/proc")):
     try:
         cmdline = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\\0", b" ")
+        environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\\0")
     except OSError:
         continue
-    if b"-m finetune_trainer" in cmdline and int(pid) != os.getpid() and b"torchrun" not in cmdline:
-        os.kill(int(pid), signal.SIGKILL)
+    if (b"-m finetune_trainer " not in cmdline or b"finetune_trainer.launch" in cmdline
+            or int(pid) == os.getpid()):
+        continue
+    for entry in environ:
+        if entry.startswith(b"TORCHELASTIC_ERROR_FILE="):
+            with open(entry.split(b"=", 1)[1], "w") as error_file:
+                json.dump({"message": sys.argv[1], "timestamp": int(time.time())}, error_file)
+    os.kill(int(pid), signal.SIGKILL)
 """
 
 

@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -142,6 +143,20 @@ def uninterrupted(tiny_model_dir, tmp_path_factory) -> Path:
     return where / "out"
 
 
+def test_a_checkpoint_written_behind_is_complete_before_the_next_save(uninterrupted):
+    """Once every rank's write has ended, the checkpoint is made complete at that step
+    boundary: it completed only at the next save, so a crash between two saves resumed
+    from the one before (kill -9 at step 19 of every 10: from step 0, not 10). A write
+    of the tiny model takes a few steps; at least one of the five must beat the next save
+    by a whole interval."""
+    text = (uninterrupted.parent / "run.log").read_text()
+    early = [n for n in range(EVERY, STEPS, EVERY)
+             if f"checkpoints/step-{n:08d}: staged in" in text
+             and text.index(f"checkpoints/step-{n:08d}: staged in")
+             < text.index(f"step {n + EVERY}/{STEPS} |")]
+    assert early, text[-4000:]
+
+
 def test_kill_9_of_one_rank_restarts_the_gang_from_the_last_checkpoint(
         uninterrupted, tiny_model_dir, tmp_path, launch):
     output = tmp_path / "out"
@@ -174,7 +189,10 @@ def test_kill_9_of_one_rank_restarts_the_gang_from_the_last_checkpoint(
     text = log.read_text()
     assert process.returncode == 0, text[-4000:]
     assert not victim.is_running()
-    assert "restart 1 of at most 3 (spec.runPolicy.backoffLimit): a worker failed" in text
+    assert re.search(r"finetune-train: rank 1 was ended by SIGKILL .*\n"
+                     r"finetune run: a worker failed \(exit 1\); restarting every worker from "
+                     r"the newest complete checkpoint: restart 1 of at most 3 "
+                     r"\(spec.runPolicy.backoffLimit\)", text), text[-4000:]
     resumed = [line for line in text.splitlines() if line.startswith("resuming from")]
     assert len(resumed) == 1, resumed
     resumed_from = int(resumed[0].split("step-")[1][:8])
@@ -319,12 +337,26 @@ def test_restart_count_reaches_the_metrics_from_torchrun_and_the_operator(monkey
     assert metrics.registry.get_sample_value("finetune_restarts", labels) == 2
 
 
-def test_finetune_run_passes_the_restart_budget_to_torchrun():
-    from finetune_operator.local import trainer_command
+def test_refused_data_is_not_restarted(tiny_model_dir, tmp_path):
+    """The workers' refusal of the data (exit 2) ends the run at once with their line:
+    torchrun's restarts repeated it backoffLimit times (`finetune run` checks the data
+    first, so here the workers are started by hand on a config the check never saw)."""
+    from finetune_operator.local import local_config, run_trainer, write_config
+    from finetune_operator.validation import parse_job
 
-    command = trainer_command(Path("/out/.finetune/trainer.yaml"), 2, max_restarts=3)
-    assert "--max-restarts=3" in command
-    assert command.index("--max-restarts=3") < command.index("finetune_trainer")
+    data = tmp_path / "chats.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n[1, 2]\n')
+    job = manifest(tiny_model_dir, tmp_path / "out", steps=4)
+    job["spec"]["dataset"]["uri"] = str(data)
+    config, _ = local_config(parse_job(job), tmp_path)
+    log = tmp_path / "run.log"
+    assert run_trainer(write_config(config, tmp_path / "out"), 2, log, max_restarts=3,
+                       on_gpus=False) == 2
+    text = log.read_text()
+    assert "restarting every worker" not in text, text[-3000:]
+    assert text.strip().splitlines()[-1] == (
+        f"finetune-train: {data}:2: is a JSON list, not an object — write one JSON object "
+        "per line"), text[-3000:]
 
 
 def test_a_failed_write_says_where_why_and_where_a_rerun_resumes(tmp_path):

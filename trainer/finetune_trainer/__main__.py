@@ -1,13 +1,15 @@
 """`finetune-train --config FILE`: one worker process of a fine-tune.
 
-Started by torchrun (Kubernetes pods, `finetune run`) or by Azure ML's launcher; reads
-the standard RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT environment.
-Exit codes: 0 done, 2 bad input (nothing was started), 3 the network failed the
-collective preflight (below spec.preflight.minBusBandwidthGBps, or no InfiniBand where
-it was required), 4 the output folder holds checkpoints trained with other settings
-(nothing was started; no restart can help), 143 stopped by SIGTERM after a checkpoint,
-1 anything else (a full output volume among them: said in one line naming the folder, not
-a traceback).
+Started by torchrun (through `finetune_trainer.launch` in the pods and in `finetune run`)
+or by Azure ML's launcher; reads the standard RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
+MASTER_PORT environment. Each failure is said in one line, also left in torchrun's error
+file for the launcher (finetune_trainer.errors).
+Exit codes: 0 done, 2 bad input (the model or the data; no restart can help), 3 the
+network failed the collective preflight (below spec.preflight.minBusBandwidthGBps, or no
+InfiniBand where it was required), 4 the output folder holds checkpoints trained with other
+settings (nothing was started; no restart can help), 143 stopped by SIGTERM after a
+checkpoint, 1 anything else (a full output volume among them: said in one line naming the
+folder, not a traceback).
 
 `--fetch-model` (the pods' init container, `finetune run`) downloads an hf:// model into
 the output folder once (finetune_trainer.fetch); the workers then read that copy, never the
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import contextlib
 import errno
 import os
 import signal
@@ -27,26 +28,20 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from finetune_trainer.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_NETWORK,
+    EXIT_OTHER_CHECKPOINTS,
+    STOPPED,
+    failed,
+    record_failure,
+)
+
 if TYPE_CHECKING:
     from finetune_trainer.config import TrainerConfig
 
-EXIT_BAD_INPUT = 2
-EXIT_NETWORK = 3
-EXIT_OTHER_CHECKPOINTS = 4
-EXIT_FAILED = 1
-STOPPED = 143
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-
-
-def restart_note(environ) -> str | None:
-    """The line rank 0 prints when torchrun restarted the workers after one failed."""
-    count = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if environ.get("RANK", "0") != "0" or not count.isdigit() or int(count) == 0:
-        return None
-    limit = environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
-    return (f"finetune-train: restart {count} of at most {limit} (spec.runPolicy."
-            "backoffLimit): a worker failed, so torchrun restarted every worker; training "
-            "resumes from the newest complete checkpoint")
 
 
 def bind_locations(config, pairs: list[str]):
@@ -70,15 +65,6 @@ def bind_locations(config, pairs: list[str]):
             raise ValueError(f"{section}.uri {part.uri!r} needs --location "
                              f"{missing.args[0]}=PATH") from None
     return config.model_copy(update=update)
-
-
-def _termination_message(text: str) -> None:
-    """Where the kubelet reads why a container ended (`terminationMessagePath`), so the
-    FineTuneJob's status says it in full; nothing happens outside a pod."""
-    path = Path("/dev/termination-log")
-    if path.exists():
-        with contextlib.suppress(OSError):
-            path.write_text(text[:4000])
 
 
 def _fetch(config: TrainerConfig, output_dir: Path) -> int:
@@ -106,9 +92,8 @@ def _fetch(config: TrainerConfig, output_dir: Path) -> int:
               file=sys.stderr, flush=True)
         os._exit(STOPPED)  # the download threads are not waited for
     except fetch.FetchError as error:
-        print(f"finetune-train: {error}", file=sys.stderr, flush=True)
-        _termination_message(str(error))
-        return EXIT_BAD_INPUT if error.permanent else EXIT_FAILED
+        return failed(str(error), EXIT_BAD_INPUT if error.permanent else EXIT_FAILED,
+                      termination=True)
     except OSError as error:  # the volume's: full, read-only, not permitted
         if error.errno is None:
             raise
@@ -116,10 +101,8 @@ def _fetch(config: TrainerConfig, output_dir: Path) -> int:
         fix = ("free space on the output volume or point spec.output.uri at a larger one"
                if error.errno in DISK_FULL else "point spec.output.uri at a volume the "
                "workers can write (on a cluster, a pvc:// claim)")
-        line = f"{output_dir}: {error.strerror}{where} while fetching {config.model.uri} — {fix}"
-        print(f"finetune-train: {line}", file=sys.stderr, flush=True)
-        _termination_message(line)
-        return EXIT_FAILED
+        return failed(f"{output_dir}: {error.strerror}{where} while fetching "
+                      f"{config.model.uri} — {fix}", EXIT_FAILED, termination=True)
     return 0
 
 
@@ -166,14 +149,21 @@ def _disk_full(error: OSError, output: Path) -> int:
     from finetune_trainer.layout import checkpoint_root
 
     where = f" ({error.filename})" if error.filename else ""
-    print(f"finetune-train: {output}: {error.strerror}{where} — free space on the output "
-          "volume or point spec.output.uri at a larger one, "
-          "then run the job again: it resumes from the newest complete checkpoint in "
-          f"{checkpoint_root(output)}", file=sys.stderr, flush=True)
-    return EXIT_FAILED
+    return failed(f"{output}: {error.strerror}{where} — free space on the output volume or "
+                  "point spec.output.uri at a larger one, then run the job again: it resumes "
+                  f"from the newest complete checkpoint in {checkpoint_root(output)}",
+                  EXIT_FAILED)
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except Exception as error:  # raised again: its traceback still goes to stderr
+        record_failure(f"{type(error).__name__}: {error}")
+        raise
+
+
+def _main(argv: list[str] | None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if not args.config and not args.config_base64:
@@ -182,8 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         config, base_dir = _load(args)
     except (OSError, ValueError) as error:
         source = "--config-base64" if args.config_base64 else args.config
-        print(f"finetune-train: {source}: {error}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return failed(f"{source}: {error}", EXIT_BAD_INPUT)
     from finetune_trainer.fetch import name_hub_model, with_local_copy
     from finetune_trainer.layout import resolve_output
 
@@ -205,9 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         output, config,
         "set spec.output.uri to a new folder, or move its checkpoints/ away to start over")
     if refused:
-        print(f"finetune-train: {refused}", file=sys.stderr, flush=True)
-        _termination_message(refused)
-        return EXIT_OTHER_CHECKPOINTS
+        return failed(refused, EXIT_OTHER_CHECKPOINTS, termination=True)
     if args.check_resume:
         return 0
     # the copy fetched into the output folder, where there is one: no hub request at all
@@ -218,21 +205,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"preflight: {len(prepared.train)} training sequences, "
                   f"{len(prepared.eval)} eval sequences; model and data look usable")
             return 0
-        if note := restart_note(os.environ):
-            print(note, flush=True)
         code = run(config, base_dir)
         if code == 0 and os.environ.get("RANK", "0") == "0":
             name_hub_model(output / FINAL_DIR, config)
         return code
     except (DataError, ModelError) as error:
-        print(f"finetune-train: {error}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return failed(str(error), EXIT_BAD_INPUT)
     except PreflightError as error:
-        print(f"finetune-train: collective preflight: {error}", file=sys.stderr, flush=True)
-        return EXIT_NETWORK
+        return failed(f"collective preflight: {error}", EXIT_NETWORK)
     except CheckpointError as error:
-        print(f"finetune-train: {error}", file=sys.stderr, flush=True)
-        return EXIT_FAILED
+        return failed(str(error), EXIT_FAILED)
     except OSError as error:
         if error.errno not in DISK_FULL:
             raise

@@ -95,9 +95,11 @@ class Checkpointer:
     engine of ours under DeepSpeed: deepspeed_saves.py) where the host has room for that
     copy (`staging_refused`); a thread writes them while the next steps train. The
     checkpoint is made complete (renamed, `trainer_state.json` written) only in `finish`,
-    after every rank's write ended: at the next save, at the end of training and before a
-    SIGTERM exit. So a checkpoint is still complete or absent, at most one is in flight,
-    `keepLast` prunes only after the newer one is complete, and a failed write is a
+    after every rank's write ended: at the first step boundary where every rank's has (the
+    loop asks `writing` in its per-step agreement), else at the next save, at the end of
+    training and before a SIGTERM exit (a crash between saves resumes from the newest one,
+    not the one before it). So a checkpoint is still complete or absent, at most one is in
+    flight, `keepLast` prunes only after the newer one is complete, and a failed write is a
     `CheckpointError` (raised when its write is waited for).
     """
 
@@ -161,6 +163,11 @@ class Checkpointer:
         if pending.write is None:  # written already (SIGTERM's, or a synchronous one)
             self.finish()
         return pending.final
+
+    def writing(self) -> bool:
+        """This rank's part of the checkpoint in flight is still being written."""
+        pending = self._pending
+        return pending is not None and pending.write is not None and not pending.write.done()
 
     def finish(self) -> Path | None:
         """Collective: complete the checkpoint in flight, if one is. Waits for this rank's

@@ -25,8 +25,8 @@ SECONDS = (0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600)
 
 def gang_restarts(environ) -> int:
     """Restarts before this run: FINETUNE_RESTARTS (the operator's, when it recreated the
-    pods) plus TORCHELASTIC_RESTART_COUNT (torchrun's, restarting its local workers in place
-    after one failed: `finetune run`)."""
+    pods; `finetune run`'s, when it started torchrun again) plus TORCHELASTIC_RESTART_COUNT
+    (torchrun's own, where someone runs it with --max-restarts)."""
     def count(name: str) -> int:
         try:
             return max(0, int(environ.get(name) or 0))

@@ -102,23 +102,29 @@ class StopRequest:
     def _handle(self, signum, frame) -> None:
         self.requested = True
 
-    def agree(self, group) -> _Agreement:
+    def agree(self, group, writing: bool = False) -> _Agreement:
         """Start agreeing (all ranks, asynchronously) on whether any rank was told to
-        stop; every rank stops after the same step."""
-        return _Agreement(self.requested, group)
+        stop, so every rank stops after the same step; and on whether every rank's
+        background checkpoint write has ended (`writing`: this rank's has not)."""
+        return _Agreement(self.requested, writing, group)
 
 
 class _Agreement:
-    def __init__(self, requested: bool, group) -> None:
+    def __init__(self, requested: bool, writing: bool, group) -> None:
         import torch
         import torch.distributed as dist
 
-        self.flag = torch.tensor([1.0 if requested else 0.0])
-        self.work = dist.all_reduce(self.flag, group=group, async_op=True)
+        self.flags = torch.tensor([float(requested), float(writing)])
+        self.work = dist.all_reduce(self.flags, group=group, async_op=True)
+        self.written = False
+        """After `wait`: no rank is still writing its part of a checkpoint."""
 
     def wait(self) -> bool:
+        """Whether any rank was told to stop."""
         self.work.wait()
-        return bool(self.flag.item() > 0)
+        stop, writing = self.flags.tolist()
+        self.written = writing == 0
+        return stop > 0
 
 
 class StepCounts:
@@ -426,6 +432,7 @@ class Trainer:
         self.config, self.base_dir, self.hp = config, base_dir, config.hyperparameters
         self.prepared = preflight(config, base_dir)
         self.stop = StopRequest()
+        self.checkpoint_written = False  # at the last step's end, on every rank
         self.output_dir = resolve_output(config.output.uri, base_dir)
         nccl_log = _network_env(config, self.output_dir)
         self.device = init_distributed()
@@ -572,7 +579,8 @@ class Trainer:
         log, strategy = self.log, self.strategy
         log.mark(begin=True)
         (epoch, step_in_epoch), (mine, micro_batches) = next(self.steps_ahead)
-        agreement = self.stop.agree(self.control)  # overlaps the step; waited for at its end
+        # overlaps the step; waited for at its end
+        agreement = self.stop.agree(self.control, writing=self.checkpoints.writing())
         # every rank knows the whole global batch: the token count the loss is normalised
         # by needs no collective
         counts = self.counts.of_step(epoch, step_in_epoch)
@@ -591,6 +599,7 @@ class Trainer:
         if self.profiler is not None:
             self.profiler.step()
         stopping = agreement.wait()
+        self.checkpoint_written = agreement.written
         self.state = self._advanced(epoch, step_in_epoch, counts[0])
         log.step_done(sampled, counts, self.counts.of_indices(mine),
                       sum(len(indices) for indices in mine))
@@ -624,6 +633,8 @@ class Trainer:
                 self.log.log(self.grad_norm)
             if hp.eval_every_steps and step % hp.eval_every_steps == 0 and not last:
                 self.evaluate(f"eval at step {step}: loss")
+            if self.checkpoint_written:  # the one written behind: complete it, everywhere
+                self.checkpoints.finish()
             self.checkpoints.maybe_save(self.state, last, stopping)
             if stopping:
                 return self._stopped(f"stopped by SIGTERM after step {step}; a restart "

@@ -151,6 +151,16 @@ def _metrics_ports(processes: int, first: int) -> list[dict[str, Any]]:
             for k in range(max(processes, 1))]
 
 
+def shutdown_timeout(settings: OperatorSettings) -> int:
+    """Seconds torchrun gives its workers after SIGTERM before it kills them: what is left
+    of the pod's termination grace period once they have (the kubelet's SIGKILL ends the
+    launcher itself)."""
+    return max(settings.termination_grace_seconds - SHUTDOWN_MARGIN_SECONDS, 1)
+
+
+SHUTDOWN_MARGIN_SECONDS = 15
+
+
 def _env(job: FineTuneJob, settings: OperatorSettings) -> list[dict[str, Any]]:
     spec = job.spec
     resources = spec.resources
@@ -169,6 +179,10 @@ def _env(job: FineTuneJob, settings: OperatorSettings) -> list[dict[str, Any]]:
         {"name": "XDG_CACHE_HOME", "value": f"{CACHE_DIR}/cache"},
         {"name": "TORCH_EXTENSIONS_DIR", "value": f"{CACHE_DIR}/torch_extensions"},
         {"name": "TORCH_NCCL_ASYNC_ERROR_HANDLING", "value": "1"},
+        # after SIGTERM (suspension, preemption, a drain) the workers finish their step and
+        # checkpoint; torchrun kills them after 30 s unless told to wait (the pod's grace
+        # period, less the launcher's own exit)
+        {"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": str(shutdown_timeout(settings))},
         {"name": "NCCL_DEBUG", "value": "WARN"},
         # the trainer's finetune_restarts series: which attempt this is
         {"name": "FINETUNE_RESTARTS", "value": str(job.status.restarts if job.status else 0)},
@@ -268,13 +282,16 @@ def _worker_volumes(job: FineTuneJob) -> tuple[list[dict[str, Any]], list[dict[s
 
 def _trainer_container(job: FineTuneJob, settings: OperatorSettings,
                        mounts: list[dict[str, Any]]) -> dict[str, Any]:
-    """torchrun with the PET_* flags Kubeflow users know, non-root, read-only root."""
+    """torchrun with the PET_* flags Kubeflow users know, non-root, read-only root; through
+    finetune_trainer.launch, so the pod ends with the workers' own exit code where it names
+    the cause (bad input, other settings' checkpoints; 143 after SIGTERM) and the termination
+    message says which rank failed and why: torchrun says exit 1 for all of them."""
     k8s = job.spec.kubernetes
     resources, capabilities = _container_resources(job, settings)
     container: dict[str, Any] = {
         "name": TRAINER_CONTAINER,
         "image": (k8s.image if k8s and k8s.image else settings.trainer_image),
-        "command": ["torchrun"],
+        "command": ["python", "-m", "finetune_trainer.launch"],
         "args": ["--nnodes=$(PET_NNODES)", "--nproc-per-node=$(PET_NPROC_PER_NODE)",
                  "--node-rank=$(PET_NODE_RANK)", "--master-addr=$(PET_MASTER_ADDR)",
                  "--master-port=$(PET_MASTER_PORT)", "-m", "finetune_trainer",
@@ -432,6 +449,10 @@ def worker_job(job: FineTuneJob, settings: OperatorSettings) -> dict[str, Any]:
                     "values": [STOPPED_EXIT_CODE]}},
                 {"action": "FailJob", "onExitCodes": {
                     "operator": "In", "values": [OTHER_CHECKPOINTS_EXIT_CODE]}},
+                # the model or the data cannot be used: the same on every attempt
+                {"action": "FailJob", "onExitCodes": {
+                    "containerName": TRAINER_CONTAINER, "operator": "In",
+                    "values": [BAD_INPUT_EXIT_CODE]}},
                 *_fetch_refused_rule(job),
             ]},
             # Kueue admits a suspended Job by unsuspending it; a suspended FineTuneJob too
@@ -458,6 +479,11 @@ STOPPED_EXIT_CODE = 143
 OTHER_CHECKPOINTS_EXIT_CODE = 4
 """finetune-train's refusal: the output folder holds checkpoints trained with other
 settings. No restart can help."""
+BAD_INPUT_EXIT_CODE = 2
+"""The trainer's refusal of the model or the data (finetune_trainer.errors.EXIT_BAD_INPUT),
+passed on by the launcher; no restart can help."""
+INPUT_REFUSED = "InputRefused"
+"""The Failed condition's reason when the trainer refused the model or the data."""
 MODEL_REFUSED = "ModelRefused"
 """The Failed condition's reason when the hub refused the model."""
 FETCH_REFUSED_EXIT_CODE = 2
@@ -515,6 +541,10 @@ def pod_failure(pod: dict[str, Any]) -> Failure | None:
     if code == OTHER_CHECKPOINTS_EXIT_CODE:
         return Failure("refused", tail[0].removeprefix("finetune-train: ")[:1000]
                        or f"{name}: the output folder holds checkpoints of other settings")
+    if (container, code) == (TRAINER_CONTAINER, BAD_INPUT_EXIT_CODE):
+        return Failure("refused", tail[0].removeprefix("finetune-train: ")[:1000]
+                       or f"{name}: the trainer refused the model or the data (its log "
+                       "says which field)", reason=INPUT_REFUSED)
     if (container, code) == (FETCH_MODEL_CONTAINER, FETCH_REFUSED_EXIT_CODE):
         return Failure("refused", tail[0].removeprefix("finetune-train: ")[:1000]
                        or f"{name}: the hub refused spec.model (its name, revision or token)",
@@ -652,6 +682,11 @@ def job_failure(failed: dict[str, Any]) -> Failure:
     if reason == "PodFailurePolicy" and f"exit code {OTHER_CHECKPOINTS_EXIT_CODE}" in message:
         return Failure("refused", f"{text}: the output folder holds checkpoints trained with "
                        "other settings — set spec.output.uri to a new folder")
+    if reason == "PodFailurePolicy" and (
+            f"Container {TRAINER_CONTAINER} " in message
+            and f"exit code {BAD_INPUT_EXIT_CODE}" in message):
+        return Failure("refused", f"{text}: the trainer refused the model or the data — "
+                       "its log names the field", reason=INPUT_REFUSED)
     if reason == "PodFailurePolicy" and f"Container {FETCH_MODEL_CONTAINER} " in message:
         return Failure("refused", f"{text}: the hub refused spec.model (no such model or "
                        "revision, or a token it does not accept) — the fetch-model "

@@ -1,0 +1,205 @@
+"""The kubernetes backend's worker pod, run on this machine: its init containers and its
+trainer container's own command, args and environment (the volumes as local folders), with
+a tiny model on CPU. What the pod ends with is what the Job's pod failure policy and the
+operator read, so both are asked here about the real exit code and termination message.
+(KWOK's pods, in the control-plane tests, only play them.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from finetune_operator import naming
+from finetune_operator.backends import kubernetes as backend
+from finetune_operator.settings import OperatorSettings
+from finetune_operator.validation import parse_job
+
+pytestmark = pytest.mark.slow
+
+SETTINGS = OperatorSettings()
+
+
+def job(model: Path, data: Path, **hyperparameters: Any) -> dict[str, Any]:
+    """One node of two CPU workers: the kind end-to-end job's shape, the model and data
+    in the image (here: on this machine)."""
+    return {
+        "apiVersion": "finetune.dev/v1alpha1", "kind": "FineTuneJob",
+        "metadata": {"name": "pod-here", "namespace": "ml", "uid": "0f3c-pod-here"},
+        "spec": {
+            "model": {"uri": str(model)},
+            "dataset": {"uri": str(data), "format": "chat", "maxSeqLength": 128},
+            "method": {"type": "lora", "lora": {"r": 4, "alpha": 8}},
+            "strategy": {"type": "ddp", "precision": "fp32", "gradientCheckpointing": False},
+            "hyperparameters": {"batchSizePerDevice": 2, "learningRate": 1.0e-3,
+                                "logEverySteps": 1, **hyperparameters},
+            "resources": {"nodes": 1, "gpusPerNode": 0, "processesPerNode": 2,
+                          "cpu": 1, "memory": "2Gi"},
+            "output": {"uri": "pvc://checkpoints/pod-here", "checkpointEverySteps": 1000},
+        },
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class PodHere:
+    """The rendered pod's containers as processes here: each volume mount a folder under
+    `where`, the ConfigMap's files in its mount, the env as the kubelet sets it (field
+    references: node rank 0; rank 0's Service name: this machine), `$(VAR)` in the
+    command and args expanded as the kubelet does, `python` this interpreter."""
+
+    def __init__(self, doc: dict[str, Any], where: Path):
+        objects = {o["kind"]: o for o in backend.render(parse_job(doc), SETTINGS)}
+        self.pod = objects["Job"]["spec"]["template"]["spec"]
+        self.policy = objects["Job"]["spec"]["podFailurePolicy"]["rules"]
+        trainer = self.pod["containers"][0]
+        self.folders = {m["mountPath"]: where / m["name"] for m in trainer["volumeMounts"]
+                        if m["mountPath"] != "/dev/shm"}
+        for folder in self.folders.values():
+            folder.mkdir(parents=True, exist_ok=True)
+        config_mount = next(m["mountPath"] for m in trainer["volumeMounts"]
+                            if m["name"] == "trainer-config")
+        for key, text in objects["ConfigMap"]["data"].items():
+            (self.folders[config_mount] / key).write_text(self.here(text))
+        config = yaml.safe_load(objects["ConfigMap"]["data"][naming.TRAINER_CONFIG_KEY])
+        self.output = Path(self.here(config["output"]["uri"]))
+        self.log = where / "trainer.log"
+        self.started: list[subprocess.Popen] = []
+
+    def here(self, text: str) -> str:
+        for mount, folder in self.folders.items():
+            text = text.replace(mount, str(folder))
+        return text
+
+    def command(self, container: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
+        env = {**os.environ, "PET_NODE_RANK": "0", "NODE_NAME": "node-0"}
+        for variable in container["env"]:
+            if "value" in variable:
+                env[variable["name"]] = self.here(variable["value"])
+        if "PET_MASTER_ADDR" in env:
+            env.update(PET_MASTER_ADDR="127.0.0.1", PET_MASTER_PORT=str(free_port()))
+        argv = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], part)
+                for part in [*container["command"], *container.get("args", [])]]
+        return [sys.executable if argv[0] == "python" else argv[0], *argv[1:]], env
+
+    def init_containers(self) -> None:
+        for container in self.pod.get("initContainers", []):
+            argv, env = self.command(container)
+            done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+            assert done.returncode == 0, (container["name"], done.stderr[-3000:])
+
+    def start_trainer(self) -> subprocess.Popen:
+        argv, env = self.command(self.pod["containers"][0])
+        with self.log.open("w") as log:
+            self.started.append(subprocess.Popen(argv, env=env, stdout=log,
+                                                 stderr=subprocess.STDOUT,
+                                                 start_new_session=True))
+        return self.started[-1]
+
+    def close(self) -> None:
+        """Whatever still runs (a failed test): the launcher's whole session."""
+        for process in self.started:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=60)
+
+    def terminated(self, code: int) -> dict[str, Any]:
+        """The pod's status as the kubelet reports it: the trainer's exit code, and as its
+        termination message the launcher's last line (what it writes to
+        /dev/termination-log, which a machine outside a pod does not have)."""
+        last = self.log.read_text().strip().splitlines()[-1]
+        return {"metadata": {"name": "pod-here-0-x"}, "status": {
+            "phase": "Failed", "containerStatuses": [{
+                "name": backend.TRAINER_CONTAINER,
+                "state": {"terminated": {"exitCode": code, "reason": "Error",
+                                         "message": last}}}]}}
+
+    def rule_for(self, code: int) -> str:
+        """The Job controller's action for the trainer container's exit code: the first
+        rule whose onExitCodes matches (container named or any), else Count."""
+        for rule in self.policy:
+            match = rule.get("onExitCodes")
+            if match and match.get("containerName") in (None, backend.TRAINER_CONTAINER) and (
+                    (code in match["values"]) == (match["operator"] == "In")):
+                return rule["action"]
+        return "Count"
+
+
+@pytest.fixture()
+def pod_here(tmp_path):
+    pods: list[PodHere] = []
+
+    def make(doc: dict[str, Any]) -> PodHere:
+        pods.append(PodHere(doc, tmp_path / "pod"))
+        return pods[-1]
+
+    yield make
+    for pod in pods:
+        pod.close()
+
+
+def step_reached(output: Path) -> int:
+    try:
+        return json.loads((output / "progress.json").read_text()).get("step") or 0
+    except (OSError, ValueError):
+        return 0
+
+
+def test_bad_data_ends_the_pod_once_with_the_line_that_names_it(tiny_model_dir, tmp_path,
+                                                                pod_here):
+    """A dataset line that is not JSON: the workers refuse it (2); torchrun alone ended with
+    1 and a banner of `=` as the last line, so the gang was restarted backoffLimit times
+    and the FineTuneJob's message was `exited 1 (Error): =====`."""
+    data = tmp_path / "chats.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": [\n')
+    pod = pod_here(job(tiny_model_dir, data, maxSteps=4))
+    pod.init_containers()
+    trainer = pod.start_trainer()
+    code = trainer.wait(timeout=300)
+    said = pod.log.read_text()
+    assert code == backend.BAD_INPUT_EXIT_CODE, said[-3000:]
+    last = said.strip().splitlines()[-1]
+    assert last.startswith(f"finetune-train: {data}:2: is not valid JSON"), said[-3000:]
+    assert pod.rule_for(code) == "FailJob"
+    failure = backend.pod_failure(pod.terminated(code))
+    assert failure.kind == "refused" and failure.reason == backend.INPUT_REFUSED
+    assert failure.message.startswith(f"{data}:2: is not valid JSON")
+
+
+def test_sigterm_checkpoints_and_ends_the_pod_143(tiny_model_dir, pod_here):
+    """What the kubelet does on a suspension, a Kueue preemption or a drain: SIGTERM to the
+    container's first process. torchrun alone ended with 1, so the rule that keeps a
+    suspended Job alive (143: Ignore) never matched a real pod, and the stop was charged
+    to the restart budget as a worker failure."""
+    data = Path(__file__).resolve().parents[2] / "examples/data/tiny-chat.jsonl"
+    pod = pod_here(job(tiny_model_dir, data, maxSteps=400))
+    pod.init_containers()
+    trainer = pod.start_trainer()
+    deadline = time.monotonic() + 300
+    while step_reached(pod.output) < 2:
+        assert trainer.poll() is None, pod.log.read_text()[-3000:]
+        assert time.monotonic() < deadline, pod.log.read_text()[-3000:]
+        time.sleep(0.2)
+    trainer.send_signal(signal.SIGTERM)
+    code = trainer.wait(timeout=300)
+    said = pod.log.read_text()
+    assert code == backend.STOPPED_EXIT_CODE, said[-3000:]
+    stopped_at = re.search(r"stopped by SIGTERM after step (\d+)", said)
+    assert stopped_at, said[-3000:]
+    assert (pod.output / "checkpoints" / f"step-{int(stopped_at[1]):08d}").is_dir()
+    assert pod.rule_for(code) == "Ignore"
+    assert backend.pod_failure(pod.terminated(code)).kind == "stopped"

@@ -1,0 +1,49 @@
+"""How a worker ends: its exit codes, and the one line that says why, left where torchrun's
+launcher (`finetune_trainer.launch`) and the kubelet read it. No torch import: the pods'
+init containers use it too."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_NETWORK = 3
+EXIT_OTHER_CHECKPOINTS = 4
+STOPPED = 143  # 128 + SIGTERM: what Kubernetes and torchrun expect after SIGTERM
+
+TERMINATION_LOG = "/dev/termination-log"
+
+
+def termination_message(text: str) -> None:
+    """Where the kubelet reads why a container ended (`terminationMessagePath`), so the
+    FineTuneJob's status says it in full; nothing happens outside a pod (no such file)."""
+    path = Path(TERMINATION_LOG)
+    if path.exists():
+        with contextlib.suppress(OSError):
+            path.write_text(text[:4000])
+
+
+def record_failure(text: str) -> None:
+    """This worker's reason, in the error file torchrun's agent gave it
+    (TORCHELASTIC_ERROR_FILE, the plain-message form its ProcessFailure reads): the
+    launcher names the first failed rank with it. Nothing outside torchrun."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    with contextlib.suppress(OSError):
+        Path(path).write_text(json.dumps({"message": text, "timestamp": int(time.time())}))
+
+
+def failed(text: str, code: int, *, termination: bool = False) -> int:
+    """Say why this process fails, on stderr and in its error file; `code`, to return."""
+    print(f"finetune-train: {text}", file=sys.stderr, flush=True)
+    record_failure(text)
+    if termination:
+        termination_message(text)
+    return code

@@ -1,0 +1,83 @@
+"""`python -m finetune_trainer.launch [torchrun's arguments]`: torchrun, ending as its workers did.
+
+torchrun reports every worker failure as its own exit 1 and a SIGTERM to itself as exit 1
+too, after a traceback and a banner whose last line is `=====`. A pod's exit code and its
+termination message (the line a FineTuneJob's status quotes) are then the same for a bad
+dataset, a CUDA crash and a preemption checkpointed in time, and the Job's pod failure
+policy can tell none of them apart. This launcher runs torchrun's own `run` (its flags,
+the PET_* environment defaults) and ends with:
+
+- the failed worker's own exit code where no restart can help (2 bad input, 4 checkpoints
+  of other settings) and 3 for the collective preflight; 1 for anything else;
+- 128 + the signal when it was stopped by one (143 for SIGTERM), as a plain process would;
+- one line naming the first failed rank and why (the worker's message from its error
+  file, `errors.record_failure`), on stderr and in the termination message.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from finetune_trainer import errors
+
+PASSED_ON = (errors.EXIT_BAD_INPUT, errors.EXIT_NETWORK, errors.EXIT_OTHER_CHECKPOINTS)
+"""Worker exit codes the launcher ends with itself: each means the same on every rank and
+every attempt. Others (a crash, a kill) become 1."""
+
+
+def failure_line(rank: int, exitcode: int, message: object) -> str:
+    """What one failed worker said, for a person: its own message for the exit codes that
+    name the input, else the rank, how it ended and its message."""
+    if isinstance(message, dict):  # torch's ErrorHandler nests it with the traceback
+        message = message.get("message", "")
+    text = str(message or "").strip()
+    if text.startswith(("To enable traceback", "Signal ")):  # torch's, where the worker said
+        text = ""                                             # nothing (no error file)
+    if exitcode < 0:
+        name = _signal_name(-exitcode)
+        if text:
+            return f"rank {rank} was ended by {name}: {text}"
+        hint = (" (the kernel's out-of-memory killer sends it when the host runs out of "
+                "memory)" if name == "SIGKILL" else "")
+        return f"rank {rank} was ended by {name}{hint}"
+    if exitcode in PASSED_ON and text:
+        return text
+    if not text:
+        return f"rank {rank} exited {exitcode} (its log above says why)"
+    return f"rank {rank} exited {exitcode}: {text}"
+
+
+def exit_code(exitcode: int) -> int:
+    return exitcode if exitcode in PASSED_ON else errors.EXIT_FAILED
+
+
+def _signal_name(number: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        run(args)
+    except ChildFailedError as error:
+        rank, failure = error.get_first_failure()
+        line = failure_line(rank, failure.exitcode, failure.message)
+        print(f"finetune-train: {line}", file=sys.stderr, flush=True)
+        errors.termination_message(line)
+        return exit_code(failure.exitcode)
+    except SignalException as error:
+        return 128 + int(error.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

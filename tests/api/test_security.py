@@ -179,11 +179,12 @@ def test_every_reserved_variable_is_refused_naming_it(name, how, committed_crd):
 
 
 # What the backend sets that a user may still override (caches, NCCL's logging and
-# transport knobs, the hub token when it is not from tokenSecretRef): everything else it
-# sets decides who is who in the gang and must be reserved.
+# transport knobs, the hub token when it is not from tokenSecretRef, how long torchrun waits
+# for the workers' checkpoint after SIGTERM): everything else it sets decides who is who in
+# the gang and must be reserved.
 TUNABLE = {"HF_HOME", "TRITON_CACHE_DIR", "XDG_CACHE_HOME", "TORCH_EXTENSIONS_DIR",
            "TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_DEBUG", "NCCL_IB_DISABLE",
-           "NCCL_NET_GDR_LEVEL", "HF_TOKEN"}
+           "NCCL_NET_GDR_LEVEL", "HF_TOKEN", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"}
 
 
 def test_every_variable_the_backend_sets_is_reserved_or_a_known_tunable():

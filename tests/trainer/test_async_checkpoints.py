@@ -52,7 +52,7 @@ def test_a_background_save_stages_only_where_the_host_has_room(monkeypatch):
 # --- the Checkpointer on 2 ranks ---------------------------------------------------------
 
 SCRIPT = r'''
-import resource, sys
+import resource, sys, time
 from pathlib import Path
 
 import torch
@@ -62,6 +62,7 @@ from finetune_trainer.checkpoint import (CheckpointError, Checkpointer, TrainerS
                                          complete_checkpoints, load)
 from finetune_trainer.config import Hyperparameters, StrategyConfig
 from finetune_trainer.parallel import build_strategy, init_distributed
+from finetune_trainer.train import StopRequest
 
 out, kind = Path(sys.argv[1]), sys.argv[2]
 root = out / "checkpoints"
@@ -109,6 +110,7 @@ def expect(complete, partial):
 
 
 strategy, scheduler = make()
+stop = StopRequest()
 said = []
 checkpoints = Checkpointer(strategy, scheduler, out, keep_last=1, settings={"job": "t"},
                            say=said.append)
@@ -120,6 +122,14 @@ train(strategy, scheduler)
 at_two, moments_at_two = weights(strategy), moments(strategy)
 checkpoints.save(state(2))  # completes step 1 first: never two in flight
 expect(["step-00000001"], ["step-00000002.partial"])
+# the loop's per-step agreement: while any rank is still writing, no rank completes it...
+agreement = stop.agree(dist.group.WORLD, writing=rank == 0)
+assert not agreement.wait() and not agreement.written
+# ...and once every rank's write has ended, every rank knows at the same step boundary
+while checkpoints.writing():
+    time.sleep(0.01)
+agreement = stop.agree(dist.group.WORLD, writing=checkpoints.writing())
+assert not agreement.wait() and agreement.written
 train(strategy, scheduler)  # the weights change while step 2 is written
 train(strategy, scheduler)
 assert checkpoints.finish().name == "step-00000002"
@@ -194,6 +204,24 @@ def uninterrupted(tiny_model_dir, tmp_path_factory) -> tuple[Path, str]:
     result = finetune_run(every_step_job(tiny_model_dir, where / "out"), where)
     assert result.returncode == 0, result.stdout + result.stderr
     return where / "out", result.stdout
+
+
+@pytest.mark.slow
+def test_a_checkpoint_written_behind_is_complete_at_the_first_step_after_its_write(
+        tiny_model_dir, tmp_path):
+    """Once every rank's write has ended, the loop makes the checkpoint complete at that
+    step boundary. It was completed only at the next save, so a crash between two saves
+    resumed from the one before. Each rank says at the start of a step whether its write is
+    still going, so a write that ends during step n completes the checkpoint at the end of
+    step n + 1. Steps of 32 passes (~0.5 s here) give step 5's write (~0.4 s) the three
+    steps before step 9 starts, several times what it needs."""
+    job = manifest(tiny_model_dir, tmp_path / "out", method="full", steps=10,
+                   checkpoint_every=5, accumulation=32)
+    result = finetune_run(job, tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    text = result.stdout
+    completed = text.index("/step-00000005: staged in")
+    assert text.index("step 5/10 |") < completed < text.index("step 10/10 |"), text[-3000:]
 
 
 @pytest.mark.slow

@@ -120,6 +120,7 @@ def trainer_config_and_step_settings(job: FineTuneJob, mount: Mount = keep_locat
             "learning_rate": spec.hyperparameters.resolved_learning_rate(spec.method.type),
             "micro_batch_size": settings.micro_batch}),
         output=spec.output.model_copy(update={"uri": output_at}),
+        workers=spec.resources.nodes * spec.resources.processes(),
         preflight=TrainerPreflight(
             **spec.preflight.model_dump(),
             require_infiniband=bool(spec.kubernetes and spec.kubernetes.infiniband

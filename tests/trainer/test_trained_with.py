@@ -74,3 +74,45 @@ def test_an_incomplete_newer_checkpoint_is_not_the_one_compared(tmp_path):
     (partial / trained_with.FILE).write_text(json.dumps(
         trained_with.record(config(**{"method.lora.r": 16}))))
     assert trained_with.refusal(tmp_path, config(), "x") is None
+
+
+def test_ddp_and_fsdp_resume_on_other_workers_that_keep_the_global_batch(tmp_path):
+    """A step is one global batch however the workers split it, and DCP reshards: 2
+    workers of 4 sequences resume on 1 of 4 x 2 passes (`finetune run --nproc 1`) or on 4
+    of 2. Another global batch would move the data position: refused."""
+    for strategy in ("ddp", "fsdp"):
+        where = tmp_path / strategy
+        two = {"strategy.type": strategy, "workers": 2,
+               "hyperparameters.batchSizePerDevice": 4}
+        checkpoint(where, 3, trained_with.record(config(**two)))
+        one = {**two, "workers": 1, "hyperparameters.gradientAccumulationSteps": 2}
+        assert trained_with.refusal(where, config(**one), "x") is None
+        four = {**two, "workers": 4, "hyperparameters.batchSizePerDevice": 2}
+        assert trained_with.refusal(where, config(**four), "x") is None
+        line = trained_with.refusal(where, config(**{**two, "workers": 4}), "x")
+        assert f"{trained_with.GLOBAL_BATCH}: 8 → 16" in line, line
+
+
+def test_a_zero_checkpoint_resumes_only_on_as_many_workers(tmp_path):
+    """ZeRO partitions the optimizer state by worker, and DeepSpeed loads it on as many:
+    another count would fail the load on every restart. Refused, saying how many."""
+    two = {"strategy.type": "zero2", "workers": 2}
+    checkpoint(tmp_path, 3, trained_with.record(config(**two)))
+    line = trained_with.refusal(tmp_path, config(**{
+        **two, "workers": 1, "hyperparameters.gradientAccumulationSteps": 2}),
+        "use a new folder")
+    assert f"({trained_with.WORKERS}: 2 → 1; newest step-00000003)" in line, line
+    assert line.endswith("ZeRO checkpoints resume only on as many workers as wrote them: "
+                         "run it on 2 workers again, or use a new folder"), line
+
+
+def test_a_checkpoint_that_recorded_each_workers_batch_is_compared_as_such(tmp_path):
+    """Written before the worker count was known to the record: its per-worker batch and
+    accumulation are held against the job's, as they were."""
+    checkpoint(tmp_path, 3, trained_with.record(config()))  # no workers: per-worker keys
+    assert "hyperparameters.gradientAccumulationSteps" in trained_with.read(
+        tmp_path / "checkpoints" / "step-00000003")
+    assert trained_with.refusal(tmp_path, config(workers=2), "x") is None
+    line = trained_with.refusal(tmp_path, config(**{
+        "workers": 1, "hyperparameters.gradientAccumulationSteps": 2}), "x")
+    assert "hyperparameters.gradientAccumulationSteps: 1 → 2" in line, line

@@ -168,6 +168,41 @@ def test_two_ranks_match_one_rank_with_double_accumulation(runs):
     assert one == pytest.approx(two, rel=1e-3)
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_run_resumes_on_fewer_workers_that_keep_the_global_batch(
+        runs, tiny_model_dir, tmp_path, strategy):
+    """Capacity shrinks from 2 workers to 1: the same job, `finetune run --nproc 1` (each
+    step in 2 passes, so the same global batch), resumes from its step-3 checkpoint (DCP
+    reshards it) and trains the steps the 2-worker run trained."""
+    two = runs(strategy, "full")
+    output = tmp_path / "out"
+    shutil.copytree(two, output)
+    shutil.rmtree(output / "checkpoints" / "step-00000006")  # as if stopped after step 3
+    shutil.rmtree(output / "final")
+    job = manifest(tiny_model_dir, output, strategy=strategy, method="full")
+    resumed = finetune_run(job, tmp_path / "here", "--nproc", "1")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "1 process" in resumed.stdout and "in 2 passes of 2" in resumed.stdout
+    assert "resuming from" in resumed.stdout and "step-00000003" in resumed.stdout
+    assert "step 4/6 |" in resumed.stdout and "step 3/6 |" not in resumed.stdout
+    assert losses(output) == pytest.approx(losses(two), rel=1e-3)  # steps 4-6 trained again
+
+
+def test_a_zero_run_is_refused_on_other_workers_before_it_starts(runs, tiny_model_dir,
+                                                                 tmp_path):
+    """DeepSpeed loads a ZeRO checkpoint only on as many workers as wrote it: on 1 it
+    failed on every restart. Refused in one line saying how many."""
+    output = tmp_path / "out"
+    shutil.copytree(runs("zero2", "full"), output)
+    shutil.rmtree(output / "final")
+    job = manifest(tiny_model_dir, output, strategy="zero2", method="full")
+    refused = finetune_run(job, tmp_path / "here", "--nproc", "1")
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "starting" not in refused.stdout
+    assert "workers (resources.nodes x processes per node): 2 → 1" in refused.stderr
+    assert "run it on 2 workers again" in refused.stderr
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "zero2"])
 def test_smaller_passes_train_the_same_numbers(runs, strategy):
     """microBatchSize 1 runs each rank's 2 sequences of a step as 2 passes: the same

@@ -142,6 +142,8 @@ def _load(args) -> tuple[TrainerConfig, Path]:
         config = TrainerConfig.load(args.config)
     base_dir = args.base_dir or (Path.cwd() if args.config_base64
                                  else Path(args.config).resolve().parent)
+    if world := os.environ.get("WORLD_SIZE"):  # the workers there are, as checkpoints record
+        config = config.model_copy(update={"workers": int(world)})
     return bind_locations(config, args.location), base_dir
 
 

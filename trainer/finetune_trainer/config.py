@@ -355,6 +355,11 @@ class TrainerConfig(ApiModel):
     metrics: MetricsConfig = section(MetricsConfig)
     preflight: TrainerPreflight = section(TrainerPreflight)
     benchmark: BenchmarkSwitches = section(BenchmarkSwitches)
+    workers: int | None = Field(default=None, ge=1)
+    """The processes the job runs (nodes x processes per node), set by the operator and
+    `finetune run`; the workers put their own WORLD_SIZE here. A checkpoint records it
+    (`trained_with`): its global batch is per worker, and a ZeRO checkpoint is partitioned
+    by worker. None: a config written before it was (each worker's batch is recorded)."""
     model_fetched_from: ModelSource | None = None
     """Set by the trainer itself, never by the operator: the spec's hub model when `model`
     points at its copy in the output folder (`finetune_trainer.fetch`). Checkpoints record

@@ -2,11 +2,13 @@
 
 Every checkpoint carries `trained_with.json`: the settings its state depends on, named as
 in the FineTuneJob spec. Its tensors' shapes (the model, the adapter's rank and targets, the
-strategy's layout, the precision) and the meaning of its data position (sequence length,
-packing, batch, accumulation, seed). A run whose settings differ would fail loading it (a
-size mismatch, on every restart) or silently resume somewhere else in the data; instead it
-is refused before anything starts, in one line naming the fields and the fix. Changing
-anything else (learning rate, steps, epochs, checkpoint interval, ...) resumes as before.
+strategy's layout, the precision; under ZeRO, the worker count) and the meaning of its
+data position (sequence length, packing, global batch, seed). A run whose settings differ
+would fail loading it (a size mismatch, on every restart) or silently resume somewhere else
+in the data; instead it is refused before anything starts, in one line naming the fields
+and the fix. Changing anything else (learning rate, steps, epochs, checkpoint interval,
+...) resumes as before, and so does a ddp or fsdp job on other workers with the same
+global batch.
 
 Torch-free: `finetune run` and the operator's image read it too.
 """
@@ -39,10 +41,31 @@ def record(config: TrainerConfig) -> dict[str, Any]:
         "strategy.precision": config.strategy.precision,
         "dataset.maxSeqLength": data.max_seq_length,
         "dataset.packing": data.packing,
-        "hyperparameters.batchSizePerDevice": hp.batch_size_per_device,
-        "hyperparameters.gradientAccumulationSteps": hp.gradient_accumulation_steps,
         "hyperparameters.seed": hp.seed,
+        **_batch(config),
     }
+
+
+GLOBAL_BATCH = ("global batch (hyperparameters.batchSizePerDevice x "
+                "gradientAccumulationSteps x workers)")
+WORKERS = "workers (resources.nodes x processes per node)"
+
+
+def _batch(config: TrainerConfig) -> dict[str, Any]:
+    """The data position's meaning: a step is one global batch, however the workers split
+    it (`data.GlobalBatches`). So a ddp or fsdp job may resume on other workers that keep
+    the global batch (DCP reshards its checkpoint; `finetune run --nproc` scales
+    gradientAccumulationSteps to keep it); a ZeRO checkpoint is partitioned by worker and
+    resumes only on as many. Each worker's batch where the worker count is unknown."""
+    hp = config.hyperparameters
+    if config.workers is None:
+        return {"hyperparameters.batchSizePerDevice": hp.batch_size_per_device,
+                "hyperparameters.gradientAccumulationSteps": hp.gradient_accumulation_steps}
+    kept = {GLOBAL_BATCH: hp.batch_size_per_device * hp.gradient_accumulation_steps
+            * config.workers}
+    if config.strategy.type.startswith("zero"):
+        kept[WORKERS] = config.workers
+    return kept
 
 
 def differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -69,9 +92,14 @@ def refusal(output_dir: Path, config: TrainerConfig, fix: str) -> str | None:
     recorded = read(checkpoint) if checkpoint is not None else None
     if recorded is None:
         return None
+    if GLOBAL_BATCH not in recorded:  # recorded each worker's batch: compared as such
+        config = config.model_copy(update={"workers": None})
     changed = differences(recorded, record(config))
     if not changed:
         return None
+    if recorded.get(WORKERS, config.workers) != config.workers:
+        fix = (f"ZeRO checkpoints resume only on as many workers as wrote them: run it on "
+               f"{recorded[WORKERS]} workers again, or {fix}")
     return (f"{output_dir} holds checkpoints trained with other settings "
             f"({'; '.join(changed)}; newest {checkpoint.name}), which this job cannot resume "
             f"from — {fix}")

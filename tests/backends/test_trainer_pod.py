@@ -188,18 +188,43 @@ def test_sigterm_checkpoints_and_ends_the_pod_143(tiny_model_dir, pod_here):
     data = Path(__file__).resolve().parents[2] / "examples/data/tiny-chat.jsonl"
     pod = pod_here(job(tiny_model_dir, data, maxSteps=400))
     pod.init_containers()
-    trainer = pod.start_trainer()
+    stopped = sigterm_after(pod, pod.start_trainer(), 2)  # ended 143
+    assert (pod.output / "checkpoints" / f"step-{stopped:08d}").is_dir()
+    assert pod.rule_for(backend.STOPPED_EXIT_CODE) == "Ignore"
+    assert backend.pod_failure(pod.terminated(backend.STOPPED_EXIT_CODE)).kind == "stopped"
+
+
+def sigterm_after(pod: PodHere, trainer: subprocess.Popen, step: int) -> int:
+    """SIGTERM once the run has passed `step`; the step it checkpointed and stopped after."""
     deadline = time.monotonic() + 300
-    while step_reached(pod.output) < 2:
+    while step_reached(pod.output) < step:
         assert trainer.poll() is None, pod.log.read_text()[-3000:]
         assert time.monotonic() < deadline, pod.log.read_text()[-3000:]
         time.sleep(0.2)
     trainer.send_signal(signal.SIGTERM)
-    code = trainer.wait(timeout=300)
+    assert trainer.wait(timeout=300) == backend.STOPPED_EXIT_CODE, pod.log.read_text()[-3000:]
+    stopped_at = re.search(r"stopped by SIGTERM after step (\d+)", pod.log.read_text())
+    assert stopped_at, pod.log.read_text()[-3000:]
+    return int(stopped_at[1])
+
+
+def test_a_job_re_created_on_fewer_workers_resumes_from_its_checkpoint(tiny_model_dir,
+                                                                       pod_here):
+    """The spot pool shrank: the FineTuneJob is re-created with 1 worker of twice the
+    accumulation (the same global batch) and the same output. Its pod's resume check
+    lets it through and its workers resume from the 2 workers' checkpoint."""
+    data = Path(__file__).resolve().parents[2] / "examples/data/tiny-chat.jsonl"
+    two = job(tiny_model_dir, data, maxSteps=400)
+    pod = pod_here(two)
+    pod.init_containers()
+    stopped = sigterm_after(pod, pod.start_trainer(), 2)
+
+    one = json.loads(json.dumps(two))
+    one["spec"]["resources"]["processesPerNode"] = 1
+    one["spec"]["hyperparameters"]["gradientAccumulationSteps"] = 2
+    pod = pod_here(one)  # the same volumes
+    pod.init_containers()  # the resume check among them
+    sigterm_after(pod, trainer := pod.start_trainer(), stopped + 1)
     said = pod.log.read_text()
-    assert code == backend.STOPPED_EXIT_CODE, said[-3000:]
-    stopped_at = re.search(r"stopped by SIGTERM after step (\d+)", said)
-    assert stopped_at, said[-3000:]
-    assert (pod.output / "checkpoints" / f"step-{int(stopped_at[1]):08d}").is_dir()
-    assert pod.rule_for(code) == "Ignore"
-    assert backend.pod_failure(pod.terminated(code)).kind == "stopped"
+    assert f"step-{stopped:08d}" in said and "resuming from" in said, said[-3000:]
+    assert "on 1 process" in said and trainer.returncode == backend.STOPPED_EXIT_CODE

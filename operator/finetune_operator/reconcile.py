@@ -39,6 +39,11 @@ holds checkpoints trained with other settings; the hub refused the model) — th
 no budget used."""
 
 
+INPUT_REFUSED = "InputRefused"
+"""The Failed condition's reason when the trainer refused the model or the data (its exit
+2): no attempt would differ."""
+
+
 @dataclass(frozen=True)
 class Failure:
     kind: FailureKind

@@ -160,6 +160,21 @@ def test_a_restart_after_a_failure_submits_the_next_attempt(backend, azure):
     assert f"{NAME}-2" in azure.jobs
 
 
+def test_a_failed_attempt_is_read_with_what_its_workers_said_on_its_run(backend, azure):
+    """A worker's refusal reaches the operator as a tag on the job's MLflow run, read with
+    the metrics (`runs/get` → data.tags)."""
+    run(backend.launch(aml_job()))
+    azure.set_state(NAME, "Failed")
+    azure.set_tags(NAME, **{"finetune.refused": "2 /mnt/data/chats.jsonl:2: is not valid "
+                            "JSON — fix or remove that line"})
+    failure = run(backend.observe(aml_job("Running", NAME))).failure
+    assert (failure.kind, failure.reason) == ("refused", "InputRefused")
+    assert "/mnt/data/chats.jsonl:2: is not valid JSON" in failure.message
+    azure.fail("GET", "/mlflow/", 500, times=10)  # tracking down: a plain failed attempt
+    failure = run(backend.observe(aml_job("Running", NAME))).failure
+    assert failure.kind == "worker" and "its logs are in Azure ML Studio" in failure.message
+
+
 def test_a_job_created_meanwhile_is_adopted_on_409(backend, azure):
     other = AzureMLBackend(BackendContext(settings=OperatorSettings(),
                                           azure_credential=StaticCredential(),

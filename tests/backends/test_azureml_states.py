@@ -63,6 +63,33 @@ def test_failed_and_cancelled_are_failed_attempts_with_the_reason():
     assert "cancelled outside the operator" in cancelled.failure.message
 
 
+def test_a_workers_refusal_on_the_run_fails_the_job_at_once():
+    """The trainer's tags on the job's run (finetune_trainer.tracking): its exit 2 or 4 is
+    the same on every attempt, so no attempt is submitted again; another failure is quoted
+    and counted."""
+    data = {"tags": [{"key": "mlflow.user", "value": "x"}, {"key": "finetune.refused",
+             "value": "2 /mnt/data/chats.jsonl:2: is not valid JSON — fix or remove it"}]}
+    seen = states.observe(aml_job(), azure("Failed"), tags=states.tags_of(data))
+    assert (seen.failure.kind, seen.failure.reason) == ("refused", "InputRefused")
+    assert seen.failure.message == (
+        "Azure ML job demo-0b5e6c7e1234 failed: /mnt/data/chats.jsonl:2: is not valid JSON — "
+        "fix or remove it (its logs are in Azure ML Studio: "
+        "https://ml.azure.com/runs/demo-0b5e6c7e1234)")
+    decision = reconcile(aml_job("Running"), seen, T0)
+    assert decision.status.phase == "Failed" and decision.status.restarts == 0
+    assert condition(decision.status, "Failed").reason == "InputRefused"
+
+    other = states.observe(aml_job(), azure("Failed"), tags={
+        "finetune.refused": "4 /out holds checkpoints trained with other settings (...)"})
+    assert (other.failure.kind, other.failure.reason) == ("refused",
+                                                          "OtherSettingsCheckpoints")
+    crashed = states.observe(aml_job(), azure("Failed"), tags={
+        "finetune.failure": "rank 5: RuntimeError: CUDA error: an illegal memory access"})
+    assert crashed.failure.kind == "worker" and crashed.failure.message.startswith(
+        "Azure ML job demo-0b5e6c7e1234 failed: rank 5: RuntimeError: CUDA error")
+    assert reconcile(aml_job("Running"), crashed, T0).status.restarts == 1
+
+
 def test_not_responding_runs_on_degraded():
     seen = states.observe(aml_job(), azure("NotResponding"))
     assert seen.running and seen.failure is None

@@ -104,6 +104,7 @@ class FakeAzureML(HttpTransport):
     def __init__(self) -> None:
         self.jobs: dict[str, dict[str, Any]] = {}
         self.metrics: dict[str, list[dict[str, Any]]] = {}
+        self.tags: dict[str, dict[str, str]] = {}
         self.calls: list[Call] = []
         self.failures: list[Failure] = []
         self.lock = threading.Lock()
@@ -133,6 +134,11 @@ class FakeAzureML(HttpTransport):
                 run[:] = [m for m in run if m["key"] != key]
                 run.append({"key": key, "value": value, "timestamp": int(time.time() * 1000),
                             "step": step})
+
+    def set_tags(self, name: str, **tags: str) -> None:
+        """What a worker would have tagged the job's run with (`MlflowClient.set_tag`)."""
+        with self.lock:
+            self.tags.setdefault(name, {}).update(tags)
 
     def requests_to(self, method: str, path_part: str) -> list[Call]:
         return [c for c in self.calls if c.method == method and path_part in c.path]
@@ -181,8 +187,9 @@ class FakeAzureML(HttpTransport):
             run_id = query.get("run_id", [""])[0]
             if run_id not in self.jobs:
                 return CannedResponse(request, 404, {"error_code": "RESOURCE_DOES_NOT_EXIST"})
-            return CannedResponse(request, 200, {"run": {
-                "info": {"run_id": run_id}, "data": {"metrics": self.metrics.get(run_id, [])}}})
+            tags = [{"key": k, "value": v} for k, v in self.tags.get(run_id, {}).items()]
+            return CannedResponse(request, 200, {"run": {"info": {"run_id": run_id}, "data": {
+                "metrics": self.metrics.get(run_id, []), "tags": tags}}})
         match = JOB_PATH.match(path)
         if match is None:
             return _not_found(request, f"no fake for {request.method} {path}")

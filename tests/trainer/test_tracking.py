@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -114,3 +115,78 @@ def test_the_trainer_joins_with_the_rank_env_azure_ml_sets(tmp_path):
     outputs = [w.communicate(timeout=100) for w in workers]
     assert [w.returncode for w in workers] == [0, 0], outputs
     assert sorted(out.strip() for out, _ in outputs) == ["rank 0 of 2: 3.0", "rank 1 of 2: 3.0"]
+
+
+@pytest.fixture()
+def job_run(tmp_path, monkeypatch) -> dict[str, str]:
+    """A run in a local MLflow store, and the environment Azure ML gives a job's workers,
+    pointing at it (Azure ML's run id is the job's name; here the store's id)."""
+    from mlflow.tracking import MlflowClient
+
+    uri = (tmp_path / "mlruns").as_uri()
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # mlflow 3's local store
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("finetune")).info.run_id
+    env = {"MLFLOW_TRACKING_URI": uri, "MLFLOW_RUN_ID": run_id, "AZUREML_RUN_ID": run_id}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    for name in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT"):
+        monkeypatch.setenv(name, "")  # the failing process sets them: removed again after
+        monkeypatch.delenv(name)
+    return env
+
+
+def run_tags(env: dict[str, str]) -> dict[str, str]:
+    from mlflow.tracking import MlflowClient
+
+    tags = MlflowClient(env["MLFLOW_TRACKING_URI"]).get_run(env["MLFLOW_RUN_ID"]).data.tags
+    return {key: value for key, value in tags.items() if key.startswith("finetune.")}
+
+
+def test_a_worker_that_refuses_its_data_says_so_on_the_job_run(job_run, tiny_model_dir,
+                                                              tmp_path):
+    """A worker as Azure ML starts it (its rank environment, no torchrun) on a data file with
+    a broken line: it exits 2, and the job's run carries its line, where the operator reads
+    why the job failed (Azure ML keeps no termination message)."""
+    from finetune_operator.local import local_config, write_config
+    from finetune_operator.validation import parse_job
+    from tests.trainer.test_training import manifest
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": [\n')
+    job = manifest(tiny_model_dir, tmp_path / "out", steps=2, processes=1)
+    job["spec"]["dataset"]["uri"] = str(data)
+    config, _ = local_config(parse_job(job), tmp_path)
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511", "CUDA_VISIBLE_DEVICES": ""}
+    worker = subprocess.run(
+        [sys.executable, "-m", "finetune_trainer", "--config",
+         str(write_config(config, tmp_path / "out"))],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert worker.returncode == 2, worker.stderr[-3000:]
+    said = worker.stderr.strip().splitlines()[-1]
+    assert said.startswith(f"finetune-train: {data}:2: is not valid JSON"), said
+    assert run_tags(job_run) == {
+        tracking.REFUSED_TAG: "2 " + said.removeprefix("finetune-train: ")}
+
+
+def test_any_other_failure_names_the_rank_and_a_silent_service_costs_seconds(
+        job_run, monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "3")
+    tracking.record_failure("OutOfMemoryError: CUDA out of memory. " + "x" * 2000, 1)
+    said = run_tags(job_run)[tracking.FAILURE_TAG]
+    assert said.startswith("rank 3: OutOfMemoryError: CUDA out of memory. xxx")
+    assert len(said) == tracking.TAG_CHARACTERS
+    # a tracking service that does not answer: said, not raised, and not waited out
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
+    started = time.monotonic()
+    tracking.record_failure("RuntimeError: boom", 1)
+    assert "the failure was not sent to Azure ML tracking" in capsys.readouterr().out
+    assert time.monotonic() - started < 30
+    assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "1"
+
+
+def test_outside_azure_ml_no_failure_is_sent(monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # would raise on import
+    tracking.record_failure("RuntimeError: boom", 1)

@@ -29,21 +29,24 @@ def termination_message(text: str) -> None:
             path.write_text(text[:4000])
 
 
-def record_failure(text: str) -> None:
-    """This worker's reason, in the error file torchrun's agent gave it
-    (TORCHELASTIC_ERROR_FILE, the plain-message form its ProcessFailure reads): the
-    launcher names the first failed rank with it. Nothing outside torchrun."""
+def record_failure(text: str, code: int = EXIT_FAILED) -> None:
+    """This worker's reason, where what started it reads it: the error file torchrun's
+    agent gave it (TORCHELASTIC_ERROR_FILE, the plain-message form its ProcessFailure
+    reads), from which the launcher names the first failed rank; inside Azure ML, which
+    starts the workers itself, the job's run (`tracking.record_failure`)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    with contextlib.suppress(OSError):
-        Path(path).write_text(json.dumps({"message": text, "timestamp": int(time.time())}))
+    if path:
+        with contextlib.suppress(OSError):
+            Path(path).write_text(json.dumps({"message": text, "timestamp": int(time.time())}))
+    from finetune_trainer import tracking
+
+    tracking.record_failure(text, code)
 
 
 def failed(text: str, code: int, *, termination: bool = False) -> int:
-    """Say why this process fails, on stderr and in its error file; `code`, to return."""
+    """Say why this process fails, on stderr and where it is read; `code`, to return."""
     print(f"finetune-train: {text}", file=sys.stderr, flush=True)
-    record_failure(text)
+    record_failure(text, code)
     if termination:
         termination_message(text)
     return code

@@ -59,6 +59,43 @@ class MlflowTracker:
             print(f"final phase not sent to Azure ML tracking: {error}", flush=True)
 
 
+REFUSED_TAG = "finetune.refused"
+"""`<exit code> <the worker's line>`: the model, the data (2) or checkpoints of other
+settings (4) were refused, the same on every attempt."""
+FAILURE_TAG = "finetune.failure"
+"""`rank <n>: <the worker's line>`: any other failure."""
+TAG_CHARACTERS = 500  # what every MLflow tracking service takes in a tag value
+
+
+def record_failure(text: str, code: int) -> None:
+    """A worker's reason for failing, as a tag on the job's run: Azure ML starts the
+    workers itself and keeps no termination message, and the operator reads these tags
+    with the metrics. So a refusal fails the FineTuneJob at once, where it was submitted
+    again backoffLimit times (each time provisioning the compute), and any other failure
+    is quoted in its status. The tracking client, not the fluent API: no run is started
+    or ended here. Inside Azure ML only; a tag not sent is said, never raised."""
+    from finetune_trainer.errors import EXIT_BAD_INPUT, EXIT_OTHER_CHECKPOINTS
+
+    environ = os.environ
+    if not in_azureml(environ):
+        return
+    run_id = environ.get("MLFLOW_RUN_ID") or environ["AZUREML_RUN_ID"]
+    if code in (EXIT_BAD_INPUT, EXIT_OTHER_CHECKPOINTS):
+        key, value = REFUSED_TAG, f"{code} {text}"
+    else:
+        key, value = FAILURE_TAG, f"rank {environ.get('RANK', '0')}: {text}"
+    # the process is on its way out: a tracking service that does not answer must not
+    # hold it for mlflow's default of 7 retries with backoff
+    environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+    try:
+        from mlflow.tracking import MlflowClient
+
+        MlflowClient().set_tag(run_id, key, value[:TAG_CHARACTERS])
+    except Exception as error:  # mlflow missing, the service, the network, the plugin
+        print(f"the failure was not sent to Azure ML tracking: {error}", flush=True)
+
+
 def from_environment(environ: Mapping[str, str] | None = None) -> MlflowTracker | None:
     """A tracker when running inside Azure ML with mlflow installed, else None."""
     environ = os.environ if environ is None else environ

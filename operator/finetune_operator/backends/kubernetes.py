@@ -23,7 +23,7 @@ from finetune_operator.api import API_VERSION, KIND, BackendRef, FineTuneJob, Pr
 from finetune_operator.backends import BackendContext, BackendError
 from finetune_operator.backends.children import CONTROLLER_UID_KEY, Children, foreign
 from finetune_operator.kube import KUEUE_JOB_UID_LABEL, KubeError, timestamp
-from finetune_operator.reconcile import Failure, Observation, queued
+from finetune_operator.reconcile import INPUT_REFUSED, Failure, Observation, queued
 from finetune_operator.settings import OperatorSettings, Taint
 from finetune_operator.trainer_config import build_trainer_config, unreachable_locations
 from finetune_operator.validation import Problem
@@ -482,8 +482,6 @@ settings. No restart can help."""
 BAD_INPUT_EXIT_CODE = 2
 """The trainer's refusal of the model or the data (finetune_trainer.errors.EXIT_BAD_INPUT),
 passed on by the launcher; no restart can help."""
-INPUT_REFUSED = "InputRefused"
-"""The Failed condition's reason when the trainer refused the model or the data."""
 MODEL_REFUSED = "ModelRefused"
 """The Failed condition's reason when the hub refused the model."""
 FETCH_REFUSED_EXIT_CODE = 2

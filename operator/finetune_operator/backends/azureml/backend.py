@@ -95,13 +95,12 @@ class AzureMLBackend:
                 return Observation(exists=True, failure=Failure(
                     "worker", f"Azure ML refused the job: {refused}"))
             return states.observe(job, None)
-        progress = None
-        if current.status in states.RUNNING or current.status in (
-                "Completed", states.NOT_RESPONDING):
-            metrics = await self._call(job, self._client(job).metrics, current,
-                                       quiet=True)
-            progress = states.progress_from_metrics(metrics) if metrics else None
-        return states.observe(job, current, progress)
+        data: dict[str, Any] = {}
+        if current.status in states.READ_RUN:
+            data = await self._call(job, self._client(job).run_data, current,
+                                    quiet=True) or {}
+        progress = states.progress_from_metrics(data.get("metrics") or [])
+        return states.observe(job, current, progress, states.tags_of(data))
 
     async def launch(self, job: FineTuneJob) -> None:
         await self._submit_next(job)

@@ -184,9 +184,10 @@ class AzureMLClient:
         except Exception as error:
             raise self._translate(error) from error
 
-    def metrics(self, job: AzureJob) -> list[dict[str, Any]] | None:
-        """The MLflow run's latest metrics (the run id is the job name), or None when the
-        tracking service cannot say: progress is a nicety, never a reason to fail."""
+    def run_data(self, job: AzureJob) -> dict[str, Any] | None:
+        """The MLflow run's data (the run id is the job name): its latest `metrics` and its
+        `tags`, each a list of {key, value}; None when the tracking service cannot say:
+        progress and a worker's reason are niceties, never a reason to fail."""
         if not job.tracking_uri:
             return None
         from azure.core import PipelineClient
@@ -203,11 +204,11 @@ class AzureMLClient:
         try:
             response = client.send_request(request)
             if response.status_code != 200:
-                logger.debug("metrics of %s: HTTP %s", job.name, response.status_code)
+                logger.debug("run data of %s: HTTP %s", job.name, response.status_code)
                 return None
-            return list(response.json().get("run", {}).get("data", {}).get("metrics", []))
+            return dict(response.json().get("run", {}).get("data", {}))
         except Exception as error:  # the tracking service is optional here
-            logger.debug("metrics of %s not readable: %s", job.name, error)
+            logger.debug("run data of %s not readable: %s", job.name, error)
             return None
 
     @staticmethod

@@ -12,8 +12,10 @@ from typing import Any
 
 from finetune_operator.api import BackendRef, FineTuneJob, Progress
 from finetune_operator.backends.azureml.jobspec import attempt_of
-from finetune_operator.reconcile import Failure, Observation
+from finetune_operator.reconcile import INPUT_REFUSED, Failure, Observation
+from finetune_trainer.errors import EXIT_BAD_INPUT, EXIT_OTHER_CHECKPOINTS
 from finetune_trainer.record import ProgressRecord
+from finetune_trainer.tracking import FAILURE_TAG, REFUSED_TAG
 
 BACKEND_KIND = "AzureMLJob"
 STARTING = frozenset({"NotStarted", "Starting", "Provisioning", "Preparing"})
@@ -22,6 +24,8 @@ RUNNING = frozenset({"Running", "Finalizing"})
 CANCELING = frozenset({"CancelRequested"})
 ENDED = frozenset({"Completed", "Failed", "Canceled"})
 NOT_RESPONDING = "NotResponding"
+READ_RUN = RUNNING | {"Completed", "Failed", NOT_RESPONDING}
+"""States whose MLflow run is read: progress, and a failed worker's reason (its tags)."""
 
 
 @dataclass(frozen=True)
@@ -52,9 +56,10 @@ def backend_ref(azure: AzureJob) -> BackendRef:
     return BackendRef(kind=BACKEND_KIND, name=azure.name, url=azure.studio_url)
 
 
-def observe(job: FineTuneJob, azure: AzureJob | None, progress: Progress | None = None
-            ) -> Observation:
-    """The newest attempt of `job` (None: none exists) as the reconciler sees it."""
+def observe(job: FineTuneJob, azure: AzureJob | None, progress: Progress | None = None,
+            tags: dict[str, str] | None = None) -> Observation:
+    """The newest attempt of `job` (None: none exists) as the reconciler sees it; `tags`:
+    its MLflow run's, where a failed worker left its reason."""
     if azure is None:
         return Observation()
     ref, state, phase = backend_ref(azure), azure.status, (job.status.phase if job.status
@@ -71,9 +76,8 @@ def observe(job: FineTuneJob, azure: AzureJob | None, progress: Progress | None 
     if state in CANCELING:
         return Observation(exists=True, deleting=True, backend_ref=ref)
     if state == "Failed":
-        return Observation(exists=True, backend_ref=ref, progress=progress, failure=Failure(
-            "worker", f"{where} failed; its logs are in Azure ML Studio"
-            + (f": {azure.studio_url}" if azure.studio_url else "")))
+        return Observation(exists=True, backend_ref=ref, progress=progress,
+                           failure=failure(where, azure, tags or {}))
     if state == "Canceled":
         return Observation(exists=True, backend_ref=ref, failure=Failure(
             "worker", f"{where} was cancelled outside the operator (Studio or the CLI); set "
@@ -98,3 +102,25 @@ def progress_from_metrics(metrics: list[dict[str, Any]]) -> Progress | None:
     logged by the trainer under finetune_trainer.record's MLFLOW_METRICS names."""
     record = ProgressRecord.from_mlflow(metrics)
     return None if record is None else Progress.from_record(record)
+
+
+def tags_of(run_data: dict[str, Any]) -> dict[str, str]:
+    """An MLflow run's tags (`runs/get` → data.tags, a list of {key, value}) by key."""
+    return {tag["key"]: str(tag.get("value", "")) for tag in run_data.get("tags") or []
+            if isinstance(tag, dict) and tag.get("key")}
+
+
+def failure(where: str, azure: AzureJob, tags: dict[str, str]) -> Failure:
+    """A failed attempt, with what its workers said (`finetune_trainer.tracking`): the model,
+    the data or checkpoints of other settings refused fail the job at once, as on
+    Kubernetes (every attempt would say the same); anything else is a failed attempt."""
+    studio = "its logs are in Azure ML Studio" + (f": {azure.studio_url}"
+                                                  if azure.studio_url else "")
+    code, _, line = tags.get(REFUSED_TAG, "").partition(" ")
+    if code == str(EXIT_BAD_INPUT):
+        return Failure("refused", f"{where} failed: {line} ({studio})", reason=INPUT_REFUSED)
+    if code == str(EXIT_OTHER_CHECKPOINTS):
+        return Failure("refused", f"{where} failed: {line} ({studio})")
+    said = tags.get(FAILURE_TAG)
+    return Failure("worker", f"{where} failed: {said} ({studio})" if said
+                   else f"{where} failed; {studio}")

@@ -97,7 +97,7 @@ def refusal(output_dir: Path, config: TrainerConfig, fix: str) -> str | None:
     changed = differences(recorded, record(config))
     if not changed:
         return None
-    if recorded.get(WORKERS, config.workers) != config.workers:
+    if any(line.startswith(f"{WORKERS}:") for line in changed):
         fix = (f"ZeRO checkpoints resume only on as many workers as wrote them: run it on "
                f"{recorded[WORKERS]} workers again, or {fix}")
     return (f"{output_dir} holds checkpoints trained with other settings "

@@ -40,7 +40,8 @@ from finetune_operator.trainer_config import (
 )
 from finetune_operator.validation import InvalidJobError
 from finetune_trainer.config import TrainerConfig
-from finetune_trainer.errors import EXIT_BAD_INPUT, EXIT_OTHER_CHECKPOINTS
+from finetune_trainer.errors import NOT_RESTARTED
+from finetune_trainer.errors import STOPPED as EXIT_STOPPED
 from finetune_trainer.fetch import complete_copy, hub_repo
 from finetune_trainer.layout import (
     FINAL_DIR,
@@ -51,7 +52,6 @@ from finetune_trainer.layout import (
 )
 from finetune_trainer.uris import Location, Unreachable
 
-EXIT_STOPPED = 143
 START_OVER = ("point spec.output.uri at a new folder, or start over with `finetune run "
               "--fresh` (the old checkpoints are moved aside, not deleted)")
 
@@ -457,9 +457,6 @@ def worker_env(processes: int, verbose: bool, on_gpus: bool = True) -> dict[str,
 SHUTDOWN_TIMEOUT_SECONDS = 120
 """How long the workers have after Ctrl-C to finish their step and checkpoint before
 torchrun kills them (its default is 30 s, less than a large model's checkpoint takes)."""
-NOT_RESTARTED = (EXIT_BAD_INPUT, EXIT_OTHER_CHECKPOINTS)
-"""Exit codes no restart can change: the model or the data refused, checkpoints of other
-settings in the output folder."""
 
 
 def run_trainer(config_path: Path, processes: int, log_path: Path, max_restarts: int = 0,

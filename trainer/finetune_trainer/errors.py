@@ -16,6 +16,9 @@ EXIT_BAD_INPUT = 2
 EXIT_NETWORK = 3
 EXIT_OTHER_CHECKPOINTS = 4
 STOPPED = 143  # 128 + SIGTERM: what Kubernetes and torchrun expect after SIGTERM
+NOT_RESTARTED = (EXIT_BAD_INPUT, EXIT_OTHER_CHECKPOINTS)
+"""Refusals no attempt would change: the model or the data, checkpoints of other
+settings in the output folder. Every launcher ends the job on them at once."""
 
 TERMINATION_LOG = "/dev/termination-log"
 

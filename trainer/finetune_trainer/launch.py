@@ -20,7 +20,7 @@ import sys
 
 from finetune_trainer import errors
 
-PASSED_ON = (errors.EXIT_BAD_INPUT, errors.EXIT_NETWORK, errors.EXIT_OTHER_CHECKPOINTS)
+PASSED_ON = (*errors.NOT_RESTARTED, errors.EXIT_NETWORK)
 """Worker exit codes the launcher ends with itself: each means the same on every rank and
 every attempt. Others (a crash, a kill) become 1."""
 

@@ -74,13 +74,13 @@ def record_failure(text: str, code: int) -> None:
     again backoffLimit times (each time provisioning the compute), and any other failure
     is quoted in its status. The tracking client, not the fluent API: no run is started
     or ended here. Inside Azure ML only; a tag not sent is said, never raised."""
-    from finetune_trainer.errors import EXIT_BAD_INPUT, EXIT_OTHER_CHECKPOINTS
+    from finetune_trainer.errors import NOT_RESTARTED
 
     environ = os.environ
     if not in_azureml(environ):
         return
     run_id = environ.get("MLFLOW_RUN_ID") or environ["AZUREML_RUN_ID"]
-    if code in (EXIT_BAD_INPUT, EXIT_OTHER_CHECKPOINTS):
+    if code in NOT_RESTARTED:
         key, value = REFUSED_TAG, f"{code} {text}"
     else:
         key, value = FAILURE_TAG, f"rank {environ.get('RANK', '0')}: {text}"

@@ -27,6 +27,7 @@ from finetune_operator.reconcile import INPUT_REFUSED, Failure, Observation, que
 from finetune_operator.settings import OperatorSettings, Taint
 from finetune_operator.trainer_config import build_trainer_config, unreachable_locations
 from finetune_operator.validation import Problem
+from finetune_trainer import errors
 from finetune_trainer.config import TrainerConfig
 from finetune_trainer.record import ProgressRecord
 from finetune_trainer.uris import SCHEME_EXAMPLES, SECTION_SCHEMES, Location, Unreachable
@@ -474,17 +475,17 @@ def render(job: FineTuneJob, settings: OperatorSettings) -> list[dict[str, Any]]
 TRAINER_CONTAINER = "trainer"
 RESUME_CHECK_CONTAINER = "resume-check"
 FETCH_MODEL_CONTAINER = "fetch-model"
-STOPPED_EXIT_CODE = 143
+STOPPED_EXIT_CODE = errors.STOPPED
 """The trainer's exit after SIGTERM, once it has written a checkpoint."""
-OTHER_CHECKPOINTS_EXIT_CODE = 4
+OTHER_CHECKPOINTS_EXIT_CODE = errors.EXIT_OTHER_CHECKPOINTS
 """finetune-train's refusal: the output folder holds checkpoints trained with other
 settings. No restart can help."""
-BAD_INPUT_EXIT_CODE = 2
-"""The trainer's refusal of the model or the data (finetune_trainer.errors.EXIT_BAD_INPUT),
-passed on by the launcher; no restart can help."""
+BAD_INPUT_EXIT_CODE = errors.EXIT_BAD_INPUT
+"""The trainer's refusal of the model or the data, passed on by the launcher; no restart
+can help."""
 MODEL_REFUSED = "ModelRefused"
 """The Failed condition's reason when the hub refused the model."""
-FETCH_REFUSED_EXIT_CODE = 2
+FETCH_REFUSED_EXIT_CODE = errors.EXIT_BAD_INPUT
 """The fetch-model step's refusal: the hub has no such model or revision, or refuses the
 token. No restart can help."""
 

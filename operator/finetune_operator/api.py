@@ -347,7 +347,7 @@ class Progress(StatusModel):
     loss: float | None = None
     """Training loss over the last logging window."""
     eval_loss: float | None = None
-    """Loss on the eval split at the latest evaluation (`dataset.evalFraction`)."""
+    """Loss on the eval split at the latest evaluation (`dataset.evalSplit` or `evalFraction`)."""
     tokens_per_second: float | None = None
     """Label tokens per second, summed over all ranks."""
     mfu: float | None = None
@@ -539,7 +539,8 @@ class SweepObjective(ApiModel):
     """What the sweep optimises: a figure every trial reports in `status.progress`."""
 
     metric: SweepMetric = "evalLoss"
-    """`evalLoss` (needs `template.dataset.evalFraction` > 0) or `loss` (training loss)."""
+    """`evalLoss` (needs `template.dataset.evalSplit` or `evalFraction` > 0) or `loss`
+    (training loss)."""
     goal: Goal = "minimize"
 
 

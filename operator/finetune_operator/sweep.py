@@ -389,10 +389,11 @@ def check_sweep(doc: Any) -> tuple[FineTuneSweep | None, list[Problem]]:
                                 f"<sweep>-<n> and a FineTuneJob's name takes {MAX_NAME_LENGTH}"))
     template = sweep.spec.template.to_dict()
     problems += _as_template(_job_problems(sweep, template, sweep.spec.max_trials - 1))
-    if sweep.spec.objective.metric == "evalLoss" and not sweep.spec.template.dataset.eval_fraction:
+    if sweep.spec.objective.metric == "evalLoss" and not sweep.spec.template.dataset.evaluated:
         problems.append(Problem("spec.objective.metric", "evalLoss needs an eval split, and "
-                                "the template has none", "set spec.template.dataset."
-                                "evalFraction (e.g. 0.05), or objective.metric: loss"))
+                                "the template has none", "set spec.template.dataset.evalSplit "
+                                "(e.g. validation) or evalFraction (e.g. 0.05), or "
+                                "objective.metric: loss"))
     for path, parameter in sweep.spec.search_space.items():
         where = f"spec.searchSpace[{path}]"
         if sweep.spec.sampling == "grid":

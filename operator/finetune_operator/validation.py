@@ -254,13 +254,40 @@ def merge_needs_adapter(job: FineTuneJob) -> Iterator[Problem]:
 
 
 @rule(CelRule("spec", "!has(self.hyperparameters) || "
-              "!has(self.hyperparameters.evalEverySteps) || self.dataset.evalFraction > 0.0",
+              "!has(self.hyperparameters.evalEverySteps) || self.dataset.evalFraction > 0.0 "
+              "|| has(self.dataset.evalSplit)",
               "spec.hyperparameters.evalEverySteps needs an eval split — set "
-              "spec.dataset.evalFraction, e.g. 0.05", ".hyperparameters.evalEverySteps"))
+              "spec.dataset.evalSplit (e.g. validation) or spec.dataset.evalFraction (e.g. "
+              "0.05)", ".hyperparameters.evalEverySteps"))
 def eval_needs_split(job: FineTuneJob) -> Iterator[Problem]:
-    if job.spec.hyperparameters.eval_every_steps and job.spec.dataset.eval_fraction == 0:
+    if job.spec.hyperparameters.eval_every_steps and not job.spec.dataset.evaluated:
         yield Problem("spec.hyperparameters.evalEverySteps", "is set but there is no eval split",
-                      "set `spec.dataset.evalFraction` (e.g. 0.05), or remove evalEverySteps")
+                      "set `spec.dataset.evalSplit` (e.g. validation) or "
+                      "`spec.dataset.evalFraction` (e.g. 0.05), or remove evalEverySteps")
+
+
+@rule(CelRule("spec.dataset", "!has(self.evalSplit) || self.evalFraction == 0.0",
+              "spec.dataset.evalSplit and evalFraction both name an eval split — keep one",
+              ".evalSplit"))
+def one_eval_split(job: FineTuneJob) -> Iterator[Problem]:
+    data = job.spec.dataset
+    if data.eval_split is not None and data.eval_fraction > 0:
+        yield Problem("spec.dataset.evalSplit", f"is set with evalFraction: "
+                      f"{data.eval_fraction}, and there is one eval split",
+                      f"remove evalFraction to evaluate on the {data.eval_split} split, or "
+                      "remove evalSplit to hold out that fraction of the training split")
+
+
+@rule(CelRule("spec.dataset", "!has(self.evalSplit) || self.evalSplit != self.split",
+              "spec.dataset.evalSplit is the split trained on — name another (e.g. "
+              "validation), or use evalFraction", ".evalSplit"))
+def eval_split_is_not_trained_on(job: FineTuneJob) -> Iterator[Problem]:
+    data = job.spec.dataset
+    if data.eval_split is not None and data.eval_split == data.split:
+        yield Problem("spec.dataset.evalSplit", f"is {data.split}, the split trained on: its "
+                      "loss would not tell how the model does on data it has not seen",
+                      "name another split (e.g. validation), or use evalFraction to hold out "
+                      "part of the training split")
 
 
 @rule(CelRule("spec.resources", "!has(self.processesPerNode) || self.gpusPerNode == 0",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -91,6 +92,70 @@ def test_reads_a_folder_of_parquet_and_csv(tmp_path):
     csv_dir.mkdir()
     (csv_dir / "d.csv").write_text("prompt,response\nhi,hello\n")
     assert read_records(DatasetSource(uri=str(csv_dir))).column_names == ["prompt", "response"]
+
+
+def split_folder(root: Path, files: dict[str, int]) -> Path:
+    """A folder of JSON Lines files, each record's text naming its file."""
+    for name, count in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text("".join(json.dumps({"text": f"{name} {i}"}) + "\n"
+                                         for i in range(count)))
+    return root
+
+
+def files_read(records) -> dict[str, int]:
+    return dict(Counter(text.split()[0] for text in records["text"]))
+
+
+def test_a_folder_named_by_split_trains_on_its_split_and_evaluates_on_another(tmp_path):
+    folder = split_folder(tmp_path, {"train.jsonl": 4, "dev.jsonl": 3, "test.jsonl": 2,
+                                     ".ipynb_checkpoints/train-checkpoint.jsonl": 5})
+    source = DatasetSource(uri=str(folder), evalSplit="validation")
+    # the test split is never trained on; dev is datasets' name for validation; hidden
+    # folders (an editor's copies) are skipped, as datasets skips them
+    assert files_read(read_records(source)) == {"train.jsonl": 4}
+    assert files_read(read_records(source, evaluation=True)) == {"dev.jsonl": 3}
+    sliced = DatasetSource(uri=str(folder), split="train[:50%]", evalSplit="test")
+    assert files_read(read_records(sliced)) == {"train.jsonl": 2}
+    assert files_read(read_records(sliced, evaluation=True)) == {"test.jsonl": 2}
+
+
+def test_a_folder_whose_files_name_no_split_is_all_training_data(tmp_path):
+    folder = split_folder(tmp_path, {"chats-a.jsonl": 2, "more/chats-b.jsonl": 3})
+    assert files_read(read_records(DatasetSource(uri=str(folder)))) == {
+        "chats-a.jsonl": 2, "more/chats-b.jsonl": 3}
+
+
+def test_splits_a_folder_does_not_name_clearly_are_refused(tmp_path):
+    stray = split_folder(tmp_path / "stray", {"train.jsonl": 2, "extra.jsonl": 1})
+    with pytest.raises(DataError) as error:
+        read_records(DatasetSource(uri=str(stray)))
+    assert error.value.where == str(stray / "extra.jsonl")
+    assert error.value.what.endswith("name theirs (train: train.jsonl)")
+    assert error.value.fix.startswith("name it by its split (e.g. train-extra.jsonl)")
+
+    missing = split_folder(tmp_path / "missing", {"train.jsonl": 2, "test.jsonl": 1})
+    with pytest.raises(DataError) as error:
+        read_records(DatasetSource(uri=str(missing), evalSplit="validation"), evaluation=True)
+    assert str(error.value) == (f"{missing}: has no validation split (train: train.jsonl; "
+                                "test: test.jsonl) — set spec.dataset.evalSplit to test, or "
+                                "name the files by split (train.jsonl, validation.jsonl, "
+                                "test.jsonl)")
+
+    both = split_folder(tmp_path / "both", {"train.jsonl": 2, "train-test.jsonl": 1})
+    with pytest.raises(DataError, match="is named by two splits \\(train and test\\)"):
+        read_records(DatasetSource(uri=str(both)))
+
+
+def test_one_file_has_no_split_to_evaluate_on(tmp_path):
+    path = split_folder(tmp_path, {"train.jsonl": 3}) / "train.jsonl"
+    assert len(read_records(DatasetSource(uri=str(path), split="anything"))) == 3
+    with pytest.raises(DataError, match=r"is one file, with no validation split to evaluate "
+                                        r"on — point spec\.dataset\.uri at a folder"):
+        read_records(DatasetSource(uri=str(path), evalSplit="validation"), evaluation=True)
+    with pytest.raises(DataError, match="is one file, with no validation split"):
+        read_records(DatasetSource(uri="https://example.com/d.jsonl", evalSplit="validation"),
+                     evaluation=True)
 
 
 # --- loss masks ----------------------------------------------------------------------------

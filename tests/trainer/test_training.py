@@ -355,6 +355,37 @@ def test_bad_data_fails_before_any_process_starts(tiny_model_dir, tmp_path):
     assert "starting 2 training processes" not in result.stdout
 
 
+def test_a_folder_named_by_split_trains_on_one_and_evaluates_on_another(
+        tiny_model_dir, tmp_path):
+    """`evalSplit` names a split of the data folder: the trainer reads train.jsonl only
+    (never test.jsonl) and evaluates on validation.jsonl, every evalEverySteps and at the
+    end; a split the folder lacks is refused before any process starts."""
+    lines = DATA.read_text().splitlines()
+    folder = tmp_path / "data"
+    folder.mkdir()
+    splits = {"train": lines[:40], "validation": lines[40:52], "test": lines[52:]}
+    for name, part in splits.items():
+        (folder / f"{name}.jsonl").write_text("\n".join(part) + "\n")
+    job = manifest(tiny_model_dir, tmp_path / "out", steps=4)
+    job["spec"]["dataset"].update(uri=str(folder), packing=False, evalSplit="validation")
+    job["spec"]["hyperparameters"]["evalEverySteps"] = 2
+    result = finetune_run(job, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "preflight: 40 training sequences, 12 eval sequences" in result.stdout, result.stdout
+    assert "eval at step 2: loss" in result.stdout
+    progress = json.loads((tmp_path / "out" / "progress.json").read_text())
+    assert progress["step"] == 4 and progress["evalLoss"] > 0, progress
+
+    job["spec"]["dataset"]["evalSplit"] = "dev"
+    job["spec"]["output"]["uri"] = str(tmp_path / "again")
+    refused = finetune_run(job, tmp_path / "again")
+    assert refused.returncode == 2
+    assert (f"{folder}: has no dev split (train: train.jsonl; validation: validation.jsonl; "
+            "test: test.jsonl) — set spec.dataset.evalSplit to validation or test"
+            ) in refused.stderr
+    assert "starting 2 training processes" not in refused.stdout
+
+
 def test_unknown_lora_target_fails_before_any_process_starts(tiny_model_dir, tmp_path):
     job = manifest(tiny_model_dir, tmp_path / "out")
     job["spec"]["method"]["lora"]["targetModules"] = ["query_key_value"]

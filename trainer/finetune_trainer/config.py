@@ -118,9 +118,16 @@ class DatasetSource(ApiModel):
     `instruction`/`input`/`output` columns. `text`: a `text` column. `auto` detects
     from the columns. Loss counts only response tokens where the format has a prompt."""
     split: str = Field(default="train", min_length=1, max_length=128)
-    """Split to train on, for hub datasets and data files with named splits."""
+    """Split to train on: a hub dataset's, or a folder's, whose files are named by split
+    as Hugging Face datasets names them (`train.jsonl`, `validation.jsonl`, `test.jsonl`,
+    `train-00001.parquet`, or folders `train/`, `dev/`, ...). A folder whose files name no
+    split is all `train`; a single file is the training data whatever this says."""
     eval_fraction: float = Field(default=0.0, ge=0.0, le=0.5)
-    """Fraction of samples held out for evaluation (0 disables evaluation)."""
+    """Fraction of the training samples held out for evaluation (0: none; see `evalSplit`)."""
+    eval_split: str | None = Field(default=None, min_length=1, max_length=128)
+    """Evaluate on this split of the same dataset (e.g. `validation`), instead of holding
+    out `evalFraction` of the training split: the hub dataset's split, or the folder's
+    files named by it."""
     max_seq_length: int = Field(default=2048, ge=16, le=1_048_576)
     """Tokens per training sequence; longer samples are truncated."""
     packing: bool = True
@@ -131,6 +138,11 @@ class DatasetSource(ApiModel):
     def location(self) -> Location:
         """`uri` parsed (UriError naming the field where it is no dataset location)."""
         return parse_location("dataset", self.uri)
+
+    @property
+    def evaluated(self) -> bool:
+        """Whether there is an eval split: held out (`evalFraction`) or named (`evalSplit`)."""
+        return self.eval_fraction > 0 or self.eval_split is not None
 
 
 class LoraConfig(ApiModel):
@@ -241,7 +253,8 @@ class Hyperparameters(ApiModel):
     seed: int = Field(default=42, ge=0, le=2**32 - 1)
     """Seed for shuffling, initialisation and dropout."""
     eval_every_steps: int | None = Field(default=None, ge=1)
-    """Evaluate every N steps (needs `dataset.evalFraction` > 0); by default once at the end."""
+    """Evaluate every N steps (needs `dataset.evalFraction` > 0 or `dataset.evalSplit`); by
+    default once at the end."""
     log_every_steps: int = Field(default=10, ge=1)
     """Log and publish metrics every N steps."""
 

@@ -17,6 +17,7 @@ Two conventions hold throughout:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import queue
@@ -45,15 +46,15 @@ class DataError(ValueError):
 # --- reading -----------------------------------------------------------------------------
 
 def local_data_files(uri: str, base_dir: Path | None = None) -> list[Path]:
-    """The data files a local location names (a file, or every data file in a folder)."""
-    path = Path(uri)
-    if not path.is_absolute():
-        path = (base_dir or Path.cwd()) / path
+    """The data files a local location names (a file, or every data file in a folder but
+    hidden ones, as Hugging Face datasets skips them: `.ipynb_checkpoints/`, `.cache/`)."""
+    path = _local_path(uri, base_dir)
     if not path.exists():
         raise DataError(str(path), "does not exist",
                         "check spec.dataset.uri (relative paths start at the manifest's folder)")
     files = [path] if path.is_file() else sorted(
-        p for p in path.rglob("*") if p.suffix in FILE_BUILDERS and p.is_file())
+        p for p in path.rglob("*") if p.suffix in FILE_BUILDERS and p.is_file()
+        and not any(part.startswith((".", "__")) for part in p.relative_to(path).parts))
     if not files:
         raise DataError(str(path), "holds no .jsonl, .json, .parquet or .csv file",
                         "point spec.dataset.uri at a data file or a folder of them")
@@ -65,6 +66,47 @@ def local_data_files(uri: str, base_dir: Path | None = None) -> list[Path]:
         raise DataError(str(path), f"mixes file types ({', '.join(sorted(kinds))})",
                         "keep one kind of data file per dataset")
     return files
+
+
+def _local_path(uri: str, base_dir: Path | None) -> Path:
+    path = Path(uri)
+    return path if path.is_absolute() else (base_dir or Path.cwd()) / path
+
+
+def local_splits(files: list[Path], root: Path) -> dict[str, list[Path]]:
+    """A folder's data `files` (`local_data_files`) by split, named as Hugging Face
+    datasets names them: files or folders called `train*`, `validation*` / `valid*` /
+    `dev*` / `val*`, `test*` / `eval*` (`datasets.data_files.get_data_patterns`); all of
+    them `train` where none is named so. Unlike `load_dataset`, a file left out of every
+    split is refused, not skipped."""
+    from datasets.data_files import get_data_patterns, resolve_pattern
+
+    patterns = {str(name): found for name, found in get_data_patterns(str(root)).items()}
+    if patterns == {"train": ["**"]}:  # no file names a split
+        return {"train": files}
+    named: dict[str, set[Path]] = {split: set() for split in patterns}
+    for split, split_patterns in patterns.items():
+        for pattern in split_patterns:
+            # datasets raises FileNotFoundError where a pattern matches nothing
+            with contextlib.suppress(FileNotFoundError):
+                named[split].update(Path(p) for p in resolve_pattern(pattern, str(root)))
+    splits = {split: [f for f in files if f in paths] for split, paths in named.items()}
+    for f in files:
+        in_splits = [split for split, paths in named.items() if f in paths]
+        if not in_splits:
+            raise DataError(str(f), f"belongs to no split, while other files in {root} name "
+                            f"theirs ({_show_splits(splits, root)})",
+                            f"name it by its split (e.g. train-{f.name}), or move it out of "
+                            "the folder")
+        if len(in_splits) > 1:
+            raise DataError(str(f), f"is named by two splits ({' and '.join(in_splits)})",
+                            "rename it so its name holds one of train, validation or test")
+    return {split: found for split, found in splits.items() if found}
+
+
+def _show_splits(splits: dict[str, list[Path]], root: Path) -> str:
+    return "; ".join(f"{split}: {', '.join(str(f.relative_to(root)) for f in found)}"
+                     for split, found in splits.items() if found)
 
 
 def _text_lines(path: Path) -> Iterator[tuple[int, str]]:
@@ -121,18 +163,22 @@ def _root_cause(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
-def read_records(source: DatasetSource, base_dir: Path | None = None):
-    """The dataset `source` names, as a `datasets.Dataset`."""
+def read_records(source: DatasetSource, base_dir: Path | None = None,
+                 evaluation: bool = False):
+    """The split of the dataset `source` names that is trained on (`evaluation`: its
+    `evalSplit`), as a `datasets.Dataset`."""
     import datasets
 
     uri = source.uri
+    split = source.eval_split if evaluation else source.split
+    field = f"spec.dataset.{'evalSplit' if evaluation else 'split'}"
     if uri.startswith("hf://"):
         try:
-            records = datasets.load_dataset(uri.removeprefix("hf://"), split=source.split)
+            records = datasets.load_dataset(uri.removeprefix("hf://"), split=split)
         except Exception as error:  # network, auth, missing split: all end the run here
             raise DataError(uri, f"cannot be loaded from the hub ({error})",
-                            "check the name, the split, network access and HF_TOKEN; or copy "
-                            "the data to a PVC") from error
+                            f"check the name, the split ({field}: {split}), network access "
+                            "and HF_TOKEN; or copy the data to a PVC") from error
         check_records(records, _format_of(source, records, uri),
                       lambda index: f"{uri} record {index + 1}")
         return records
@@ -141,6 +187,8 @@ def read_records(source: DatasetSource, base_dir: Path | None = None):
         if builder is None:
             raise DataError(uri, "does not end in .jsonl, .json, .parquet or .csv",
                             "link to a data file of one of those kinds")
+        if evaluation:
+            raise _one_file(uri, split)
         try:
             records = datasets.load_dataset(builder, data_files=uri, split="train")
         except Exception as error:
@@ -149,7 +197,23 @@ def read_records(source: DatasetSource, base_dir: Path | None = None):
         check_records(records, _format_of(source, records, uri),
                       lambda index: f"{uri} record {index + 1}")
         return records
-    files = local_data_files(uri, base_dir)
+    files, root = local_data_files(uri, base_dir), _local_path(uri, base_dir)
+    if root.is_file() and evaluation:
+        raise _one_file(str(root), split)
+    if root.is_dir():
+        splits = local_splits(files, root)
+        name = split.split("[")[0]  # datasets' slices: train[:90%]
+        if name not in splits:
+            others = [other for other in splits if not evaluation or other != source.split]
+            fix = (f"set {field} to {' or '.join(others)}, or name the files by split "
+                   "(train.jsonl, validation.jsonl, test.jsonl)" if others else
+                   f"add {name} files beside the others (e.g. {name}.jsonl), or hold out part "
+                   "of the training split with evalFraction instead of evalSplit")
+            raise DataError(str(root), f"has no {name} split ({_show_splits(splits, root)})",
+                            fix)
+        files = splits[name]
+    else:
+        split = "train"  # one file is the training data, whatever `split` says
     builder = FILE_BUILDERS[files[0].suffix]
     lines: list[tuple[Path, list[int]]] = []  # where each record of a jsonl file starts
     for path in files:
@@ -161,8 +225,8 @@ def read_records(source: DatasetSource, base_dir: Path | None = None):
         elif builder != "parquet":
             check_text(path)
     try:
-        records = datasets.load_dataset(builder, data_files=[str(p) for p in files],
-                                        split="train")
+        records = datasets.load_dataset(
+            builder, data_files={split.split("[")[0]: [str(p) for p in files]}, split=split)
     except Exception as error:
         if "corresponds to no data" in str(error):  # datasets' words for zero records
             raise DataError(str(files[0]) if len(files) == 1 else str(uri), "holds no "
@@ -173,6 +237,13 @@ def read_records(source: DatasetSource, base_dir: Path | None = None):
     check_records(records, _format_of(source, records, where),
                   _locator(where, lines, len(records)))
     return records
+
+
+def _one_file(where: str, split: str | None) -> DataError:
+    return DataError(where, f"is one file, with no {split} split to evaluate on",
+                     f"point spec.dataset.uri at a folder of train and {split} files (e.g. "
+                     f"train.jsonl, {split}.jsonl), or hold out part of this one with "
+                     "evalFraction instead of evalSplit")
 
 
 def _format_of(source: DatasetSource, records, where: str) -> str:

@@ -74,7 +74,15 @@ def preflight(config: TrainerConfig, base_dir: Path) -> Prepared:
     records = read_records(data, base_dir)
     fmt = resolve_format(data.format, records.column_names)
     eval_records = []
-    if data.eval_fraction > 0:
+    if data.eval_split is not None:
+        eval_records = read_records(data, base_dir, evaluation=True)
+        eval_fmt = resolve_format(data.format, eval_records.column_names)
+        if eval_fmt != fmt:
+            raise DataError(data.uri, f"its {data.eval_split} split is laid out as "
+                            f"{eval_fmt}, its {data.split} split as {fmt}",
+                            "write both splits in one format (columns), or set "
+                            "spec.dataset.format to the one they share")
+    elif data.eval_fraction > 0:
         if len(records) < 2:
             raise DataError(data.uri, "has too few samples for an eval split",
                             "add data or set spec.dataset.evalFraction to 0")
@@ -86,6 +94,10 @@ def preflight(config: TrainerConfig, base_dir: Path) -> Prepared:
         raise DataError(data.uri, "has no sample with a trained token after truncation",
                         "raise spec.dataset.maxSeqLength or check the response columns")
     evaluation = tokenize_records(eval_records, fmt, tokenizer, data.max_seq_length)
+    if data.eval_split is not None and not evaluation:
+        raise DataError(data.uri, f"its {data.eval_split} split has no sample with a trained "
+                        "token after truncation", "raise spec.dataset.maxSeqLength or check "
+                        "that split's response columns")
     arrange = (functools.partial(PACKERS[config.benchmark.packer],
                                  max_length=data.max_seq_length) if data.packing
                else one_per_sequence)

@@ -15,10 +15,17 @@ PY=${PY:-.venv/bin/python}
 OUT=.whl
 rm -rf "$OUT" && mkdir -p "$OUT"
 
+# What the GPU machine lacks: the trainer's imports and what they import in turn, beyond
+# torch, transformers, peft and accelerate (and what those require). At this venv's
+# versions; tests/code/test_gpu_wheels.py checks the list against the trainer's imports
+# and the requirements of every wheel here (pip installs them there with --no-deps).
+PINNED=(pydantic pydantic-core annotated-types typing-inspection prometheus-client
+        nvidia-ml-py datasets dill multiprocess hjson einops msgpack ninja py-cpuinfo)
+PEERS=("trl>=1.16" "bitsandbytes>=0.45" "liger-kernel>=0.8")  # the benchmarks' peers, QLoRA
+
 version() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))"; }
 pinned=()
-for name in pydantic pydantic-core annotated-types typing-inspection datasets dill \
-            multiprocess hjson; do
+for name in "${PINNED[@]}"; do
   pinned+=("$name==$(version "$name")")
 done
 platforms=()
@@ -28,7 +35,7 @@ for tag in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 \
 done
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp "${platforms[@]}" -d "$OUT" \
-  "${pinned[@]}" "trl>=1.16" "bitsandbytes>=0.45" "liger-kernel>=0.8"
+  "${pinned[@]}" "${PEERS[@]}"
 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$OUT" \
   "deepspeed==$(version deepspeed)"
 "$PY" -m pip wheel -q --no-deps -w "$OUT" .

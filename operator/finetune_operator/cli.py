@@ -422,9 +422,9 @@ def _fetch_and_check(config: TrainerConfig, config_path: Path, output_dir: Path,
             local.fetch_command(config_path), log, verbose)) != 0:
         mark_failed(output_dir)
         sys.exit(fetched)  # 2: the name, revision or token; 1: the network or the disk
-    if local.run_step(local.preflight_command(config_path), log, verbose) != 0:
+    if (checked := local.run_step(local.preflight_command(config_path), log, verbose)) != 0:
         mark_failed(output_dir)
-        sys.exit(EXIT_INVALID)
+        sys.exit(checked)  # 2: the model or the data; 1: anything else (the traceback said)
 
 
 def _hold_output(source: str, output_dir: Path) -> int | None:

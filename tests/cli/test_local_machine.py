@@ -291,6 +291,24 @@ def test_the_training_stack_alone_plans_runs_and_follows_a_job(tiny_model_dir, t
     assert f"exported {tmp_path / 'out' / 'final'}" in said["logs"]
 
 
+def test_a_trainer_that_cannot_start_is_not_called_bad_input(tiny_model_dir, tmp_path,
+                                                             monkeypatch):
+    """A module missing where the trainer runs (on the GPU box: prometheus_client, which
+    gpu-wheels.sh did not ship) fails the preflight with its traceback and exit 1; the
+    run's exit 2 said "bad input" of a manifest, model and data that were fine."""
+    from tests.trainer.test_training import manifest
+
+    monkeypatch.setenv("PYTHONPATH", TRAINING_STACK_ONLY)
+    monkeypatch.setenv("FINETUNE_ABSENT_MODULES", "prometheus_client")
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(manifest(tiny_model_dir, tmp_path / "out", steps=2)))
+    result = subprocess.run([sys.executable, "-m", "finetune_operator.cli", "run", str(path),
+                             "--nproc", "1"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "ModuleNotFoundError: No module named 'prometheus_client'" in result.stderr
+    assert "starting 1 training process" not in result.stdout
+
+
 NVIDIA_SMI = """#!/bin/sh
 # what nvidia-smi prints for this query on a machine with these cards; the arguments, for the test
 echo "$@" > "$(dirname "$0")/args"

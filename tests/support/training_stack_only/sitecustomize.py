@@ -1,10 +1,13 @@
 """A GPU box given only the training stack (scripts/gpu-wheels.sh): with this folder first on
 PYTHONPATH, every Python process started, torchrun's workers too, is refused the operator's
-client stack and the cluster tests' own plugins, as if they were not installed."""
+client stack and the cluster tests' own plugins, as if they were not installed; and the
+modules FINETUNE_ABSENT_MODULES names (comma-separated), where a test takes one more away."""
 
+import os
 import sys
 
-ABSENT = {"kopf", "kubernetes", "aiohttp", "optuna", "azure", "kmock", "pytest_asyncio"}
+ABSENT = {"kopf", "kubernetes", "aiohttp", "optuna", "azure", "kmock", "pytest_asyncio",
+          *filter(None, os.environ.get("FINETUNE_ABSENT_MODULES", "").split(","))}
 
 
 class Absent:

@@ -272,8 +272,8 @@ def eval_needs_split(job: FineTuneJob) -> Iterator[Problem]:
 def one_eval_split(job: FineTuneJob) -> Iterator[Problem]:
     data = job.spec.dataset
     if data.eval_split is not None and data.eval_fraction > 0:
-        yield Problem("spec.dataset.evalSplit", f"is set with evalFraction: "
-                      f"{data.eval_fraction}, and there is one eval split",
+        yield Problem("spec.dataset.evalSplit", f"is set, and evalFraction: "
+                      f"{data.eval_fraction} too: a job has one eval split",
                       f"remove evalFraction to evaluate on the {data.eval_split} split, or "
                       "remove evalSplit to hold out that fraction of the training split")
 

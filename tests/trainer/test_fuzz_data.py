@@ -204,3 +204,17 @@ def test_the_worker_preflight_names_the_file_and_exits_2(tiny_model_dir, tmp_pat
     assert result.returncode == 2, result.stderr
     assert f"finetune-train: {data}{expected}" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_an_eval_split_laid_out_unlike_the_training_split_is_refused(tiny_model_dir,
+                                                                     tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text('{"text": "a b c"}\n')
+    (tmp_path / "data" / "validation.jsonl").write_text('{"prompt": "a", "response": "b"}\n')
+    job = config(tmp_path / "data", tiny_model_dir, tmp_path / "out", "auto", 0.0, True)
+    job.dataset.eval_split = "validation"
+    with pytest.raises(DataError) as refused:
+        preflight(job, tmp_path)
+    assert str(refused.value) == (f"{tmp_path / 'data'}: its validation split is laid out as "
+                                  "instruction, its train split as text — lay both splits "
+                                  "out in one format (the same columns)")

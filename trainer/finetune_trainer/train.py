@@ -80,8 +80,7 @@ def preflight(config: TrainerConfig, base_dir: Path) -> Prepared:
         if eval_fmt != fmt:
             raise DataError(data.uri, f"its {data.eval_split} split is laid out as "
                             f"{eval_fmt}, its {data.split} split as {fmt}",
-                            "write both splits in one format (columns), or set "
-                            "spec.dataset.format to the one they share")
+                            "lay both splits out in one format (the same columns)")
     elif data.eval_fraction > 0:
         if len(records) < 2:
             raise DataError(data.uri, "has too few samples for an eval split",

@@ -290,6 +290,28 @@ def eval_split_is_not_trained_on(job: FineTuneJob) -> Iterator[Problem]:
                       "part of the training split")
 
 
+ONE_DATA_FILE = "(?i)[.](jsonl|json|parquet|csv)$"
+"""A dataset uri ending so names one file (the trainer reads a folder only by its files)."""
+
+
+@rule(CelRule("spec.dataset", "!has(self.evalSplit) || self.evalSplit.startsWith('train[') "
+              f"|| !(self.uri.startsWith('https://') || self.uri.matches('{ONE_DATA_FILE}'))",
+              "spec.dataset.evalSplit names a split, and spec.dataset.uri one file (split "
+              "train) — point uri at a folder of train and validation files, evaluate on a "
+              "slice (split: train[:95%], evalSplit: train[95%:]), or use evalFraction",
+              ".evalSplit"))
+def eval_split_needs_splits(job: FineTuneJob) -> Iterator[Problem]:
+    data = job.spec.dataset
+    one_file = data.uri.startswith("https://") or re.search(ONE_DATA_FILE, data.uri)
+    if data.eval_split is not None and not data.eval_split.startswith("train[") and one_file:
+        yield Problem("spec.dataset.evalSplit", f"is {data.eval_split}, and spec.dataset.uri "
+                      f"names one file ({data.uri}), whose one split is train",
+                      f"point uri at a folder of train and {data.eval_split} files (e.g. "
+                      f"train.jsonl, {data.eval_split}.jsonl) or a hub dataset, evaluate on "
+                      "a slice of that file (split: train[:95%], evalSplit: train[95%:]), or "
+                      "use evalFraction")
+
+
 @rule(CelRule("spec.resources", "!has(self.processesPerNode) || self.gpusPerNode == 0",
               "spec.resources.processesPerNode is for CPU workers — with GPUs there is one "
               "process per GPU; remove it", ".processesPerNode"))

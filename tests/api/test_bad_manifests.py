@@ -41,6 +41,7 @@ class Case:
 
 
 GPU_LORA = {"spec.resources.gpusPerNode": 1}
+FOLDER = {"spec.dataset.uri": "pvc://data/chats/"}
 AML = {"subscriptionId": "00000000-0000-0000-0000-000000000000", "resourceGroup": "rg",
        "workspace": "ws", "compute": "gpu-cluster"}
 
@@ -131,12 +132,16 @@ CASES = [
     Case("eval-every-without-split", {"spec.hyperparameters.evalEverySteps": 50},
          "spec.hyperparameters.evalEverySteps", "set `spec.dataset.evalSplit` (e.g. "
          "validation) or `spec.dataset.evalFraction`", "cel"),
-    Case("two-eval-splits", {"spec.dataset.evalSplit": "validation",
+    Case("two-eval-splits", {**FOLDER, "spec.dataset.evalSplit": "validation",
                              "spec.dataset.evalFraction": 0.1},
          "spec.dataset.evalSplit", "remove evalFraction to evaluate on the validation split",
          "cel"),
-    Case("evaluating-on-the-training-split", {"spec.dataset.evalSplit": "train"},
+    Case("evaluating-on-the-training-split", {**FOLDER, "spec.dataset.evalSplit": "train"},
          "spec.dataset.evalSplit", "is train, the split trained on", "cel"),
+    Case("eval-split-of-one-file", {"spec.dataset.uri": "pvc://data/chats/train.JSONL",
+                                    "spec.dataset.evalSplit": "validation"},
+         "spec.dataset.evalSplit", "evaluate on a slice of that file (split: train[:95%], "
+         "evalSplit: train[95%:])", "cel"),
     Case("micro-batch-not-dividing-the-step", {"spec.hyperparameters.batchSizePerDevice": 4,
                                                "spec.hyperparameters.gradientAccumulationSteps": 2,
                                                "spec.hyperparameters.microBatchSize": 3},

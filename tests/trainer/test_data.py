@@ -147,13 +147,20 @@ def test_splits_a_folder_does_not_name_clearly_are_refused(tmp_path):
         read_records(DatasetSource(uri=str(both)))
 
 
-def test_one_file_has_no_split_to_evaluate_on(tmp_path):
-    path = split_folder(tmp_path, {"train.jsonl": 3}) / "train.jsonl"
-    assert len(read_records(DatasetSource(uri=str(path), split="anything"))) == 3
-    with pytest.raises(DataError, match=r"is one file, with no validation split to evaluate "
-                                        r"on — point spec\.dataset\.uri at a folder"):
+def test_one_file_is_split_train_and_evaluates_on_a_slice_of_it(tmp_path):
+    path = split_folder(tmp_path, {"chats.jsonl": 10}) / "chats.jsonl"
+    assert len(read_records(DatasetSource(uri=str(path), split="anything"))) == 10
+    sliced = DatasetSource(uri=str(path), split="train[:80%]", evalSplit="train[80%:]")
+    assert read_records(sliced)["text"] == [f"chats.jsonl {i}" for i in range(8)]
+    assert read_records(sliced, evaluation=True)["text"] == ["chats.jsonl 8", "chats.jsonl 9"]
+    with pytest.raises(DataError) as refused:
         read_records(DatasetSource(uri=str(path), evalSplit="validation"), evaluation=True)
-    with pytest.raises(DataError, match="is one file, with no validation split"):
+    assert str(refused.value) == (
+        f"{path}: is one file (split train), with no validation split to evaluate on — point "
+        "spec.dataset.uri at a folder of train and validation files (e.g. train.jsonl, "
+        "validation.jsonl), evaluate on a slice of this one (split: train[:95%], evalSplit: "
+        "train[95%:]), or use evalFraction")
+    with pytest.raises(DataError, match=r"is one file \(split train\), with no validation"):
         read_records(DatasetSource(uri="https://example.com/d.jsonl", evalSplit="validation"),
                      evaluation=True)
 

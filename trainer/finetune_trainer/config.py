@@ -121,13 +121,14 @@ class DatasetSource(ApiModel):
     """Split to train on: a hub dataset's, or a folder's, whose files are named by split
     as Hugging Face datasets names them (`train.jsonl`, `validation.jsonl`, `test.jsonl`,
     `train-00001.parquet`, or folders `train/`, `dev/`, ...). A folder whose files name no
-    split is all `train`; a single file is the training data whatever this says."""
+    split, and a single file, are split `train`. Slices select part of one
+    (`train[:95%]`)."""
     eval_fraction: float = Field(default=0.0, ge=0.0, le=0.5)
     """Fraction of the training samples held out for evaluation (0: none; see `evalSplit`)."""
     eval_split: str | None = Field(default=None, min_length=1, max_length=128)
     """Evaluate on this split of the same dataset (e.g. `validation`), instead of holding
-    out `evalFraction` of the training split: the hub dataset's split, or the folder's
-    files named by it."""
+    out `evalFraction` of the training split: the hub dataset's split, the folder's files
+    named by it, or a slice of a single file (`train[95%:]`, with `split: train[:95%]`)."""
     max_seq_length: int = Field(default=2048, ge=16, le=1_048_576)
     """Tokens per training sequence; longer samples are truncated."""
     packing: bool = True

@@ -172,6 +172,7 @@ def read_records(source: DatasetSource, base_dir: Path | None = None,
     uri = source.uri
     split = source.eval_split if evaluation else source.split
     field = f"spec.dataset.{'evalSplit' if evaluation else 'split'}"
+    name = split.split("[")[0]  # datasets' slices: train[:90%]
     if uri.startswith("hf://"):
         try:
             records = datasets.load_dataset(uri.removeprefix("hf://"), split=split)
@@ -187,10 +188,9 @@ def read_records(source: DatasetSource, base_dir: Path | None = None,
         if builder is None:
             raise DataError(uri, "does not end in .jsonl, .json, .parquet or .csv",
                             "link to a data file of one of those kinds")
-        if evaluation:
-            raise _one_file(uri, split)
+        split = _of_one_file(uri, split, evaluation)
         try:
-            records = datasets.load_dataset(builder, data_files=uri, split="train")
+            records = datasets.load_dataset(builder, data_files=uri, split=split)
         except Exception as error:
             raise DataError(uri, f"cannot be read as {builder} ({_root_cause(error)})",
                             "check the link and that it serves a valid data file") from error
@@ -198,11 +198,8 @@ def read_records(source: DatasetSource, base_dir: Path | None = None,
                       lambda index: f"{uri} record {index + 1}")
         return records
     files, root = local_data_files(uri, base_dir), _local_path(uri, base_dir)
-    if root.is_file() and evaluation:
-        raise _one_file(str(root), split)
     if root.is_dir():
         splits = local_splits(files, root)
-        name = split.split("[")[0]  # datasets' slices: train[:90%]
         if name not in splits:
             others = [other for other in splits if not evaluation or other != source.split]
             fix = (f"set {field} to {' or '.join(others)}, or name the files by split "
@@ -213,7 +210,7 @@ def read_records(source: DatasetSource, base_dir: Path | None = None,
                             fix)
         files = splits[name]
     else:
-        split = "train"  # one file is the training data, whatever `split` says
+        split = _of_one_file(str(root), split, evaluation)
     builder = FILE_BUILDERS[files[0].suffix]
     lines: list[tuple[Path, list[int]]] = []  # where each record of a jsonl file starts
     for path in files:
@@ -239,11 +236,19 @@ def read_records(source: DatasetSource, base_dir: Path | None = None,
     return records
 
 
-def _one_file(where: str, split: str | None) -> DataError:
-    return DataError(where, f"is one file, with no {split} split to evaluate on",
-                     f"point spec.dataset.uri at a folder of train and {split} files (e.g. "
-                     f"train.jsonl, {split}.jsonl), or hold out part of this one with "
-                     "evalFraction instead of evalSplit")
+def _of_one_file(where: str, split: str, evaluation: bool) -> str:
+    """What to read of one file: it is split `train`, whole or a slice of it (`train[:90%]`),
+    whatever other split `split` names (it trains on the whole file); evalSplit must be a
+    slice of it."""
+    name = split.split("[")[0]
+    if name == "train":
+        return split
+    if evaluation:
+        raise DataError(where, f"is one file (split train), with no {name} split to evaluate "
+                        "on", f"point spec.dataset.uri at a folder of train and {name} files "
+                        f"(e.g. train.jsonl, {name}.jsonl), evaluate on a slice of this one "
+                        "(split: train[:95%], evalSplit: train[95%:]), or use evalFraction")
+    return "train"
 
 
 def _format_of(source: DatasetSource, records, where: str) -> str:

@@ -372,6 +372,8 @@ def test_a_folder_named_by_split_trains_on_one_and_evaluates_on_another(
     result = finetune_run(job, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "preflight: 40 training sequences, 12 eval sequences" in result.stdout, result.stdout
+    assert (f"data: training on {folder} split train (train.jsonl), evaluating on {folder} "
+            "split validation (validation.jsonl)") in result.stdout
     assert "eval at step 2: loss" in result.stdout
     progress = json.loads((tmp_path / "out" / "progress.json").read_text())
     assert progress["step"] == 4 and progress["evalLoss"] > 0, progress

@@ -172,7 +172,6 @@ def read_records(source: DatasetSource, base_dir: Path | None = None,
     uri = source.uri
     split = source.eval_split if evaluation else source.split
     field = f"spec.dataset.{'evalSplit' if evaluation else 'split'}"
-    name = split.split("[")[0]  # datasets' slices: train[:90%]
     if uri.startswith("hf://"):
         try:
             records = datasets.load_dataset(uri.removeprefix("hf://"), split=split)
@@ -197,20 +196,7 @@ def read_records(source: DatasetSource, base_dir: Path | None = None,
         check_records(records, _format_of(source, records, uri),
                       lambda index: f"{uri} record {index + 1}")
         return records
-    files, root = local_data_files(uri, base_dir), _local_path(uri, base_dir)
-    if root.is_dir():
-        splits = local_splits(files, root)
-        if name not in splits:
-            others = [other for other in splits if not evaluation or other != source.split]
-            fix = (f"set {field} to {' or '.join(others)}, or name the files by split "
-                   "(train.jsonl, validation.jsonl, test.jsonl)" if others else
-                   f"add {name} files beside the others (e.g. {name}.jsonl), or hold out part "
-                   "of the training split with evalFraction instead of evalSplit")
-            raise DataError(str(root), f"has no {name} split ({_show_splits(splits, root)})",
-                            fix)
-        files = splits[name]
-    else:
-        split = _of_one_file(str(root), split, evaluation)
+    files, split = local_split_files(source, base_dir, evaluation)
     builder = FILE_BUILDERS[files[0].suffix]
     lines: list[tuple[Path, list[int]]] = []  # where each record of a jsonl file starts
     for path in files:
@@ -234,6 +220,49 @@ def read_records(source: DatasetSource, base_dir: Path | None = None,
     check_records(records, _format_of(source, records, where),
                   _locator(where, lines, len(records)))
     return records
+
+
+def local_split_files(source: DatasetSource, base_dir: Path | None = None,
+                      evaluation: bool = False) -> tuple[list[Path], str]:
+    """The files of a local dataset's split that is trained on (`evaluation`: evalSplit),
+    and the split to read of them (the name, or a slice: `train[:95%]`)."""
+    split = source.eval_split if evaluation else source.split
+    name = split.split("[")[0]
+    files, root = local_data_files(source.uri, base_dir), _local_path(source.uri, base_dir)
+    if not root.is_dir():
+        return files, _of_one_file(str(root), split, evaluation)
+    splits = local_splits(files, root)
+    if name not in splits:
+        field = f"spec.dataset.{'evalSplit' if evaluation else 'split'}"
+        others = [other for other in splits if not evaluation or other != source.split]
+        fix = (f"set {field} to {' or '.join(others)}, or name the files by split "
+               "(train.jsonl, validation.jsonl, test.jsonl)" if others else
+               f"add {name} files beside the others (e.g. {name}.jsonl), or hold out part "
+               "of the training split with evalFraction instead of evalSplit")
+        raise DataError(str(root), f"has no {name} split ({_show_splits(splits, root)})", fix)
+    return splits[name], split
+
+
+def split_source(source: DatasetSource, base_dir: Path | None = None,
+                 evaluation: bool = False) -> str:
+    """Where a split's records come from, for the log: a folder's files above all, since
+    their names choose them."""
+    uri, split = source.uri, (source.eval_split if evaluation else source.split) or "train"
+    files: list[Path] = []
+    if uri.startswith("https://"):
+        split = _of_one_file(uri, split, evaluation)
+    elif not uri.startswith("hf://"):
+        files, split = local_split_files(source, base_dir, evaluation)
+        root = _local_path(uri, base_dir)
+        uri = str(root)
+        if not root.is_dir():
+            files = []
+    said = uri if split == "train" and not files and not uri.startswith("hf://") else (
+        f"{uri} split {split}")
+    if files:
+        more = f" and {len(files) - 3} more" if len(files) > 3 else ""
+        said += f" ({', '.join(str(f.relative_to(uri)) for f in files[:3])}{more})"
+    return said
 
 
 def _of_one_file(where: str, split: str, evaluation: bool) -> str:

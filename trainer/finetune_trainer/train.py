@@ -34,6 +34,7 @@ from finetune_trainer.data import (
     pack_in_order,
     read_records,
     resolve_format,
+    split_source,
     tokenize_records,
 )
 from finetune_trainer.layout import FINAL_DIR, MERGED_DIR, resolve_output
@@ -61,6 +62,8 @@ class Prepared:
     train: list[dict[str, list[int]]]
     eval: list[dict[str, list[int]]]
     wrap_classes: list[str]
+    sources: str = ""
+    """Where the training and eval splits come from (`data.split_source`), for the log."""
 
 
 PACKERS = {"best-fit": pack, "next-fit": pack_in_order}
@@ -100,7 +103,12 @@ def preflight(config: TrainerConfig, base_dir: Path) -> Prepared:
     arrange = (functools.partial(PACKERS[config.benchmark.packer],
                                  max_length=data.max_seq_length) if data.packing
                else one_per_sequence)
-    return Prepared(tokenizer, arrange(train), arrange(evaluation), wrap_classes)
+    sources = f"training on {split_source(data, base_dir)}"
+    if data.eval_split is not None:
+        sources += f", evaluating on {split_source(data, base_dir, evaluation=True)}"
+    elif data.eval_fraction > 0:
+        sources += f", evaluating on {data.eval_fraction:g} of it held out (evalFraction)"
+    return Prepared(tokenizer, arrange(train), arrange(evaluation), wrap_classes, sources)
 
 
 class StopRequest:
@@ -626,6 +634,7 @@ class Trainer:
     def train(self) -> int:
         """Train to the last step, or to a SIGTERM after a checkpoint; the exit code."""
         hp = self.hp
+        _say(f"data: {self.prepared.sources}")
         _say(f"training {len(self.prepared.train)} sequences on {self.world} "
              f"{'process' if self.world == 1 else 'processes'} ({self.strategy.name}, "
              f"{self.config.strategy.precision}): {self.steps} steps of "

@@ -20,8 +20,8 @@ from finetune_trainer.data import (
     pack,
     pack_in_order,
     read_records,
+    read_split,
     resolve_format,
-    split_source,
     tokenize_record,
     tokenize_records,
 )
@@ -120,10 +120,8 @@ def test_a_folder_named_by_split_trains_on_its_split_and_evaluates_on_another(tm
     assert files_read(read_records(sliced)) == {"train.jsonl": 2}
     assert files_read(read_records(sliced, evaluation=True)) == {"test.jsonl": 2}
     # the log says which files each split reads
-    assert split_source(source) == f"{folder} split train (train.jsonl)"
-    assert split_source(source, evaluation=True) == f"{folder} split validation (dev.jsonl)"
-    assert split_source(DatasetSource(uri="hf://org/chats", split="train_sft")) == (
-        "hf://org/chats split train_sft")
+    assert read_split(source)[1] == f"{folder} split train (train.jsonl)"
+    assert read_split(source, evaluation=True)[1] == f"{folder} split validation (dev.jsonl)"
 
 
 def test_a_folder_whose_files_name_no_split_is_all_training_data(tmp_path):
@@ -159,8 +157,8 @@ def test_one_file_is_split_train_and_evaluates_on_a_slice_of_it(tmp_path):
     sliced = DatasetSource(uri=str(path), split="train[:80%]", evalSplit="train[80%:]")
     assert read_records(sliced)["text"] == [f"chats.jsonl {i}" for i in range(8)]
     assert read_records(sliced, evaluation=True)["text"] == ["chats.jsonl 8", "chats.jsonl 9"]
-    assert split_source(sliced, evaluation=True) == f"{path} split train[80%:]"
-    assert split_source(DatasetSource(uri=str(path))) == str(path)
+    assert read_split(sliced, evaluation=True)[1] == f"{path} split train[80%:]"
+    assert read_split(DatasetSource(uri=str(path)))[1] == str(path)
     with pytest.raises(DataError) as refused:
         read_records(DatasetSource(uri=str(path), evalSplit="validation"), evaluation=True)
     assert str(refused.value) == (

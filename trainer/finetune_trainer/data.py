@@ -167,21 +167,28 @@ def read_records(source: DatasetSource, base_dir: Path | None = None,
                  evaluation: bool = False):
     """The split of the dataset `source` names that is trained on (`evaluation`: its
     `evalSplit`), as a `datasets.Dataset`."""
+    return read_split(source, base_dir, evaluation)[0]
+
+
+def read_split(source: DatasetSource, base_dir: Path | None = None,
+               evaluation: bool = False):
+    """`read_records`, and where the records came from, for the log: `<uri> split <split>`,
+    with a folder's files, since their names chose them."""
     import datasets
 
     uri = source.uri
     split = source.eval_split if evaluation else source.split
-    field = f"spec.dataset.{'evalSplit' if evaluation else 'split'}"
     if uri.startswith("hf://"):
         try:
             records = datasets.load_dataset(uri.removeprefix("hf://"), split=split)
         except Exception as error:  # network, auth, missing split: all end the run here
+            field = f"spec.dataset.{'evalSplit' if evaluation else 'split'}"
             raise DataError(uri, f"cannot be loaded from the hub ({error})",
                             f"check the name, the split ({field}: {split}), network access "
                             "and HF_TOKEN; or copy the data to a PVC") from error
         check_records(records, _format_of(source, records, uri),
                       lambda index: f"{uri} record {index + 1}")
-        return records
+        return records, f"{uri} split {split}"
     if uri.startswith("https://"):
         builder = FILE_BUILDERS.get(Path(uri.split("?")[0]).suffix)
         if builder is None:
@@ -195,8 +202,17 @@ def read_records(source: DatasetSource, base_dir: Path | None = None,
                             "check the link and that it serves a valid data file") from error
         check_records(records, _format_of(source, records, uri),
                       lambda index: f"{uri} record {index + 1}")
-        return records
+        return records, _said(uri, split)
     files, split = local_split_files(source, base_dir, evaluation)
+    root = _local_path(uri, base_dir)
+    return (_read_files(source, files, split),
+            _said(str(root), split, files if root.is_dir() else None))
+
+
+def _read_files(source: DatasetSource, files: list[Path], split: str):
+    """`split` (a name, or a slice of it) of local data files, each checked first."""
+    import datasets
+
     builder = FILE_BUILDERS[files[0].suffix]
     lines: list[tuple[Path, list[int]]] = []  # where each record of a jsonl file starts
     for path in files:
@@ -212,14 +228,23 @@ def read_records(source: DatasetSource, base_dir: Path | None = None,
             builder, data_files={split.split("[")[0]: [str(p) for p in files]}, split=split)
     except Exception as error:
         if "corresponds to no data" in str(error):  # datasets' words for zero records
-            raise DataError(str(files[0]) if len(files) == 1 else str(uri), "holds no "
+            raise DataError(str(files[0]) if len(files) == 1 else source.uri, "holds no "
                             "records", "write at least one record") from error
         raise DataError(str(files[0]), f"cannot be read as {builder} ({_root_cause(error)})",
                         f"check that it is a valid {files[0].suffix.lstrip('.')} file") from error
-    where = uri if len(files) > 1 else str(files[0])
+    where = source.uri if len(files) > 1 else str(files[0])
     check_records(records, _format_of(source, records, where),
                   _locator(where, lines, len(records)))
     return records
+
+
+def _said(where: str, split: str, files: list[Path] | None = None) -> str:
+    """A split's source for the log: one file whole is just its path."""
+    if not files:
+        return where if split == "train" else f"{where} split {split}"
+    more = f" and {len(files) - 3} more" if len(files) > 3 else ""
+    shown = ", ".join(str(f.relative_to(where)) for f in files[:3])
+    return f"{where} split {split} ({shown}{more})"
 
 
 def local_split_files(source: DatasetSource, base_dir: Path | None = None,
@@ -241,28 +266,6 @@ def local_split_files(source: DatasetSource, base_dir: Path | None = None,
                "of the training split with evalFraction instead of evalSplit")
         raise DataError(str(root), f"has no {name} split ({_show_splits(splits, root)})", fix)
     return splits[name], split
-
-
-def split_source(source: DatasetSource, base_dir: Path | None = None,
-                 evaluation: bool = False) -> str:
-    """Where a split's records come from, for the log: a folder's files above all, since
-    their names choose them."""
-    uri, split = source.uri, (source.eval_split if evaluation else source.split) or "train"
-    files: list[Path] = []
-    if uri.startswith("https://"):
-        split = _of_one_file(uri, split, evaluation)
-    elif not uri.startswith("hf://"):
-        files, split = local_split_files(source, base_dir, evaluation)
-        root = _local_path(uri, base_dir)
-        uri = str(root)
-        if not root.is_dir():
-            files = []
-    said = uri if split == "train" and not files and not uri.startswith("hf://") else (
-        f"{uri} split {split}")
-    if files:
-        more = f" and {len(files) - 3} more" if len(files) > 3 else ""
-        said += f" ({', '.join(str(f.relative_to(uri)) for f in files[:3])}{more})"
-    return said
 
 
 def _of_one_file(where: str, split: str, evaluation: bool) -> str:

@@ -32,9 +32,8 @@ from finetune_trainer.data import (
     one_per_sequence,
     pack,
     pack_in_order,
-    read_records,
+    read_split,
     resolve_format,
-    split_source,
     tokenize_records,
 )
 from finetune_trainer.layout import FINAL_DIR, MERGED_DIR, resolve_output
@@ -63,7 +62,7 @@ class Prepared:
     eval: list[dict[str, list[int]]]
     wrap_classes: list[str]
     sources: str = ""
-    """Where the training and eval splits come from (`data.split_source`), for the log."""
+    """Where the training and eval splits come from (`data.read_split`), for the log."""
 
 
 PACKERS = {"best-fit": pack, "next-fit": pack_in_order}
@@ -74,11 +73,13 @@ def preflight(config: TrainerConfig, base_dir: Path) -> Prepared:
     wrap_classes = inspect_architecture(config.model, config.method, base_dir)
     tokenizer = load_tokenizer(config.model, base_dir)
     data = config.dataset
-    records = read_records(data, base_dir)
+    records, sources = read_split(data, base_dir)
+    sources = f"training on {sources}"
     fmt = resolve_format(data.format, records.column_names)
     eval_records = []
     if data.eval_split is not None:
-        eval_records = read_records(data, base_dir, evaluation=True)
+        eval_records, eval_source = read_split(data, base_dir, evaluation=True)
+        sources += f", evaluating on {eval_source}"
         eval_fmt = resolve_format(data.format, eval_records.column_names)
         if eval_fmt != fmt:
             raise DataError(data.uri, f"its {data.eval_split} split is laid out as "
@@ -91,6 +92,7 @@ def preflight(config: TrainerConfig, base_dir: Path) -> Prepared:
         split = records.train_test_split(test_size=data.eval_fraction,
                                          seed=config.hyperparameters.seed)
         records, eval_records = split["train"], split["test"]
+        sources += f", evaluating on {data.eval_fraction:g} of it held out (evalFraction)"
     train = tokenize_records(records, fmt, tokenizer, data.max_seq_length)
     if not train:
         raise DataError(data.uri, "has no sample with a trained token after truncation",
@@ -103,11 +105,6 @@ def preflight(config: TrainerConfig, base_dir: Path) -> Prepared:
     arrange = (functools.partial(PACKERS[config.benchmark.packer],
                                  max_length=data.max_seq_length) if data.packing
                else one_per_sequence)
-    sources = f"training on {split_source(data, base_dir)}"
-    if data.eval_split is not None:
-        sources += f", evaluating on {split_source(data, base_dir, evaluation=True)}"
-    elif data.eval_fraction > 0:
-        sources += f", evaluating on {data.eval_fraction:g} of it held out (evalFraction)"
     return Prepared(tokenizer, arrange(train), arrange(evaluation), wrap_classes, sources)
 
 

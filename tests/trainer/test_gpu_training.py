@@ -120,7 +120,9 @@ def test_a_step_never_waits_for_the_gpu(tiny_model_dir, tmp_path, monkeypatch, s
                             "logEverySteps": 3, "warmupRatio": 0.0},
         "output": {"uri": str(tmp_path / "out"), "checkpointEverySteps": 4},
         "metrics": {"port": _free_port()}, "preflight": {"enabled": False}})
-    guarded = []
+    from torch._dynamo.callback import callback_handler
+
+    guarded, compiled_in_steps = [], []
     train_step = Trainer.train_step
 
     def guarded_step(trainer) -> bool:
@@ -133,10 +135,28 @@ def test_a_step_never_waits_for_the_gpu(tiny_model_dir, tmp_path, monkeypatch, s
             torch.cuda.set_sync_debug_mode(0)
             guarded.append(trainer.state.step)
 
+    # a compile inside a later step is a stall of its own, asserted below; Inductor's
+    # constant folding reads tensors back while it compiles, so the guard is off meanwhile
+    def compile_began(*args) -> None:
+        if torch.cuda.get_sync_debug_mode():
+            torch.cuda.set_sync_debug_mode(0)
+            compiled_in_steps.append((len(guarded) + 2, *map(str, args)))
+
+    def compile_ended(*_) -> None:
+        if compiled_in_steps and compiled_in_steps[-1][0] == len(guarded) + 2:
+            torch.cuda.set_sync_debug_mode("error")
+
     monkeypatch.setattr(Trainer, "train_step", guarded_step)
+    callback_handler.register_start_callback(compile_began)
+    callback_handler.register_end_callback(compile_ended)
     sigterm = signal.getsignal(signal.SIGTERM)
     try:
         assert Trainer(config, tmp_path).train() == 0
     finally:
         signal.signal(signal.SIGTERM, sigterm)  # the trainer's StopRequest took it
+        callback_handler.remove_start_callback(compile_began)
+        callback_handler.remove_end_callback(compile_ended)
     assert guarded == list(range(2, 9))
+    # compiled layers are compiled in the first step only: one shape of row, the count of
+    # samples' bounds dynamic (attention.forward_kwargs)
+    assert compiled_in_steps == [], compiled_in_steps

@@ -51,20 +51,44 @@ def test_compiled_layers_get_rows_of_one_width():
     assert batch["cu_seq_lens"].tolist() == [0, 3, 8, 10, 16]
 
 
-def test_cpu_workers_and_models_it_does_not_fit_keep_sdpa(tiny_model_dir):
+def test_cpu_workers_fp32_runs_and_models_it_does_not_fit_keep_sdpa(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    assert "CUDA only" in attention.why_not(model, torch.device("cpu"))
+    assert "CUDA only" in attention.why_not(model, torch.device("cpu"), "bf16")
     cuda = torch.device("cuda")
-    if attention.why_not(model, cuda) is not None:  # a torch without the varlen kernel
-        assert "varlen" in attention.why_not(model, cuda)
+    if attention.why_not(model, cuda, "bf16") is not None:  # a torch without the varlen kernel
+        assert "varlen" in attention.why_not(model, cuda, "bf16")
         return
+    assert attention.why_not(model, cuda, "fp16") is None
+    # the kernel is bf16/fp16 only: an fp32 run's attention stays fp32 (it had handed its
+    # fp32 o_proj bf16 output: "expected mat1 and mat2 to have the same dtype", on a GPU)
+    assert "this run is fp32" in attention.why_not(model, cuda, "fp32")
     model.config.sliding_window = 128
-    assert "sliding_window" in attention.why_not(model, cuda)
+    assert "sliding_window" in attention.why_not(model, cuda, "bf16")
     model.config.sliding_window = None
     model.config.attention_dropout = 0.1
-    assert "attention_dropout" in attention.why_not(model, cuda)
+    assert "attention_dropout" in attention.why_not(model, cuda, "bf16")
+
+
+def test_a_compiled_layer_is_compiled_once_for_any_count_of_samples():
+    """The bounds' length varies with the samples a micro-batch holds. Unmarked, the first
+    batch of a new count recompiled every compiled layer inside a training step (seen on a
+    GPU under the no-sync test); marked dynamic, one compile serves every count."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def layer(hidden, cu_seq_lens_q, max_length_q, **_):
+        return hidden * max_length_q + cu_seq_lens_q[-1]
+
+    torch._dynamo.reset()
+    for lengths in ([3, 2], [1, 1, 1, 2], [5], [2, 1, 2]):  # 3, 5, 2 and 4 bounds a batch
+        batch = Collation(pad_id=0, bounds=True, width=5).tensors([sample(n) for n in lengths])
+        layer(torch.ones(2), **attention.forward_kwargs(batch))
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
 
 
 def test_the_attention_refuses_a_forward_without_bounds():

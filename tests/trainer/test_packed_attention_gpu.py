@@ -17,7 +17,7 @@ def test_packed_attention_matches_sdpa_with_the_block_mask(tiny_model_dir):
     from finetune_trainer.train import Collation
 
     if (why := attention.why_not(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
-                                 torch.device("cuda"))) is not None:
+                                 torch.device("cuda"), "bf16")) is not None:
         pytest.skip(why)
     generator = torch.Generator().manual_seed(0)
 

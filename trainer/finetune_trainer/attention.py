@@ -10,8 +10,10 @@ sum(len^2), not rows x width^2. torch ships that kernel (`torch.nn.attention.var
 only); this module registers it with transformers' attention interface under `NAME` and
 computes the boundaries on the host, where the batch is collated (no device sync).
 
-Used on CUDA for models whose attention is plain causal softmax attention (no sliding
-window, soft-capping, sinks or dropout); everything else keeps SDPA and the mask.
+Used on CUDA, in bf16 or fp16 runs, for models whose attention is plain causal softmax
+attention (no sliding window, soft-capping, sinks or dropout); everything else keeps SDPA
+and the mask. The kernel computes in bf16 or fp16 only, so an fp32 run keeps SDPA: its
+attention stays fp32, as asked (and its o_proj takes fp32 input).
 """
 
 from __future__ import annotations
@@ -48,10 +50,13 @@ def _kernel():
     return varlen_attn, set(inspect.signature(varlen_attn).parameters)
 
 
-def why_not(model, device: torch.device) -> str | None:
-    """None when packed attention can replace the model's; else why not, in a phrase."""
+def why_not(model, device: torch.device, precision: str) -> str | None:
+    """None when packed attention can replace the model's in a run of `precision`
+    (`strategy.precision`); else why not, in a phrase."""
     if device.type != "cuda":
         return "variable-length attention runs on CUDA only"
+    if precision not in ("bf16", "fp16"):
+        return f"the flash kernel computes in bf16 or fp16, and this run is {precision}"
     kernel, _ = _kernel()
     if kernel is None:
         return f"torch {torch.__version__} has no torch.nn.attention.varlen"
@@ -87,12 +92,17 @@ def install(model) -> None:
 
 def forward_kwargs(batch: dict) -> dict:
     """What a forward passes on to the attention of every layer (the names transformers'
-    flash-attention path uses). The longest sample is bounded by the row width, a static
-    number, so compiled layers are not recompiled for every batch."""
+    flash-attention path uses). Compiled layers are compiled once: the longest sample is
+    bounded by the row width, a static number, and the count of bounds, which varies with
+    the samples a batch holds, is marked dynamic. Unmarked, torch compiled every layer for
+    the first count, then again with it dynamic at the first batch of another count (one
+    compile more, inside a training step)."""
     if "cu_seq_lens" not in batch:
         return {}
+    bounds = batch["cu_seq_lens"]
+    torch._dynamo.maybe_mark_dynamic(bounds, 0)
     width = batch["input_ids"].shape[1]
-    return {"cu_seq_lens_q": batch["cu_seq_lens"], "cu_seq_lens_k": batch["cu_seq_lens"],
+    return {"cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds,
             "max_length_q": width, "max_length_k": width}
 
 

@@ -491,7 +491,9 @@ class Trainer:
                                   checkpoint_policy=config.strategy.gradient_checkpointing_policy)
         bounds = False  # packed attention: the samples' bounds go with every batch
         if config.strategy.packed_attention:
-            if (why_not := attention.why_not(loss.base_causal_lm(model), device)) is None:
+            why_not = attention.why_not(loss.base_causal_lm(model), device,
+                                        config.strategy.precision)
+            if why_not is None:
                 attention.install(loss.base_causal_lm(model))
                 bounds = True
             elif device.type == "cuda":

@@ -8,8 +8,8 @@ checkpoint is read from the trainer's own line for each one: synchronous, "writt
 while training waited"; in the background, "staged in X s, ... training waited Y s more"
 (X + Y: staging, plus any wait for the previous write at the next save or at the end).
 The periodic checkpoints are the measure; the last one, at the end of training, has no
-step left to hide its write behind, so the loop waits for all of it either way (it is
-counted in the second figure). The run's wall time is printed beside it: on 2 cores the
+step left to hide its write behind, so both sides write it synchronously (it is counted in
+the second figure). The run's wall time is printed beside it: on 2 cores the
 background write competes with training for the CPU, so the end-to-end gain is smaller
 than the stall's.
 
@@ -60,11 +60,12 @@ def trainer_config(model: Path, output: Path, strategy: str, background: bool, s
     }
 
 
-def stalls(log: str, background: bool) -> list[float]:
-    """Seconds the loop was held by each checkpoint, from the trainer's lines."""
-    if not background:
-        return [float(s) for s in SYNC.findall(log)]
-    return [float(staged) + float(waited or 0) for staged, _, waited in BACKGROUND.findall(log)]
+def stalls(log: str) -> list[float]:
+    """Seconds the loop was held by each checkpoint, in order, from the trainer's lines (the
+    last one is synchronous on both sides)."""
+    held = [(m.start(), float(m[1])) for m in SYNC.finditer(log)]
+    held += [(m.start(), float(m[1]) + float(m[3] or 0)) for m in BACKGROUND.finditer(log)]
+    return [seconds for _, seconds in sorted(held)]
 
 
 def run_once(model: Path, work: Path, strategy: str, background: bool, steps: int,
@@ -84,7 +85,7 @@ def run_once(model: Path, work: Path, strategy: str, background: bool, steps: in
     log = result.stdout + result.stderr
     if result.returncode != 0:
         raise RuntimeError(f"{strategy} asyncCheckpoints {side} failed:\n{log[-4000:]}")
-    held = stalls(log, background)
+    held = stalls(log)
     if len(held) != steps // every:
         raise RuntimeError(f"{strategy} asyncCheckpoints {side}: {len(held)} checkpoint lines, "
                            f"{steps // every} checkpoints expected:\n{log[-4000:]}")

@@ -232,12 +232,14 @@ def test_checkpoints_every_step_are_written_behind_training_and_complete(uninter
     assert all((output / "checkpoints" / name / "trainer_state.json").is_file()
                for name in names)
     background = BACKGROUND.findall(log)
-    assert [int(step) for _, step, _, _ in background] == list(range(1, STEPS + 1)), log
-    assert not WAITED.findall(log)
+    assert [int(step) for _, step, _, _ in background] == list(range(1, STEPS)), log
+    # the last step's: no step left to write behind, so no host copy staged for it (#22)
+    assert [int(step) for _, step, _ in WAITED.findall(log)] == [STEPS], log
     staged = [float(s) for _, _, s, _ in background]
     written = [float(w) for _, _, _, w in background]
-    print(f"\nddp, tiny model, {STEPS} checkpoints: training held {sum(staged) / STEPS:.3f} s "
-          f"a save to stage it, {sum(written) / STEPS:.3f} s written in the background")
+    print(f"\nddp, tiny model, {len(staged)} checkpoints behind: training held "
+          f"{sum(staged) / len(staged):.3f} s a save to stage it, "
+          f"{sum(written) / len(written):.3f} s written in the background")
 
 
 @pytest.mark.slow
@@ -293,7 +295,8 @@ def test_a_sharded_run_resumes_exactly_from_a_checkpoint_written_in_the_backgrou
     first = tmp_path / "first"
     result = finetune_run(job(first / "out"), first)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert [int(step) for _, step, _, _ in BACKGROUND.findall(result.stdout)] == [2, 4, 6]
+    assert [int(step) for _, step, _, _ in BACKGROUND.findall(result.stdout)] == [2, 4]
+    assert [int(step) for _, step, _ in WAITED.findall(result.stdout)] == [6]  # the last
     assert [p.name for p in complete_checkpoints(first / "out")] == [
         "step-00000002", "step-00000004", "step-00000006"]
     assert not list((first / "out" / "checkpoints").glob("*.partial"))

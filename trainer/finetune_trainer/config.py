@@ -290,9 +290,10 @@ class OutputConfig(ApiModel):
     merge_adapter: bool = False
     """Also export the base model with the LoRA adapter merged in (lora and qlora)."""
     async_checkpoints: AsyncCheckpoints = "auto"
-    """Write periodic checkpoints behind training (ddp and fsdp; DeepSpeed always waits):
-    `auto` where the host has memory for the staged copy of the state, `on` always, `off`
-    never. The checkpoint taken on SIGTERM is always complete before the process exits."""
+    """Write periodic checkpoints behind training (ddp, fsdp and DeepSpeed): `auto` where the
+    host has memory for the staged copy of the state, `on` always, `off` never. The last
+    step's checkpoint and the one taken on SIGTERM are always written at once, with no
+    staged copy, and are complete before the run goes on or the process exits."""
     tensorboard: bool = True
     """Rank 0 writes TensorBoard event files (loss, learning rate, grad norm, tokens/s, eval
     loss) under `tensorboard/` in this folder: `tensorboard --logdir <folder>` locally or on

@@ -266,6 +266,21 @@ def eval_needs_split(job: FineTuneJob) -> Iterator[Problem]:
                       "`spec.dataset.evalFraction` (e.g. 0.05), or remove evalEverySteps")
 
 
+@rule(CelRule("spec", "!has(self.hyperparameters) || "
+              "!has(self.hyperparameters.earlyStoppingPatience) || "
+              "has(self.hyperparameters.evalEverySteps)",
+              "spec.hyperparameters.earlyStoppingPatience counts evaluations, and none is "
+              "made during training — set spec.hyperparameters.evalEverySteps (e.g. 100)",
+              ".hyperparameters.earlyStoppingPatience"))
+def early_stopping_needs_evaluations(job: FineTuneJob) -> Iterator[Problem]:
+    hp = job.spec.hyperparameters
+    if hp.early_stopping_patience and not hp.eval_every_steps:
+        yield Problem("spec.hyperparameters.earlyStoppingPatience", "counts evaluations, and "
+                      "without evalEverySteps there is only the one at the end",
+                      "set `spec.hyperparameters.evalEverySteps` (e.g. 100) and an eval split, "
+                      "or remove earlyStoppingPatience")
+
+
 @rule(CelRule("spec.dataset", "!has(self.evalSplit) || self.evalFraction == 0.0",
               "spec.dataset.evalSplit and evalFraction both name an eval split — keep one",
               ".evalSplit"))

@@ -132,6 +132,10 @@ CASES = [
     Case("eval-every-without-split", {"spec.hyperparameters.evalEverySteps": 50},
          "spec.hyperparameters.evalEverySteps", "set `spec.dataset.evalSplit` (e.g. "
          "validation) or `spec.dataset.evalFraction`", "cel"),
+    Case("early-stopping-without-evaluations",
+         {"spec.dataset.evalFraction": 0.05, "spec.hyperparameters.earlyStoppingPatience": 3},
+         "spec.hyperparameters.earlyStoppingPatience", "set "
+         "`spec.hyperparameters.evalEverySteps` (e.g. 100)", "cel"),
     Case("two-eval-splits", {**FOLDER, "spec.dataset.evalSplit": "validation",
                              "spec.dataset.evalFraction": 0.1},
          "spec.dataset.evalSplit", "remove evalFraction to evaluate on the validation split",

@@ -9,17 +9,20 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import yaml
 
 from finetune_operator.follow import run_log
+from finetune_trainer.checkpoint import complete_checkpoints
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
@@ -386,6 +389,66 @@ def test_a_folder_named_by_split_trains_on_one_and_evaluates_on_another(
             "test: test.jsonl) — set spec.dataset.evalSplit to validation or test"
             ) in refused.stderr
     assert "starting 2 training processes" not in refused.stdout
+
+
+def test_early_stopping_counts_evaluations_that_do_not_improve():
+    from finetune_trainer.checkpoint import TrainerState
+    from finetune_trainer.config import Hyperparameters
+    from finetune_trainer.train import judged, stopped_early
+
+    hp = Hyperparameters(max_steps=100, eval_every_steps=10, early_stopping_patience=2,
+                         early_stopping_threshold=0.01)
+    state = TrainerState(step=10, epoch=0, step_in_epoch=10, tokens_seen=0, total_steps=100)
+    state = judged(state, 2.0, 0.01)  # the first is the best so far
+    assert (state.best_eval_loss, state.best_eval_step, state.evals_since_best) == (2.0, 10, 0)
+    state = judged(replace(state, step=20), 1.995, 0.01)  # lower, but not by the threshold
+    assert (state.best_eval_loss, state.evals_since_best) == (2.0, 1)
+    assert stopped_early(state, hp) is None
+    state = judged(replace(state, step=30), 1.5, 0.01)  # better: counting starts again
+    assert (state.best_eval_loss, state.best_eval_step, state.evals_since_best) == (1.5, 30, 0)
+    for step in (40, 50):
+        state = judged(replace(state, step=step), 1.6, 0.01)
+    assert stopped_early(state, hp) == (
+        "stopping early at step 50: 2 evaluations in a row did not improve on the best eval "
+        "loss, 1.5000 at step 30 by more than 0.01 (hyperparameters.earlyStoppingPatience: "
+        "2); the export is of step 50")
+    assert stopped_early(state, hp.model_copy(update={"early_stopping_patience": None})) is None
+
+
+def test_a_run_stops_early_when_its_eval_loss_stops_improving(tiny_model_dir, tmp_path):
+    """earlyStoppingPatience: the run ends at the step whose evaluation used up the
+    patience, as at its last (a checkpoint of that step, the export, Succeeded), on every
+    rank; a rerun over the same output does not train past it. A threshold no evaluation
+    can clear makes the first evaluation the best and every later one no better."""
+    job = manifest(tiny_model_dir, tmp_path / "out", steps=20)
+    job["spec"]["dataset"]["evalFraction"] = 0.2
+    job["spec"]["hyperparameters"].update(evalEverySteps=2, earlyStoppingPatience=2,
+                                          earlyStoppingThreshold=100.0)
+    result = finetune_run(job, tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    said = re.search(r"^stopping early at step 6: 2 evaluations in a row did not improve on the "
+                     r"best eval loss, ([\d.]+) at step 2 by more than 100 "
+                     r"\(hyperparameters.earlyStoppingPatience: 2\); the export is of step 6$",
+                     result.stdout, re.MULTILINE)
+    assert said, result.stdout[-3000:]
+    assert "step 7/20" not in result.stdout
+    assert result.stdout.count("eval at step") == 3  # 2, 4, 6; no second one at the end
+    output = tmp_path / "out"
+    progress = json.loads((output / "progress.json").read_text())
+    assert (progress["step"], progress["phase"]) == (6, "Succeeded"), progress
+    assert progress["evalLoss"] > 0
+    assert (output / "final" / "adapter_model.safetensors").is_file()
+    newest = complete_checkpoints(output)[-1]
+    assert newest.name == "step-00000006"
+    state = json.loads((newest / "trainer_state.json").read_text())
+    assert state["best_eval_step"] == 2 and state["evals_since_best"] == 2
+    assert state["best_eval_loss"] == pytest.approx(float(said[1]), abs=1e-4)
+
+    again = finetune_run(job, tmp_path)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "stopping early at step 6:" in again.stdout
+    assert "; not training further" in again.stdout
+    assert "step 7/20" not in again.stdout
 
 
 def test_unknown_lora_target_fails_before_any_process_starts(tiny_model_dir, tmp_path):

@@ -47,13 +47,19 @@ DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 @dataclass
 class TrainerState:
-    """Counters that, with the seed, pin the data position: the next step to run."""
+    """Counters that, with the seed, pin the data position (the next step to run), and
+    early stopping's record."""
 
     step: int
     epoch: int
     step_in_epoch: int
     tokens_seen: int
     total_steps: int
+    best_eval_loss: float | None = None
+    """Early stopping's record (`hyperparameters.earlyStoppingPatience`): the lowest eval
+    loss so far, and the evaluations since one came that far below the one before."""
+    best_eval_step: int | None = None
+    evals_since_best: int = 0
 
 
 class CheckpointError(RuntimeError):

@@ -256,6 +256,14 @@ class Hyperparameters(ApiModel):
     eval_every_steps: int | None = Field(default=None, ge=1)
     """Evaluate every N steps (needs `dataset.evalFraction` > 0 or `dataset.evalSplit`); by
     default once at the end."""
+    early_stopping_patience: int | None = Field(default=None, ge=1, le=10000)
+    """Stop training once this many evaluations in a row (every `evalEverySteps`) have not
+    brought the eval loss more than `earlyStoppingThreshold` below its best so far. The run
+    then ends at that step as at its last: checkpoint, export, Succeeded. The export holds
+    that step's weights, not the best evaluation's. Unset (the default): train to the end."""
+    early_stopping_threshold: float = Field(default=0.0, ge=0.0)
+    """How far below the best eval loss so far an evaluation must come to count as better
+    (with `earlyStoppingPatience`)."""
     log_every_steps: int = Field(default=10, ge=1)
     """Log and publish metrics every N steps."""
 

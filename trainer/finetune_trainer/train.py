@@ -11,6 +11,7 @@ padding or uneven packing never reweights tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -22,7 +23,7 @@ from typing import Any
 
 from finetune_trainer import checkpoint, flops, network_preflight, tracking, trained_with
 from finetune_trainer.collectives import CollectiveLog, merge
-from finetune_trainer.config import TrainerConfig
+from finetune_trainer.config import Hyperparameters, TrainerConfig
 from finetune_trainer.data import (
     IGNORE,
     DataError,
@@ -309,6 +310,31 @@ def merge_adapter(config: TrainerConfig, adapter_dir: Path, out: Path, base_dir:
     merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
     merged.save_pretrained(out, safe_serialization=True)
     AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(out)
+
+
+def judged(state: checkpoint.TrainerState, loss: float, threshold: float
+           ) -> checkpoint.TrainerState:
+    """`state` with one more evaluation counted for early stopping: a new best where `loss`
+    is more than `threshold` below the best so far (the first always is), else one more
+    evaluation since the best."""
+    if state.best_eval_loss is None or loss < state.best_eval_loss - threshold:
+        return dataclasses.replace(state, best_eval_loss=loss, best_eval_step=state.step,
+                                   evals_since_best=0)
+    return dataclasses.replace(state, evals_since_best=state.evals_since_best + 1)
+
+
+def stopped_early(state: checkpoint.TrainerState, hp: Hyperparameters) -> str | None:
+    """Why training stops at `state` (`hyperparameters.earlyStoppingPatience` used up), or
+    None."""
+    patience = hp.early_stopping_patience
+    if not patience or state.evals_since_best < patience or state.best_eval_loss is None:
+        return None
+    by = (f" by more than {hp.early_stopping_threshold:g}" if hp.early_stopping_threshold
+          else "")
+    return (f"stopping early at step {state.step}: {state.evals_since_best} evaluations in a "
+            f"row did not improve on the best eval loss, {state.best_eval_loss:.4f} at step "
+            f"{state.best_eval_step}{by} (hyperparameters.earlyStoppingPatience: {patience}); "
+            f"the export is of step {state.step}")
 
 
 def total_steps(config: TrainerConfig, batches: GlobalBatches) -> int:
@@ -625,8 +651,9 @@ class Trainer:
 
     def _advanced(self, epoch: int, step_in_epoch: int, tokens: int) -> checkpoint.TrainerState:
         per_epoch = self.batches.steps_per_epoch
-        return checkpoint.TrainerState(
-            step=self.state.step + 1, epoch=epoch + (step_in_epoch + 1) // per_epoch,
+        return dataclasses.replace(
+            self.state, step=self.state.step + 1,
+            epoch=epoch + (step_in_epoch + 1) // per_epoch,
             step_in_epoch=(step_in_epoch + 1) % per_epoch,
             tokens_seen=self.state.tokens_seen + int(tokens), total_steps=self.steps)
 
@@ -645,19 +672,34 @@ class Trainer:
             step = self.state.step
             return self._stopped("stopped by SIGTERM before the first step; a restart resumes "
                                  f"from {'step ' + str(step) if step else 'the start'}")
+        if (why := stopped_early(self.state, hp)) is not None:  # a rerun of such a run
+            _say(f"{why}; not training further")
+            return self.finish()
         while self.state.step < self.steps:
             stopping = self.train_step()
             step, last = self.state.step, self.state.step == self.steps
-            if step % hp.log_every_steps == 0 or last or stopping:
+            logged = step % hp.log_every_steps == 0 or last or stopping
+            if logged:
                 self.log.log(self.grad_norm)
+            early = None
             if hp.eval_every_steps and step % hp.eval_every_steps == 0 and not last:
-                self.evaluate(f"eval at step {step}: loss")
+                loss = self.evaluate(f"eval at step {step}: loss")
+                if loss is not None and hp.early_stopping_patience:
+                    self.state = judged(self.state, loss, hp.early_stopping_threshold)
+                    early = stopped_early(self.state, hp)
+            if early is not None and not stopping:  # this step ends the run, as the last
+                _say(early)
+                if not logged:
+                    self.log.log(self.grad_norm)
+                last = True
             if self.checkpoint_written:  # the one written behind: complete it, everywhere
                 self.checkpoints.finish()
             self.checkpoints.maybe_save(self.state, last, stopping)
             if stopping:
                 return self._stopped(f"stopped by SIGTERM after step {step}; a restart "
                                      "resumes from the checkpoint above")
+            if early is not None:
+                return self.finish(evaluated=True)
         return self.finish()
 
     def _stopped(self, why: str) -> int:
@@ -665,16 +707,19 @@ class Trainer:
         self.reporter.finish("Stopped")
         return EXIT_PREEMPTED
 
-    def evaluate(self, said: str) -> None:
-        """The eval split's loss (where there is one): said, and published."""
+    def evaluate(self, said: str) -> float | None:
+        """The eval split's loss (where there is one): said, published and returned (the
+        same on every rank)."""
         loss = evaluate(self.strategy, self.prepared.eval, self.batches.micro_batch,
                         self.collation, self.control)
         if loss is not None:
             _say(f"{said} {loss:.4f}")
             self.reporter.evaluated(self.state.step, loss)
+        return loss
 
-    def finish(self) -> int:
-        """After the last step: its checkpoint complete, the eval loss, the export."""
+    def finish(self, evaluated: bool = False) -> int:
+        """After the last step: its checkpoint complete, the eval loss (unless `evaluated`
+        at that step already), the export."""
         import torch.distributed as dist
 
         self.checkpoints.finish()  # the last checkpoint complete before anything can fail
@@ -682,7 +727,8 @@ class Trainer:
             self.profiler.stop()
             if self.profiler.written is not None:
                 _say(f"profile of steps written to {self.profiler.written.parent}")
-        self.evaluate("eval loss")
+        if not evaluated:
+            self.evaluate("eval loss")
         final = export(self.strategy, self.prepared.tokenizer, self.config, self.output_dir,
                        self.base_dir)
         self.reporter.finish("Succeeded")

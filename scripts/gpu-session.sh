@@ -40,8 +40,10 @@ torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__ve
 
 case "$step" in
   tests)
-    # the cluster tests' pytest plugins are absent there (no kopf, kmock or pytest-asyncio)
-    "$PY" -m pytest -p no:cacheprovider -p no:asyncio -p no:kmock -m gpu -rA -q \
+    # the cluster tests' pytest plugins are absent there (no kopf, kmock or pytest-asyncio);
+    # no log capture: DCP's DEBUG records had buried the failures' own lines (11-26)
+    "$PY" -m pytest -p no:cacheprovider -p no:asyncio -p no:kmock -p no:logging -m gpu \
+      -rA -q --durations=0 \
       tests/trainer/test_gpu_training.py tests/trainer/test_packed_attention_gpu.py \
       2>&1 | tee "$out/tests.txt"
     ;;

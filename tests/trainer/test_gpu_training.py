@@ -123,27 +123,30 @@ def test_a_step_never_waits_for_the_gpu(tiny_model_dir, tmp_path, monkeypatch, s
     from torch._dynamo.callback import callback_handler
 
     guarded, compiled_in_steps = [], []
+    running = []  # the guarded step under way, if one is
     train_step = Trainer.train_step
 
     def guarded_step(trainer) -> bool:
         if trainer.state.step == 0:
             return train_step(trainer)
+        running.append(trainer.state.step + 1)
         torch.cuda.set_sync_debug_mode("error")
         try:
             return train_step(trainer)
         finally:
             torch.cuda.set_sync_debug_mode(0)
+            running.clear()
             guarded.append(trainer.state.step)
 
     # a compile inside a later step is a stall of its own, asserted below; Inductor's
     # constant folding reads tensors back while it compiles, so the guard is off meanwhile
     def compile_began(*args) -> None:
-        if torch.cuda.get_sync_debug_mode():
+        if running:
             torch.cuda.set_sync_debug_mode(0)
-            compiled_in_steps.append((len(guarded) + 2, *map(str, args)))
+            compiled_in_steps.append((running[0], *map(str, args)))
 
     def compile_ended(*_) -> None:
-        if compiled_in_steps and compiled_in_steps[-1][0] == len(guarded) + 2:
+        if running:
             torch.cuda.set_sync_debug_mode("error")
 
     monkeypatch.setattr(Trainer, "train_step", guarded_step)

@@ -56,8 +56,8 @@ class TrainerState:
     tokens_seen: int
     total_steps: int
     best_eval_loss: float | None = None
-    """Early stopping's record (`hyperparameters.earlyStoppingPatience`): the lowest eval
-    loss so far, and the evaluations since one came that far below the one before."""
+    """Early stopping's record (`hyperparameters.earlyStoppingPatience`): the best eval
+    loss so far, the step it was evaluated at, and the evaluations since."""
     best_eval_step: int | None = None
     evals_since_best: int = 0
 

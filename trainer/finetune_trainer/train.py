@@ -327,7 +327,7 @@ def stopped_early(state: checkpoint.TrainerState, hp: Hyperparameters) -> str | 
     """Why training stops at `state` (`hyperparameters.earlyStoppingPatience` used up), or
     None."""
     patience = hp.early_stopping_patience
-    if not patience or state.evals_since_best < patience or state.best_eval_loss is None:
+    if not patience or state.evals_since_best < patience:
         return None
     by = (f" by more than {hp.early_stopping_threshold:g}" if hp.early_stopping_threshold
           else "")
@@ -683,10 +683,7 @@ class Trainer:
                 self.log.log(self.grad_norm)
             early = None
             if hp.eval_every_steps and step % hp.eval_every_steps == 0 and not last:
-                loss = self.evaluate(f"eval at step {step}: loss")
-                if loss is not None and hp.early_stopping_patience:
-                    self.state = judged(self.state, loss, hp.early_stopping_threshold)
-                    early = stopped_early(self.state, hp)
+                early = self._evaluate_during_training(step)
             if early is not None and not stopping:  # this step ends the run, as the last
                 _say(early)
                 if not logged:
@@ -701,6 +698,15 @@ class Trainer:
             if early is not None:
                 return self.finish(evaluated=True)
         return self.finish()
+
+    def _evaluate_during_training(self, step: int) -> str | None:
+        """The evaluation at `step`, counted for early stopping: why training stops here,
+        or None."""
+        loss = self.evaluate(f"eval at step {step}: loss")
+        if loss is None or not self.hp.early_stopping_patience:
+            return None
+        self.state = judged(self.state, loss, self.hp.early_stopping_threshold)
+        return stopped_early(self.state, self.hp)
 
     def _stopped(self, why: str) -> int:
         _say(why)

@@ -359,6 +359,9 @@ class Progress(StatusModel):
     preflight: dict[str, Any] | None = Field(default=None, exclude=True)
     """The trainer's collective preflight record (not stored: it becomes the
     `CollectivePreflight` condition)."""
+    stopped_early: str | None = Field(default=None, exclude=True)
+    """Why a finished run stopped before its last step (not stored: it becomes the
+    `Complete` condition, reason `StoppedEarly`, and the message)."""
 
     @classmethod
     def from_record(cls, record: ProgressRecord) -> Progress:
@@ -366,7 +369,8 @@ class Progress(StatusModel):
         return cls(step=record.step, total_steps=record.total_steps, epoch=record.epoch,
                    loss=record.loss, eval_loss=record.eval_loss,
                    tokens_per_second=record.tokens_per_second,
-                   mfu=record.mfu, eta_seconds=record.eta_seconds, preflight=record.preflight)
+                   mfu=record.mfu, eta_seconds=record.eta_seconds, preflight=record.preflight,
+                   stopped_early=record.stopped_early)
 
 
 class CheckpointRef(StatusModel):

@@ -469,9 +469,15 @@ def _succeeded(b: _Builder) -> bool:
     if not b.seen.succeeded:
         return False
     status = b.status
+    where = f"the model is in {b.job.spec.output.uri}/final"
+    early = b.seen.progress.stopped_early if b.seen.progress else None
     b.cond("Running", False, "Completed", "")
-    b.cond("Complete", True, "TrainingFinished", "the export is in spec.output.uri/final")
-    b.phase("Succeeded", f"training finished; the model is in {b.job.spec.output.uri}/final")
+    if early:
+        b.cond("Complete", True, "StoppedEarly", early)
+        b.phase("Succeeded", f"training {early}; {where}")
+    else:
+        b.cond("Complete", True, "TrainingFinished", "the export is in spec.output.uri/final")
+        b.phase("Succeeded", f"training finished; {where}")
     status.completion_time = b.now
     if status.progress:
         status.progress.eta_seconds = 0

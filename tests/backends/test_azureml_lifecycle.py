@@ -160,6 +160,28 @@ def test_a_restart_after_a_failure_submits_the_next_attempt(backend, azure):
     assert f"{NAME}-2" in azure.jobs
 
 
+def test_a_run_that_stopped_early_says_why_from_its_run(backend, azure, tmp_path):
+    """Rank 0's tracker tags the job's run with why it stopped before its last step; the
+    operator reads it with the metrics into the progress the status's message quotes."""
+    from finetune_trainer.progress import Reporter
+    from finetune_trainer.tracking import MlflowTracker
+    from tests.trainer.test_tracking import FakeMlflow
+
+    mlflow = FakeMlflow()  # what the trainer sends, as mlflow's fluent API receives it
+    reporter = Reporter(tmp_path, total_steps=20, start_step=0, enabled=True,
+                        trackers=(MlflowTracker(mlflow),))
+    reporter.report(6, 0.3, 1.9, 1e-4)
+    why = "stopped early at step 6 of 20: 2 evaluations in a row did not improve ..."
+    reporter.finish("Succeeded", why)
+    run(backend.launch(aml_job()))
+    azure.set_state(NAME, "Completed")
+    for step, values in mlflow.logged:
+        azure.log_metrics(NAME, step, **values)
+    azure.set_tags(NAME, **mlflow.tags)
+    seen = run(backend.observe(aml_job("Running", NAME)))
+    assert seen.succeeded and seen.progress.step == 6 and seen.progress.stopped_early == why
+
+
 def test_a_failed_attempt_is_read_with_what_its_workers_said_on_its_run(backend, azure):
     """A worker's refusal reaches the operator as a tag on the job's MLflow run, read with
     the metrics (`runs/get` → data.tags)."""

@@ -24,6 +24,7 @@ from finetune_operator import naming
 from finetune_operator.backends import kubernetes as backend
 from finetune_operator.settings import OperatorSettings
 from finetune_operator.validation import parse_job
+from finetune_trainer import errors
 
 pytestmark = pytest.mark.slow
 
@@ -78,6 +79,8 @@ class PodHere:
         config = yaml.safe_load(objects["ConfigMap"]["data"][naming.TRAINER_CONFIG_KEY])
         self.output = Path(self.here(config["output"]["uri"]))
         self.log = where / "trainer.log"
+        self.termination_log = where / "termination-log"
+        """The container's terminationMessagePath, a file here as the kubelet makes it."""
         self.started: list[subprocess.Popen] = []
 
     def here(self, text: str) -> str:
@@ -90,6 +93,9 @@ class PodHere:
         for variable in container["env"]:
             if "value" in variable:
                 env[variable["name"]] = self.here(variable["value"])
+        self.termination_log.write_text("")  # each container gets its own, empty
+        if env.get(errors.TERMINATION_LOG_ENV) == container["terminationMessagePath"]:
+            env[errors.TERMINATION_LOG_ENV] = str(self.termination_log)
         if "PET_MASTER_ADDR" in env:
             env.update(PET_MASTER_ADDR="127.0.0.1", PET_MASTER_PORT=str(free_port()))
         argv = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], part)
@@ -118,15 +124,19 @@ class PodHere:
                 process.wait(timeout=60)
 
     def terminated(self, code: int) -> dict[str, Any]:
-        """The pod's status as the kubelet reports it: the trainer's exit code, and as its
-        termination message the launcher's last line (what it writes to
-        /dev/termination-log, which a machine outside a pod does not have)."""
-        last = self.log.read_text().strip().splitlines()[-1]
-        return {"metadata": {"name": "pod-here-0-x"}, "status": {
-            "phase": "Failed", "containerStatuses": [{
-                "name": backend.TRAINER_CONTAINER,
-                "state": {"terminated": {"exitCode": code, "reason": "Error",
-                                         "message": last}}}]}}
+        """Rank 0's pod as the kubelet reports it once the trainer ended with `code`: its
+        termination message is what the container wrote to its terminationMessagePath, or
+        on an error with nothing written (FallbackToLogsOnError) its log's last lines."""
+        message = self.termination_log.read_text()
+        if not message and code:
+            message = "\n".join(self.log.read_text().splitlines()[-80:])[-2048:]
+        return {"metadata": {"name": "pod-here-0-x",
+                             "annotations": {backend.COMPLETION_INDEX_KEY: "0"}},
+                "status": {"phase": "Failed" if code else "Succeeded", "containerStatuses": [{
+                    "name": backend.TRAINER_CONTAINER,
+                    "state": {"terminated": {"exitCode": code,
+                                             "reason": "Error" if code else "Completed",
+                                             "message": message}}}]}}
 
     def rule_for(self, code: int) -> str:
         """The Job controller's action for the trainer container's exit code: the first
@@ -178,6 +188,32 @@ def test_bad_data_ends_the_pod_once_with_the_line_that_names_it(tiny_model_dir, 
     failure = backend.pod_failure(pod.terminated(code))
     assert failure.kind == "refused" and failure.reason == backend.INPUT_REFUSED
     assert failure.message.startswith(f"{data}:2: is not valid JSON")
+
+
+def test_a_run_that_stops_early_leaves_its_final_record_for_the_status(tiny_model_dir,
+                                                                        pod_here):
+    """earlyStoppingPatience in the real pod command: rank 0's final record is its
+    termination message, the operator's one way to learn the stopping step's figures and
+    why training ended there once the trainer (and its /progress) has gone."""
+    data = Path(__file__).resolve().parents[2] / "examples/data/tiny-chat.jsonl"
+    doc = job(tiny_model_dir, data, maxSteps=20, evalEverySteps=1, earlyStoppingPatience=1,
+              earlyStoppingThreshold=100.0)
+    doc["spec"]["dataset"]["evalFraction"] = 0.2
+    pod = pod_here(doc)
+    pod.init_containers()
+    code = pod.start_trainer().wait(timeout=300)
+    assert code == 0, pod.log.read_text()[-3000:]
+    rank0 = pod.terminated(code)
+    progress = backend.final_progress([rank0])
+    assert progress is not None, rank0
+    assert progress.step == 2 and progress.total_steps == 20 and progress.eval_loss > 0
+    assert progress.stopped_early.startswith(
+        "stopped early at step 2 of 20: 1 evaluation did not improve on the best eval loss")
+    assert progress.stopped_early in pod.log.read_text()  # what the log said
+    workload = {"metadata": {"name": "pod-here", "uid": "u"},
+                "status": {"conditions": [{"type": "Complete", "status": "True"}]}}
+    seen = backend.observe(workload, [rank0], nodes=1)
+    assert seen.succeeded and seen.progress == progress
 
 
 def test_sigterm_checkpoints_and_ends_the_pod_143(tiny_model_dir, pod_here):

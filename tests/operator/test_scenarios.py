@@ -14,6 +14,7 @@ import asyncio
 
 import pytest
 
+from finetune_trainer.record import ProgressRecord
 from tests.support.emulator import ApiServer
 from tests.support.testbed import Testbed
 
@@ -69,6 +70,36 @@ async def test_apply_creates_the_workers_and_reports_progress(testbed: Testbed):
     assert testbed.status()["completionTime"]
     await testbed.until(lambda: {"Launching", "Running", "Succeeded"} <= set(
         testbed.event_reasons()), "an event for every transition")
+
+
+async def test_a_run_that_stopped_early_says_why_in_its_status(testbed: Testbed):
+    """earlyStoppingPatience: the run ends before its last step and Succeeds. Rank 0's final
+    record reaches the status through its pod's termination message (its trainer, and
+    /progress with it, are gone by then): the stopping step's figures, the Complete
+    condition's reason, and why it stopped, where the status had said `training finished`
+    at the last step it polled."""
+    doc = testbed.manifest()
+    doc["spec"]["dataset"]["evalFraction"] = 0.2
+    doc["spec"]["hyperparameters"].update(evalEverySteps=2, earlyStoppingPatience=2,
+                                          earlyStoppingThreshold=100.0)
+    await testbed.apply(doc)
+    await testbed.until_phase("Running")
+    total = doc["spec"]["hyperparameters"]["maxSteps"]
+    why = (f"stopped early at step 6 of {total}: 2 evaluations in a row did not improve on "
+           "the best eval loss, 2.0480 at step 2 by more than 100 "
+           "(hyperparameters.earlyStoppingPatience: 2); the export is of step 6")
+    await testbed.finish("demo", ProgressRecord(  # where a real trainer stops by itself
+        step=6, totalSteps=total, loss=1.9, evalLoss=2.2, phase="Succeeded", stoppedEarly=why))
+    await testbed.until_phase("Succeeded", timeout=40)
+    status = testbed.status()
+    assert status["message"].startswith(f"training stopped early at step 6 of {total}: 2 "
+                                        "evaluations in a row did not improve"), status
+    assert status["message"].endswith(f"; the model is in {doc['spec']['output']['uri']}/final")
+    complete = testbed.condition("Complete")
+    assert complete["reason"] == "StoppedEarly" and complete["message"].startswith(
+        "stopped early at step 6"), complete
+    assert status["progress"]["step"] == 6 and status["progress"]["evalLoss"] > 0
+    assert status["progress"]["etaSeconds"] == 0
 
 
 async def test_a_worker_failure_restarts_the_gang_and_counts(testbed: Testbed):

@@ -176,9 +176,13 @@ class ControlPlaneTestbed(RealTestbed):
                          {MESSAGE: message, "fake.finetune.dev/exit-code": str(exit_code),
                           "fake.finetune.dev/init-container": container})
 
-    async def finish(self, name):
+    async def finish(self, name, final=None):
+        """KWOK ends each pod Succeeded (the stage pod-complete), rank 0's with `final` as
+        its termination message."""
         for pod in await asyncio.to_thread(self.running_pods, name):
-            await self._mark(pod["metadata"]["name"], {}, {RUN_TIME: "0s"})
+            rank0 = pod["metadata"]["annotations"][COMPLETION_INDEX] == "0"
+            said = {MESSAGE: final.as_termination_message()} if final and rank0 else {}
+            await self._mark(pod["metadata"]["name"], {}, {RUN_TIME: "0s", **said})
 
     async def report_progress(self, name):
         """Rank 0's /progress, served on its pod's IP at the operator's progress port."""

@@ -380,10 +380,16 @@ class Kubelet:
             "type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler",
             "message": "preempted by a higher-priority workload"}]})
 
-    async def succeed(self, job_name: str, namespace: str = "default") -> None:
+    async def succeed(self, job_name: str, namespace: str = "default",
+                      message: str = "") -> None:
+        """Every pod ends Succeeded; rank 0's trainer with `message` as its termination
+        message (what a finished trainer leaves there: its final progress record)."""
         job = self.server.get("batch/v1/jobs", namespace, job_name)
         for pod in self.pods_of(job):
-            await self._set_pod(pod, {"phase": "Succeeded"})
+            said = message if pod["metadata"]["annotations"][COMPLETION_INDEX] == "0" else ""
+            await self._set_pod(pod, {"phase": "Succeeded", "containerStatuses": [{
+                "name": "trainer", "state": {"terminated": {
+                    "exitCode": 0, "reason": "Completed", "message": said}}}]})
 
     def _pod(self, job_name: str, index: int, namespace: str) -> dict[str, Any]:
         job = self.server.get("batch/v1/jobs", namespace, job_name)

@@ -114,8 +114,9 @@ class Testbed:
     async def preempt_worker(self, name: str, index: int) -> None:
         raise NotImplementedError
 
-    async def finish(self, name: str) -> None:
-        """Let every worker of `name` succeed (a real trainer gets there by itself)."""
+    async def finish(self, name: str, final: ProgressRecord | None = None) -> None:
+        """Let every worker of `name` succeed, rank 0 leaving `final` as its termination
+        message, as the trainer does (a real trainer gets there by itself, with its own)."""
 
     async def report_progress(self, name: str) -> ProgressRecord | None:
         """Make rank 0 publish a record and return it; None where the real trainer reports."""
@@ -210,8 +211,9 @@ class EmulatedTestbed(Testbed):
     async def preempt_worker(self, name, index):
         await self.kubelet.preempt(name, index, namespace=self.namespace)
 
-    async def finish(self, name):
-        await self.kubelet.succeed(name, self.namespace)
+    async def finish(self, name, final=None):
+        await self.kubelet.succeed(name, self.namespace,
+                                   final.as_termination_message() if final else "")
 
     async def report_progress(self, name):
         record = ProgressRecord(step=40, totalSteps=100, epoch=0.4, loss=1.25, learningRate=1e-4,

@@ -70,3 +70,36 @@ def test_every_backend_reads_the_record_the_trainer_writes(tmp_path):
     assert (from_pod.step, from_pod.total_steps, from_pod.loss, from_pod.eta_seconds) == (
         8, 40, 1.75, written.eta_seconds)
     assert from_azureml.model_dump(exclude={"mfu"}) == from_pod.model_dump(exclude={"mfu"})
+
+
+def test_a_finished_run_leaves_its_final_record_as_the_termination_message(tmp_path,
+                                                                          monkeypatch):
+    """In a pod the kubelet makes the file (terminationMessagePath) and keeps what the
+    trainer wrote there once it exits: a Succeeded run's final record, which the operator
+    reads when /progress has gone with the trainer. A run stopped by SIGTERM leaves it empty
+    (its exit code says what happened); a rerun of a finished run, which trains nothing,
+    leaves the record it finished with."""
+    from finetune_trainer.errors import TERMINATION_LOG_ENV
+    from finetune_trainer.record import ProgressRecord
+
+    message = tmp_path / "termination-log"
+    message.write_text("")
+    monkeypatch.setenv(TERMINATION_LOG_ENV, str(message))
+    stopped = Reporter(tmp_path / "a", total_steps=20, start_step=0, enabled=True)
+    stopped.report(step=2, epoch=0.1, loss=2.5, lr=1e-4)
+    stopped.finish("Stopped")
+    assert message.read_text() == ""
+
+    reporter = Reporter(tmp_path / "b", total_steps=20, start_step=0, enabled=True)
+    reporter.report(step=6, epoch=0.3, loss=1.9, lr=1e-4)
+    reporter.evaluated(6, 2.2)
+    reporter.finish("Succeeded", "stopped early at step 6 of 20: ...")
+    final = ProgressRecord.model_validate_json(message.read_text())
+    assert (final.step, final.loss, final.eval_loss, final.phase, final.eta_seconds) == (
+        6, 1.9, 2.2, "Succeeded", 0)
+    assert final.stopped_early == "stopped early at step 6 of 20: ..."
+
+    message.write_text("")
+    rerun = Reporter(tmp_path / "b", total_steps=20, start_step=6, enabled=True)
+    rerun.finish("Succeeded", "stopped early at step 6 of 20: ...")
+    assert ProgressRecord.model_validate_json(message.read_text()) == final

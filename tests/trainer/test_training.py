@@ -409,7 +409,7 @@ def test_early_stopping_counts_evaluations_that_do_not_improve():
     for step in (40, 50):
         state = judged(replace(state, step=step), 1.6, 0.01)
     assert stopped_early(state, hp) == (
-        "stopping early at step 50: 2 evaluations in a row did not improve on the best eval "
+        "stopped early at step 50 of 100: 2 evaluations in a row did not improve on the best eval "
         "loss, 1.5000 at step 30 by more than 0.01 (hyperparameters.earlyStoppingPatience: "
         "2); the export is of step 50")
     assert stopped_early(state, hp.model_copy(update={"early_stopping_patience": None})) is None
@@ -426,8 +426,8 @@ def test_a_run_stops_early_when_its_eval_loss_stops_improving(tiny_model_dir, tm
                                           earlyStoppingThreshold=100.0)
     result = finetune_run(job, tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    said = re.search(r"^stopping early at step 6: 2 evaluations in a row did not improve on the "
-                     r"best eval loss, ([\d.]+) at step 2 by more than 100 "
+    said = re.search(r"^stopped early at step 6 of 20: 2 evaluations in a row did not "
+                     r"improve on the best eval loss, ([\d.]+) at step 2 by more than 100 "
                      r"\(hyperparameters.earlyStoppingPatience: 2\); the export is of step 6$",
                      result.stdout, re.MULTILINE)
     assert said, result.stdout[-3000:]
@@ -436,6 +436,7 @@ def test_a_run_stops_early_when_its_eval_loss_stops_improving(tiny_model_dir, tm
     output = tmp_path / "out"
     progress = json.loads((output / "progress.json").read_text())
     assert (progress["step"], progress["phase"]) == (6, "Succeeded"), progress
+    assert progress["stoppedEarly"] == said[0]  # what the operator's status will say
     assert progress["evalLoss"] > 0
     assert (output / "final" / "adapter_model.safetensors").is_file()
     newest = complete_checkpoints(output)[-1]
@@ -446,7 +447,7 @@ def test_a_run_stops_early_when_its_eval_loss_stops_improving(tiny_model_dir, tm
 
     again = finetune_run(job, tmp_path)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert "stopping early at step 6:" in again.stdout
+    assert "stopped early at step 6 of 20:" in again.stdout
     assert "; not training further" in again.stdout
     assert "step 7/20" not in again.stdout
 

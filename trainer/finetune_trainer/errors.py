@@ -21,12 +21,16 @@ NOT_RESTARTED = (EXIT_BAD_INPUT, EXIT_OTHER_CHECKPOINTS)
 settings in the output folder. Every launcher ends the job on them at once."""
 
 TERMINATION_LOG = "/dev/termination-log"
+TERMINATION_LOG_ENV = "FINETUNE_TERMINATION_LOG"
+"""The container's `terminationMessagePath`, which the operator's pod spec sets beside it
+(the kubelet's default, TERMINATION_LOG, where it is unset)."""
 
 
 def termination_message(text: str) -> None:
-    """Where the kubelet reads why a container ended (`terminationMessagePath`), so the
-    FineTuneJob's status says it in full; nothing happens outside a pod (no such file)."""
-    path = Path(TERMINATION_LOG)
+    """Where the kubelet reads how a container ended (`terminationMessagePath`): a
+    failure's reason, or a finished run's final record, so the FineTuneJob's status says
+    it in full; nothing happens outside a pod (no such file)."""
+    path = Path(os.environ.get(TERMINATION_LOG_ENV) or TERMINATION_LOG)
     if path.exists():
         with contextlib.suppress(OSError):
             path.write_text(text[:4000])

@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Protocol
 
+from finetune_trainer import errors
 from finetune_trainer.layout import HISTORY_FILE, PROGRESS_FILE
 from finetune_trainer.record import ProgressRecord, format_duration
 
@@ -23,7 +24,7 @@ class Tracker(Protocol):
 
     def evaluated(self, step: int, loss: float) -> None: ...
 
-    def finish(self, phase: str) -> None: ...
+    def finish(self, final: ProgressRecord) -> None: ...
 
 
 class Reporter:
@@ -38,6 +39,7 @@ class Reporter:
         self.path = output_dir / PROGRESS_FILE
         self.history = output_dir / HISTORY_FILE
         self.total_steps = total_steps
+        self.start_step = start_step
         self.enabled = enabled
         self.window_start = time.perf_counter()
         self.window_tokens = 0
@@ -102,15 +104,31 @@ class Reporter:
         for tracker in self.trackers:
             tracker.evaluated(step, loss)
 
-    def finish(self, phase: str) -> None:
-        """Publish the final phase with the last figures (no log line)."""
-        if self.enabled and self.last is not None:
-            self.last.phase, self.last.eta_seconds = phase, 0
-            self._write(self.last)
+    def finish(self, phase: str, stopped_early: str | None = None) -> None:
+        """Publish the final phase with the last figures (no log line), and why the run
+        stopped before its last step; a Succeeded record is also the pod's termination
+        message, the operator's one way to read it once the trainer has gone."""
         if self.enabled:
+            final = self.last or self._untrained()
+            final.phase, final.eta_seconds, final.stopped_early = phase, 0, stopped_early
+            self._write(final)
+            if phase == "Succeeded":
+                errors.termination_message(final.as_termination_message())
             for tracker in self.trackers:
-                tracker.finish(phase)
+                tracker.finish(final)
         self.close()
+
+    def _untrained(self) -> ProgressRecord:
+        """The record of a run that trained no step (a rerun of a finished one): the one it
+        left in the output folder where that is of this step, else the step alone."""
+        try:
+            before = ProgressRecord.model_validate_json(self.path.read_text())
+        except (OSError, ValueError):
+            before = None
+        if before is not None and before.step == self.start_step:
+            return before
+        return ProgressRecord(step=self.start_step, total_steps=self.total_steps,
+                              eval_loss=self.eval_loss)
 
     def _write(self, record: ProgressRecord) -> None:
         if self.server is not None:

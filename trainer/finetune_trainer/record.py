@@ -9,6 +9,7 @@ FineTuneJob status), and on Azure ML the job's MLflow run (`mlflow_metrics`, rea
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -63,6 +64,8 @@ class ProgressRecord(BaseModel):
     """Rank 0's peak memory (the CUDA allocator's on a GPU, resident set on CPU)."""
     phase: str = "Running"
     """Running, then Succeeded or Stopped."""
+    stopped_early: str | None = None
+    """Why a Succeeded run ended before its last step (hyperparameters.earlyStoppingPatience)."""
     update_time: str = ""
     preflight: dict[str, Any] | None = None
     """The collective preflight's figures (busBandwidthGBps, nodes, slowNodes, ...)."""
@@ -71,6 +74,14 @@ class ProgressRecord(BaseModel):
         """The record as JSON (camelCase); `history`: a progress.jsonl line, without the
         preflight every record repeats."""
         return self.model_dump(by_alias=True, exclude={"preflight"} if history else None)
+
+    def as_termination_message(self) -> str:
+        """The final record as a finished pod's termination message (the kubelet keeps 4 KB):
+        the operator can no longer read /progress once the trainer has gone, and without it
+        the status would keep the last figures it polled and never learn why a run stopped
+        early. No preflight (already in the status, and long)."""
+        return json.dumps(self.model_dump(by_alias=True, exclude={"preflight"}),
+                          separators=(",", ":"))
 
     def mlflow_metrics(self) -> dict[str, float]:
         """The record's numbers under their MLflow names; unknown or non-finite values are

@@ -41,7 +41,7 @@ class TensorBoardTracker:
     def evaluated(self, step: int, loss: float) -> None:
         self._write([(EVAL_LOSS, loss)], step)
 
-    def finish(self, phase: str) -> None:
+    def finish(self, final: ProgressRecord) -> None:
         if not self.broken:
             try:
                 self.writer.close()

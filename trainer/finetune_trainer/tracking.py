@@ -50,13 +50,20 @@ class MlflowTracker:
             self.broken = True
             print(f"metrics are no longer sent to Azure ML tracking: {error}", flush=True)
 
-    def finish(self, phase: str) -> None:
+    def finish(self, final: ProgressRecord) -> None:
         if self.broken:
             return
         try:
-            self.mlflow.set_tag("finetune.phase", phase)
+            self.mlflow.set_tag(PHASE_TAG, final.phase)
+            if final.stopped_early:
+                self.mlflow.set_tag(STOPPED_EARLY_TAG, final.stopped_early[:TAG_CHARACTERS])
         except Exception as error:
             print(f"final phase not sent to Azure ML tracking: {error}", flush=True)
+
+
+PHASE_TAG = "finetune.phase"
+STOPPED_EARLY_TAG = "finetune.stoppedEarly"
+"""Why a finished run stopped before its last step (early stopping), for the status."""
 
 
 REFUSED_TAG = "finetune.refused"

@@ -331,8 +331,10 @@ def stopped_early(state: checkpoint.TrainerState, hp: Hyperparameters) -> str | 
         return None
     by = (f" by more than {hp.early_stopping_threshold:g}" if hp.early_stopping_threshold
           else "")
-    return (f"stopping early at step {state.step}: {state.evals_since_best} evaluations in a "
-            f"row did not improve on the best eval loss, {state.best_eval_loss:.4f} at step "
+    count = state.evals_since_best
+    evaluations = "1 evaluation" if count == 1 else f"{count} evaluations in a row"
+    return (f"stopped early at step {state.step} of {state.total_steps}: {evaluations} did "
+            f"not improve on the best eval loss, {state.best_eval_loss:.4f} at step "
             f"{state.best_eval_step}{by} (hyperparameters.earlyStoppingPatience: {patience}); "
             f"the export is of step {state.step}")
 
@@ -674,7 +676,7 @@ class Trainer:
                                  f"from {'step ' + str(step) if step else 'the start'}")
         if (why := stopped_early(self.state, hp)) is not None:  # a rerun of such a run
             _say(f"{why}; not training further")
-            return self.finish()
+            return self.finish(stopped_early=why)
         while self.state.step < self.steps:
             stopping = self.train_step()
             step, last = self.state.step, self.state.step == self.steps
@@ -696,7 +698,7 @@ class Trainer:
                 return self._stopped(f"stopped by SIGTERM after step {step}; a restart "
                                      "resumes from the checkpoint above")
             if early is not None:
-                return self.finish(evaluated=True)
+                return self.finish(evaluated=True, stopped_early=early)
         return self.finish()
 
     def _evaluate_during_training(self, step: int) -> str | None:
@@ -723,9 +725,9 @@ class Trainer:
             self.reporter.evaluated(self.state.step, loss)
         return loss
 
-    def finish(self, evaluated: bool = False) -> int:
-        """After the last step: its checkpoint complete, the eval loss (unless `evaluated`
-        at that step already), the export."""
+    def finish(self, evaluated: bool = False, stopped_early: str | None = None) -> int:
+        """After the last step (or the one that `stopped_early`, saying why): its checkpoint
+        complete, the eval loss (unless `evaluated` at that step already), the export."""
         import torch.distributed as dist
 
         self.checkpoints.finish()  # the last checkpoint complete before anything can fail
@@ -737,7 +739,7 @@ class Trainer:
             self.evaluate("eval loss")
         final = export(self.strategy, self.prepared.tokenizer, self.config, self.output_dir,
                        self.base_dir)
-        self.reporter.finish("Succeeded")
+        self.reporter.finish("Succeeded", stopped_early)
         _say(f"exported {final}")
         dist.destroy_process_group()
         return 0

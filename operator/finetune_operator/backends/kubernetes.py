@@ -185,6 +185,9 @@ def _env(job: FineTuneJob, settings: OperatorSettings) -> list[dict[str, Any]]:
         # period, less the launcher's own exit)
         {"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": str(shutdown_timeout(settings))},
         {"name": "NCCL_DEBUG", "value": "WARN"},
+        # where the kubelet reads how the container ended: a failure's reason, a finished
+        # run's final record (terminationMessagePath, below)
+        {"name": errors.TERMINATION_LOG_ENV, "value": errors.TERMINATION_LOG},
         # the trainer's finetune_restarts series: which attempt this is
         {"name": "FINETUNE_RESTARTS", "value": str(job.status.restarts if job.status else 0)},
         # the node in every metric's `node` label and the preflight's per-node figures
@@ -302,6 +305,7 @@ def _trainer_container(job: FineTuneJob, settings: OperatorSettings,
                   *_metrics_ports(job.spec.resources.processes(), settings.metrics_port)],
         "resources": resources,
         # a failed worker's last log lines land in its status, and so in our message
+        "terminationMessagePath": errors.TERMINATION_LOG,
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": mounts,
         "securityContext": {
@@ -322,7 +326,7 @@ def _step_container(trainer: dict[str, Any], name: str, flag: str,
     return {
         **{k: v for k, v in trainer.items() if k in (
             "image", "imagePullPolicy", "volumeMounts", "securityContext",
-            "terminationMessagePolicy")},
+            "terminationMessagePath", "terminationMessagePolicy")},
         "name": name,
         "command": ["python", "-m", "finetune_trainer", flag, "--config=$(FINETUNE_CONFIG)"],
         "env": [e for e in trainer["env"] if e["name"] in env],
@@ -333,7 +337,7 @@ def _resume_check_container(trainer: dict[str, Any]) -> dict[str, Any]:
     """Runs before torchrun (which reports any worker's failure as its own exit 1): a job
     changed after its first run must not resume from the old settings' checkpoints."""
     return _step_container(trainer, RESUME_CHECK_CONTAINER, "--check-resume",
-                           {"FINETUNE_CONFIG", "HF_HOME"})
+                           {"FINETUNE_CONFIG", "HF_HOME", errors.TERMINATION_LOG_ENV})
 
 
 def _fetches_model(job: FineTuneJob) -> bool:
@@ -352,7 +356,7 @@ def _fetch_model_container(job: FineTuneJob, trainer: dict[str, Any]) -> dict[st
     # the hub token, the caches on the scratch volume, and the user's own (HF_ENDPOINT,
     # proxies); none of torchrun's
     return _step_container(trainer, FETCH_MODEL_CONTAINER, "--fetch-model", {
-        "FINETUNE_CONFIG", "HF_HOME", "XDG_CACHE_HOME", "HF_TOKEN",
+        "FINETUNE_CONFIG", "HF_HOME", "XDG_CACHE_HOME", "HF_TOKEN", errors.TERMINATION_LOG_ENV,
         *(e.name for e in (k8s.env if k8s else []))})
 
 
@@ -550,6 +554,24 @@ def pod_failure(pod: dict[str, Any]) -> Failure | None:
                        reason=MODEL_REFUSED)
     detail = f": {tail[0][:300]}" if tail[0] else ""
     return Failure("worker", f"{name} exited {code} ({reason}){detail}")
+
+
+def final_progress(pods: list[dict[str, Any]]) -> Progress | None:
+    """Rank 0's final record, from its succeeded pod's termination message: its trainer has
+    gone, so /progress no longer answers, and only this says the last step's figures and
+    why the run stopped early. None where the message is no record (another version's)."""
+    rank0 = next((p for p in pods
+                  if p["metadata"].get("annotations", {}).get(COMPLETION_INDEX_KEY) == "0"
+                  and p.get("status", {}).get("phase") == "Succeeded"), None)
+    if rank0 is None:
+        return None
+    container, terminated = _terminated(rank0)
+    if container != TRAINER_CONTAINER or not terminated.get("message"):
+        return None
+    try:
+        return Progress.from_record(ProgressRecord.model_validate_json(terminated["message"]))
+    except ValueError:
+        return None
 
 
 _STARTING = (None, "ContainerCreating", "PodInitializing")
@@ -792,7 +814,8 @@ def _observe_job(workload: dict[str, Any], pods: list[dict[str, Any]], nodes: in
     failures.sort(key=lambda f: {"refused": 0, "worker": 1, "preempted": 2,
                                  "stopped": 3}[f.kind])
     if _condition(workload, "Complete") is not None:
-        return Observation(exists=True, succeeded=True, progress=progress)
+        return Observation(exists=True, succeeded=True,
+                           progress=final_progress(current) or progress)
     if failures:
         return Observation(exists=True, failure=failures[0], progress=progress)
     if _condition(workload, "Failed") is not None:

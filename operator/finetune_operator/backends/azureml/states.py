@@ -15,7 +15,7 @@ from finetune_operator.backends.azureml.jobspec import attempt_of
 from finetune_operator.reconcile import INPUT_REFUSED, Failure, Observation
 from finetune_trainer.errors import EXIT_BAD_INPUT, EXIT_OTHER_CHECKPOINTS
 from finetune_trainer.record import ProgressRecord
-from finetune_trainer.tracking import FAILURE_TAG, REFUSED_TAG
+from finetune_trainer.tracking import FAILURE_TAG, REFUSED_TAG, STOPPED_EARLY_TAG
 
 BACKEND_KIND = "AzureMLJob"
 STARTING = frozenset({"NotStarted", "Starting", "Provisioning", "Preparing"})
@@ -59,13 +59,17 @@ def backend_ref(azure: AzureJob) -> BackendRef:
 def observe(job: FineTuneJob, azure: AzureJob | None, progress: Progress | None = None,
             tags: dict[str, str] | None = None) -> Observation:
     """The newest attempt of `job` (None: none exists) as the reconciler sees it; `tags`:
-    its MLflow run's, where a failed worker left its reason."""
+    its MLflow run's, where a failed worker left its reason and a finished run why it
+    stopped early."""
     if azure is None:
         return Observation()
     ref, state, phase = backend_ref(azure), azure.status, (job.status.phase if job.status
                                                               else None)
     where = f"Azure ML job {azure.name}"
     if state == "Completed":
+        early = (tags or {}).get(STOPPED_EARLY_TAG)
+        if early and progress is not None:
+            progress = progress.model_copy(update={"stopped_early": early})
         return Observation(exists=True, succeeded=True, progress=progress, backend_ref=ref)
     if job.spec.run_policy.suspend or phase == "Suspended":
         # we cancelled it to suspend: cancelled (or cancelling) is what suspended looks like

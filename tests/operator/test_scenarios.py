@@ -87,7 +87,8 @@ async def test_a_run_that_stopped_early_says_why_in_its_status(testbed: Testbed)
     total = doc["spec"]["hyperparameters"]["maxSteps"]
     why = (f"stopped early at step 6 of {total}: 2 evaluations in a row did not improve on "
            "the best eval loss, 2.0480 at step 2 by more than 100 "
-           "(hyperparameters.earlyStoppingPatience: 2); the export is of step 6")
+           "(hyperparameters.earlyStoppingPatience: 2); the export is of step 2, the best "
+           "evaluation's")
     await testbed.finish("demo", ProgressRecord(  # where a real trainer stops by itself
         step=6, totalSteps=total, loss=1.9, evalLoss=2.2, phase="Succeeded", stoppedEarly=why))
     await testbed.until_phase("Succeeded", timeout=40)

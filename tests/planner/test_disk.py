@@ -18,11 +18,13 @@ GiB = 1024**3
 LLAMA_8B = ModelConfig(config=KNOWN_MODELS["meta-llama/Llama-3.1-8B"], source="test")
 
 
-def plan(uri="hf://meta-llama/Llama-3.1-8B", strategy="fsdp", method="lora", **output):
+def plan(uri="hf://meta-llama/Llama-3.1-8B", strategy="fsdp", method="lora",
+         spec=None, **output):
     job = parse_job(minimal_job(
         model={"uri": uri}, method={"type": method},
         strategy={"type": strategy}, resources={"gpuType": "H100", "gpusPerNode": 8},
-        output={"uri": "pvc://ckpt/run", **output}))
+        output={"uri": "pvc://ckpt/run", **output},
+        **(spec or {})))
     return job, plan_job(job, LLAMA_8B, strategy)
 
 
@@ -41,6 +43,10 @@ def test_lora_checkpoints_hold_the_adapters_not_the_base():
     per_checkpoint = 12 * lora.trainable_params  # fp32 weight and two Adam moments
     assert lora.disk_breakdown["checkpoints"] == 3 * per_checkpoint  # kept + one being written
     assert more.disk_breakdown["checkpoints"] == 6 * per_checkpoint
+    _, early = plan(keepLast=2, spec={
+        "dataset": {"uri": "pvc://data/train.jsonl", "evalFraction": 0.1},
+        "hyperparameters": {"maxSteps": 10, "evalEverySteps": 5, "earlyStoppingPatience": 2}})
+    assert early.disk_breakdown["checkpoints"] == 4 * per_checkpoint  # and the best one
     assert lora.disk_breakdown["finalModel"] == 4 * lora.trainable_params
 
 

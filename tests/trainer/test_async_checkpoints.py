@@ -33,6 +33,20 @@ BACKGROUND = re.compile(r"^checkpoint (\S+)/step-(\d{8}): staged in ([\d.]+) s, 
 WAITED = re.compile(r"^checkpoint (\S+)/step-(\d{8}): written in ([\d.]+) s while training "
                     r"waited", re.MULTILINE)
 
+def test_keep_last_never_prunes_the_best_evaluations_checkpoint():
+    """Early stopping exports the best evaluation's weights from its checkpoint, so pruning
+    passes it by, however many newer ones there are; without early stopping (no best)
+    keepLast alone decides."""
+    from finetune_trainer.checkpoint import prunable
+
+    complete = [Path(f"/out/checkpoints/step-{step:08d}") for step in (2, 4, 6, 8)]
+    assert [p.name for p in prunable(complete, 1, None)] == [
+        "step-00000002", "step-00000004", "step-00000006"]
+    assert [p.name for p in prunable(complete, 1, 4)] == ["step-00000002", "step-00000006"]
+    assert [p.name for p in prunable(complete, 2, 2)] == ["step-00000004"]
+    assert prunable(complete, 2, 8) == complete[:2]  # the newest is kept anyway
+
+
 def test_a_background_save_stages_only_where_the_host_has_room(monkeypatch):
     """The staged copy stays in host memory until written: half of what is free, and on CPU
     workers (whose state is that memory) a twentieth of the process, #22's budget."""

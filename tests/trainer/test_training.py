@@ -411,16 +411,18 @@ def test_early_stopping_counts_evaluations_that_do_not_improve():
     assert stopped_early(state, hp) == (
         "stopped early at step 50 of 100: 2 evaluations in a row did not improve on the best eval "
         "loss, 1.5000 at step 30 by more than 0.01 (hyperparameters.earlyStoppingPatience: "
-        "2); the export is of step 50")
+        "2); the export is of step 30, the best evaluation's")
     assert stopped_early(state, hp.model_copy(update={"early_stopping_patience": None})) is None
 
 
 def test_a_run_stops_early_when_its_eval_loss_stops_improving(tiny_model_dir, tmp_path):
     """earlyStoppingPatience: the run ends at the step whose evaluation used up the
-    patience, as at its last (a checkpoint of that step, the export, Succeeded), on every
-    rank; a rerun over the same output does not train past it. A threshold no evaluation
+    patience, as at its last (a checkpoint of that step, Succeeded), on every rank, and
+    exports the best evaluation's weights from its checkpoint, which keepLast 1 did not
+    prune; a rerun over the same output does not train past it. A threshold no evaluation
     can clear makes the first evaluation the best and every later one no better."""
     job = manifest(tiny_model_dir, tmp_path / "out", steps=20)
+    job["spec"]["output"]["keepLast"] = 1
     job["spec"]["dataset"]["evalFraction"] = 0.2
     job["spec"]["hyperparameters"].update(evalEverySteps=2, earlyStoppingPatience=2,
                                           earlyStoppingThreshold=100.0)
@@ -428,7 +430,8 @@ def test_a_run_stops_early_when_its_eval_loss_stops_improving(tiny_model_dir, tm
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     said = re.search(r"^stopped early at step 6 of 20: 2 evaluations in a row did not "
                      r"improve on the best eval loss, ([\d.]+) at step 2 by more than 100 "
-                     r"\(hyperparameters.earlyStoppingPatience: 2\); the export is of step 6$",
+                     r"\(hyperparameters.earlyStoppingPatience: 2\); the export is of step 2, "
+                     r"the best evaluation's$",
                      result.stdout, re.MULTILINE)
     assert said, result.stdout[-3000:]
     assert "step 7/20" not in result.stdout
@@ -438,9 +441,14 @@ def test_a_run_stops_early_when_its_eval_loss_stops_improving(tiny_model_dir, tm
     assert (progress["step"], progress["phase"]) == (6, "Succeeded"), progress
     assert progress["stoppedEarly"] == said[0]  # what the operator's status will say
     assert progress["evalLoss"] > 0
-    assert (output / "final" / "adapter_model.safetensors").is_file()
-    newest = complete_checkpoints(output)[-1]
-    assert newest.name == "step-00000006"
+    kept = complete_checkpoints(output)  # step 3 pruned, the best one kept
+    assert [p.name for p in kept] == ["step-00000002", "step-00000006"]
+    assert f"the export is of step 2, the best evaluation's (eval loss {said[1]}), loaded " \
+           f"from {kept[0]}" in result.stdout
+    exported = lora_weights(output / "final")
+    assert exported == lora_weights(kept[0], tmp_path)  # the best's, not the stopping step's
+    assert exported != lora_weights(kept[1], tmp_path)
+    newest = kept[-1]
     state = json.loads((newest / "trainer_state.json").read_text())
     assert state["best_eval_step"] == 2 and state["evals_since_best"] == 2
     assert state["best_eval_loss"] == pytest.approx(float(said[1]), abs=1e-4)
@@ -450,6 +458,25 @@ def test_a_run_stops_early_when_its_eval_loss_stops_improving(tiny_model_dir, tm
     assert "stopped early at step 6 of 20:" in again.stdout
     assert "; not training further" in again.stdout
     assert "step 7/20" not in again.stdout
+    assert "the export is of step 2, the best evaluation's" in again.stdout  # exported again
+    assert lora_weights(output / "final") == exported
+
+
+def lora_weights(where: Path, scratch: Path | None = None) -> dict[str, list]:
+    """The LoRA weights of an export (peft's adapter file) or of a checkpoint (its DCP
+    model folder, converted), by peft's names, as lists (comparable with ==)."""
+    import torch
+    from safetensors.torch import load_file
+
+    if scratch is None:
+        weights = load_file(where / "adapter_model.safetensors")
+    else:
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        dcp_to_torch_save(where / "model", scratch / f"{where.name}.pt")
+        weights = torch.load(scratch / f"{where.name}.pt", weights_only=True)["model"]
+    return {name.replace(".default", ""): tensor.tolist() for name, tensor in weights.items()
+            if "lora_" in name}
 
 
 def test_unknown_lora_target_fails_before_any_process_starts(tiny_model_dir, tmp_path):

@@ -127,14 +127,17 @@ class Checkpointer:
         self._pending: _Pending | None = None
         self._behind: bool | None = None  # whether saves go in the background, once decided
 
-    def maybe_save(self, state: TrainerState, last: bool, stopping: bool) -> None:
+    def maybe_save(self, state: TrainerState, last: bool, stopping: bool,
+                   best: bool = False) -> None:
         """The cadence: every `every` steps, after the last step, and on SIGTERM. The last
         two are written synchronously: on SIGTERM the pod has seconds left and this very
         step's checkpoint must be complete before it exits; after the last step no step is
         left to write behind, and the loop would wait for the whole write anyway, so staging
         a host copy first would only add its time and its memory (#22: a 1B full fine-tune's
-        15 GB of weights and Adam moments, which tripled the run's peak host memory)."""
-        if last or stopping or (self.every and state.step % self.every == 0):
+        15 GB of weights and Adam moments, which tripled the run's peak host memory).
+        `best`: this step's evaluation is the best so far under early stopping, whose
+        export is of the best evaluation's weights (written behind, as a periodic one)."""
+        if last or stopping or best or (self.every and state.step % self.every == 0):
             self.save(state, background=not (stopping or last))
 
     def save(self, state: TrainerState, *, background: bool = True) -> Path:
@@ -253,7 +256,8 @@ class Checkpointer:
             shutil.rmtree(final)
         os.rename(partial, final)
         _fsync_dir(final.parent)
-        for old in complete_checkpoints(self.output_dir)[:-self.keep_last]:
+        for old in prunable(complete_checkpoints(self.output_dir), self.keep_last,
+                            pending.state.best_eval_step):
             shutil.rmtree(old, ignore_errors=True)
 
     def _report(self, pending: _Pending, waited: float) -> None:
@@ -281,6 +285,14 @@ class Checkpointer:
             if peer_failure(error):  # a rank died mid-save: the gang restart handles it
                 raise
             raise CheckpointError(write_failure(self.output_dir, partial, error)) from error
+
+
+def prunable(complete: list[Path], keep_last: int, best_step: int | None) -> list[Path]:
+    """The complete checkpoints (oldest first) that `keepLast` lets go: all but the newest
+    `keep_last`, and never the best evaluation's under early stopping (`best_step`), which
+    the export loads back."""
+    best = None if best_step is None else f"step-{best_step:08d}"
+    return [old for old in complete[:-keep_last] if old.name != best]
 
 
 def staging_refused(staged: int, device_type: str, local_ranks: int) -> str | None:

@@ -259,8 +259,10 @@ class Hyperparameters(ApiModel):
     early_stopping_patience: int | None = Field(default=None, ge=1, le=10000)
     """Stop training once this many evaluations in a row (every `evalEverySteps`) have not
     brought the eval loss more than `earlyStoppingThreshold` below its best so far. The run
-    then ends at that step as at its last: checkpoint, export, Succeeded. The export holds
-    that step's weights, not the best evaluation's. Unset (the default): train to the end."""
+    then ends at that step as at its last: checkpoint, export, Succeeded. With it set, each
+    evaluation that is the best so far is checkpointed, and the export holds the best
+    evaluation's weights, whether the run stops early or reaches its last step (as
+    transformers' load_best_model_at_end). Unset (the default): train to the end."""
     early_stopping_threshold: float = Field(default=0.0, ge=0.0)
     """How far below the best eval loss so far an evaluation must come to count as better
     (with `earlyStoppingPatience`)."""

@@ -37,7 +37,13 @@ from finetune_trainer.data import (
     resolve_format,
     tokenize_records,
 )
-from finetune_trainer.layout import FINAL_DIR, MERGED_DIR, resolve_output
+from finetune_trainer.layout import (
+    FINAL_DIR,
+    MERGED_DIR,
+    STATE_FILE,
+    checkpoint_root,
+    resolve_output,
+)
 from finetune_trainer.loading import load_for
 from finetune_trainer.metrics import TrainerMetrics, peak_memory_bytes
 from finetune_trainer.model import (
@@ -336,7 +342,7 @@ def stopped_early(state: checkpoint.TrainerState, hp: Hyperparameters) -> str | 
     return (f"stopped early at step {state.step} of {state.total_steps}: {evaluations} did "
             f"not improve on the best eval loss, {state.best_eval_loss:.4f} at step "
             f"{state.best_eval_step}{by} (hyperparameters.earlyStoppingPatience: {patience}); "
-            f"the export is of step {state.step}")
+            f"the export is of step {state.best_eval_step}, the best evaluation's")
 
 
 def total_steps(config: TrainerConfig, batches: GlobalBatches) -> int:
@@ -693,7 +699,8 @@ class Trainer:
                 last = True
             if self.checkpoint_written:  # the one written behind: complete it, everywhere
                 self.checkpoints.finish()
-            self.checkpoints.maybe_save(self.state, last, stopping)
+            best = self.state.best_eval_step == step  # the export may load it back
+            self.checkpoints.maybe_save(self.state, last, stopping, best=best)
             if stopping:
                 return self._stopped(f"stopped by SIGTERM after step {step}; a restart "
                                      "resumes from the checkpoint above")
@@ -709,6 +716,23 @@ class Trainer:
             return None
         self.state = judged(self.state, loss, self.hp.early_stopping_threshold)
         return stopped_early(self.state, self.hp)
+
+    def _load_best(self) -> None:
+        """Under early stopping the export is of the best evaluation's weights, as
+        transformers' load_best_model_at_end (which its EarlyStoppingCallback requires):
+        loaded back from that step's checkpoint, which keepLast's pruning keeps. Collective;
+        every rank sees the same checkpoints."""
+        best, step = self.state.best_eval_step, self.state.step
+        if not self.hp.early_stopping_patience or best is None or best == step:
+            return
+        path = checkpoint_root(self.output_dir) / f"step-{best:08d}"
+        if not (path / STATE_FILE).is_file():
+            _say(f"the best evaluation's checkpoint {path} is gone: the export is of step "
+                 f"{step}")
+            return
+        self.strategy.load(path / checkpoint.MODEL_DIR)
+        _say(f"the export is of step {best}, the best evaluation's (eval loss "
+             f"{self.state.best_eval_loss:.4f}), loaded from {path}")
 
     def _stopped(self, why: str) -> int:
         _say(why)
@@ -727,7 +751,8 @@ class Trainer:
 
     def finish(self, evaluated: bool = False, stopped_early: str | None = None) -> int:
         """After the last step (or the one that `stopped_early`, saying why): its checkpoint
-        complete, the eval loss (unless `evaluated` at that step already), the export."""
+        complete, the eval loss (unless `evaluated` at that step already), the export (of
+        the best evaluation's weights under early stopping)."""
         import torch.distributed as dist
 
         self.checkpoints.finish()  # the last checkpoint complete before anything can fail
@@ -735,8 +760,10 @@ class Trainer:
             self.profiler.stop()
             if self.profiler.written is not None:
                 _say(f"profile of steps written to {self.profiler.written.parent}")
-        if not evaluated:
-            self.evaluate("eval loss")
+        if not evaluated and (loss := self.evaluate("eval loss")) is not None and (
+                self.hp.early_stopping_patience):
+            self.state = judged(self.state, loss, self.hp.early_stopping_threshold)
+        self._load_best()
         final = export(self.strategy, self.prepared.tokenizer, self.config, self.output_dir,
                        self.base_dir)
         self.reporter.finish("Succeeded", stopped_early)

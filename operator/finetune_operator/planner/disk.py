@@ -5,7 +5,8 @@ The output folder holds, following what the trainer writes:
   (finetune_trainer.fetch): the hub's weights as stored (their config's dtype, bf16 when
   it names none);
 - `checkpoints`: `keepLast` complete ones plus the one being written (the oldest is
-  deleted only after the new one is complete). A checkpoint holds the trainable weights
+  deleted only after the new one is complete), and under early stopping the best
+  evaluation's, which pruning keeps for the export. A checkpoint holds the trainable weights
   and their Adam moments, never the frozen base: 12 bytes a trainable weight (fp32 weight
   and two moments), and under ZeRO-1/2 DeepSpeed's 16-bit module copy of them on top;
 - `finalModel`: the export: the trained weights (the whole model for a full fine-tune,
@@ -58,13 +59,15 @@ def checkpoint_bytes(shape: ModelShape, setup: TrainingSetup) -> int:
 
 
 def estimate_disk(shape: ModelShape, setup: TrainingSetup, *, fetched: bool,
-                  stored_bytes: int, keep_last: int, merge_adapter: bool) -> DiskEstimate:
+                  stored_bytes: int, keep_last: int, merge_adapter: bool,
+                  keeps_best: bool = False) -> DiskEstimate:
     """The output volume's bytes for `setup`; `fetched`: the model is an hf:// one, copied
-    into the volume once."""
+    into the volume once; `keeps_best`: early stopping keeps the best evaluation's
+    checkpoint beside the newest ones."""
     one = checkpoint_bytes(shape, setup)
     final = _module_bytes(setup) * trainable_params(shape, setup)
     if setup.method != "full" and merge_adapter:
         final += 4 * shape.total_params
     lines = {"modelCache": stored_bytes * shape.total_params if fetched else 0,
-             "checkpoints": (keep_last + 1) * one, "finalModel": final}
+             "checkpoints": (keep_last + 1 + keeps_best) * one, "finalModel": final}
     return DiskEstimate(breakdown=lines, total=sum(lines.values()), checkpoint_bytes=one)

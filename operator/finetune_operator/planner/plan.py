@@ -642,7 +642,8 @@ def plan_job(job: FineTuneJob, model: ModelConfig | None, strategy: Strategy,
     output = spec.output
     disk = estimate_disk(shape, setup, fetched=spec.model.location.scheme == "hf",
                          stored_bytes=stored_bytes_per_param(model.config),
-                         keep_last=output.keep_last, merge_adapter=output.merge_adapter)
+                         keep_last=output.keep_last, merge_adapter=output.merge_adapter,
+                         keeps_best=spec.hyperparameters.early_stopping_patience is not None)
     warning = context_warning(job, shape)
     common = dict(model_source=model.source, total_params=estimate.total_params,
                   trainable_params=estimate.trainable_params, strategy=strategy,

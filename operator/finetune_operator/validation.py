@@ -30,7 +30,7 @@ from finetune_operator.api import (
     FineTuneJob,
 )
 from finetune_operator.planner import catalog
-from finetune_trainer.uris import Location, UriError
+from finetune_trainer.uris import ONE_DATA_FILE, Location, UriError
 
 # torchrun / torch.distributed rendezvous and the names Kubeflow users know: set by the
 # backend for every worker, so a user value would silently split or hang the gang.
@@ -303,10 +303,6 @@ def eval_split_is_not_trained_on(job: FineTuneJob) -> Iterator[Problem]:
                       "loss would not tell how the model does on data it has not seen",
                       "name another split (e.g. validation), or use evalFraction to hold out "
                       "part of the training split")
-
-
-ONE_DATA_FILE = "(?i)[.](jsonl|json|parquet|csv)$"
-"""A dataset uri ending so names one file (the trainer reads a folder only by its files)."""
 
 
 @rule(CelRule("spec.dataset", "!has(self.evalSplit) || self.evalSplit.startsWith('train[') "

@@ -252,3 +252,18 @@ def test_a_job_the_sdk_refuses_is_refused_in_one_line_per_problem(tmp_path):
     assert "Traceback" not in result.stderr
     assert f"{path}: spec.azureml (environment): " in result.stderr
     assert all(line.startswith(f"{path}: ") for line in result.stderr.splitlines())
+
+
+@pytest.mark.parametrize(("uri", "kind"), [
+    ("azureml://datastores/d/paths/chats/train.jsonl", "uri_file"),
+    ("azureml://datastores/d/paths/chats/TRAIN.JSONL", "uri_file"),  # read in any case
+    ("azureml://datastores/d/paths/chats/notes.txt", "uri_file"),  # refused by name, as a file
+    ("azureml://datastores/d/paths/chats/", "uri_folder"),
+    ("azureml://datastores/d/paths/chats/v1.2", "uri_folder"),
+])
+def test_a_dataset_is_mounted_as_a_file_where_it_names_one(uri, kind):
+    """The trainer's own list of the data files it reads (finetune_trainer.uris) decides,
+    as the API's one-file rule does."""
+    from finetune_trainer.uris import parse_location
+
+    assert jobspec.input_type(parse_location("dataset", uri)) == kind

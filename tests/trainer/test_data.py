@@ -95,6 +95,25 @@ def test_reads_a_folder_of_parquet_and_csv(tmp_path):
     assert read_records(DatasetSource(uri=str(csv_dir))).column_names == ["prompt", "response"]
 
 
+def test_a_data_files_suffix_is_read_in_any_case(tmp_path):
+    """`TRAIN.JSONL`, as a Windows export names it: one data file to the API's rules (their
+    expression is case-blind), so the trainer reads it too, where it had refused the
+    extension '.JSONL'; and a folder of such files is read, where it had held none."""
+    from finetune_trainer.uris import data_file_builder
+
+    upper = tmp_path / "upper"
+    upper.mkdir()
+    (upper / "TRAIN.JSONL").write_text('{"text": "a b"}\n{"text": "c d"}\n')
+    (upper / "Extra.Csv").write_text("text\ne f\n")
+    assert len(read_records(DatasetSource(uri=str(upper / "TRAIN.JSONL")))) == 2
+    with pytest.raises(DataError, match=r"mixes file types \(csv, json\)"):
+        read_records(DatasetSource(uri=str(upper)))
+    (upper / "Extra.Csv").unlink()
+    assert len(read_records(DatasetSource(uri=str(upper)))) == 2
+    assert data_file_builder("https://host/d/train.Parquet?sig=x") == "parquet"
+    assert data_file_builder("pvc://data/v1.2") is None
+
+
 def split_folder(root: Path, files: dict[str, int]) -> Path:
     """A folder of JSON Lines files, each record's text naming its file."""
     for name, count in files.items():

@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from finetune_trainer.config import DatasetFormat, DatasetSource
+from finetune_trainer.uris import data_file_builder
 
 IGNORE = -100
-FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n{input_block}### Response:\n"
 
 
@@ -53,12 +53,12 @@ def local_data_files(uri: str, base_dir: Path | None = None) -> list[Path]:
         raise DataError(str(path), "does not exist",
                         "check spec.dataset.uri (relative paths start at the manifest's folder)")
     files = [path] if path.is_file() else sorted(
-        p for p in path.rglob("*") if p.suffix in FILE_BUILDERS and p.is_file()
+        p for p in path.rglob("*") if data_file_builder(p.name) and p.is_file()
         and not any(part.startswith((".", "__")) for part in p.relative_to(path).parts))
     if not files:
         raise DataError(str(path), "holds no .jsonl, .json, .parquet or .csv file",
                         "point spec.dataset.uri at a data file or a folder of them")
-    kinds = {FILE_BUILDERS.get(p.suffix) for p in files}
+    kinds = {data_file_builder(p.name) for p in files}
     if None in kinds:
         raise DataError(str(files[0]), f"has an unsupported extension {files[0].suffix!r}",
                         "use .jsonl, .json, .parquet or .csv")
@@ -190,7 +190,7 @@ def read_split(source: DatasetSource, base_dir: Path | None = None,
                       lambda index: f"{uri} record {index + 1}")
         return records, f"{uri} split {split}"
     if uri.startswith("https://"):
-        builder = FILE_BUILDERS.get(Path(uri.split("?")[0]).suffix)
+        builder = data_file_builder(uri)
         if builder is None:
             raise DataError(uri, "does not end in .jsonl, .json, .parquet or .csv",
                             "link to a data file of one of those kinds")
@@ -213,13 +213,13 @@ def _read_files(source: DatasetSource, files: list[Path], split: str):
     """`split` (a name, or a slice of it) of local data files, each checked first."""
     import datasets
 
-    builder = FILE_BUILDERS[files[0].suffix]
+    builder = data_file_builder(files[0].name)
     lines: list[tuple[Path, list[int]]] = []  # where each record of a jsonl file starts
     for path in files:
         if path.stat().st_size == 0:
             raise DataError(str(path), "is empty", "write at least one record, or remove "
                             "the file")
-        if path.suffix == ".jsonl":
+        if path.suffix.lower() == ".jsonl":
             lines.append((path, check_jsonl(path)))
         elif builder != "parquet":
             check_text(path)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 from typing import Literal
 
 Scheme = Literal["hf", "pvc", "azureml", "https", "path", "relative"]
@@ -146,6 +147,21 @@ def parse_location(section: Section, raw: str) -> Location:
 # files. The operator writes these placeholders into the trainer config and binds them on
 # the command line (`--location inputs.model=${{inputs.model}}`); the trainer swaps them.
 PLACEHOLDER_PATTERN = re.compile(r"\$\{\{\s*((?:inputs|outputs)\.[A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
+
+
+DATA_FILE_BUILDERS: dict[str, str] = {
+    ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+"""The data files the trainer reads, by suffix (in any case), and the `datasets` builder
+that reads each."""
+ONE_DATA_FILE = "(?i)[.](" + "|".join(s[1:] for s in DATA_FILE_BUILDERS) + ")$"
+"""A dataset uri ending so names one file (the trainer reads a folder only by its files):
+the expression the CRD's CEL rules and the Python validation share."""
+
+
+def data_file_builder(name: str) -> str | None:
+    """The `datasets` builder for a data file's name, path or link, or None where it names
+    no data file the trainer reads."""
+    return DATA_FILE_BUILDERS.get(PurePosixPath(name.split("?")[0]).suffix.lower())
 
 
 def job_placeholder(key: str) -> str:

@@ -25,7 +25,7 @@ from finetune_operator.settings import OperatorSettings
 from finetune_operator.trainer_config import build_trainer_config, unreachable_locations
 from finetune_operator.validation import Problem
 from finetune_trainer.config import TrainerConfig
-from finetune_trainer.uris import Location, Unreachable, job_placeholder
+from finetune_trainer.uris import Location, Unreachable, data_file_builder, job_placeholder
 
 if TYPE_CHECKING:
     from azure.ai.ml.entities import Command
@@ -35,8 +35,10 @@ CONFIG_INPUT = "trainer_config"
 OUTPUT_NAME = "output"
 TAG_JOB = "finetune.dev/job"
 TAG_UID = "finetune.dev/uid"
-# A dataset location ending like one of these is a file (uri_file), anything else a folder.
-FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt", ".arrow")
+REFUSED_FILES = (".txt", ".arrow")
+"""Files the trainer does not read, mounted as the files they are all the same, so its
+refusal names the file and the kinds it reads, where a folder mount would fail on Azure's
+side."""
 DATASTORE_PATH = re.compile(r"azureml://(subscriptions/[^/]+/resourcegroups/[^/]+/workspaces/"
                             r"[^/]+/)?datastores/[^/]+/paths/\S+", re.IGNORECASE)
 COMMAND_JOB_SCHEMA = "https://azuremlschemas.azureedge.net/latest/commandJob.schema.json"
@@ -91,8 +93,9 @@ def input_type(location: Location) -> str | None:
     """The Azure ML input type of an azureml:// model or dataset (None: not an input)."""
     if location.scheme != "azureml" or location.section == "output":
         return None
-    if location.section == "dataset" and location.raw.rstrip("/").lower().endswith(
-            FILE_SUFFIXES):
+    raw = location.raw.rstrip("/")
+    if location.section == "dataset" and (
+            data_file_builder(raw) or raw.lower().endswith(REFUSED_FILES)):
         return "uri_file"
     return "uri_folder"
 

@@ -347,7 +347,9 @@ class Progress(StatusModel):
     loss: float | None = None
     """Training loss over the last logging window."""
     eval_loss: float | None = None
-    """Loss on the eval split at the latest evaluation (`dataset.evalSplit` or `evalFraction`)."""
+    """Loss on the eval split at the latest evaluation (`dataset.evalSplit` or
+    `evalFraction`); once Succeeded, the exported model's (under early stopping, the best
+    evaluation's, which a sweep's evalLoss objective then ranks)."""
     tokens_per_second: float | None = None
     """Label tokens per second, summed over all ranks."""
     mfu: float | None = None

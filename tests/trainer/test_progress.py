@@ -93,10 +93,11 @@ def test_a_finished_run_leaves_its_final_record_as_the_termination_message(tmp_p
     reporter = Reporter(tmp_path / "b", total_steps=20, start_step=0, enabled=True)
     reporter.report(step=6, epoch=0.3, loss=1.9, lr=1e-4)
     reporter.evaluated(6, 2.2)
-    reporter.finish("Succeeded", "stopped early at step 6 of 20: ...")
+    reporter.finish("Succeeded", "stopped early at step 6 of 20: ...", eval_loss=2.1)
     final = ProgressRecord.model_validate_json(message.read_text())
+    # the export's eval loss (the best evaluation's), not the last evaluation's
     assert (final.step, final.loss, final.eval_loss, final.phase, final.eta_seconds) == (
-        6, 1.9, 2.2, "Succeeded", 0)
+        6, 1.9, 2.1, "Succeeded", 0)
     assert final.stopped_early == "stopped early at step 6 of 20: ..."
 
     message.write_text("")

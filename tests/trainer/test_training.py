@@ -440,7 +440,8 @@ def test_a_run_stops_early_when_its_eval_loss_stops_improving(tiny_model_dir, tm
     progress = json.loads((output / "progress.json").read_text())
     assert (progress["step"], progress["phase"]) == (6, "Succeeded"), progress
     assert progress["stoppedEarly"] == said[0]  # what the operator's status will say
-    assert progress["evalLoss"] > 0
+    # the export's: the best evaluation's, which a sweep ranks the trial by
+    assert progress["evalLoss"] == pytest.approx(float(said[1]), abs=1e-4)
     kept = complete_checkpoints(output)  # step 3 pruned, the best one kept
     assert [p.name for p in kept] == ["step-00000002", "step-00000006"]
     assert f"the export is of step 2, the best evaluation's (eval loss {said[1]}), loaded " \

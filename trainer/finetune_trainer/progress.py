@@ -104,13 +104,18 @@ class Reporter:
         for tracker in self.trackers:
             tracker.evaluated(step, loss)
 
-    def finish(self, phase: str, stopped_early: str | None = None) -> None:
+    def finish(self, phase: str, stopped_early: str | None = None,
+               eval_loss: float | None = None) -> None:
         """Publish the final phase with the last figures (no log line), and why the run
-        stopped before its last step; a Succeeded record is also the pod's termination
+        stopped before its last step; `eval_loss`: the export's, where it is not the last
+        evaluation's (early stopping exports the best one's weights), so a sweep ranks a
+        trial by the model it keeps. A Succeeded record is also the pod's termination
         message, the operator's one way to read it once the trainer has gone."""
         if self.enabled:
             final = self.last or self._untrained()
             final.phase, final.eta_seconds, final.stopped_early = phase, 0, stopped_early
+            if eval_loss is not None:
+                final.eval_loss = eval_loss
             self._write(final)
             if phase == "Succeeded":
                 errors.termination_message(final.as_termination_message())

@@ -53,7 +53,8 @@ class ProgressRecord(BaseModel):
     grad_norm: float | None = None
     """The gradient norm of the window's last step (before clipping)."""
     eval_loss: float | None = None
-    """Mean token loss on the eval split at the latest evaluation (None: not evaluated yet)."""
+    """Mean token loss on the eval split at the latest evaluation (None: not evaluated yet);
+    in a Succeeded record, the export's (under early stopping, the best evaluation's)."""
     tokens_per_second: float | None = None
     """Label tokens per second, all ranks together."""
     eta_seconds: int | None = None

@@ -717,22 +717,23 @@ class Trainer:
         self.state = judged(self.state, loss, self.hp.early_stopping_threshold)
         return stopped_early(self.state, self.hp)
 
-    def _load_best(self) -> None:
+    def _load_best(self) -> float | None:
         """Under early stopping the export is of the best evaluation's weights, as
         transformers' load_best_model_at_end (which its EarlyStoppingCallback requires):
-        loaded back from that step's checkpoint, which keepLast's pruning keeps. Collective;
-        every rank sees the same checkpoints."""
+        loaded back from that step's checkpoint, which keepLast's pruning keeps. Their eval
+        loss, where loaded. Collective; every rank sees the same checkpoints."""
         best, step = self.state.best_eval_step, self.state.step
         if not self.hp.early_stopping_patience or best is None or best == step:
-            return
+            return None
         path = checkpoint_root(self.output_dir) / f"step-{best:08d}"
         if not (path / STATE_FILE).is_file():
             _say(f"the best evaluation's checkpoint {path} is gone: the export is of step "
                  f"{step}")
-            return
+            return None
         self.strategy.load(path / checkpoint.MODEL_DIR)
         _say(f"the export is of step {best}, the best evaluation's (eval loss "
              f"{self.state.best_eval_loss:.4f}), loaded from {path}")
+        return self.state.best_eval_loss
 
     def _stopped(self, why: str) -> int:
         _say(why)
@@ -763,10 +764,10 @@ class Trainer:
         if not evaluated and (loss := self.evaluate("eval loss")) is not None and (
                 self.hp.early_stopping_patience):
             self.state = judged(self.state, loss, self.hp.early_stopping_threshold)
-        self._load_best()
+        exported_loss = self._load_best()
         final = export(self.strategy, self.prepared.tokenizer, self.config, self.output_dir,
                        self.base_dir)
-        self.reporter.finish("Succeeded", stopped_early)
+        self.reporter.finish("Succeeded", stopped_early, eval_loss=exported_loss)
         _say(f"exported {final}")
         dist.destroy_process_group()
         return 0

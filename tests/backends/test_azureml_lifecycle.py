@@ -171,8 +171,9 @@ def test_a_run_that_stopped_early_says_why_from_its_run(backend, azure, tmp_path
     reporter = Reporter(tmp_path, total_steps=20, start_step=0, enabled=True,
                         trackers=(MlflowTracker(mlflow),))
     reporter.report(6, 0.3, 1.9, 1e-4)
+    reporter.evaluated(6, 2.25)  # the last evaluation; the best, exported, was 2.1
     why = "stopped early at step 6 of 20: 2 evaluations in a row did not improve ..."
-    reporter.finish("Succeeded", why)
+    reporter.finish("Succeeded", why, eval_loss=2.1)
     run(backend.launch(aml_job()))
     azure.set_state(NAME, "Completed")
     for step, values in mlflow.logged:
@@ -180,6 +181,7 @@ def test_a_run_that_stopped_early_says_why_from_its_run(backend, azure, tmp_path
     azure.set_tags(NAME, **mlflow.tags)
     seen = run(backend.observe(aml_job("Running", NAME)))
     assert seen.succeeded and seen.progress.step == 6 and seen.progress.stopped_early == why
+    assert seen.progress.eval_loss == 2.1  # the export's, as on Kubernetes
 
 
 def test_a_failed_attempt_is_read_with_what_its_workers_said_on_its_run(backend, azure):

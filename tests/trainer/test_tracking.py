@@ -71,7 +71,8 @@ def test_reporter_logs_each_record_at_its_step(tmp_path):
     assert mlflow.logged[1][1]["loss"] == 2.0 and mlflow.logged[1][1]["total_steps"] == 100
     assert mlflow.logged[1][1]["grad_norm"] == 0.75
     assert mlflow.logged[2][1] == {"eval_loss": 2.25}
-    assert mlflow.tags == {"finetune.phase": "Succeeded"}  # no stoppedEarly: it ran to the end
+    # no stoppedEarly: it ran to the end; the export is the last step's
+    assert mlflow.tags == {"finetune.phase": "Succeeded", "finetune.exportEvalLoss": "2.25"}
 
 
 def test_a_tracking_failure_is_reported_once_and_never_stops_training(tmp_path, capsys):

@@ -55,6 +55,8 @@ class MlflowTracker:
             return
         try:
             self.mlflow.set_tag(PHASE_TAG, final.phase)
+            if final.phase == "Succeeded" and final.eval_loss is not None:
+                self.mlflow.set_tag(EXPORT_EVAL_LOSS_TAG, repr(final.eval_loss))
             if final.stopped_early:
                 self.mlflow.set_tag(STOPPED_EARLY_TAG, final.stopped_early[:TAG_CHARACTERS])
         except Exception as error:
@@ -64,6 +66,9 @@ class MlflowTracker:
 PHASE_TAG = "finetune.phase"
 STOPPED_EARLY_TAG = "finetune.stoppedEarly"
 """Why a finished run stopped before its last step (early stopping), for the status."""
+EXPORT_EVAL_LOSS_TAG = "finetune.exportEvalLoss"
+"""A finished run's export's eval loss (under early stopping the best evaluation's, where
+the eval_loss metric's latest value is the last evaluation's): what a sweep ranks by."""
 
 
 REFUSED_TAG = "finetune.refused"

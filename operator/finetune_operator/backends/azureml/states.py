@@ -7,6 +7,7 @@ NotResponding can recover, so it is a Degraded condition, not an end.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +16,12 @@ from finetune_operator.backends.azureml.jobspec import attempt_of
 from finetune_operator.reconcile import INPUT_REFUSED, Failure, Observation
 from finetune_trainer.errors import EXIT_BAD_INPUT, EXIT_OTHER_CHECKPOINTS
 from finetune_trainer.record import ProgressRecord
-from finetune_trainer.tracking import FAILURE_TAG, REFUSED_TAG, STOPPED_EARLY_TAG
+from finetune_trainer.tracking import (
+    EXPORT_EVAL_LOSS_TAG,
+    FAILURE_TAG,
+    REFUSED_TAG,
+    STOPPED_EARLY_TAG,
+)
 
 BACKEND_KIND = "AzureMLJob"
 STARTING = frozenset({"NotStarted", "Starting", "Provisioning", "Preparing"})
@@ -67,10 +73,8 @@ def observe(job: FineTuneJob, azure: AzureJob | None, progress: Progress | None 
                                                               else None)
     where = f"Azure ML job {azure.name}"
     if state == "Completed":
-        early = (tags or {}).get(STOPPED_EARLY_TAG)
-        if early and progress is not None:
-            progress = progress.model_copy(update={"stopped_early": early})
-        return Observation(exists=True, succeeded=True, progress=progress, backend_ref=ref)
+        return Observation(exists=True, succeeded=True, progress=final(progress, tags or {}),
+                           backend_ref=ref)
     if job.spec.run_policy.suspend or phase == "Suspended":
         # we cancelled it to suspend: cancelled (or cancelling) is what suspended looks like
         suspended = state in CANCELING or azure.ended
@@ -106,6 +110,19 @@ def progress_from_metrics(metrics: list[dict[str, Any]]) -> Progress | None:
     logged by the trainer under finetune_trainer.record's MLFLOW_METRICS names."""
     record = ProgressRecord.from_mlflow(metrics)
     return None if record is None else Progress.from_record(record)
+
+
+def final(progress: Progress | None, tags: dict[str, str]) -> Progress | None:
+    """A completed run's progress with what rank 0 tagged it with as it finished (the
+    tracker's finish): why it stopped early, and its export's eval loss."""
+    if progress is None:
+        return None
+    update: dict[str, Any] = {}
+    if early := tags.get(STOPPED_EARLY_TAG):
+        update["stopped_early"] = early
+    with contextlib.suppress(KeyError, ValueError):  # none, or not a number
+        update["eval_loss"] = float(tags[EXPORT_EVAL_LOSS_TAG])
+    return progress.model_copy(update=update)
 
 
 def tags_of(run_data: dict[str, Any]) -> dict[str, str]:

@@ -691,7 +691,8 @@ class Trainer:
                 self.log.log(self.grad_norm)
             early = None
             if hp.eval_every_steps and step % hp.eval_every_steps == 0 and not last:
-                early = self._evaluate_during_training(step)
+                self.evaluate(f"eval at step {step}: loss")
+                early = stopped_early(self.state, hp)
             if early is not None and not stopping:  # this step ends the run, as the last
                 _say(early)
                 if not logged:
@@ -707,15 +708,6 @@ class Trainer:
             if early is not None:
                 return self.finish(evaluated=True, stopped_early=early)
         return self.finish()
-
-    def _evaluate_during_training(self, step: int) -> str | None:
-        """The evaluation at `step`, counted for early stopping: why training stops here,
-        or None."""
-        loss = self.evaluate(f"eval at step {step}: loss")
-        if loss is None or not self.hp.early_stopping_patience:
-            return None
-        self.state = judged(self.state, loss, self.hp.early_stopping_threshold)
-        return stopped_early(self.state, self.hp)
 
     def _load_best(self) -> float | None:
         """Under early stopping the export is of the best evaluation's weights, as
@@ -741,13 +733,16 @@ class Trainer:
         return EXIT_PREEMPTED
 
     def evaluate(self, said: str) -> float | None:
-        """The eval split's loss (where there is one): said, published and returned (the
-        same on every rank)."""
+        """The eval split's loss (where there is one): said, published, counted for early
+        stopping (`judged`, which every evaluation is, the last one's included) and returned
+        (the same on every rank)."""
         loss = evaluate(self.strategy, self.prepared.eval, self.batches.micro_batch,
                         self.collation, self.control)
         if loss is not None:
             _say(f"{said} {loss:.4f}")
             self.reporter.evaluated(self.state.step, loss)
+            if self.hp.early_stopping_patience:
+                self.state = judged(self.state, loss, self.hp.early_stopping_threshold)
         return loss
 
     def finish(self, evaluated: bool = False, stopped_early: str | None = None) -> int:
@@ -761,9 +756,8 @@ class Trainer:
             self.profiler.stop()
             if self.profiler.written is not None:
                 _say(f"profile of steps written to {self.profiler.written.parent}")
-        if not evaluated and (loss := self.evaluate("eval loss")) is not None and (
-                self.hp.early_stopping_patience):
-            self.state = judged(self.state, loss, self.hp.early_stopping_threshold)
+        if not evaluated:
+            self.evaluate("eval loss")
         exported_loss = self._load_best()
         final = export(self.strategy, self.prepared.tokenizer, self.config, self.output_dir,
                        self.base_dir)

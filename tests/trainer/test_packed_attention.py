@@ -95,3 +95,35 @@ def test_the_attention_refuses_a_forward_without_bounds():
     q = torch.zeros(1, 2, 4, 8)
     with pytest.raises(RuntimeError, match="forward_kwargs"):
         attention.packed_attention(None, q, q, q, None)
+
+
+def test_the_attention_traces_into_a_compiled_layer_without_a_warning(monkeypatch):
+    """Every compiled layer calls packed_attention: its kernel is looked up at import, so
+    that dynamo traces nothing but the call (a cached lookup there made dynamo warn in every
+    compiled run). The CUDA kernel is played by a CPU function of the same signature."""
+    import warnings
+
+    from torch._dynamo.testing import CompileCounter
+
+    def kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None,
+               is_causal=False):
+        return query * 2
+
+    monkeypatch.setattr(attention, "_KERNEL", kernel)
+    monkeypatch.setattr(attention, "_KERNEL_PARAMETERS", frozenset({"scale", "is_causal"}))
+    counter = CompileCounter()
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def layer(query, **kwargs):
+        return attention.packed_attention(None, query, query, query, None, **kwargs)[0]
+
+    batch = Collation(pad_id=0, bounds=True, width=5).tensors([sample(5)])
+    query = torch.ones(1, 2, 5, 8)
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = layer(query, **attention.forward_kwargs(batch))
+    torch._dynamo.reset()
+    assert counter.frame_count == 1
+    assert out.shape == (1, 5, 2, 8)
+    assert [str(w.message) for w in caught] == []

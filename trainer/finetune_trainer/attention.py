@@ -18,7 +18,6 @@ attention stays fp32, as asked (and its o_proj takes fp32 input).
 
 from __future__ import annotations
 
-import functools
 import inspect
 
 import torch
@@ -41,13 +40,17 @@ def sequence_bounds(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([starts, total]).to(torch.int32)
 
 
-@functools.cache
-def _kernel():
+def _find_kernel():
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
-        return None, set()
-    return varlen_attn, set(inspect.signature(varlen_attn).parameters)
+        return None, frozenset()
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+# Looked up once, at import: a cached lookup called inside a compiled layer made dynamo
+# warn (and trace through functools) in every compiled run.
+_KERNEL, _KERNEL_PARAMETERS = _find_kernel()
 
 
 def why_not(model, device: torch.device, precision: str) -> str | None:
@@ -57,8 +60,7 @@ def why_not(model, device: torch.device, precision: str) -> str | None:
         return "variable-length attention runs on CUDA only"
     if precision not in ("bf16", "fp16"):
         return f"the flash kernel computes in bf16 or fp16, and this run is {precision}"
-    kernel, _ = _kernel()
-    if kernel is None:
+    if _KERNEL is None:
         return f"torch {torch.__version__} has no torch.nn.attention.varlen"
     config = getattr(model, "config", None)
     if config is None or not hasattr(type(model), "set_attn_implementation"):
@@ -116,7 +118,7 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
                            "attention.forward_kwargs(batch)")
     if dropout:
         raise RuntimeError(f"{NAME} attention does not do attention dropout")
-    kernel, parameters = _kernel()
+    kernel, parameters = _KERNEL, _KERNEL_PARAMETERS
     batch, heads, length, head_dim = query.shape
     kv_heads = key.shape[1]
     dtype = (torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda")

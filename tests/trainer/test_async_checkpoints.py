@@ -354,3 +354,27 @@ def test_the_stall_benchmark_reads_every_checkpoint_of_both_sides(tiny_model_dir
             for side, runs in found["runs"].items()} == {"background": [2], "sync": [2]}
     assert all(stall > 0 for runs in found["runs"].values() for run in runs
                for stall in run["stalls"])
+
+
+def test_deepspeeds_files_are_staged_with_every_container_as_it_was():
+    """The module states' `param_shapes` stay torch.Size (DeepSpeed's `zero_to_fp32` calls
+    their `numel()`); every tensor is a copy the next step cannot change."""
+    from collections import OrderedDict, namedtuple
+
+    import torch
+
+    from finetune_trainer.deepspeed_saves import staged_copy
+
+    Pair = namedtuple("Pair", "weight step")
+    weight = torch.ones(3)
+    state = {"param_shapes": [OrderedDict(w=torch.Size([3]))], "pair": Pair(weight, 7),
+             "tensors": (weight, [weight]), "version": "0.19"}
+    staged = staged_copy(state)
+    weight.add_(1)  # the optimizer's next step
+    assert type(staged["param_shapes"][0]) is OrderedDict
+    assert type(staged["param_shapes"][0]["w"]) is torch.Size
+    assert type(staged["pair"]) is Pair and staged["pair"].step == 7
+    assert type(staged["tensors"]) is tuple and type(staged["tensors"][1]) is list
+    for copy in (staged["pair"].weight, staged["tensors"][0], staged["tensors"][1][0]):
+        assert copy.equal(torch.ones(3))
+    assert staged["version"] == "0.19"

@@ -586,3 +586,34 @@ def test_the_planners_output_volume_matches_what_a_run_writes(runs, tiny_model_d
     final = sum(f.stat().st_size for f in (out / "final").glob("*.safetensors"))
     assert final == pytest.approx(plan.disk_breakdown["finalModel"], rel=0.15)
     assert plan.disk_breakdown["modelCache"] == 0  # a folder, read where it is
+
+
+def test_zero3_stopped_early_exports_the_best_evaluations_weights(tiny_model_dir, tmp_path):
+    """The best checkpoint comes back through DeepSpeed's own `load_checkpoint` (not DCP,
+    as under ddp above) before ZeRO-3 gathers the export: every weight is step 2's, as its
+    checkpoint's fp32 master copy holds it, and not the stopping step's."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+
+    job = manifest(tiny_model_dir, tmp_path / "out", strategy="zero3", method="full",
+                   steps=20)
+    job["spec"]["output"]["keepLast"] = 1
+    job["spec"]["dataset"]["evalFraction"] = 0.2
+    job["spec"]["hyperparameters"].update(evalEverySteps=2, earlyStoppingPatience=2,
+                                          earlyStoppingThreshold=100.0)
+    result = finetune_run(job, tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "the export is of step 2, the best evaluation's" in result.stdout
+    kept = complete_checkpoints(tmp_path / "out")
+    assert [p.name for p in kept] == ["step-00000002", "step-00000006"]
+    exported = load_file(tmp_path / "out" / "final" / "model.safetensors")
+
+    def weights(checkpoint: Path) -> dict:
+        return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint / "model"),
+                                                        tag="deepspeed")
+
+    best, last = weights(kept[0]), weights(kept[1])
+    assert set(exported) <= set(best)
+    for name, tensor in exported.items():
+        assert tensor.float().equal(best[name].float()), name
+    assert any(not tensor.float().equal(last[name].float()) for name, tensor in exported.items())

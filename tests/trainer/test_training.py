@@ -588,14 +588,16 @@ def test_the_planners_output_volume_matches_what_a_run_writes(runs, tiny_model_d
     assert plan.disk_breakdown["modelCache"] == 0  # a folder, read where it is
 
 
-def test_zero3_stopped_early_exports_the_best_evaluations_weights(tiny_model_dir, tmp_path):
-    """The best checkpoint comes back through DeepSpeed's own `load_checkpoint` (not DCP,
-    as under ddp above) before ZeRO-3 gathers the export: every weight is step 2's, as its
-    checkpoint's fp32 master copy holds it, and not the stopping step's."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+def test_a_sharded_run_stopped_early_exports_the_best_evaluations_weights(
+        tiny_model_dir, tmp_path, strategy):
+    """The best checkpoint comes back through the strategy's own load (DCP into FSDP's
+    shards; DeepSpeed's `load_checkpoint`) before the export gathers every weight: each is
+    step 2's, as its checkpoint holds it (DCP converted; ZeRO's fp32 masters read by
+    DeepSpeed's `zero_to_fp32`), and not the stopping step's."""
     from safetensors.torch import load_file
 
-    job = manifest(tiny_model_dir, tmp_path / "out", strategy="zero3", method="full",
+    job = manifest(tiny_model_dir, tmp_path / "out", strategy=strategy, method="full",
                    steps=20)
     job["spec"]["output"]["keepLast"] = 1
     job["spec"]["dataset"]["evalFraction"] = 0.2
@@ -609,11 +611,19 @@ def test_zero3_stopped_early_exports_the_best_evaluations_weights(tiny_model_dir
     exported = load_file(tmp_path / "out" / "final" / "model.safetensors")
 
     def weights(checkpoint: Path) -> dict:
+        if strategy == "fsdp":
+            import torch
+            from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+            dcp_to_torch_save(checkpoint / "model", tmp_path / f"{checkpoint.name}.pt")
+            return torch.load(tmp_path / f"{checkpoint.name}.pt", weights_only=True)["model"]
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
         return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint / "model"),
                                                         tag="deepspeed")
 
     best, last = weights(kept[0]), weights(kept[1])
-    assert set(exported) <= set(best)
+    assert set(exported) <= set(best), sorted(set(exported) - set(best))
     for name, tensor in exported.items():
         assert tensor.float().equal(best[name].float()), name
     assert any(not tensor.float().equal(last[name].float()) for name, tensor in exported.items())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -206,19 +207,57 @@ def local_path_problems(job: FineTuneJob, base_dir: Path, runs_here: bool = Fals
             fix += "; ignore this if it is right where the job runs (inside its image)"
         problems.append(Problem(location.field, f"{_plain(str(where))} {why}", fix,
                                 severity="error" if runs_here else "warning"))
+    output = job.spec.output.location
+    if runs_here and output.scheme in ("path", "relative"):
+        where = base_dir / output.raw if output.scheme == "relative" else Path(output.raw)
+        if why := _unwritable(where):
+            problems.append(Problem(output.field, f"{_plain(str(where))} {why}",
+                                    "point spec.output.uri at a folder this user can write "
+                                    "(it is created if missing)"))
     return problems
+
+
+SAVED_WEIGHTS = ("*.safetensors", "*.bin")
+"""The weight files of a folder save_pretrained wrote (sharded ones too)."""
 
 
 def _unusable(where: Path, is_model: bool) -> tuple[str | None, str | None]:
     """(what is wrong, its fix or None for the path's) of a local model or data path."""
+    saved_model = ("point it at a folder written by save_pretrained (config.json and the "
+                   "weights)")
     if not where.exists():
         return "does not exist on this machine", None
-    if is_model and where.is_dir() and not (where / "config.json").is_file():
-        return ("holds no config.json, so it is not a saved model", "point it at a folder "
-                "written by save_pretrained (config.json and the weights)")
+    if not os.access(where, os.R_OK | (os.X_OK if where.is_dir() else 0)):
+        return ("cannot be read by this user (permission denied)",
+                "make it readable (chmod), or name another path")
+    if is_model and not where.is_dir():
+        return "is a file, not a model folder", saved_model
+    if is_model and not (where / "config.json").is_file():
+        return "holds no config.json, so it is not a saved model", saved_model
+    if is_model and not any(any(where.glob(pattern)) for pattern in SAVED_WEIGHTS):
+        return (f"holds config.json but no weights ({', '.join(SAVED_WEIGHTS)})",
+                saved_model)
     if not is_model and where.is_file() and where.stat().st_size == 0:
         return "is empty", "write at least one record to it, or name another file"
     return None, None
+
+
+def _unwritable(where: Path) -> str | None:
+    """Why `finetune run` could not write its output folder here, or None."""
+    try:
+        if where.exists() and not where.is_dir():
+            return "is a file, not a folder"
+        parent = where
+        while not parent.exists():
+            parent = parent.parent
+        if not parent.is_dir():
+            return f"cannot be created: {_plain(str(parent))} is a file"
+        if not os.access(parent, os.W_OK | os.X_OK):
+            return ("cannot be written by this user" if parent == where else
+                    f"cannot be created: {_plain(str(parent))} is not writable by this user")
+    except OSError as error:
+        return f"cannot be looked at on this machine ({error.strerror})"
+    return None
 
 
 @main.command(name="render")
@@ -299,8 +338,9 @@ def printable(text: str) -> str:
               help="Training processes on this machine. Default: the spec's CPU workers "
                    "(nodes x processesPerNode), or the visible GPUs.")
 @click.option("--fresh", is_flag=True,
-              help="Start over instead of resuming: the output folder's checkpoints are moved "
-                   "aside (checkpoints.before-<time>/), never deleted.")
+              help="Start over instead of resuming: the earlier run's checkpoints, model and "
+                   "progress are moved aside (into before-<time>/ in the output folder), "
+                   "never deleted.")
 @click.option("--verbose", "-v", is_flag=True,
               help="Show every line torchrun and the workers print (library warnings, "
                    "loading progress bars, torchrun's own log).")
@@ -340,8 +380,10 @@ def run_command(file: str, nproc: int | None, fresh: bool, verbose: bool) -> Non
         sys.exit(EXIT_INVALID)
     output_dir = Path(config.output.uri)
     lock = _hold_output(doc.source, output_dir)  # before anything in the folder changes
-    if fresh and (moved := local.set_checkpoints_aside(output_dir)) is not None:
-        click.echo(f"--fresh: the earlier checkpoints are kept in {moved}; starting over")
+    if fresh and (moved := local.set_earlier_run_aside(output_dir)) is not None:
+        aside, names = moved
+        click.echo(f"--fresh: the earlier run's {', '.join(names)} are kept in {aside}; "
+                   "starting over")
     if refused := trained_with.refusal(output_dir, config, local.START_OVER):
         click.echo(f"{doc.source}: {refused}", err=True)
         sys.exit(EXIT_INVALID)
@@ -414,17 +456,29 @@ def _fetch_and_check(config: TrainerConfig, config_path: Path, output_dir: Path,
     data checked (the trainer's preflight); exits with their code when one fails, the run
     marked Failed (`finetune status` of the folder says so, not Stopped)."""
     from finetune_operator import local
-    from finetune_operator.follow import mark_failed, run_log
+    from finetune_operator.follow import run_log
 
     log = run_log(output_dir)
     local.RunLog(log).begin("finetune run")  # where this run's lines start
     if local.needs_fetch(config) and (fetched := local.run_step(
             local.fetch_command(config_path), log, verbose)) != 0:
-        mark_failed(output_dir)
+        _stop_before_training(fetched, output_dir)
         sys.exit(fetched)  # 2: the name, revision or token; 1: the network or the disk
     if (checked := local.run_step(local.preflight_command(config_path), log, verbose)) != 0:
-        mark_failed(output_dir)
+        _stop_before_training(checked, output_dir)
         sys.exit(checked)  # 2: the model or the data; 1: anything else (the traceback said)
+
+
+def _stop_before_training(code: int, output_dir: Path) -> None:
+    """A step before the workers failed (the run is marked Failed: `finetune status` says
+    so) or was interrupted (Ctrl-C: nothing failed; one line, exit 143 as in training)."""
+    from finetune_operator import local
+    from finetune_operator.follow import mark_failed
+
+    if code == local.EXIT_STOPPED:
+        click.echo(local.stopped_message(output_dir), err=True)
+        sys.exit(code)
+    mark_failed(output_dir)
 
 
 def _hold_output(source: str, output_dir: Path) -> int | None:
@@ -558,7 +612,7 @@ def status_command(target: str, namespace: str | None, kubeconfig: str | None, w
 
     from finetune_operator import follow
 
-    here = follow.output_folder(target) if namespace is None and kubeconfig is None else None
+    here = _local_target("status", target, namespace, kubeconfig)
     client, cluster_errors = None, ()  # a run on this machine asks no cluster: no client
     if not here:
         from finetune_operator import kube
@@ -590,6 +644,9 @@ def status_command(target: str, namespace: str | None, kubeconfig: str | None, w
         except cluster_errors as error:
             click.echo(_cluster_error("status", error), err=True)
             return 1
+        except follow.NotARun as error:
+            click.echo(f"finetune status: {error}", err=True)
+            return 1
         finally:
             if client is not None:
                 await client.close()
@@ -598,6 +655,20 @@ def status_command(target: str, namespace: str | None, kubeconfig: str | None, w
         sys.exit(asyncio.run(follow_job()))
     except KeyboardInterrupt:
         sys.exit(130)
+
+
+def _local_target(command: str, target: str, namespace: str | None,
+                  kubeconfig: str | None) -> tuple[str, Path] | None:
+    """`follow.output_folder` unless a cluster was named; a path that names no run: exit 1."""
+    from finetune_operator import follow
+
+    if namespace is not None or kubeconfig is not None:
+        return None
+    try:
+        return follow.output_folder(target)
+    except follow.NotARun as error:
+        click.echo(f"finetune {command}: {error}", err=True)
+        sys.exit(1)
 
 
 def _cluster_error(command: str, error: Exception) -> str:
@@ -628,7 +699,7 @@ def logs_command(target: str, namespace: str | None, kubeconfig: str | None, ran
 
     from finetune_operator import follow
 
-    here = follow.output_folder(target) if namespace is None and kubeconfig is None else None
+    here = _local_target("logs", target, namespace, kubeconfig)
     if here:
         sys.exit(_local_logs(follow.run_log(here[1]), here[1], keep_following))
     from finetune_operator import kube
@@ -717,7 +788,6 @@ def _local_logs(path: Path, output_dir: Path, keep_following: bool) -> int:
     """`finetune run`'s log; with -f, read on until the run's progress says it ended."""
     import time
 
-    from finetune_operator import follow
 
     if not path.exists() and not keep_following:
         click.echo(f"finetune logs: no {path}: `finetune run` has not run here", err=True)
@@ -732,10 +802,19 @@ def _local_logs(path: Path, output_dir: Path, keep_following: bool) -> int:
             offset += len(chunk)
             sys.stdout.buffer.write(chunk)
             sys.stdout.flush()
-        if not keep_following or (
-                follow.view_of_output(output_dir.name, output_dir).finished and not chunk):
+        if not keep_following or (_run_ended(output_dir) and not chunk):
             return 0
         time.sleep(0.5)
+
+
+def _run_ended(output_dir: Path) -> bool:
+    """Whether the `finetune run` writing `output_dir` ended (False: none started yet)."""
+    from finetune_operator import follow
+
+    try:
+        return follow.view_of_output(output_dir.name, output_dir).finished
+    except follow.NotARun:
+        return False
 
 
 def _port_free(port: int) -> bool:

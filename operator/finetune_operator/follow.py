@@ -115,7 +115,14 @@ def view_of_output(name: str, folder: Path) -> JobView:
     run that says Running with no `finetune run` left holding the folder was stopped."""
     record = read_progress(folder)
     if record is None:
-        if run_lock.ran_here(folder) and run_lock.holder(folder) is None:
+        if not run_lock.ran_here(folder):
+            if folder.is_dir() and any(folder.iterdir()):  # a model's folder, say
+                raise NotARun(f"{folder}: not a `finetune run` output folder (no "
+                              f"{PROGRESS_FILE}, no run lock in logs/): name a run's output "
+                              "folder or its manifest")
+            return JobView(name=name, phase="Pending", where=str(folder), message=(
+                "no `finetune run` has written here yet"))  # --watch waits for one
+        if run_lock.holder(folder) is None:
             return JobView(name=name, phase="Stopped", where=str(folder), message=(
                 "ended before its first step (interrupted); the same `finetune run` starts "
                 "again"))
@@ -153,12 +160,23 @@ def _job_name(folder: Path) -> str:
         return folder.name
 
 
+class NotARun(Exception):
+    """A NAME that can only mean this machine (a path) and names no `finetune run`."""
+
+
+MANIFEST_SUFFIXES = (".yaml", ".yml", ".json")
+
+
 def output_folder(target: str) -> tuple[str, Path] | None:
     """(name, output folder) when `target` means this machine: a `finetune run` output
-    folder, or the manifest it ran (its spec.output.uri, relative to the manifest)."""
+    folder, or the manifest it ran (its spec.output.uri, relative to the manifest); None
+    for a FineTuneJob's name. NotARun where it is a path (a `/` or a manifest's suffix:
+    never a FineTuneJob's name) to nothing or to a manifest that does not parse: asking a
+    cluster about it would only say the kubeconfig's problem."""
     path = Path(target)
     if path.is_dir():
         return _job_name(path.resolve()), path.resolve()
+    looks_local = "/" in target or path.suffix.lower() in MANIFEST_SUFFIXES
     if path.is_file():
         import pydantic
         import yaml
@@ -166,8 +184,14 @@ def output_folder(target: str) -> tuple[str, Path] | None:
         try:
             job = FineTuneJob.model_validate(yaml.safe_load(path.read_text()))
         except (OSError, UnicodeDecodeError, yaml.YAMLError, pydantic.ValidationError):
+            if looks_local:
+                raise NotARun(f"{target}: not a valid FineTuneJob manifest — `finetune "
+                              f"validate {target}` says why") from None
             return None  # not a manifest: NAME is a FineTuneJob's name after all
         return job.name, resolve_output(job.spec.output.uri, path.resolve().parent)
+    if looks_local:
+        raise NotARun(f"{target}: no such file or folder (a `finetune run` output folder "
+                      "or its manifest; or a FineTuneJob's name, which has no / or suffix)")
     return None
 
 

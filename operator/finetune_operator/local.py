@@ -44,28 +44,41 @@ from finetune_trainer.errors import NOT_RESTARTED
 from finetune_trainer.errors import STOPPED as EXIT_STOPPED
 from finetune_trainer.fetch import complete_copy, hub_repo
 from finetune_trainer.layout import (
+    CHECKPOINTS,
     FINAL_DIR,
+    HISTORY_FILE,
     LOCAL_CONFIG,
-    checkpoint_root,
+    MERGED_DIR,
+    PROGRESS_FILE,
+    TENSORBOARD_DIR,
     latest_checkpoint,
     step_of,
 )
 from finetune_trainer.uris import Location, Unreachable
 
 START_OVER = ("point spec.output.uri at a new folder, or start over with `finetune run "
-              "--fresh` (the old checkpoints are moved aside, not deleted)")
+              "--fresh` (the earlier run's checkpoints and model are moved aside, not "
+              "deleted)")
 
 
-def set_checkpoints_aside(output_dir: Path) -> Path | None:
-    """`finetune run --fresh`: the output folder's checkpoints, renamed out of the way (a
-    rename on the same filesystem: nothing is deleted or copied). None when there are none."""
-    root = checkpoint_root(output_dir)
-    if not root.exists():
+EARLIER_RUN = (CHECKPOINTS, FINAL_DIR, MERGED_DIR, TENSORBOARD_DIR, PROGRESS_FILE, HISTORY_FILE)
+"""What `--fresh` moves aside: the earlier run's checkpoints, exports and history (the
+model cache, the logs and the lock stay: a fresh run reuses or appends to them)."""
+
+
+def set_earlier_run_aside(output_dir: Path) -> tuple[Path, list[str]] | None:
+    """`finetune run --fresh`: the earlier run's outputs (EARLIER_RUN), renamed into
+    `before-<time>/` in the output folder (renames on one filesystem: nothing is deleted or
+    copied, and the new run's export cannot overwrite the old one); with the names moved.
+    None when there is nothing to move."""
+    found = [name for name in EARLIER_RUN if (output_dir / name).exists()]
+    if not found:
         return None
-    stamp = time.strftime("%Y%m%dT%H%M%S")
-    aside = root.with_name(f"{root.name}.before-{stamp}")
-    root.rename(aside)
-    return aside
+    aside = output_dir / f"before-{time.strftime('%Y%m%dT%H%M%S')}"
+    aside.mkdir()
+    for name in found:
+        (output_dir / name).rename(aside / name)
+    return aside, found
 
 
 def model_config(job: FineTuneJob, base_dir: Path) -> ModelConfig | None:
@@ -423,18 +436,31 @@ def _relays(child: subprocess.Popen, keep: RunLog,
 def run_step(command: list[str], log_path: Path, verbose: bool) -> int:
     """One step before the workers start (the model's fetch, the preflight), its lines
     shown as the workers' are: filtered unless `verbose` (a first read of the data draws a
-    progress bar), and kept in `log_path`."""
-    child = subprocess.Popen(command, env=worker_env(1, verbose), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, errors="replace")
+    progress bar), and kept in `log_path`. Ctrl-C or SIGTERM ends it (EXIT_STOPPED), as
+    `_run_attempt` does the workers: in its own session, so that the terminal's SIGINT
+    does not reach it as a KeyboardInterrupt and its traceback."""
+    child = subprocess.Popen(command, start_new_session=True, env=worker_env(1, verbose),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             errors="replace")
+    stopped = False
     keep = RunLog(log_path)
     relays = _relays(child, keep, None if verbose else lambda: False)
+
+    def forward(signum, frame) -> None:
+        nonlocal stopped
+        stopped = True
+        child.send_signal(signal.SIGTERM)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         code = child.wait()
         for relay in relays:
             relay.join()
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         keep.close()
-    return code
+    return EXIT_STOPPED if stopped else code
 
 
 def worker_env(processes: int, verbose: bool, on_gpus: bool = True) -> dict[str, str]:

@@ -21,6 +21,7 @@ import yaml
 from finetune_operator import run_lock
 from finetune_operator.api import Progress
 from finetune_operator.follow import (
+    NotARun,
     log_to_read,
     mark_failed,
     newest_pod,
@@ -154,19 +155,24 @@ def test_before_the_trainer_starts_the_log_to_read_is_an_init_containers():
     assert log_to_read(training, "trainer") == ("trainer", None)
 
 
-def test_a_local_run_is_found_from_its_manifest_and_a_failure_ends_the_watch(tmp_path):
+def test_a_local_run_is_found_from_its_manifest_and_a_failure_ends_the_watch(tmp_path,
+                                                                             monkeypatch):
     job = manifest(tmp_path / "model", Path("out"))
     job["spec"]["output"]["uri"] = "./out"
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     name, folder = output_folder(str(tmp_path / "job.yaml"))
     assert (name, folder) == (job["metadata"]["name"], tmp_path / "out")
-    assert view_of_output(name, folder).phase == "Pending"
+    view = view_of_output(name, folder)  # `status --watch` started beside `finetune run`
+    assert (view.phase, view.message) == ("Pending", "no `finetune run` has written here yet")
     folder.mkdir()
     (folder / "progress.json").write_text(json.dumps(ProgressRecord(
         step=3, totalSteps=6, loss=1.0).as_json()))
     assert not view_of_output(name, folder).finished
     (tmp_path / "notes.txt").write_text("not a manifest: a job of that name is asked for")
-    assert output_folder(str(tmp_path / "notes.txt")) is None
+    monkeypatch.chdir(tmp_path)
+    assert output_folder("notes.txt") is None
+    with pytest.raises(NotARun, match="not a valid FineTuneJob manifest"):  # a path: no name
+        output_folder(str(tmp_path / "notes.txt"))
     mark_failed(folder)
     view = view_of_output(name, folder)
     assert view.finished and view.phase == "Failed" and view.progress.step == 3
@@ -374,3 +380,21 @@ def test_a_job_name_without_a_cluster_points_at_the_local_way_too(tmp_path, comm
     assert result.stderr.rstrip().endswith(
         f"or, for a `finetune run` on this machine, name its manifest or output folder "
         f"(`finetune {command} job.yaml`)")
+
+
+def test_a_path_that_names_no_run_is_said_so_and_no_cluster_is_asked(tmp_path):
+    """A typo in a folder or manifest name, or a manifest that does not parse: the line
+    said the kubeconfig's problem instead. A bare name is still a FineTuneJob's."""
+    with pytest.raises(NotARun, match="no such file or folder"):
+        output_folder(str(tmp_path / "nothere"))
+    with pytest.raises(NotARun, match="no such file or folder"):
+        output_folder("job.yaml")
+    (tmp_path / "typo.yaml").write_text("kind: FineTuneJob\nspec: {modle: {}}\n")
+    with pytest.raises(NotARun, match=r"not a valid FineTuneJob manifest — `finetune validate"):
+        output_folder(str(tmp_path / "typo.yaml"))
+    assert output_folder("llama-8b-full") is None
+    model = tmp_path / "model"  # a folder with things in it, none a run's: --watch waited
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    with pytest.raises(NotARun, match="not a `finetune run` output folder"):
+        view_of_output("model", model)

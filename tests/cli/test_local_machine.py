@@ -102,6 +102,7 @@ def test_finetune_run_refuses_it_before_anything_starts(tmp_path):
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(manifest))
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")  # there: the machine is refused
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"")
     (tmp_path / "data.jsonl").write_text("{}\n")
     result = subprocess.run([sys.executable, "-m", "finetune_operator.cli", "run", "job.yaml",
                              "--nproc", "4"], cwd=tmp_path, capture_output=True, text=True,
@@ -183,6 +184,7 @@ def test_a_model_the_checks_refuse_marks_the_run_failed_with_where_to_read_why(t
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(manifest))
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{not json")
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"")
     (tmp_path / "data.jsonl").write_text('{"text": "hello"}\n')
     finetune = [sys.executable, "-m", "finetune_operator.cli"]
     run = subprocess.run([*finetune, "run", "job.yaml"], cwd=tmp_path, capture_output=True,
@@ -337,3 +339,71 @@ def test_this_machine_is_planned_by_the_free_memory_nvidia_smi_reports(tmp_path,
     assert (machine.gpus, machine.gpu.memory_bytes) == (2, 61440 * 1024**2)
     assert machine.gpu.peak_flops_16bit == 989e12 and machine.gpu.bf16
     assert this_machine(processes=1).gpus == 1
+
+
+def test_paths_a_run_cannot_use_are_refused_before_anything_is_written(tiny_model_dir,
+                                                                       tmp_path):
+    """Each was a traceback from deep inside the run (NotADirectoryError writing
+    .finetune/, the trainer's "does not exist" for a model that is a file) or a preflight
+    that passed a model folder without weights, whose workers then failed."""
+    import shutil
+
+    (tmp_path / "data.jsonl").write_text((REPO / "examples/data/tiny-chat.jsonl").read_text())
+    shutil.copytree(tiny_model_dir, tmp_path / "model")
+    shutil.copytree(tiny_model_dir, tmp_path / "unweighted",
+                    ignore=shutil.ignore_patterns("*.safetensors"))
+    cases = {
+        ("./model", "./data.jsonl"): "spec.output.uri: {0}/data.jsonl is a file, not a folder",
+        ("./model", "./data.jsonl/out"): "spec.output.uri: {0}/data.jsonl/out cannot be "
+                                         "created: {0}/data.jsonl is a file",
+        ("./data.jsonl", "./out"): "spec.model.uri: {0}/data.jsonl is a file, not a model folder",
+        ("./unweighted", "./out"): "spec.model.uri: {0}/unweighted holds config.json but no "
+                                   "weights (*.safetensors, *.bin)",
+    }
+    for (model, output), said in cases.items():
+        manifest = minimal_job(model={"uri": model}, dataset={"uri": "./data.jsonl"},
+                               output={"uri": output},
+                               resources={"gpusPerNode": 0, "processesPerNode": 1})
+        (tmp_path / "job.yaml").write_text(yaml.safe_dump(manifest))
+        before = sorted(p.name for p in tmp_path.iterdir())
+        run = subprocess.run([sys.executable, "-m", "finetune_operator.cli", "run", "job.yaml"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 2, run.stdout + run.stderr
+        assert run.stderr.splitlines() == [f"job.yaml: {said.format(tmp_path)} — " + (
+            "point spec.output.uri at a folder this user can write (it is created if "
+            "missing)" if output != "./out" else "point it at a folder written by "
+            "save_pretrained (config.json and the weights)")], run.stderr
+        assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_model_and_data_are_checked_ends_in_one_line(tiny_model_dir,
+                                                                      tmp_path):
+    """The terminal's SIGINT reaches its whole process group: the preflight printed a
+    KeyboardInterrupt traceback, click said `Aborted!` and the exit was 1. Now the step
+    is stopped as training is: one line, exit 143, the run not marked Failed."""
+    import signal
+    import time
+
+    manifest = minimal_job(model={"uri": str(tiny_model_dir)},
+                           dataset={"uri": str(REPO / "examples/data/tiny-chat.jsonl")},
+                           output={"uri": "./out"},
+                           resources={"gpusPerNode": 0, "processesPerNode": 1})
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(manifest))
+    run = subprocess.Popen([sys.executable, "-m", "finetune_operator.cli", "run", "job.yaml"],
+                           cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, start_new_session=True)
+    seen = []
+    for line in run.stdout:  # the preflight starts right after this line
+        seen.append(line)
+        if line.startswith("trainer config:"):
+            break
+    time.sleep(1)  # inside the preflight's imports
+    os.killpg(run.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the foreground group
+    output = "".join(seen) + run.communicate(timeout=120)[0]
+    assert run.returncode == 143, output
+    assert output.splitlines()[-1] == ("interrupted before the first checkpoint; run the "
+                                       "same command to start again"), output
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output
+    assert "Aborted" not in output and "preflight:" not in output
+    assert not (tmp_path / "out" / "progress.json").exists()  # not Failed: nothing failed

@@ -54,3 +54,15 @@ def test_the_demo_adapter_answers_its_training_question_and_the_base_does_not(tm
     expected = trained_answer(QUESTION)
     assert generate(tmp_path / "output/final", QUESTION) == expected
     assert generate(model, QUESTION) != expected
+
+
+def test_generate_refuses_a_folder_that_is_no_export_at_once(tmp_path, capsys):
+    """A typo in the folder: transformers took the path for a hub name and retried the
+    network for a minute before its traceback."""
+    from finetune_trainer.generate import main
+
+    with pytest.raises(SystemExit) as exited:
+        main([str(tmp_path / "fnal"), "a question"])
+    assert exited.value.code == 2
+    assert (f"{tmp_path / 'fnal'} does not exist: name what a run exported, its final/ or "
+            "merged/ folder") in capsys.readouterr().err

@@ -519,8 +519,8 @@ def test_sigterm_while_starting_stops_at_once_without_a_checkpoint(tiny_model_di
 def test_a_changed_job_is_refused_before_it_starts_and_fresh_starts_over(
         runs, tiny_model_dir, tmp_path):
     """The first hour's trap: change the LoRA rank and rerun into the same output folder.
-    Refused in one line naming the field, before any process starts; `--fresh` sets the old
-    checkpoints aside (kept) and trains."""
+    Refused in one line naming the field, before any process starts; `--fresh` sets the earlier
+    run aside (kept: checkpoints, export, history) and trains."""
     output = tmp_path / "out"
     shutil.copytree(runs("ddp", "lora"), output)  # 6 steps done with r=4
     changed = manifest(tiny_model_dir, output, steps=2)
@@ -543,12 +543,21 @@ def test_a_changed_job_is_refused_before_it_starts_and_fresh_starts_over(
                            capture_output=True, text=True, timeout=120)
     assert check.returncode == 4 and "method.lora.r: 4 → 8" in check.stderr
 
+    old_adapter = (output / "final" / "adapter_model.safetensors").read_bytes()
+    old_history = (output / "progress.jsonl").read_text()
     fresh = finetune_run(changed, tmp_path / "rerun", "--fresh")
     assert fresh.returncode == 0, fresh.stdout + fresh.stderr
-    assert "the earlier checkpoints are kept in" in fresh.stdout
-    kept = next(output.glob("checkpoints.before-*"))
-    assert sorted(p.name for p in kept.iterdir()) == before  # nothing deleted
+    (kept,) = output.glob("before-*")
+    assert (f"--fresh: the earlier run's checkpoints, final, tensorboard, progress.json, "
+            f"progress.jsonl are kept in {kept}; starting over") in fresh.stdout
+    assert sorted(p.name for p in (kept / "checkpoints").iterdir()) == before  # nothing deleted
     assert [p.name for p in (output / "checkpoints").iterdir()] == ["step-00000002"]
+    # the earlier export and history too: the new run wrote its own beside them
+    assert (kept / "final" / "adapter_model.safetensors").read_bytes() == old_adapter
+    assert (kept / "progress.jsonl").read_text() == old_history
+    assert (output / "final" / "adapter_model.safetensors").read_bytes() != old_adapter
+    steps = [json.loads(line)["step"] for line in (output / "progress.jsonl").open()]
+    assert steps == [1, 2], steps
 
 
 def _checkpoint_payload(checkpoint: Path) -> int:

@@ -35,6 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("question")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     args = parser.parse_args(argv)
+    if not (args.model_dir / "config.json").is_file() and not (
+            args.model_dir / "adapter_config.json").is_file():
+        # else transformers takes the path for a hub name: a minute of retries, a traceback
+        what = "does not exist" if not args.model_dir.exists() else (
+            "holds neither config.json nor adapter_config.json")
+        parser.error(f"{args.model_dir} {what}: name what a run exported, its final/ or "
+                     "merged/ folder")
     print(answer(args.model_dir, args.question, args.max_new_tokens))
     return 0
 

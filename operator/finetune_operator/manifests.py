@@ -34,6 +34,27 @@ class ManifestError(ValueError):
     """A file that cannot be read or is not YAML."""
 
 
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key written twice in one mapping as kubectl does
+    (PyYAML keeps the last silently: a second `learningRate:` or `method:` block replaced the
+    first). Keys brought in by a merge (`<<: *anchor`) may be overridden, as YAML says."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, yaml.Node] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(
+                        key_node, yaml.ScalarNode):
+                    continue
+                if key_node.value in seen:
+                    first = seen[key_node.value].start_mark.line + 1
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"found the key {key_node.value!r} a second time (first on "
+                        f"line {first})", key_node.start_mark)
+                seen[key_node.value] = key_node
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_bytes(path: str) -> bytes:
     if path != "-":
         return Path(path).read_bytes()
@@ -54,7 +75,7 @@ def read_documents(path: str) -> list[Document]:
         raise ManifestError(f"{path}:{line}: not UTF-8 text (byte 0x{data[error.start]:02x}) "
                             "— save the manifest as UTF-8") from None
     try:
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+        docs = [d for d in yaml.load_all(text, Loader=_Loader) if d is not None]
     except yaml.reader.ReaderError as error:  # a control character: no mark, two lines
         line = text[:error.position].count("\n") + 1
         column = error.position - (text.rfind("\n", 0, error.position) + 1) + 1
@@ -66,6 +87,7 @@ def read_documents(path: str) -> list[Document]:
         where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
         problem = " ".join(str(getattr(error, "problem", None) or error).split())
         fix = ("indent with spaces: YAML takes no tab there" if "'\\t'" in problem
+               else "keep one of them" if "a second time" in problem
                else "fix the syntax (indentation, quoting, colons)")
         raise ManifestError(f"{path}{where}: not valid YAML: {problem} — {fix}") from error
     except RecursionError:

@@ -106,6 +106,29 @@ def test_warnings_keep_exit_zero():
     assert "warning: spec.model.uri: relative paths" in result.stderr
 
 
+def test_a_key_written_twice_is_refused_as_kubectl_does(tmp_path):
+    """PyYAML keeps the last of two equal keys without a word: a second learningRate (or a
+    second method: block) replaced the first, and `validate` said valid where kubectl's
+    YAML reader refuses the file. A merge key's values may still be overridden."""
+    path = tmp_path / "job.yaml"
+    text = yaml.safe_dump(minimal_job(), sort_keys=False)
+    twice = "  hyperparameters:\n    learningRate: 0.1\n    learningRate: 1\n"
+    path.write_text(text.replace("  hyperparameters:\n", twice, 1))
+    result = finetune("validate", str(path))
+    assert result.returncode == 2, result.stdout
+    line = next(i for i, t in enumerate(path.read_text().splitlines(), 1) if "learningRate" in t)
+    assert result.stderr.splitlines() == [
+        f"{path}:{line + 1}:5: not valid YAML: found the key 'learningRate' a second time "
+        f"(first on line {line}) — keep one of them"]
+    from finetune_operator.manifests import read_documents
+
+    merged = tmp_path / "merged.yaml"
+    merged.write_text("common: &common {maxSteps: 5, learningRate: 0.1}\n"
+                      "hyperparameters:\n  <<: *common\n  maxSteps: 7\n")
+    (document,) = read_documents(str(merged))
+    assert document.data["hyperparameters"] == {"maxSteps": 7, "learningRate": 0.1}
+
+
 def test_render_kubernetes_job_yaml():
     result = finetune("render", str(REPO / "examples/02-aks-fsdp-full-8b.yaml"))
     assert result.returncode == 0, result.stderr

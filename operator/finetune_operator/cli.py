@@ -82,8 +82,12 @@ def _jobs_in(paths: tuple[str, ...], use: Use, backend: str | None = None,
                 invalid += not _sweep_valid(doc, say)
                 continue
             if isinstance(doc.data, dict) and doc.data.get("kind") not in (None, KIND):
-                click.echo(f"{doc.source}: skipped {_plain(doc.data.get('kind'))} "
-                           f"(not a {KIND})", err=True)
+                kind = doc.data.get("kind")
+                meant = next((k for k in (KIND, SWEEP_KIND) if isinstance(kind, str)
+                              and kind.lower() == k.lower()), None)
+                click.echo(f"{doc.source}: skipped {_plain(kind)} (not a {KIND}"
+                           + (f"; kinds are case-sensitive: `kind: {meant}`?" if meant else "")
+                           + ")", err=True)
                 continue
             jobs_here += 1
             if backend and isinstance(doc.data, dict) and isinstance(doc.data.get("spec"), dict):
@@ -100,8 +104,9 @@ def _jobs_in(paths: tuple[str, ...], use: Use, backend: str | None = None,
                 invalid += 1
             else:
                 valid.append((doc, job))
-        if jobs_here == 0:
-            click.echo(f"{path}: no {KIND} found — check `kind: {KIND}`", err=True)
+        if jobs_here == 0:  # a problem of the file: in `validate -o json` too
+            say(path, Problem("", f"{path}: no {KIND} found — check `kind: {KIND}`",
+                              f"check `kind: {KIND}`"))
             invalid += 1
     return valid, invalid
 
@@ -311,6 +316,7 @@ def plan_command(file: str, gpu_type: str | None, output: str, offline: bool) ->
         sys.exit(EXIT_INVALID)
     doc, job = valid[0]
     if gpu_type:
+        _check_gpu_type_option(gpu_type, job)
         job = job.model_copy(deep=True)
         job.spec.resources.gpu_type = gpu_type
     configs = planner.ModelConfigs(fetch=None if offline else planner.fetch_from_hub,
@@ -322,6 +328,28 @@ def plan_command(file: str, gpu_type: str | None, output: str, offline: bool) ->
     else:
         click.echo(printable(plan_render.table(job, result)))
     sys.exit(1 if result.fits is False else 0)
+
+
+def _check_gpu_type_option(gpu_type: str, job: FineTuneJob) -> None:
+    """`plan --gpu-type`, typed on the command line: a name the catalog does not know
+    (a typo planned as `verdict: unknown`, exit 0) or a job of CPU workers (the option was
+    ignored without a word) is refused, exit 2."""
+    import difflib
+
+    from finetune_operator.planner import catalog
+
+    if not job.spec.resources.gpus_per_node:
+        click.echo(f"--gpu-type {gpu_type}: the job's workers are CPU processes "
+                   "(spec.resources.gpusPerNode: 0) — set gpusPerNode to plan it on GPUs",
+                   err=True)
+        sys.exit(EXIT_INVALID)
+    if catalog.find(gpu_type) is None:
+        known = catalog.known_names()
+        close = difflib.get_close_matches(gpu_type, known, n=3, cutoff=0.6)
+        click.echo(f"--gpu-type {gpu_type}: not in the planner's catalog — "
+                   + (f"did you mean {' or '.join(close)}? " if close else "")
+                   + f"(known: {', '.join(known)})", err=True)
+        sys.exit(EXIT_INVALID)
 
 
 def printable(text: str) -> str:

@@ -582,10 +582,12 @@ def check_document(doc: Any) -> tuple[FineTuneJob | None, list[Problem]]:
                               "write a FineTuneJob manifest (apiVersion, kind, metadata, spec)")]
     problems: list[Problem] = []
     if doc.get("apiVersion") != API_VERSION:
-        problems.append(Problem("apiVersion", f"{short_repr(doc.get('apiVersion'))} is not "
-                                "served by this operator", f"use `apiVersion: {API_VERSION}`"))
+        problems.append(Problem("apiVersion", "is missing" if doc.get("apiVersion") is None
+                                else f"{short_repr(doc.get('apiVersion'))} is not served by "
+                                "this operator", f"use `apiVersion: {API_VERSION}`"))
     if doc.get("kind") != KIND:
-        problems.append(Problem("kind", f"{short_repr(doc.get('kind'))} is not {KIND}",
+        problems.append(Problem("kind", "is missing" if doc.get("kind") is None else
+                                f"{short_repr(doc.get('kind'))} is not {KIND}",
                                 f"use `kind: {KIND}`"))
     if problems:
         return None, problems

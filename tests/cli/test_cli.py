@@ -100,6 +100,30 @@ def test_validate_file_without_jobs(tmp_path):
     assert "no FineTuneJob found" in result.stderr
 
 
+def test_a_file_without_a_job_says_why_in_json_too(tmp_path):
+    """`validate -o json` said `"valid": false` with no problem in it (the reason went to
+    stderr as text); a kind in the wrong case is pointed at; a missing kind or apiVersion
+    reads `is missing`, not `None is not FineTuneJob`."""
+    path = tmp_path / "job.yaml"
+    manifest = minimal_job()
+    manifest["kind"] = "FinetuneJob"
+    path.write_text(yaml.safe_dump(manifest))
+    result = finetune("validate", "-o", "json", str(path))
+    assert result.returncode == 2
+    assert json.loads(result.stdout)["problems"] == [{
+        "source": str(path), "field": "", "severity": "error",
+        "message": f"{path}: no FineTuneJob found — check `kind: FineTuneJob`",
+        "fix": "check `kind: FineTuneJob`"}]
+    assert result.stderr.splitlines() == [f"{path}: skipped FinetuneJob (not a FineTuneJob; "
+                                          "kinds are case-sensitive: `kind: FineTuneJob`?)"]
+    del manifest["kind"], manifest["apiVersion"]
+    path.write_text(yaml.safe_dump(manifest))
+    result = finetune("validate", str(path))
+    assert result.stderr.splitlines() == [
+        f"{path}: apiVersion: is missing — use `apiVersion: finetune.dev/v1alpha1`",
+        f"{path}: kind: is missing — use `kind: FineTuneJob`"]
+
+
 def test_warnings_keep_exit_zero():
     result = finetune("validate", str(REPO / "examples/01-tiny-cpu-lora.yaml"))
     assert result.returncode == 0

@@ -77,3 +77,20 @@ def test_plan_refuses_an_invalid_manifest_like_validate():
     result = finetune("plan", "-", stdin=manifest(resources={"nodes": 0}))
     assert result.returncode == 2
     assert "spec.resources.nodes: is 0" in result.stderr
+
+
+def test_a_gpu_type_typed_on_the_command_line_is_one_the_planner_knows():
+    """`--gpu-type H1000` planned as `verdict: unknown`, exit 0, and `--gpu-type` on a job
+    of CPU workers was ignored; both are refused, exit 2, saying what to type."""
+    example = str(REPO / "examples/02-aks-fsdp-full-8b.yaml")
+    typo = finetune("plan", "--offline", example, "--gpu-type", "H1000")
+    assert typo.returncode == 2 and typo.stdout == ""
+    assert typo.stderr.startswith("--gpu-type H1000: not in the planner's catalog — did you "
+                                  "mean H100 or "), typo.stderr
+    cpu = finetune("plan", "--offline", str(REPO / "examples/01-tiny-cpu-lora.yaml"),
+                   "--gpu-type", "H100")
+    assert cpu.returncode == 2
+    assert cpu.stderr.strip() == ("--gpu-type H100: the job's workers are CPU processes "
+                                  "(spec.resources.gpusPerNode: 0) — set gpusPerNode to plan "
+                                  "it on GPUs")
+    assert finetune("plan", "--offline", example, "--gpu-type", "h100").returncode == 0

@@ -671,7 +671,8 @@ class Trainer:
         _say(f"data: {self.prepared.sources}")
         _say(f"training {len(self.prepared.train)} sequences on {self.world} "
              f"{'process' if self.world == 1 else 'processes'} ({self.strategy.name}, "
-             f"{self.config.strategy.precision}): {self.steps} steps of "
+             f"{self.config.strategy.precision}): {self.steps} "
+             f"step{'s' if self.steps != 1 else ''} of "
              f"{self.batches.global_batch} sequences, each process's in "
              f"{self.batches.accumulation} pass{'es' if self.batches.accumulation > 1 else ''}"
              f" of {self.batches.micro_batch}")

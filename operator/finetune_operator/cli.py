@@ -244,6 +244,15 @@ def _unusable(where: Path, is_model: bool) -> tuple[str | None, str | None]:
                 saved_model)
     if not is_model and where.is_file() and where.stat().st_size == 0:
         return "is empty", "write at least one record to it, or name another file"
+    if not is_model:
+        from finetune_trainer.uris import DATA_FILE_BUILDERS, data_file_builder
+
+        kinds = ", ".join(DATA_FILE_BUILDERS)
+        if where.is_file() and data_file_builder(where.name) is None:
+            return (f"has an extension the trainer does not read ({where.suffix or 'none'})",
+                    f"save it as one of {kinds}")
+        if where.is_dir() and not any(data_file_builder(f.name) for f in where.rglob("*")):
+            return f"holds no data file ({kinds})", "point it at a data file or a folder of them"
     return None, None
 
 

@@ -407,3 +407,33 @@ def test_ctrl_c_while_the_model_and_data_are_checked_ends_in_one_line(tiny_model
     assert "Traceback" not in output and "KeyboardInterrupt" not in output
     assert "Aborted" not in output and "preflight:" not in output
     assert not (tmp_path / "out" / "progress.json").exists()  # not Failed: nothing failed
+
+
+def test_data_the_trainer_cannot_read_is_named_before_it_starts(tmp_path):
+    """A .txt file, or a folder with no data file in it, passed `validate` and `finetune
+    run` until the trainer's preflight refused it, the run marked Failed."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"")
+    (tmp_path / "notes.txt").write_text('{"text": "hello"}\n')
+    (tmp_path / "empty").mkdir()
+    said = {"./notes.txt": "{0}/notes.txt has an extension the trainer does not read (.txt) "
+                           "— save it as one of .jsonl, .json, .parquet, .csv",
+            "./empty": "{0}/empty holds no data file (.jsonl, .json, .parquet, .csv) — point "
+                       "it at a data file or a folder of them"}
+    for data, line in said.items():
+        manifest = minimal_job(model={"uri": "./model"}, dataset={"uri": data},
+                               output={"uri": "./out"},
+                               resources={"gpusPerNode": 0, "processesPerNode": 1})
+        (tmp_path / "job.yaml").write_text(yaml.safe_dump(manifest))
+        run = subprocess.run([sys.executable, "-m", "finetune_operator.cli", "run", "job.yaml"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 2, run.stdout + run.stderr
+        assert run.stderr.splitlines() == [f"job.yaml: spec.dataset.uri: {line.format(tmp_path)}"]
+        assert not (tmp_path / "out").exists()
+        validate = subprocess.run([sys.executable, "-m", "finetune_operator.cli", "validate",
+                                   "job.yaml"], cwd=tmp_path, capture_output=True, text=True,
+                                  timeout=120)
+        assert validate.returncode == 0  # a warning: the path may differ where the job runs
+        assert f"job.yaml: warning: spec.dataset.uri: {line.format(tmp_path)}" in (
+            validate.stderr)

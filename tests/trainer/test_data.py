@@ -76,6 +76,17 @@ def test_malformed_jsonl_line_is_named(tmp_path):
     assert error.value.what.endswith("(Expecting ',' delimiter, column 18)"), error.value.what
 
 
+def test_a_byte_order_mark_is_named_with_its_fix(tmp_path):
+    """Python's own message, `Unexpected UTF-8 BOM (decode using utf-8-sig)`, named a codec."""
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"text": "ok"}\n')
+    with pytest.raises(DataError) as error:
+        read_records(DatasetSource(uri=str(path)))
+    assert (error.value.where, error.value.what, error.value.fix) == (
+        f"{path}:1", "starts with a byte-order mark (BOM), which the JSON reader does not take",
+        "save the file as UTF-8 without BOM")
+
+
 def test_missing_path_and_empty_folder(tmp_path):
     with pytest.raises(DataError, match=r"does not exist — check spec\.dataset\.uri"):
         read_records(DatasetSource(uri=str(tmp_path / "nope.jsonl")))

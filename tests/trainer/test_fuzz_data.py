@@ -218,3 +218,17 @@ def test_an_eval_split_laid_out_unlike_the_training_split_is_refused(tiny_model_
     assert str(refused.value) == (f"{tmp_path / 'data'}: its validation split is laid out as "
                                   "instruction, its train split as text — lay both splits "
                                   "out in one format (the same columns)")
+
+
+def test_a_chat_without_an_assistant_turn_names_the_roles_it_has(tiny_model_dir, tmp_path):
+    """`role: bot` read as `no sample with a trained token after truncation — raise
+    maxSeqLength`: a fix that could never work."""
+    data = tmp_path / "bot.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}, '
+                    '{"role": "bot", "content": "hello"}]}\n')
+    job = config(data, tiny_model_dir, tmp_path / "out", "chat", 0.0, True)
+    with pytest.raises(DataError) as refused:
+        preflight(job, tmp_path)
+    assert str(refused.value) == (
+        f"{data}: has no message with role assistant, the turns trained on (its roles: bot, "
+        "user) — name the model's turns `assistant` (and the others `system` or `user`)")

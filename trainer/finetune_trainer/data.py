@@ -132,6 +132,9 @@ def check_jsonl(path: Path) -> list[int]:
     number of every record (blank lines hold none)."""
     records = []
     for number, line in _text_lines(path):
+        if number == 1 and line.startswith("\ufeff"):  # editors on Windows write one
+            raise DataError(f"{path}:1", "starts with a byte-order mark (BOM), which the "
+                            "JSON reader does not take", "save the file as UTF-8 without BOM")
         if not line.strip():
             continue
         try:

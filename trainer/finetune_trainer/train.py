@@ -101,6 +101,15 @@ def preflight(config: TrainerConfig, base_dir: Path) -> Prepared:
         records, eval_records = split["train"], split["test"]
         sources += f", evaluating on {data.eval_fraction:g} of it held out (evalFraction)"
     train = tokenize_records(records, fmt, tokenizer, data.max_seq_length)
+    if not train and fmt == "chat" and not any(
+            isinstance(m, dict) and m.get("role") == "assistant"
+            for messages in records["messages"] for m in messages or ()):
+        roles = sorted({str(m.get("role")) for messages in records["messages"]
+                        for m in messages or () if isinstance(m, dict)})
+        raise DataError(data.uri, "has no message with role assistant, the turns trained on "
+                        f"(its roles: {', '.join(roles) or 'none'})",
+                        "name the model's turns `assistant` (and the others `system` or "
+                        "`user`)")
     if not train:
         raise DataError(data.uri, "has no sample with a trained token after truncation",
                         "raise spec.dataset.maxSeqLength or check the response columns")

@@ -540,8 +540,10 @@ def structural_problem(error: Any, root: type[BaseModel]) -> Problem:
     kind = error["type"]
     ctx = error.get("ctx", {})
     given = error.get("input")
-    explain = f"see `kubectl explain ftj.{path}`" if path.startswith("spec") else (
-        "see the FineTuneJob reference in the README")
+    short = {"FineTuneSweep": "ftsweep"}.get(root.__name__, "ftj")
+    # kubectl explain takes field names only: a map's key (searchSpace["..."]) is cut off
+    explain = f"see `kubectl explain {short}.{path.split('[')[0]}`" if path.startswith(
+        "spec") else f"see the {root.__name__} reference in the README"
     if kind == "missing":
         return Problem(path, "is required", f"add `{loc[-1]}`; {explain}")
     if kind == "extra_forbidden":
@@ -570,7 +572,10 @@ def structural_problem(error: Any, root: type[BaseModel]) -> Problem:
     base = kind.split("_")[0]
     if base in _TYPE_NAMES:
         return Problem(path, f"must be {_TYPE_NAMES[base]}, got {short_repr(given)}", explain)
-    return Problem(path, error["msg"], explain)
+    message = error["msg"]
+    if kind == "value_error":  # a validator's own words, without pydantic's prefix
+        message = message.removeprefix("Value error, ")
+    return Problem(path, message, explain)
 
 
 # --- entry points ----------------------------------------------------------------------

@@ -258,3 +258,18 @@ def test_plan_warns_of_a_max_seq_length_beyond_the_models_context(tmp_path):
     manifest["spec"]["dataset"]["maxSeqLength"] = 1024
     path.write_text(yaml.safe_dump(manifest))
     assert "warning:" not in finetune("plan", "--offline", str(path)).stdout
+
+
+def test_a_sweeps_bad_range_reads_as_its_own_words_with_an_explain_that_works(tmp_path):
+    """pydantic's `Value error, ` prefix leaked into the line, and the explain path named
+    the FineTuneJob kind and a map key, which `kubectl explain` takes neither of."""
+    sweep = yaml.safe_load((REPO / "examples/07-sweep-lora-lr.yaml").read_text())
+    sweep["spec"]["searchSpace"]["hyperparameters.learningRate"].update(min=5e-4, max=1e-5)
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(sweep))
+    result = finetune("validate", str(path))
+    assert result.returncode == 2
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f'{path}: spec.searchSpace["hyperparameters.learningRate"]: '
+                           "logUniform needs min < max"), line
+    assert line.endswith("see `kubectl explain ftsweep.spec.searchSpace`"), line

@@ -193,7 +193,8 @@ def fit_to_machine(job: FineTuneJob, processes: int, gpus: int) -> tuple[int, li
     if global_batch % per_step:
         raise MachineMismatch(
             f"spec.hyperparameters: the spec's global batch of {global_batch} sequences "
-            f"({world} workers x batchSizePerDevice {hp.batch_size_per_device} x "
+            f"({world} worker{'s' if world > 1 else ''} x batchSizePerDevice "
+            f"{hp.batch_size_per_device} x "
             f"gradientAccumulationSteps {hp.gradient_accumulation_steps}) cannot be kept on "
             f"{processes} local process{'es' if processes > 1 else ''} — pass --nproc with a "
             f"divisor of {global_batch // hp.batch_size_per_device}, or change "

@@ -594,6 +594,14 @@ def check_document(doc: Any) -> tuple[FineTuneJob | None, list[Problem]]:
         problems.append(Problem("kind", "is missing" if doc.get("kind") is None else
                                 f"{short_repr(doc.get('kind'))} is not {KIND}",
                                 f"use `kind: {KIND}`"))
+    namespace = (doc.get("metadata") or {}).get("namespace") if isinstance(
+        doc.get("metadata"), dict) else None
+    if isinstance(namespace, str) and (len(namespace) > 63
+                                       or not re.fullmatch(DNS_1123_LABEL, namespace)):
+        # the API server's own check (the request's path): no CEL rule sees it
+        problems.append(Problem("metadata.namespace", f"{short_repr(namespace)} is not a "
+                                "DNS-1123 label", "use at most 63 lowercase letters, digits "
+                                "and '-', starting and ending with a letter or digit"))
     if problems:
         return None, problems
     try:

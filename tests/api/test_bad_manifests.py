@@ -50,6 +50,12 @@ CASES = [
          "use `apiVersion: finetune.dev/v1alpha1`", None),
     Case("wrong-kind", {"kind": "PyTorchJob"}, "kind", "use `kind: FineTuneJob`", None),
     Case("missing-name", {"metadata.name": DELETE}, "metadata.name", "is required", None),
+    # the API server refuses it in the request's path, before schema or CEL (validate said
+    # `valid FineTuneJob Bad_NS/demo`)
+    Case("namespace-not-a-label", {"metadata.namespace": "Bad_NS"}, "metadata.namespace",
+         "'Bad_NS' is not a DNS-1123 label", None),
+    Case("namespace-too-long", {"metadata.namespace": "a" * 64}, "metadata.namespace",
+         "is not a DNS-1123 label", None),
     Case("name-uppercase", {"metadata.name": "Demo"}, "metadata.name",
          "not a DNS-1035 label", "cel"),
     Case("name-too-long", {"metadata.name": "a" * 48}, "metadata.name",

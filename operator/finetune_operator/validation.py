@@ -28,6 +28,7 @@ from finetune_operator.api import (
     MAX_NAME_LENGTH,
     QUANTITY_PATTERN,
     FineTuneJob,
+    FineTuneJobSpec,
 )
 from finetune_operator.planner import catalog
 from finetune_trainer.uris import ONE_DATA_FILE, Location, UriError
@@ -578,6 +579,20 @@ def structural_problem(error: Any, root: type[BaseModel]) -> Problem:
     return Problem(path, message, explain)
 
 
+def _mistyped(spec: dict) -> list[Problem]:
+    """The spec's values of the wrong JSON type that pydantic's lax parsing took anyway
+    (`maxSteps: "4"`, `gradientCheckpointing: 0`) and the CRD's schema, so `kubectl
+    apply`, refuses. A whole number written as a float (4.0) passes, as there."""
+    try:
+        FineTuneJobSpec.model_validate(spec, strict=True)
+    except ValidationError as error:
+        return [structural_problem({**e, "loc": ("spec", *e["loc"])}, FineTuneJob)
+                for e in error.errors() if e["type"].endswith("_type") and not (
+                    e["type"] == "int_type" and isinstance(e.get("input"), float)
+                    and e["input"].is_integer())]
+    return []
+
+
 # --- entry points ----------------------------------------------------------------------
 
 def check_document(doc: Any) -> tuple[FineTuneJob | None, list[Problem]]:
@@ -608,6 +623,8 @@ def check_document(doc: Any) -> tuple[FineTuneJob | None, list[Problem]]:
         job = FineTuneJob.model_validate(doc)
     except ValidationError as error:
         return None, [structural_problem(e, FineTuneJob) for e in error.errors()]
+    if mistyped := _mistyped(doc["spec"]):
+        return None, mistyped
     for r in RULES:
         problems.extend(r.check(job))
     return job, problems

@@ -52,6 +52,13 @@ CASES = [
     Case("missing-name", {"metadata.name": DELETE}, "metadata.name", "is required", None),
     # the API server refuses it in the request's path, before schema or CEL (validate said
     # `valid FineTuneJob Bad_NS/demo`)
+    # pydantic's lax parsing took these; the CRD's schema (kubectl apply) does not
+    Case("steps-as-a-string", {"spec.hyperparameters.maxSteps": "4"},
+         "spec.hyperparameters.maxSteps", "must be an integer, got '4'", "schema"),
+    Case("a-flag-as-a-number", {"spec.strategy.gradientCheckpointing": 0},
+         "spec.strategy.gradientCheckpointing", "must be true or false, got 0", "schema"),
+    Case("a-rate-as-a-string", {"spec.hyperparameters.learningRate": "0.01"},
+         "spec.hyperparameters.learningRate", "must be a number, got '0.01'", "schema"),
     Case("namespace-not-a-label", {"metadata.namespace": "Bad_NS"}, "metadata.namespace",
          "'Bad_NS' is not a DNS-1123 label", None),
     Case("namespace-too-long", {"metadata.namespace": "a" * 64}, "metadata.namespace",

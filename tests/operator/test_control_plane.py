@@ -210,6 +210,10 @@ NOT_THE_CRDS_TO_SAY = {
     "wrong-api-version": "no matches for kind",
     "wrong-kind": "no matches for kind",
     "missing-name": "name",
+    # refused before the API server's validation looks (kubectl: the object's namespace
+    # against the request's): the operator never sees it either
+    "namespace-not-a-label": "namespace",
+    "namespace-too-long": "namespace",
 }
 
 

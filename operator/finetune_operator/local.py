@@ -435,33 +435,12 @@ def _relays(child: subprocess.Popen, keep: RunLog,
 
 
 def run_step(command: list[str], log_path: Path, verbose: bool) -> int:
-    """One step before the workers start (the model's fetch, the preflight), its lines
-    shown as the workers' are: filtered unless `verbose` (a first read of the data draws a
-    progress bar), and kept in `log_path`. Ctrl-C or SIGTERM ends it (EXIT_STOPPED), as
-    `_run_attempt` does the workers: in its own session, so that the terminal's SIGINT
-    does not reach it as a KeyboardInterrupt and its traceback."""
-    child = subprocess.Popen(command, start_new_session=True, env=worker_env(1, verbose),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             errors="replace")
-    stopped = False
-    keep = RunLog(log_path)
-    relays = _relays(child, keep, None if verbose else lambda: False)
-
-    def forward(signum, frame) -> None:
-        nonlocal stopped
-        stopped = True
-        child.send_signal(signal.SIGTERM)
-
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        code = child.wait()
-        for relay in relays:
-            relay.join()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        keep.close()
-    return EXIT_STOPPED if stopped else code
+    """One step before the workers start (the model's fetch, the preflight), run as an
+    attempt of the workers is (`_run_attempt`): its lines filtered unless `verbose` (a
+    first read of the data draws a progress bar) and kept in `log_path`; Ctrl-C or SIGTERM
+    ends it (EXIT_STOPPED), in its own session, so that the terminal's SIGINT does not
+    reach it as a KeyboardInterrupt and its traceback."""
+    return _run_attempt(command, worker_env(1, verbose), log_path, None, verbose)
 
 
 def worker_env(processes: int, verbose: bool, on_gpus: bool = True) -> dict[str, str]:
@@ -514,8 +493,9 @@ def run_trainer(config_path: Path, processes: int, log_path: Path, max_restarts:
 
 def _run_attempt(command: list[str], env: dict[str, str], log_path: Path,
                  lock: int | None, verbose: bool) -> int:
-    """One torchrun, in its own session; Ctrl-C or SIGTERM here becomes a SIGTERM there, so
-    the workers checkpoint at the next step boundary and exit: EXIT_STOPPED."""
+    """One torchrun (or `run_step`'s process), in its own session; Ctrl-C or SIGTERM here
+    becomes a SIGTERM there, so the workers checkpoint at the next step boundary and exit:
+    EXIT_STOPPED."""
     child = subprocess.Popen(command, start_new_session=True, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              errors="replace", pass_fds=() if lock is None else (lock,))

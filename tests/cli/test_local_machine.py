@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -83,6 +84,12 @@ def test_a_gpu_only_job_is_refused_where_no_gpu_is_visible():
     assert fit_to_machine(zero2, processes=2, gpus=2)[0] == 1  # on GPUs it runs
 
 
+def finetune_in(folder: Path, *args: str) -> subprocess.CompletedProcess:
+    """`finetune ARGS` as a user types it in `folder` (where the manifest is)."""
+    return subprocess.run([sys.executable, "-m", "finetune_operator.cli", *args], cwd=folder,
+                          capture_output=True, text=True, timeout=120)
+
+
 def test_a_cpu_jobs_workers_see_no_gpu(monkeypatch):
     """A job of CPU workers on a machine with GPUs: the trainer takes the GPU of each
     worker's local rank wherever it sees one, so worker 1 of examples/01 failed on a machine
@@ -134,8 +141,7 @@ def test_a_model_or_data_path_that_is_not_there_is_refused_before_anything_start
                            output={"uri": "./out"},
                            resources={"gpusPerNode": 0, "processesPerNode": 1})
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(manifest))
-    result = subprocess.run([sys.executable, "-m", "finetune_operator.cli", "run", "job.yaml"],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    result = finetune_in(tmp_path, "run", "job.yaml")
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.splitlines() == [
         f"job.yaml: spec.model.uri: {tmp_path / 'tiny-lama'} does not exist on this machine — "
@@ -366,8 +372,7 @@ def test_paths_a_run_cannot_use_are_refused_before_anything_is_written(tiny_mode
                                resources={"gpusPerNode": 0, "processesPerNode": 1})
         (tmp_path / "job.yaml").write_text(yaml.safe_dump(manifest))
         before = sorted(p.name for p in tmp_path.iterdir())
-        run = subprocess.run([sys.executable, "-m", "finetune_operator.cli", "run", "job.yaml"],
-                             cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        run = finetune_in(tmp_path, "run", "job.yaml")
         assert run.returncode == 2, run.stdout + run.stderr
         assert run.stderr.splitlines() == [f"job.yaml: {said.format(tmp_path)} — " + (
             "point spec.output.uri at a folder this user can write (it is created if "
@@ -426,14 +431,11 @@ def test_data_the_trainer_cannot_read_is_named_before_it_starts(tmp_path):
                                output={"uri": "./out"},
                                resources={"gpusPerNode": 0, "processesPerNode": 1})
         (tmp_path / "job.yaml").write_text(yaml.safe_dump(manifest))
-        run = subprocess.run([sys.executable, "-m", "finetune_operator.cli", "run", "job.yaml"],
-                             cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        run = finetune_in(tmp_path, "run", "job.yaml")
         assert run.returncode == 2, run.stdout + run.stderr
         assert run.stderr.splitlines() == [f"job.yaml: spec.dataset.uri: {line.format(tmp_path)}"]
         assert not (tmp_path / "out").exists()
-        validate = subprocess.run([sys.executable, "-m", "finetune_operator.cli", "validate",
-                                   "job.yaml"], cwd=tmp_path, capture_output=True, text=True,
-                                  timeout=120)
+        validate = finetune_in(tmp_path, "validate", "job.yaml")
         assert validate.returncode == 0  # a warning: the path may differ where the job runs
         assert f"job.yaml: warning: spec.dataset.uri: {line.format(tmp_path)}" in (
             validate.stderr)

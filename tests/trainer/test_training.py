@@ -415,17 +415,24 @@ def test_early_stopping_counts_evaluations_that_do_not_improve():
     assert stopped_early(state, hp.model_copy(update={"early_stopping_patience": None})) is None
 
 
+def early_stopping_job(model_dir: Path, output: Path, **kwargs) -> dict:
+    """20 steps, an evaluation every 2 with a patience of 2 and a threshold no evaluation
+    can clear (the first is the best, the run stops at step 6), keepLast 1."""
+    job = manifest(model_dir, output, steps=20, **kwargs)
+    job["spec"]["output"]["keepLast"] = 1
+    job["spec"]["dataset"]["evalFraction"] = 0.2
+    job["spec"]["hyperparameters"].update(evalEverySteps=2, earlyStoppingPatience=2,
+                                          earlyStoppingThreshold=100.0)
+    return job
+
+
 def test_a_run_stops_early_when_its_eval_loss_stops_improving(tiny_model_dir, tmp_path):
     """earlyStoppingPatience: the run ends at the step whose evaluation used up the
     patience, as at its last (a checkpoint of that step, Succeeded), on every rank, and
     exports the best evaluation's weights from its checkpoint, which keepLast 1 did not
     prune; a rerun over the same output does not train past it. A threshold no evaluation
     can clear makes the first evaluation the best and every later one no better."""
-    job = manifest(tiny_model_dir, tmp_path / "out", steps=20)
-    job["spec"]["output"]["keepLast"] = 1
-    job["spec"]["dataset"]["evalFraction"] = 0.2
-    job["spec"]["hyperparameters"].update(evalEverySteps=2, earlyStoppingPatience=2,
-                                          earlyStoppingThreshold=100.0)
+    job = early_stopping_job(tiny_model_dir, tmp_path / "out")
     result = finetune_run(job, tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     said = re.search(r"^stopped early at step 6 of 20: 2 evaluations in a row did not "
@@ -466,18 +473,22 @@ def test_a_run_stops_early_when_its_eval_loss_stops_improving(tiny_model_dir, tm
 def lora_weights(where: Path, scratch: Path | None = None) -> dict[str, list]:
     """The LoRA weights of an export (peft's adapter file) or of a checkpoint (its DCP
     model folder, converted), by peft's names, as lists (comparable with ==)."""
-    import torch
     from safetensors.torch import load_file
 
-    if scratch is None:
-        weights = load_file(where / "adapter_model.safetensors")
-    else:
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-        dcp_to_torch_save(where / "model", scratch / f"{where.name}.pt")
-        weights = torch.load(scratch / f"{where.name}.pt", weights_only=True)["model"]
+    weights = (load_file(where / "adapter_model.safetensors") if scratch is None
+               else dcp_weights(where, scratch))
     return {name.replace(".default", ""): tensor.tolist() for name, tensor in weights.items()
             if "lora_" in name}
+
+
+def dcp_weights(checkpoint: Path, scratch: Path) -> dict:
+    """The model weights of a DCP checkpoint (ddp, fsdp), converted to one torch.save file
+    in `scratch`."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(checkpoint / "model", scratch / f"{checkpoint.name}.pt")
+    return torch.load(scratch / f"{checkpoint.name}.pt", weights_only=True)["model"]
 
 
 def test_unknown_lora_target_fails_before_any_process_starts(tiny_model_dir, tmp_path):
@@ -606,12 +617,8 @@ def test_a_sharded_run_stopped_early_exports_the_best_evaluations_weights(
     DeepSpeed's `zero_to_fp32`), and not the stopping step's."""
     from safetensors.torch import load_file
 
-    job = manifest(tiny_model_dir, tmp_path / "out", strategy=strategy, method="full",
-                   steps=20)
-    job["spec"]["output"]["keepLast"] = 1
-    job["spec"]["dataset"]["evalFraction"] = 0.2
-    job["spec"]["hyperparameters"].update(evalEverySteps=2, earlyStoppingPatience=2,
-                                          earlyStoppingThreshold=100.0)
+    job = early_stopping_job(tiny_model_dir, tmp_path / "out", strategy=strategy,
+                             method="full")
     result = finetune_run(job, tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "the export is of step 2, the best evaluation's" in result.stdout
@@ -621,11 +628,7 @@ def test_a_sharded_run_stopped_early_exports_the_best_evaluations_weights(
 
     def weights(checkpoint: Path) -> dict:
         if strategy == "fsdp":
-            import torch
-            from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-            dcp_to_torch_save(checkpoint / "model", tmp_path / f"{checkpoint.name}.pt")
-            return torch.load(tmp_path / f"{checkpoint.name}.pt", weights_only=True)["model"]
+            return dcp_weights(checkpoint, tmp_path)
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint / "model"),

@@ -620,7 +620,7 @@ def _feasible(b: _Builder, plan: Feasibility) -> bool:
         b.event("Warning", "Infeasible", message)
     b.cond("Feasible", False, "DoesNotFit", message)
     b.status.phase = "Pending"
-    b.status.message = "not launched: predicted not to fit in GPU memory (see Feasible)"
+    b.status.message = "not launched: predicted not to fit its gpuType (see Feasible)"
     return False
 
 

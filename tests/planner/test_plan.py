@@ -163,6 +163,24 @@ def test_a_job_that_does_not_fit_names_a_setup_that_does():
     assert f"fits as strategy {mine.strategy}" in result.reason
 
 
+def test_more_gpus_per_node_than_the_vm_size_has_does_not_fit():
+    """No node of the VM size can hold a worker, however small the model: refused before
+    launch like a job too big for its memory, with the same GPUs on more nodes named."""
+    sized = job(resources={"nodes": 2, "gpusPerNode": 16, "gpuType": "Standard_ND96asr_v4"})
+    result = plan_job(sized, LLAMA_8B, "fsdp")
+    assert result.fits is False and result.verdict == "does-not-fit"
+    assert result.reason == (
+        "spec.resources.gpusPerNode: 16 GPUs per node, but Standard_ND96asr_v4 has 8 "
+        "(A100-40GB), so no node of it can hold a worker — set gpusPerNode: 8 and nodes: 4 "
+        "(32 GPUs), or a gpuType with more GPUs per node")
+    fitting = job(resources={"nodes": 4, "gpusPerNode": 8, "gpuType": "Standard_ND96asr_v4"})
+    assert plan_job(fitting, LLAMA_8B, "fsdp").verdict == "fits"
+    # a GPU name may be a machine outside Azure's catalog (16 x V100 in a DGX-2): the
+    # validator warns, the verdict is on memory alone
+    by_gpu = job(resources={"gpusPerNode": 16, "gpuType": "V100-32GB"})
+    assert plan_job(by_gpu, LLAMA_8B, "fsdp").verdict == "fits"
+
+
 @pytest.mark.parametrize(("spec", "model", "why"), [
     ({"model": {"uri": "hf://someone/unknown"}}, None, "no config.json for hf://someone/unknown"),
     ({"resources": {"gpusPerNode": 1}}, LLAMA_8B, "gpuType is not set"),

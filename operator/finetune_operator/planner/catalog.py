@@ -138,6 +138,11 @@ def gpu_names(gpu: Gpu) -> list[str]:
     return ["-".join(parts[:n]) for n in range(len(parts), 0, -1)]
 
 
+def is_vm_size(name: str) -> bool:
+    """`name` is an Azure VM size of the catalog (any case, `Standard_` optional), not a GPU."""
+    return _key(name) in _BY_KEY
+
+
 def vm_sizes_with(name: str) -> list[VmSize]:
     """The VM sizes whose GPU answers to `name` (any case, punctuation ignored)."""
     key = _key(name)

@@ -677,6 +677,8 @@ def plan_job(job: FineTuneJob, model: ModelConfig | None, strategy: Strategy,
     verdict, reason = _gpu_verdict(estimate, vm, strategy, world, recommendation)
     if verdict != "does-not-fit":
         verdict, reason = _host_verdict(verdict, reason, host, job, vm, strategy)
+    if machine is None and (too_many := _more_gpus_than(job, vm, gpu_type)):
+        fits, verdict, reason = False, "does-not-fit", too_many
     throughput = estimate_throughput(shape, setup, vm, resources.nodes)
     return JobPlan(fits=fits, verdict=verdict, reason=reason, gpu_type=vm.name,
                    gpu_memory_bytes=memory, throughput=throughput,
@@ -708,6 +710,21 @@ def _gpu_verdict(estimate: MemoryEstimate, vm: VmSize, strategy: Strategy, world
         b = recommendation.best
         reason += f" — fits on {b.nodes} x {b.vm_size} with {b.strategy}"
     return verdict, reason
+
+
+def _more_gpus_than(job: FineTuneJob, vm: VmSize, gpu_type: str) -> str | None:
+    """Why no node of the VM size `gpu_type` names can hold one worker: it asks more GPUs
+    per node than the size has. A GPU name (`A100-80GB`) is left to the validator's
+    warning: machines outside Azure's catalog may have more of them."""
+    resources = job.spec.resources
+    if resources.gpus_per_node <= vm.gpus or not catalog.is_vm_size(gpu_type):
+        return None
+    world = resources.nodes * resources.gpus_per_node
+    nodes = -(-world // vm.gpus)
+    return (f"spec.resources.gpusPerNode: {resources.gpus_per_node} GPUs per node, but "
+            f"{vm.name} has {vm.gpus} ({vm.gpu.name}), so no node of it can hold a worker "
+            f"— set gpusPerNode: {vm.gpus} and nodes: {nodes} ({nodes * vm.gpus} GPUs), or "
+            "a gpuType with more GPUs per node")
 
 
 def _host_verdict(verdict: Verdict, reason: str, host: HostMemoryEstimate, job: FineTuneJob,

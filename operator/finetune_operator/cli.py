@@ -47,9 +47,10 @@ def _sweep_valid(doc: Document, say: Callable[[str, Problem], None]) -> bool:
         say(doc.source, problem)
     if sweep is None or any(p.severity == "error" for p in problems):
         return False
-    click.echo(f"{doc.source}: valid {SWEEP_KIND} {sweep.name}: up to "
-               f"{sweep.spec.max_trials} trials, {sweep.spec.parallel_trials} at once, "
-               f"{sweep.spec.sampling} sampling of {', '.join(sweep.spec.search_space)}",
+    spec = sweep.spec
+    click.echo(f"{doc.source}: valid {SWEEP_KIND} {sweep.name}: up to {spec.max_trials} "
+               f"trials, {min(spec.parallel_trials, spec.max_trials)} at once, "
+               f"{spec.sampling} sampling of {', '.join(spec.search_space)}",
                err=say is not _say_problem)  # `-o json` keeps standard output JSON
     return True
 
@@ -222,10 +223,6 @@ def local_path_problems(job: FineTuneJob, base_dir: Path, runs_here: bool = Fals
     return problems
 
 
-SAVED_WEIGHTS = ("*.safetensors", "*.bin")
-"""The weight files of a folder save_pretrained wrote (sharded ones too)."""
-
-
 def _unusable(where: Path, is_model: bool) -> tuple[str | None, str | None]:
     """(what is wrong, its fix or None for the path's) of a local model or data path."""
     saved_model = ("point it at a folder written by save_pretrained (config.json and the "
@@ -239,9 +236,13 @@ def _unusable(where: Path, is_model: bool) -> tuple[str | None, str | None]:
         return "is a file, not a model folder", saved_model
     if is_model and not (where / "config.json").is_file():
         return "holds no config.json, so it is not a saved model", saved_model
-    if is_model and not any(any(where.glob(pattern)) for pattern in SAVED_WEIGHTS):
-        return (f"holds config.json but no weights ({', '.join(SAVED_WEIGHTS)})",
+    if is_model and not layout.holds_any(where, layout.SAVED_WEIGHTS):
+        return (f"holds config.json but no weights ({', '.join(layout.SAVED_WEIGHTS)})",
                 saved_model)
+    if is_model and not layout.holds_any(where, layout.TOKENIZER_FILES):
+        return ("holds no tokenizer (tokenizer.json, tokenizer.model or vocabulary files), "
+                "which the trainer reads from the model's folder", "save the model's "
+                "tokenizer into it as well: tokenizer.save_pretrained(<the folder>)")
     if not is_model and where.is_file() and where.stat().st_size == 0:
         return "is empty", "write at least one record to it, or name another file"
     if not is_model:

@@ -388,7 +388,14 @@ def check_sweep(doc: Any) -> tuple[FineTuneSweep | None, list[Problem]]:
                                 f"is {MAX_SWEEP_NAME_LENGTH}", "shorten it: trials are named "
                                 f"<sweep>-<n> and a FineTuneJob's name takes {MAX_NAME_LENGTH}"))
     template = sweep.spec.template.to_dict()
-    problems += _as_template(_job_problems(sweep, template, sweep.spec.max_trials - 1))
+    own = _as_template(_job_problems(sweep, template, sweep.spec.max_trials - 1))
+    problems += own
+    if sweep.spec.parallel_trials > sweep.spec.max_trials:
+        problems.append(Problem(
+            "spec.parallelTrials", f"is {sweep.spec.parallel_trials}, more than maxTrials "
+            f"({sweep.spec.max_trials}): no more than {sweep.spec.max_trials} trials ever run "
+            "at once", f"set parallelTrials to {sweep.spec.max_trials} or less, or raise "
+            "maxTrials", "warning"))
     if sweep.spec.objective.metric == "evalLoss" and not sweep.spec.template.dataset.evaluated:
         problems.append(Problem("spec.objective.metric", "evalLoss needs an eval split, and "
                                 "the template has none", "set spec.template.dataset.evalSplit "
@@ -408,7 +415,9 @@ def check_sweep(doc: Any) -> tuple[FineTuneSweep | None, list[Problem]]:
                 problems.append(Problem(where, str(error), "name a field of the template, "
                                         "camelCase, e.g. hyperparameters.learningRate"))
                 break
-            found = [p for p in _job_problems(sweep, spec, 0) if p.severity == "error"]
+            # the template's own problems are said once, above, not again for each value
+            found = [p for p in _as_template(_job_problems(sweep, spec, 0))
+                     if p.severity == "error" and p not in own]
             problems += [Problem(where, f"the value {value!r} makes {p.path} invalid: "
                                  f"{p.message}", p.fix) for p in found]
             if found:

@@ -244,7 +244,8 @@ def test_a_curve_keeps_at_most_32_points_first_and_last_among_them():
     ({"searchSpace": {"hyperparameters.learningRatee": {"type": "choice", "values": [1e-4]}}},
      "spec.searchSpace[hyperparameters.learningRatee]", "did you mean `learningRate`"),
     ({"searchSpace": {"resources.nodes": {"type": "intRange", "min": 0, "max": 2}}},
-     "spec.searchSpace[resources.nodes]", "the value 0 makes spec.resources.nodes invalid"),
+     "spec.searchSpace[resources.nodes]",
+     "the value 0 makes spec.template.resources.nodes invalid"),
     ({"sampling": "grid"}, "spec.searchSpace[hyperparameters.learningRate]",
      "a grid cannot enumerate a logUniform range"),
     ({"objective": {"metric": "evalLoss"}, "template": minimal_job()["spec"]},
@@ -258,6 +259,23 @@ def test_a_bad_sweep_is_refused_naming_the_field_and_the_fix(change, path, words
     _sweep, problems = check_sweep(doc)
     errors = [p for p in problems if p.severity == "error"]
     assert any(p.path == path and words in str(p) for p in errors), errors
+
+
+def test_a_template_problem_is_said_once_not_again_for_each_searched_value():
+    doc = sweep_doc()
+    doc["spec"]["template"] = {**minimal_job()["spec"], "resources": {"nodes": 0}}
+    _sweep, problems = check_sweep(doc)
+    assert [p.path for p in problems if p.severity == "error"] == [
+        "spec.template.resources.nodes"]
+
+
+def test_more_trials_at_once_than_in_all_is_a_warning():
+    doc = sweep_doc(maxTrials=4, parallelTrials=8)
+    _sweep, problems = check_sweep(doc)
+    assert [(p.path, p.severity) for p in problems] == [("spec.parallelTrials", "warning")]
+    assert str(problems[0]) == ("spec.parallelTrials: is 8, more than maxTrials (4): no more "
+                                "than 4 trials ever run at once — set parallelTrials to 4 or "
+                                "less, or raise maxTrials")
 
 
 def test_a_good_sweep_passes_and_a_long_name_does_not():

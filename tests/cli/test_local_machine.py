@@ -358,6 +358,8 @@ def test_paths_a_run_cannot_use_are_refused_before_anything_is_written(tiny_mode
     shutil.copytree(tiny_model_dir, tmp_path / "model")
     shutil.copytree(tiny_model_dir, tmp_path / "unweighted",
                     ignore=shutil.ignore_patterns("*.safetensors"))
+    shutil.copytree(tiny_model_dir, tmp_path / "untokenized",
+                    ignore=shutil.ignore_patterns("tokenizer.json"))
     cases = {
         ("./model", "./data.jsonl"): "spec.output.uri: {0}/data.jsonl is a file, not a folder",
         ("./model", "./data.jsonl/out"): "spec.output.uri: {0}/data.jsonl/out cannot be "
@@ -365,6 +367,11 @@ def test_paths_a_run_cannot_use_are_refused_before_anything_is_written(tiny_mode
         ("./data.jsonl", "./out"): "spec.model.uri: {0}/data.jsonl is a file, not a model folder",
         ("./unweighted", "./out"): "spec.model.uri: {0}/unweighted holds config.json but no "
                                    "weights (*.safetensors, *.bin)",
+        ("./untokenized", "./out"): "spec.model.uri: {0}/untokenized holds no tokenizer "
+                                    "(tokenizer.json, tokenizer.model or vocabulary files), "
+                                    "which the trainer reads from the model's folder — save "
+                                    "the model's tokenizer into it as well: "
+                                    "tokenizer.save_pretrained(<the folder>)",
     }
     for (model, output), said in cases.items():
         manifest = minimal_job(model={"uri": model}, dataset={"uri": "./data.jsonl"},
@@ -374,10 +381,10 @@ def test_paths_a_run_cannot_use_are_refused_before_anything_is_written(tiny_mode
         before = sorted(p.name for p in tmp_path.iterdir())
         run = finetune_in(tmp_path, "run", "job.yaml")
         assert run.returncode == 2, run.stdout + run.stderr
-        assert run.stderr.splitlines() == [f"job.yaml: {said.format(tmp_path)} — " + (
-            "point spec.output.uri at a folder this user can write (it is created if "
-            "missing)" if output != "./out" else "point it at a folder written by "
-            "save_pretrained (config.json and the weights)")], run.stderr
+        fix = ("" if " — " in said else " — point spec.output.uri at a folder this user can "
+               "write (it is created if missing)" if output != "./out" else " — point it at a "
+               "folder written by save_pretrained (config.json and the weights)")
+        assert run.stderr.splitlines() == [f"job.yaml: {said.format(tmp_path)}{fix}"], run.stderr
         assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
 
 

@@ -14,6 +14,7 @@ from finetune_trainer.data import (
     IGNORE,
     DataError,
     GlobalBatches,
+    batch_larger_than_data,
     collate,
     label_tokens,
     one_per_sequence,
@@ -324,6 +325,30 @@ def test_two_ranks_see_what_one_rank_with_double_accumulation_sees():
         by_two = sorted(i for r in range(2) for m in two.micro_batches(0, step, r) for i in m)
         by_one = sorted(i for m in one.micro_batches(0, step, 0) for i in m)
         assert by_two == by_one
+
+
+@pytest.mark.parametrize(("sequences", "per_device", "accumulation", "world", "said"), [
+    (16, 4, 1, 2, None),
+    (5, 4, 1, 2, "every step trains on all of it — set hyperparameters.batchSizePerDevice to 2"),
+    (3, 4, 2, 2, "every step trains on all of it — set hyperparameters.batchSizePerDevice to 1 "
+                 "and gradientAccumulationSteps to 1"),
+    (3, 4, 1, 8, "every step trains on all of it, and 6 of the 8 processes get none — run on 3 "
+                 "processes or fewer"),
+])
+def test_a_batch_larger_than_the_data_is_warned_about(sequences, per_device, accumulation,
+                                                      world, said):
+    batches = GlobalBatches(sequences, min(per_device, 2), per_device * accumulation
+                            // min(per_device, 2), world, seed=0)
+    warning = batch_larger_than_data(batches, per_device, accumulation, packed=True)
+    if said is None:
+        assert warning is None
+        return
+    assert warning.startswith(f"warning: the data is {sequences} sequences after packing, "
+                              f"fewer than one step's batch of {per_device * accumulation * world}")
+    assert warning.endswith(said + ", or add data")
+    idle = [r for r in range(world) if not any(batches.micro_batches(0, 0, r)[a]
+                                               for a in range(batches.accumulation))]
+    assert len(idle) == batches.idle_ranks()
 
 
 def test_schedule_resumes_mid_epoch():

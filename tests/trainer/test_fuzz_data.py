@@ -21,8 +21,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from finetune_trainer.config import TrainerConfig
+from finetune_trainer.config import ModelSource, TrainerConfig
 from finetune_trainer.data import IGNORE, DataError
+from finetune_trainer.model import ModelError, load_tokenizer
 from finetune_trainer.train import preflight
 from tests.conftest import REPO
 
@@ -232,3 +233,37 @@ def test_a_chat_without_an_assistant_turn_names_the_roles_it_has(tiny_model_dir,
     assert str(refused.value) == (
         f"{data}: has no message with role assistant, the turns trained on (its roles: bot, "
         "user) — name the model's turns `assistant` (and the others `system` or `user`)")
+
+
+def test_chat_data_on_a_tokenizer_without_a_chat_template_is_refused_once(tiny_model_dir,
+                                                                         tmp_path):
+    """Was each record's `cannot be tokenized (ValueError: Cannot use chat template
+    functions ...)`, the fix offered being to edit the record."""
+    import shutil
+
+    model = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, model, ignore=shutil.ignore_patterns("chat_template.jinja"))
+    job = config(REPO / "examples/data/tiny-chat.jsonl", model, tmp_path / "out", "chat", 0.0,
+                 True)
+    with pytest.raises(ModelError) as refused:
+        preflight(job, tmp_path)
+    assert str(refused.value) == (
+        f"{model}: its tokenizer has no chat template, which turns the data's conversations "
+        "(format chat) into tokens — use a chat or instruct model, whose tokenizer has one, "
+        "add a chat_template.jinja to the model's folder, or lay the data out as text or "
+        "instruction records (spec.dataset.format)")
+
+
+def test_a_model_folder_without_a_tokenizer_says_so(tiny_model_dir, tmp_path):
+    """On a cluster no `finetune run` looks first: the trainer said `Couldn't instantiate
+    the backend tokenizer ... install sentencepiece or tiktoken`."""
+    import shutil
+
+    model = tmp_path / "weights-only"
+    shutil.copytree(tiny_model_dir, model, ignore=shutil.ignore_patterns("tokenizer.json"))
+    with pytest.raises(ModelError) as refused:
+        load_tokenizer(ModelSource(uri=str(model)))
+    assert str(refused.value) == (
+        f"{model}: holds no tokenizer (tokenizer.json, tokenizer.model or vocabulary files) — "
+        "save the model's tokenizer into the folder as well: "
+        "tokenizer.save_pretrained(<the folder>)")

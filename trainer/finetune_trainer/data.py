@@ -637,12 +637,41 @@ class GlobalBatches:
             out.append(window[slot * self.micro_batch:(slot + 1) * self.micro_batch])
         return out
 
+    def idle_ranks(self) -> int:
+        """Ranks that read nothing at any step: the data ends before their first slot."""
+        return max(0, self.world_size - math.ceil(self.num_sequences / self.micro_batch))
+
     def schedule(self, start_step: int = 0) -> Iterator[tuple[int, int]]:
         """(epoch, step within epoch) for every optimizer step from `start_step` on."""
         step = start_step
         while True:
             yield divmod(step, self.steps_per_epoch)
             step += 1
+
+
+def batch_larger_than_data(batches: GlobalBatches, per_device: int, accumulation: int,
+                           packed: bool) -> str | None:
+    """A warning when one step's batch holds more sequences than the data has: every step
+    then trains on all of it (an epoch a step), and processes past its end only wait."""
+    sequences, world = batches.num_sequences, batches.world_size
+    if sequences >= batches.global_batch:
+        return None
+    plural = "es" if world > 1 else ""
+    said = (f"warning: the data is {sequences} sequence{'s' if sequences != 1 else ''}"
+            f"{' after packing' if packed else ''}, fewer than one step's batch of "
+            f"{batches.global_batch} (batchSizePerDevice {per_device} x "
+            f"gradientAccumulationSteps {accumulation} x {world} process{plural}): every step "
+            "trains on all of it")
+    if idle := batches.idle_ranks():
+        said += f", and {idle} of the {world} process{plural} get{'s' if idle == 1 else ''} none"
+    if sequences >= accumulation * world:
+        fix = f"set hyperparameters.batchSizePerDevice to {sequences // (accumulation * world)}"
+    elif sequences >= world:
+        fix = ("set hyperparameters.batchSizePerDevice to "
+               f"{sequences // world} and gradientAccumulationSteps to 1")
+    else:
+        fix = f"run on {sequences} process{'es' if sequences > 1 else ''} or fewer"
+    return f"{said} — {fix}, or add data"
 
 
 class Prefetched:

@@ -25,6 +25,19 @@ LOCAL_CONFIG = ".finetune/trainer.yaml"
 """`finetune run`: the trainer config it wrote and the workers read (the job's name in it)."""
 TENSORBOARD_DIR = "tensorboard"
 """Rank 0's TensorBoard event files (`tensorboard --logdir <output>`)."""
+SAVED_WEIGHTS = ("*.safetensors", "*.bin")
+"""The weight files of a folder save_pretrained wrote (sharded ones too)."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model", "*.tiktoken")
+"""What a saved tokenizer leaves in a model folder, one at least: a fast tokenizer's
+tokenizer.json, a SentencePiece model, BPE or WordPiece vocabularies, tiktoken ranks."""
+
+
+def holds_any(folder: Path, patterns: tuple[str, ...]) -> bool:
+    """`folder` has a file matching one of `patterns` (SAVED_WEIGHTS, TOKENIZER_FILES)."""
+    return any(any(folder.glob(pattern)) for pattern in patterns)
+
+
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"
 """Written last into a checkpoint: a folder without it is not complete."""

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
+from finetune_trainer import layout
 from finetune_trainer.config import (
     CheckpointPolicy,
     LoraConfig,
@@ -96,6 +97,13 @@ def load_tokenizer(source: ModelSource, base_dir: Path | None = None):
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, **_hub_kwargs(source))
     except Exception as error:
+        folder = Path(location)
+        if (not source.uri.startswith("hf://") and folder.is_dir()
+                and not layout.holds_any(folder, layout.TOKENIZER_FILES)):
+            raise ModelError(location, "holds no tokenizer (tokenizer.json, tokenizer.model "
+                             "or vocabulary files)", "save the model's tokenizer into the "
+                             "folder as well: tokenizer.save_pretrained(<the folder>)"
+                             ) from error
         raise _load_error(location, source, error) from error
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding carries no loss either way

@@ -29,6 +29,7 @@ from finetune_trainer.data import (
     DataError,
     GlobalBatches,
     Prefetched,
+    batch_larger_than_data,
     collate,
     one_per_sequence,
     pack,
@@ -47,6 +48,7 @@ from finetune_trainer.layout import (
 from finetune_trainer.loading import load_for
 from finetune_trainer.metrics import TrainerMetrics, peak_memory_bytes
 from finetune_trainer.model import (
+    ModelError,
     compile_layers,
     inspect_architecture,
     load_tokenizer,
@@ -83,6 +85,12 @@ def preflight(config: TrainerConfig, base_dir: Path) -> Prepared:
     records, sources = read_split(data, base_dir)
     sources = f"training on {sources}"
     fmt = resolve_format(data.format, records.column_names)
+    if fmt == "chat" and not getattr(tokenizer, "chat_template", None):
+        raise ModelError(config.model.uri, "its tokenizer has no chat template, which turns "
+                         "the data's conversations (format chat) into tokens",
+                         "use a chat or instruct model, whose tokenizer has one, add a "
+                         "chat_template.jinja to the model's folder, or lay the data out as "
+                         "text or instruction records (spec.dataset.format)")
     eval_records = []
     if data.eval_split is not None:
         eval_records, eval_source = read_split(data, base_dir, evaluation=True)
@@ -685,6 +693,10 @@ class Trainer:
              f"{self.batches.global_batch} sequences, each process's in "
              f"{self.batches.accumulation} pass{'es' if self.batches.accumulation > 1 else ''}"
              f" of {self.batches.micro_batch}")
+        if short := batch_larger_than_data(self.batches, hp.batch_size_per_device,
+                                           hp.gradient_accumulation_steps,
+                                           self.config.dataset.packing):
+            _say(short)
         self.strategy.model.train()
         if self.stop.agree(self.control).wait():  # told to stop while loading: nothing new
             step = self.state.step

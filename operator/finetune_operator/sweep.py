@@ -181,6 +181,9 @@ class Child:
     value: float | None = None
     """The objective's metric at `step`."""
     message: str | None = None
+    value_of_earlier_step: bool = False
+    """`value` is an earlier evaluation's: a run that stopped early exports (and reports
+    the eval loss of) its best evaluation, not its last step."""
 
 
 def child_view(body: Mapping[str, Any], metric: str) -> Child:
@@ -188,9 +191,12 @@ def child_view(body: Mapping[str, Any], metric: str) -> Child:
     status = body.get("status") or {}
     progress = status.get("progress") or {}
     value = progress.get(metric)
+    stopped_early = any(c.get("type") == "Complete" and c.get("reason") == "StoppedEarly"
+                        for c in status.get("conditions") or ())
     return Child(phase=status.get("phase"), step=progress.get("step"),
                  value=float(value) if isinstance(value, (int, float)) else None,
-                 message=status.get("message"))
+                 message=status.get("message"),
+                 value_of_earlier_step=stopped_early and metric == "evalLoss")
 
 
 @dataclass
@@ -255,7 +261,8 @@ def _follow(trial: TrialStatus, child: Child | None, decision: SweepDecision) ->
     trial.phase = child.phase or "Pending"  # type: ignore[assignment]
     if child.step is not None and child.value is not None and math.isfinite(child.value):
         trial.step, trial.objective = child.step, child.value
-        _record(trial, child.step, child.value)
+        if not child.value_of_earlier_step:  # the curve's points are each step's own
+            _record(trial, child.step, child.value)
     if trial.phase == "Failed":
         trial.message = child.message
 

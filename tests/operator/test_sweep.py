@@ -15,6 +15,7 @@ from finetune_operator.sweep import (
     Trial,
     bandit_stop,
     check_sweep,
+    child_view,
     decide,
     grid,
     median_stop,
@@ -164,6 +165,29 @@ def test_trials_follow_their_jobs_and_a_finished_one_makes_room_for_the_next():
     assert doc["status"]["best"]["name"] == "lr-0" and doc["status"]["best"]["objective"] == 1.2
     assert doc["status"]["best"]["output"] == "pvc://ckpt/demo/lr-0"
     assert doc["status"]["runningTrials"] == 2
+
+
+def test_a_trial_that_stopped_early_ranks_by_its_export_and_its_curve_keeps_each_steps_own():
+    """Its final record carries the best evaluation's loss (the model it exported) at the
+    stopping step: the objective, not a point of the curve (a drop that never happened)."""
+    def job(phase, step, eval_loss, conditions=()):
+        return {"status": {"phase": phase, "conditions": list(conditions),
+                           "progress": {"step": step, "evalLoss": eval_loss}}}
+
+    _d, doc = step(sweep_doc(maxTrials=1, objective={"metric": "evalLoss"}))
+    for at, value in ((10, 1.0), (20, 1.3)):
+        _d, doc = step(doc, {0: child_view(job("Running", at, value), "evalLoss")})
+    stopped = job("Succeeded", 20, 1.0, [{"type": "Complete", "status": "True",
+                                          "reason": "StoppedEarly"}])
+    _d, doc = step(doc, {0: child_view(stopped, "evalLoss")})
+    trial = doc["status"]["trials"][0]
+    assert trial["objective"] == 1.0 and doc["status"]["best"]["objective"] == 1.0
+    assert [(p["step"], p["value"]) for p in trial["curve"]] == [(10, 1.0), (20, 1.3)]
+    # a run to its last step exports that step's weights: its final loss is the step's own
+    ran_out = job("Succeeded", 20, 1.1, [{"type": "Complete", "status": "True",
+                                          "reason": "Succeeded"}])
+    assert child_view(ran_out, "evalLoss").value_of_earlier_step is False
+    assert child_view(stopped, "loss").value_of_earlier_step is False
 
 
 def test_median_stopping_marks_the_trial_stopped_before_deleting_it():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import re
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -448,8 +449,14 @@ def _job_problems(sweep: FineTuneSweep, spec: dict[str, Any], number: int) -> li
 
 
 def _as_template(problems: list[Problem]) -> list[Problem]:
-    """A trial's problems as the sweep's: `spec.x` is `spec.template.x`; its name is the
-    sweep's."""
-    return [replace(p, path="spec.template" + p.path[len("spec"):])
-            if p.path.startswith("spec") else p for p in problems
+    """A trial's problems as the sweep's: `spec.x` is `spec.template.x`, in the path and in
+    the words; its name is the sweep's."""
+    def in_template(text: str) -> str:
+        return _JOB_FIELD.sub("spec.template.", text)
+
+    return [replace(p, path=in_template(p.path), message=in_template(p.message),
+                    fix=in_template(p.fix)) for p in problems
             if not p.path.startswith("metadata.name")]
+
+
+_JOB_FIELD = re.compile(r"\bspec\.")

@@ -291,6 +291,13 @@ def test_a_template_problem_is_said_once_not_again_for_each_searched_value():
     _sweep, problems = check_sweep(doc)
     assert [p.path for p in problems if p.severity == "error"] == [
         "spec.template.resources.nodes"]
+    # the words name the sweep's fields too
+    doc["spec"]["template"] = {**minimal_job()["spec"],
+                               "hyperparameters": {"maxSteps": 10, "evalEverySteps": 5}}
+    [problem] = [p for p in check_sweep(doc)[1] if p.path.startswith("spec.template")]
+    assert problem.path == "spec.template.hyperparameters.evalEverySteps"
+    assert "set `spec.template.dataset.evalSplit`" in problem.fix
+    assert "spec.template.template" not in str(problem)
 
 
 def test_more_trials_at_once_than_in_all_is_a_warning():

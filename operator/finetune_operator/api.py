@@ -443,6 +443,11 @@ class FineTuneJobStatus(StatusModel):
         Field(default_factory=dict))
     """A fingerprint per spec section as launched; changes other than runPolicy after
     launch are refused."""
+    spec_at_launch: Annotated[dict[str, Any], WithJsonSchema({
+        "type": "object", "x-kubernetes-preserve-unknown-fields": True,
+        "description": "The spec as launched, runPolicy aside."})] = Field(default_factory=dict)
+    """The spec as launched, runPolicy aside: while a later change is refused, the workers
+    are watched, restarted and put back as launched, never from the edited spec."""
     plan: LaunchPlan | None = None
     """The strategy and step settings the workers run with, decided once before the first
     launch."""

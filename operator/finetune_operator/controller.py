@@ -56,6 +56,7 @@ from finetune_operator.reconcile import (
     Event,
     Feasibility,
     Observation,
+    as_launched,
     next_deadline,
     reconcile,
 )
@@ -170,13 +171,19 @@ async def look(runtime: Runtime, body: Any) -> Look:
                                   {**(body.get("status") or {}), "phase": "Failed",
                                    "message": "; ".join(problems)}))
     metrics, operation = runtime.metrics, "observe"
+    # after launch the workers run the spec as launched, whatever an edit refused since says
+    running = as_launched(job)
+    launched = bool(job.status and job.status.launched_spec)
+    if launched and (running is not job or backend is None):
+        backend = runtime.backends.get(running.spec.backend)
     try:
-        seen = Observation() if problems or backend is None else await backend.observe(job)
+        seen = (Observation() if (problems and not launched) or backend is None
+                else await backend.observe(running))
         verdict = await feasibility(runtime, job, problems)
         decision = reconcile(job, seen, now, problems, verdict)
         decision = _paced(runtime, job, seen, now, problems, verdict, decision)
         # the backend renders from the status as decided (status.plan, recorded at launch)
-        job = job.model_copy(update={"status": decision.status})
+        job = running.model_copy(update={"status": decision.status})
         for action in decision.actions:
             logger.info("%s/%s: %s %s", job.namespace, job.name, action.kind, action.reason)
             assert backend is not None  # no action is decided for a job without one

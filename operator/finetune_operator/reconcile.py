@@ -16,11 +16,14 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal
 
+from pydantic import ValidationError
+
 from finetune_operator.api import (
     TERMINAL_PHASES,
     BackendRef,
     Condition,
     FineTuneJob,
+    FineTuneJobSpec,
     FineTuneJobStatus,
     LaunchPlan,
     Progress,
@@ -153,6 +156,35 @@ def spec_fingerprint(job: FineTuneJob) -> dict[str, str]:
     return out
 
 
+def changed_after_launch(job: FineTuneJob) -> list[str]:
+    """The spec sections other than runPolicy that differ from the launched ones."""
+    launched = job.status.launched_spec if job.status else {}
+    if not launched:
+        return []
+    fingerprint = spec_fingerprint(job)
+    return sorted(k for k in set(fingerprint) | set(launched)
+                  if k not in MUTABLE_SECTIONS and fingerprint.get(k) != launched.get(k))
+
+
+def as_launched(job: FineTuneJob) -> FineTuneJob:
+    """The job as its workers run: the spec as launched with the current runPolicy, once a
+    change to another section has been refused; else the job itself (and for a job
+    launched by an operator that kept no `specAtLaunch`)."""
+    status = job.status
+    if status is None or not status.spec_at_launch or not changed_after_launch(job):
+        return job
+    try:
+        spec = FineTuneJobSpec.model_validate({**status.spec_at_launch,
+                                               "runPolicy": job.spec.run_policy.to_dict()})
+    except ValidationError:  # a record this version cannot read: the spec as written
+        return job
+    return job.model_copy(update={"spec": spec})
+
+
+def _spec_at_launch(job: FineTuneJob) -> dict:
+    return {k: v for k, v in job.spec.to_dict().items() if k not in MUTABLE_SECTIONS}
+
+
 def set_condition(status: FineTuneJobStatus, type_: str, value: bool | None, reason: str,
                   message: str, now: datetime, generation: int | None) -> None:
     """Add or update a condition (None: Unknown); its transition time moves only when its
@@ -181,7 +213,9 @@ class _Builder:
     def __init__(self, job: FineTuneJob, now: datetime, seen: Observation | None = None,
                  problems: list[str] | None = None, feasibility: Feasibility | None = None,
                  launch_wait: float | None = None):
-        self.job, self.now = job, now
+        self.asked = job
+        """The spec as now written; `job` is as launched (`as_launched`)."""
+        self.job, self.now = as_launched(job), now
         self.seen = seen or Observation()
         self.problems = problems or []
         self.feasibility = feasibility
@@ -275,8 +309,15 @@ def reconcile(job: FineTuneJob, seen: Observation, now: datetime,
 
 
 def _finished(b: _Builder) -> bool:
-    """A finished job only waits for its ttlSecondsAfterFinished."""
+    """A finished job only waits for its ttlSecondsAfterFinished; one refused as invalid
+    before it launched is admitted again once its spec is edited."""
     if b.status.phase not in TERMINAL_PHASES:
+        return False
+    refused = condition(b.status, "Failed")
+    if (not b.status.launched_spec and refused is not None and refused.reason == "InvalidSpec"
+            and refused.observed_generation not in (None, b.generation)):
+        b.cond("Failed", False, "SpecEdited", "")
+        b.status.phase, b.status.message, b.status.completion_time = None, None, None
         return False
     ttl = b.job.spec.run_policy.ttl_seconds_after_finished
     if ttl is not None:
@@ -297,17 +338,15 @@ def _admitted(b: _Builder) -> bool:
         if not status.launched_spec:
             b.fail("InvalidSpec", "the spec is invalid: " + "; ".join(problems),
                    stop_workload=False)
-        return True  # after launch: keep running what was launched; the condition says why
-    b.cond("Validated", True, "Valid", "")
+            return True
+        # after launch: what was launched keeps running; the condition says why
+    else:
+        b.cond("Validated", True, "Valid", "")
     if b.feasibility is not None and not status.launched_spec and not _feasible(
             b, b.feasibility):
         return True
     if status.launched_spec:
-        fingerprint = spec_fingerprint(b.job)
-        changed = sorted(k for k in set(fingerprint) | set(status.launched_spec)
-                         if k not in MUTABLE_SECTIONS
-                         and fingerprint.get(k) != status.launched_spec.get(k))
-        if changed:
+        if changed := changed_after_launch(b.asked):
             b.cond("SpecChangeRefused", True, "ImmutableAfterLaunch",
                    f"spec.{', spec.'.join(changed)} cannot change after launch; only "
                    "spec.runPolicy can (suspend, deadlines, budget). Revert the change, or "
@@ -424,6 +463,7 @@ def _launch(b: _Builder) -> bool:
         for warning in b.feasibility.warnings:
             b.event("Warning", "PlanWarning", warning)
     status.launched_spec = spec_fingerprint(job)
+    status.spec_at_launch = _spec_at_launch(job)
     status.launch_time = b.now
     status.start_time = status.start_time or b.now
     first = status.phase in (None, "Pending")
@@ -456,6 +496,7 @@ def _adopted(b: _Builder) -> bool:
     if status.launched_spec:
         return False
     status.launched_spec = spec_fingerprint(b.job)
+    status.spec_at_launch = _spec_at_launch(b.job)
     if b.feasibility is not None:
         status.plan = status.plan or b.feasibility.plan
     status.launch_time = status.launch_time or b.now

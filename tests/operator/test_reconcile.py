@@ -9,6 +9,7 @@ from finetune_operator.reconcile import (
     Failure,
     Feasibility,
     Observation,
+    as_launched,
     condition,
     reconcile,
     set_condition,
@@ -343,6 +344,50 @@ def test_spec_changes_after_launch_are_refused_except_run_policy():
     policy = reconcile(job(status, generation=3, runPolicy={"backoffLimit": 9}),
                        Observation(exists=True, running=True), at(20))
     assert condition(policy.status, "SpecChangeRefused") is None
+
+
+def test_after_a_refused_change_the_workers_run_and_relaunch_as_launched():
+    first = reconcile(job(), Observation(), T0)
+    assert first.status.spec_at_launch["resources"]["nodes"] == 1
+    assert "runPolicy" not in first.status.spec_at_launch
+    edited = job(first.status, generation=2, resources={"nodes": 3, "gpusPerNode": 1},
+                 runPolicy={"backoffLimit": 9})
+    running = as_launched(edited)
+    assert running.spec.resources.nodes == 1  # what the workers were launched as
+    assert running.spec.run_policy.backoff_limit == 9  # the section that may change does
+    # a gang restart relaunches that, and the refusal stays said
+    failed = Observation(exists=True, failure=Failure("worker", "demo-0-abcde exited 1"))
+    restart = reconcile(edited, failed, at(30))
+    relaunch = reconcile(job(restart.status, generation=2, resources={"nodes": 3,
+                                                                      "gpusPerNode": 1}),
+                         Observation(), at(40))
+    assert kinds(relaunch) == ["launch"]
+    assert relaunch.status.launched_spec == first.status.launched_spec
+    assert relaunch.status.spec_at_launch == first.status.spec_at_launch
+    assert condition(relaunch.status, "SpecChangeRefused").status == "True"
+
+
+def test_an_invalid_edit_after_launch_is_said_and_the_workers_are_still_followed():
+    """It stopped every later guard: the job never reached Succeeded."""
+    status = launched("Running")
+    edit = ["spec.hyperparameters.learningRate: must be positive — set a value above 0"]
+    d = reconcile(job(status, generation=2), Observation(exists=True, succeeded=True), at(60),
+                  problems=edit)
+    assert condition(d.status, "Validated").reason == "InvalidSpec"
+    assert d.status.phase == "Succeeded" and kinds(d) == []
+
+
+def test_a_job_refused_as_invalid_is_admitted_again_once_edited():
+    problems = ["spec.backend: 'slurm' is not installed"]
+    refused = reconcile(job(), Observation(), T0, problems=problems)
+    again = reconcile(job(refused.status), Observation(), at(5), problems=problems)
+    assert again.status.phase == "Failed" and again.events == []  # same generation: said once
+    fixed = reconcile(job(again.status, generation=2), Observation(), at(10))
+    assert kinds(fixed) == ["launch"] and fixed.status.phase == "Launching"
+    assert condition(fixed.status, "Validated").status == "True"
+    assert condition(fixed.status, "Failed").status == "False"
+    still = reconcile(job(again.status, generation=2), Observation(), at(10), problems=problems)
+    assert still.status.phase == "Failed" and kinds(still) == []
 
 
 def test_active_deadline_fails_the_job():

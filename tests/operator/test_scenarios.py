@@ -176,6 +176,30 @@ async def test_suspend_and_resume(testbed: Testbed):
     assert testbed.jobs_created("demo") == 1  # the same Job, unsuspended
 
 
+async def test_a_refused_edit_never_reaches_the_workers(testbed: Testbed):
+    """Nodes and learning rate edited after launch: refused, and kept out of every later
+    step. The running gang was judged against the edited node count (and killed as `workers
+    did not start`), and a gang restart relaunched the edited Job beside the launched
+    ConfigMap, the refusal then reading `SpecMatchesLaunch`."""
+    await testbed.apply(testbed.manifest(runPolicy={"startupDeadlineSeconds": 8}))
+    await testbed.until_phase("Running")
+    nodes = testbed.manifest()["spec"]["resources"]["nodes"]
+    config = testbed.get("v1/configmaps", "demo-trainer")["data"]
+    await testbed.patch_spec("demo", {"resources": {"nodes": nodes + 1},
+                                      "hyperparameters": {"learningRate": 0.005}})
+    await testbed.until(lambda: testbed.condition("SpecChangeRefused").get("status") == "True",
+                        "the edit refused")
+    await asyncio.sleep(10)  # past the startup deadline
+    assert testbed.status()["phase"] == "Running", testbed.status()
+    await testbed.fail_worker("demo", 0, "RuntimeError: NCCL watchdog timeout")
+    await testbed.until(lambda: testbed.jobs_created("demo") == 2, "the gang restarted")
+    await testbed.until_phase("Running", timeout=40)
+    assert testbed.get("batch/v1/jobs", "demo")["spec"]["completions"] == nodes
+    assert testbed.get("v1/configmaps", "demo-trainer")["data"] == config
+    refused = testbed.condition("SpecChangeRefused")
+    assert refused["status"] == "True" and "spec.hyperparameters" in refused["message"]
+
+
 async def test_delete_removes_the_children(testbed: Testbed):
     await testbed.apply(testbed.manifest())
     await testbed.until_phase("Running")

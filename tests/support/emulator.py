@@ -341,7 +341,8 @@ class Kubelet:
                 f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/status",
                 json={"status": status},
                 headers={"Content-Type": "application/merge-patch+json"}) as response:
-            response.raise_for_status()
+            if response.status != 404:  # deleted meanwhile: a kubelet moves on
+                response.raise_for_status()
 
     async def _set_job(self, job: dict[str, Any], type_: str, reason: str, message: str) -> None:
         meta = job["metadata"]
@@ -350,7 +351,8 @@ class Kubelet:
                 f"/apis/batch/v1/namespaces/{meta['namespace']}/jobs/{meta['name']}/status",
                 json={"status": {"conditions": [condition]}},
                 headers={"Content-Type": "application/merge-patch+json"}) as response:
-            response.raise_for_status()
+            if response.status != 404:  # deleted meanwhile (a gang restart): the Job
+                response.raise_for_status()  # controller moves on; this loop must too
 
     async def _delete_pod(self, pod: dict[str, Any]) -> None:
         meta = pod["metadata"]

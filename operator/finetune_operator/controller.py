@@ -44,7 +44,13 @@ from finetune_operator.api import (
     VERSION,
     FineTuneJob,
 )
-from finetune_operator.backends import Backend, BackendContext, BackendError, load_backends
+from finetune_operator.backends import (
+    Backend,
+    BackendContext,
+    BackendError,
+    LaunchBlocked,
+    load_backends,
+)
 from finetune_operator.backends.children import MANAGED, RESOURCES, owner_key
 from finetune_operator.kube import Kube, KubeError, merge_patch, newer, slim, timestamp
 from finetune_operator.metrics import RESTART_CAUSES, OperatorMetrics
@@ -188,7 +194,10 @@ async def look(runtime: Runtime, body: Any) -> Look:
             logger.info("%s/%s: %s %s", job.namespace, job.name, action.kind, action.reason)
             assert backend is not None  # no action is decided for a job without one
             operation = action.kind
-            await act(runtime, backend, job, action)
+            try:
+                await act(runtime, backend, job, action)
+            except LaunchBlocked as blocked:
+                return _blocked(body, blocked)
             if action.kind == "delete-workload" and action.reason in RESTART_CAUSES:
                 metrics.restarted(job.spec.backend, action.reason)
     except (KubeError, BackendError):
@@ -199,6 +208,20 @@ async def look(runtime: Runtime, body: Any) -> Look:
     metrics.job_seen(job.namespace, job.name, job.spec.backend, old, new, created, now)
     return Look(merge_patch(old, new), _wake_after(runtime, backend, job, decision, seen,
                                                       now), decision.events)
+
+
+def _blocked(body: Any, blocked: LaunchBlocked) -> Look:
+    """The launch cannot happen until the job's owner changes something: nothing of the
+    decision is kept but the reason, in the status (Pending before a first launch) and in a
+    Warning event when it is new. Unlike a retried failure, an edit is looked at at once."""
+    old = dict(body.get("status") or {})
+    message = f"not launched: {blocked}"
+    new = {**old, "message": message}
+    if old.get("phase") in (None, "Pending"):
+        new["phase"] = "Pending"
+    events = [] if old.get("message") == message else [
+        Event("Warning", "LaunchBlocked", message)]
+    return Look(merge_patch(old, new), blocked.retry_after, events)
 
 
 def _paced(runtime: Runtime, job: FineTuneJob, seen: Observation, now: datetime,

@@ -280,6 +280,14 @@ async def test_a_multi_node_job_is_not_launched_onto_a_claim_of_one_node(
     assert bed.jobs_created("demo") == 0
     assert bed.create_attempts("jobs", "demo") == 0
     assert not bed.operator_denials()
+    # said in the status too (it was empty), and an edit is looked at at once (not after
+    # the 5 minutes a retried failure waits)
+    status = bed.status()
+    assert status["phase"] == "Pending", status
+    assert "claim 'single' is ReadWriteOnce" in status["message"]
+    await bed.make_claims("shared")
+    await bed.patch_spec("demo", {"output": {"uri": "pvc://shared/out"}})
+    await bed.until_phase("Running", timeout=60)
 
 
 @pytest.mark.asyncio

@@ -38,6 +38,12 @@ class BackendError(Exception):
         self.retry_after = retry_after
 
 
+class LaunchBlocked(BackendError):
+    """The job cannot launch until something its owner controls changes (an output claim
+    that is not ReadWriteMany): it stays Pending, the message in its status and a Warning
+    event, and is looked at again when it changes, or after `retry_after` seconds."""
+
+
 @dataclass
 class BackendContext:
     """What a backend gets from the operator."""

@@ -20,7 +20,7 @@ import aiohttp
 
 from finetune_operator import naming, yamlio
 from finetune_operator.api import API_VERSION, KIND, BackendRef, FineTuneJob, Progress
-from finetune_operator.backends import BackendContext, BackendError
+from finetune_operator.backends import BackendContext, LaunchBlocked
 from finetune_operator.backends.children import CONTROLLER_UID_KEY, Children, foreign
 from finetune_operator.kube import KUEUE_JOB_UID_LABEL, KubeError, timestamp
 from finetune_operator.reconcile import INPUT_REFUSED, Failure, Observation, queued
@@ -728,7 +728,8 @@ def output_claim_problem(job: FineTuneJob, claim: dict[str, Any] | None) -> str 
     return (f"spec.output.uri: claim {name!r} is {' / '.join(modes) or 'of no access mode'}, "
             f"but the {job.spec.resources.nodes} nodes' ranks all write checkpoints into it — "
             "use a ReadWriteMany claim (on AKS: the azurefile-csi or azurefile-csi-premium "
-            "storage class, or Blob CSI); not launched, checked again every 5 minutes")
+            "storage class, or Blob CSI); checked again when the job changes, else every 5 "
+            "minutes")
 
 
 def creation_failure(events: list[dict[str, Any]]) -> str | None:
@@ -902,7 +903,7 @@ class KubernetesBackend:
 
     async def launch(self, job: FineTuneJob) -> None:
         if (unshared := output_claim_problem(job, await self._output_claim(job))) is not None:
-            raise BackendError(unshared, retry_after=300)
+            raise LaunchBlocked(unshared, retry_after=300)
         config_map, service, workload = self.render(job)
         # the pods mount the ConfigMap and resolve rank 0 through the Service: both first
         await asyncio.gather(self._create(job, config_map), self._create(job, service))

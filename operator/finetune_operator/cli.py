@@ -86,6 +86,12 @@ def _jobs_in(paths: tuple[str, ...], use: Use, backend: str | None = None,
                 kind = doc.data.get("kind")
                 meant = next((k for k in (KIND, SWEEP_KIND) if isinstance(kind, str)
                               and kind.lower() == k.lower()), None)
+                if kind == SWEEP_KIND:  # spelled right, but this command takes jobs
+                    click.echo(f"{doc.source}: skipped {SWEEP_KIND} (this command takes "
+                               f"{KIND}s; `finetune validate` checks a sweep, whose trials "
+                               "are its spec.template with the searched values set)",
+                               err=True)
+                    continue
                 click.echo(f"{doc.source}: skipped {_plain(kind)} (not a {KIND}"
                            + (f"; kinds are case-sensitive: `kind: {meant}`?" if meant else "")
                            + ")", err=True)
@@ -715,6 +721,14 @@ def _cluster_error(command: str, error: Exception) -> str:
     from finetune_operator import kube
 
     line = f"finetune {command}: {error}"
+    if isinstance(error, kube.KubeError) and error.status == 401:
+        line += f" — {kube.EXPIRED_TOKEN}"
+    elif isinstance(error, kube.KubeError) and error.status == 403:
+        line += (" — your identity may not read FineTuneJobs there: ask for a Role allowing "
+                 "get and list on finetunejobs, pods and pods/log (`kubectl auth can-i get "
+                 "finetunejobs -n <namespace>` checks)")
+    elif isinstance(error, kube.KubeError) and error.status is None:
+        line += f" — {kube.UNREACHABLE}"
     if isinstance(error, kube.LoginError):
         line += (f"; or, for a `finetune run` on this machine, name its manifest or output "
                  f"folder (`finetune {command} job.yaml`)")
@@ -764,8 +778,11 @@ def logs_command(target: str, namespace: str | None, kubeconfig: str | None, ran
                 pod = follow.newest_pod(pods, rank, COMPLETION_INDEX_KEY)
                 if pod is None:
                     phase = (obj.get("status") or {}).get("phase") or "Pending"
+                    nodes = ((obj["spec"].get("resources") or {}).get("nodes")) or 1
+                    ranks = f"0 to {nodes - 1}" if nodes > 1 else "0"
                     click.echo(f"finetune logs: {target} has no pod of node rank {rank} "
-                               f"(phase {phase}; nodes: spec.resources.nodes)", err=True)
+                               f"(phase {phase}; its node ranks are {ranks}: "
+                               "spec.resources.nodes)", err=True)
                     return 1
                 name = pod["metadata"]["name"]
                 container, waiting = follow.log_to_read(

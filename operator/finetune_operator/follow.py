@@ -95,8 +95,15 @@ def view_of_sweep(obj: dict[str, Any], events: list[dict[str, Any]]) -> JobView:
 
 
 def _last_events(events: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
-    """The last EVENTS_SHOWN events, oldest first, as (type, reason, message)."""
-    ordered = sorted(events, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+    """The last EVENTS_SHOWN events, oldest first, as (type, reason, message). Timestamps
+    have whole seconds: events of one second are in the order the API server stored them
+    (the later a write, the larger its resourceVersion, etcd's revision)."""
+    def when(event: dict[str, Any]) -> tuple[str, int]:
+        version = str((event.get("metadata") or {}).get("resourceVersion") or "0")
+        return (event.get("lastTimestamp") or event.get("eventTime") or "",
+                int(version) if version.isdigit() else 0)
+
+    ordered = sorted(events, key=when)
     return [(e.get("type") or "", e.get("reason") or "", (e.get("message") or "").strip())
             for e in ordered[-EVENTS_SHOWN:]]
 

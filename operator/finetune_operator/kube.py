@@ -525,20 +525,83 @@ class Kube:
         return missing
 
 
+EXPIRED_TOKEN = ("the token is expired or wrong — get a new one (`kubectl create token "
+                 "<service account>`, or `az aks get-credentials` again)")
+"""What a 401 means and how to get past it, for the operator and for `finetune status`."""
+UNREACHABLE = "is the cluster up, and is KUBECONFIG the one you meant?"
+
+
+NEEDED_ACCESS: tuple[tuple[str, str, str], ...] = (
+    *(("finetune.dev", resource, verb) for resource in ("finetunejobs", "finetunesweeps")
+      for verb in ("list", "watch")),
+    ("finetune.dev", "finetunejobs/status", "patch"),
+    ("finetune.dev", "finetunesweeps/status", "patch"),
+    ("finetune.dev", "finetunejobs", "create"),  # a sweep's trials
+    *(("batch" if resource == "jobs" else "", resource, verb)
+      for resource in ("jobs", "services", "configmaps")
+      for verb in ("list", "watch", "create", "delete")),
+    *(("", "pods", verb) for verb in ("list", "watch")),
+    ("", "events", "create"),
+)
+"""(group, resource, verb) the operator cannot work without, in each namespace it watches:
+what its watches and launches need (the chart's Role grants them, and more that is
+optional: claims, Kueue workloads, the Job controller's events). With any missing, kopf
+retried the forbidden watch for ever and stopped answering, SIGTERM included."""
+
+
+async def denied_access(kube: Kube, namespaces: tuple[str, ...] = ()
+                        ) -> list[tuple[str, str, str, str | None]]:
+    """(group, resource, verb, namespace) of NEEDED_ACCESS the credentials lack, by the API
+    server's own SelfSubjectAccessReview (any authenticated user may ask it)."""
+    async def allowed(group: str, resource: str, verb: str, namespace: str | None) -> bool:
+        name, _, subresource = resource.partition("/")
+        attributes = {"group": group, "resource": name, "verb": verb}
+        if subresource:
+            attributes["subresource"] = subresource
+        if namespace:
+            attributes["namespace"] = namespace
+        try:
+            review = await kube.request(
+                f"review access to {verb} {resource}", "POST",
+                "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
+                body={"apiVersion": "authorization.k8s.io/v1",
+                      "kind": "SelfSubjectAccessReview",
+                      "spec": {"resourceAttributes": attributes}})
+        except KubeError as error:
+            if error.status in (403, 404):  # a cluster that does not let us ask: no answer
+                return True
+            raise
+        return bool((review or {}).get("status", {}).get("allowed"))
+
+    asked = [(*needed, namespace) for namespace in namespaces or (None,)
+             for needed in NEEDED_ACCESS]
+    answers = await asyncio.gather(*(allowed(*a) for a in asked))
+    return [a for a, ok in zip(asked, answers, strict=True) if not ok]
+
+
 async def check_access(kube: Kube, namespaces: tuple[str, ...] = ()) -> None:
-    """List FineTuneJobs once, where the operator will watch them, and turn every way that
-    can fail (no server, TLS, 401, 403, no CRD) into a LoginError naming the fix."""
+    """List FineTuneJobs once, where the operator will watch them, and review the rest of
+    what it needs (NEEDED_ACCESS); turn every way that can fail (no server, TLS, 401, 403,
+    no CRD, a Role missing a rule) into a LoginError naming the fix."""
     host = kube.configured.host
     where = f"in namespace {', '.join(namespaces)}" if namespaces else "in all namespaces"
     saved, kube.timeout = kube.timeout, 15.0
     try:
         for namespace in namespaces or (None,):
             await kube.list(KIND, namespace, limit=1)
+        denied = await denied_access(kube, namespaces)
+        if denied:
+            missing = sorted({f"{verb} {resource}" for _g, resource, verb, _n in denied})
+            spaces = sorted({n for *_r, n in denied if n})
+            within = f"in namespace {', '.join(spaces)}" if spaces else "in all namespaces"
+            raise LoginError(
+                f"the credentials may not {', '.join(missing)} {within} (the API server's "
+                "access review) — install the chart's RBAC, or bind its ClusterRole to this "
+                "identity; the operator watches and launches with all of these")
     except KubeError as error:
         fixes = {
-            401: f"the API server at {host} refused the credentials (401 Unauthorized): the "
-                 "token is expired or wrong — get a new one (`kubectl create token <service "
-                 "account>`, or `az aks get-credentials` again)",
+            401: f"the API server at {host} refused the credentials (401 Unauthorized): "
+                 f"{EXPIRED_TOKEN}",
             403: f"the credentials may not list finetunejobs {where} (403 Forbidden) — "
                  "install the chart's RBAC, or bind its ClusterRole to this identity "
                  f"({error.message})",
@@ -550,8 +613,7 @@ async def check_access(kube: Kube, namespaces: tuple[str, ...] = ()) -> None:
             cause = error.cause
             fix = ("the server's certificate does not match the kubeconfig's "
                    "certificate-authority" if isinstance(
-                       cause, ssl.SSLError | aiohttp.ClientSSLError) else
-                   "is the cluster up, and is KUBECONFIG the one you meant?")
+                       cause, ssl.SSLError | aiohttp.ClientSSLError) else UNREACHABLE)
             raise LoginError(f"cannot reach the API server at {host} "
                              f"({type(cause).__name__}: {cause}) — {fix}") from error
         raise LoginError(fixes.get(error.status, f"listing finetunejobs on {host} failed: "

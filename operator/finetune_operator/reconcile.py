@@ -517,7 +517,7 @@ def _succeeded(b: _Builder) -> bool:
         b.cond("Complete", True, "StoppedEarly", early)
         b.phase("Succeeded", f"training {early}; {where}")
     else:
-        b.cond("Complete", True, "TrainingFinished", "the export is in spec.output.uri/final")
+        b.cond("Complete", True, "TrainingFinished", where)
         b.phase("Succeeded", f"training finished; {where}")
     status.completion_time = b.now
     if status.progress:

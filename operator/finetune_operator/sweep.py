@@ -354,8 +354,9 @@ def _finish(sweep: FineTuneSweep, decision: SweepDecision, now: datetime) -> Non
         decision.events.append(Event("Normal", "SweepSucceeded", status.message))
     else:
         status.phase = "Failed"
-        status.message = (f"none of {status.trial_count} trials succeeded with a {metric} "
-                          "to compare — see the trials' messages (kubectl describe ftsweep)")
+        status.message = (f"none of {status.trial_count} trials succeeded with {metric} "
+                          "figures to compare — see the trials' messages (kubectl describe "
+                          "ftsweep)")
         decision.events.append(Event("Warning", "SweepFailed", status.message))
 
 

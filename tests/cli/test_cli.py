@@ -116,6 +116,13 @@ def test_a_file_without_a_job_says_why_in_json_too(tmp_path):
         "fix": "check `kind: FineTuneJob`"}]
     assert result.stderr.splitlines() == [f"{path}: skipped FinetuneJob (not a FineTuneJob; "
                                           "kinds are case-sensitive: `kind: FineTuneJob`?)"]
+    # a sweep, spelled right, to a command that takes jobs: no hint at the kind it has
+    sweep = REPO / "examples/07-sweep-lora-lr.yaml"
+    planned = finetune("plan", str(sweep))
+    assert planned.returncode == 2 and planned.stderr.splitlines()[0] == (
+        f"{sweep}: skipped FineTuneSweep (this command takes FineTuneJobs; `finetune "
+        "validate` checks a sweep, whose trials are its spec.template with the searched "
+        "values set)")
     del manifest["kind"], manifest["apiVersion"]
     path.write_text(yaml.safe_dump(manifest))
     result = finetune("validate", str(path))

@@ -69,6 +69,12 @@ def test_a_job_from_the_api_server_with_its_last_events():
     assert any(line.split()[:3] == ["Validated", "True", "Valid"] for line in lines)
     shown = [line.split()[1] for line in lines if line.strip().startswith("Normal")]
     assert shown == ["R3", "R4", "R5", "R6", "R7"]  # the last five, oldest first
+    # within one second (timestamps have no more), in the order the API server stored them
+    same = [{"type": "Warning" if v > 2 else "Normal", "reason": f"S{v}", "message": "",
+             "lastTimestamp": "2026-11-23T10:01:00Z", "metadata": {"resourceVersion": str(v)}}
+            for v in (12, 3, 11, 2)]
+    assert [line.split()[1] for line in render(view_of_job(obj, same))
+            if line.split()[0] in ("Normal", "Warning")] == ["S2", "S3", "S11", "S12"]
 
 
 def test_a_sweep_shows_a_line_per_trial_and_the_best():
@@ -354,7 +360,17 @@ async def test_status_and_logs_with_a_kubeconfig_against_the_real_api_server(
     assert logs.returncode == 1 and "read the log of pod demo-0" in logs.stderr, logs.stderr
     assert "could not get it from the node's kubelet" in logs.stderr
     missing = await asyncio.to_thread(finetune, "logs", "demo", "--rank", "5", *cluster)
-    assert "has no pod of node rank 5" in missing.stderr
+    assert "has no pod of node rank 5 (phase Running; its node ranks are 0 to 1: " \
+           "spec.resources.nodes)" in missing.stderr, missing.stderr
+    # a token the API server refuses: what to do, as the operator says it
+    wrong = json.loads(Path(kubeconfig).read_text())
+    wrong["users"][0]["user"] = {"token": "expired"}
+    stale = Path(testbed.installation.plane.folder) / "stale.kubeconfig"
+    stale.write_text(json.dumps(wrong))
+    refused = await asyncio.to_thread(finetune, "status", "demo", "-n", testbed.namespace,
+                                      "--kubeconfig", str(stale))
+    assert refused.returncode == 1 and "401 Unauthorized — the token is expired or wrong" \
+        in refused.stderr and "kubectl create token" in refused.stderr, refused.stderr
 
     watch = await asyncio.create_subprocess_exec(
         *FINETUNE, "status", "demo", "--watch", "--interval", "0.3", *cluster,

@@ -8,6 +8,7 @@ import asyncio
 import base64
 import json
 import subprocess
+import time
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
@@ -159,6 +160,23 @@ def test_every_way_a_login_fails_is_one_line_naming_the_fix(
     forbidden = _one_line(_operator_once(operator_install,
                                          config("nobody", plane.server, token)))
     assert "403 Forbidden" in forbidden and "install the chart's RBAC" in forbidden
+
+    # allowed the FineTuneJobs but not the workers (a hand-made Role): kopf retried the
+    # forbidden watches for ever, then stopped answering, SIGTERM included
+    installation.kubectl("create", "clusterrole", "jobs-only", "--verb=get,list,watch",
+                         "--resource=finetunejobs.finetune.dev,finetunesweeps.finetune.dev")
+    installation.kubectl("create", "clusterrolebinding", "jobs-only", "--clusterrole=jobs-only",
+                         "--serviceaccount=default:nobody")
+    for _ in range(20):  # the API server's RBAC cache takes the binding in within a second
+        partial = _one_line(_operator_once(operator_install,
+                                           config("partial", plane.server, token)))
+        if "403 Forbidden" not in partial:
+            break
+        time.sleep(0.5)
+    assert partial.startswith("finetune operator: the credentials may not create configmaps, "
+                              "create events, create finetunejobs, "), partial
+    assert "watch pods" in partial and "patch finetunejobs/status" in partial
+    assert "list finetunejobs" not in partial and "install the chart's RBAC" in partial
 
 
 def _signed_client_certificate(pki, user: str, folder) -> tuple[str, str]:

@@ -248,6 +248,9 @@ def _wake_after(runtime: Runtime, backend: Backend | None, job: FineTuneJob,
         # waiting for its turn to launch: nothing else wakes it, and no workers to poll (a
         # polled look would only count its wait down in the status, a patch each time)
         return min(d for d in (*due, turn) if d is not None)
+    if seen.unreachable:  # asked again after a few intervals, not at each (a refused
+        # identity costs a token request per job and look, and its SDK a warning)
+        return min(d for d in (*due, runtime.interval * UNREACHABLE_POLLS) if d is not None)
     if decision.actions:  # what was just done shows in the next look
         due.append(runtime.interval)
     if getattr(backend, "children", None) is not None:
@@ -258,6 +261,11 @@ def _wake_after(runtime: Runtime, backend: Backend | None, job: FineTuneJob,
         due.append(runtime.interval if decision.requeue_after is None
                    else min(runtime.interval, decision.requeue_after))
     return min((d for d in due if d is not None), default=None)
+
+
+UNREACHABLE_POLLS = 6
+"""A backend that cannot be asked is asked again after this many intervals (a minute at the
+default 10 s)."""
 
 
 # --- the reconcilers ------------------------------------------------------------------------

@@ -212,6 +212,11 @@ async def test_a_refused_identity_is_a_condition_not_a_crash(cluster, aml_operat
     assert "azureWorkloadIdentity.clientId" in degraded["message"]
     assert "AzureML Data Scientist" in degraded["message"]
     assert status(cluster)["phase"] == "Pending" and not azure.jobs
+    # asked again after six intervals (1.8 s here, a minute by default), not at every one:
+    # each look without an identity cost a token request and the SDK's 15-line warning
+    asked = len(azure.requests_to("GET", "/jobs/"))
+    await asyncio.sleep(1.2)
+    assert len(azure.requests_to("GET", "/jobs/")) - asked <= 1
 
     azure.failures.clear()  # the identity is fixed
     await submitted(cluster, azure)

@@ -21,8 +21,12 @@ from finetune_operator.backends.azureml.states import AzureJob
 
 logger = logging.getLogger("finetune_operator.azureml")
 ARM_SCOPE = "https://management.azure.com/.default"
-QUIET_LOGGERS = ("azure.core.pipeline.policies.http_logging_policy",
-                 "azure.ai.ml.operations._job_operations", "azure.identity")
+QUIET_LOGGERS = {"azure.core.pipeline.policies.http_logging_policy": logging.WARNING,
+                 "azure.ai.ml.operations._job_operations": logging.WARNING,
+                 "azure.identity": logging.ERROR}
+"""Loggers of the Azure SDK and the level they keep: a line per HTTP call at INFO, and
+DefaultAzureCredential's 15-line WARNING at every attempt without an identity, which the
+job's status and event already say (AUTH_FIX) once."""
 AUTH_FIX = ("give the operator an Azure identity: set the chart's azureWorkloadIdentity."
             "clientId to a user-assigned managed identity whose federated credential trusts "
             "the operator's service account, and grant it the AzureML Data Scientist role on "
@@ -133,8 +137,8 @@ class AzureMLClient:
     def __init__(self, workspace: Workspace, credential: Any, transport: Any = None,
                  retry: RetrySettings | None = None):
         sdk = require_sdk()
-        for chatty in QUIET_LOGGERS:  # a line per HTTP call at INFO; ours say what matters
-            logging.getLogger(chatty).setLevel(logging.WARNING)
+        for chatty, level in QUIET_LOGGERS.items():
+            logging.getLogger(chatty).setLevel(level)
         self.workspace = workspace
         self.credential = credential
         self.transport = transport

@@ -125,6 +125,25 @@ def test_a_missing_claim_is_named_by_the_field_that_names_it():
     assert named_by_field(job, None) is None
 
 
+def test_a_missing_priority_class_and_a_selector_no_node_matches_name_their_fields():
+    """The Job controller's and the scheduler's words name neither field."""
+    job = FineTuneJob.model_validate(minimal_job(kubernetes={
+        "priorityClassName": "nosuch-prio", "nodeSelector": {"pool": "h100"}}))
+    refused = ('FailedCreate: Error creating: pods "demo-0-x" is forbidden: no PriorityClass '
+               "with name nosuch-prio was found")
+    assert named_by_field(job, refused) == (
+        f"{refused} — spec.kubernetes.priorityClassName names it: create the PriorityClass "
+        "(cluster-wide, an admin's: kubectl get priorityclasses lists those there are) or "
+        "name one that exists")
+    nowhere = ("demo-0-a: Unschedulable: 0/5 nodes are available: 5 node(s) didn't match "
+               "Pod's node affinity/selector.")
+    assert named_by_field(job, nowhere) == (
+        f"{nowhere} — spec.kubernetes.nodeSelector (pool=h100) is what those nodes lack: "
+        "check it against their labels (kubectl get nodes -L pool)")
+    plain = FineTuneJob.model_validate(minimal_job())  # no selector of the user's
+    assert named_by_field(plain, nowhere) == nowhere
+
+
 def test_an_init_container_that_cannot_start_is_the_reason_not_pod_initializing():
     """resume-check runs first in the trainer's image: a typo in the image stops it, and the
     kubelet says only PodInitializing of the trainer (kubectl: Init:ImagePullBackOff)."""

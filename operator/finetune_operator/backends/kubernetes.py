@@ -610,6 +610,8 @@ _UNPULLABLE = re.compile(r"^[^:]+: (ErrImagePull|ImagePullBackOff|InvalidImageNa
 _MISSING_CLAIM = re.compile(r'persistentvolumeclaim "([^"]+)" not found')
 _MISSING_OBJECT = re.compile(r'(secret|configmap)s? "([^"]+)" not found')
 _MISSING_KEY = re.compile(r"couldn't find key (\S+) in (Secret|ConfigMap) [^/\s]+/([^\s:]+)")
+_NO_PRIORITY_CLASS = re.compile(r"no PriorityClass with name (\S+) was found")
+_NO_NODE_MATCHES = "didn't match Pod's node affinity/selector"
 
 
 def named_by_field(job: FineTuneJob, waiting: str | None) -> str | None:
@@ -620,7 +622,17 @@ def named_by_field(job: FineTuneJob, waiting: str | None) -> str | None:
     order."""
     if waiting is None:
         return None
-    ns = job.namespace
+    ns, k8s = job.namespace, job.spec.kubernetes
+    if (match := _NO_PRIORITY_CLASS.search(waiting)) and k8s and (
+            k8s.priority_class_name == match[1]):
+        return (f"{waiting} — spec.kubernetes.priorityClassName names it: create the "
+                "PriorityClass (cluster-wide, an admin's: kubectl get priorityclasses lists "
+                "those there are) or name one that exists")
+    if _NO_NODE_MATCHES in waiting and k8s and k8s.node_selector:
+        labels = ", ".join(f"{k}={v}" for k, v in k8s.node_selector.items())
+        return (f"{waiting} — spec.kubernetes.nodeSelector ({labels}) is what those nodes "
+                f"lack: check it against their labels (kubectl get nodes -L "
+                f"{','.join(k8s.node_selector)})")
     if _UNPULLABLE.search(waiting):
         if job.spec.kubernetes is not None and job.spec.kubernetes.image:
             return (f"{waiting} — spec.kubernetes.image names the image: check its name and "

@@ -655,6 +655,9 @@ class FineTuneSweepStatus(StatusModel):
     completion_time: datetime | None = None
     message: str | None = None
     """A one-line summary of the current phase."""
+    observed_generation: int | None = None
+    """The spec generation the operator last looked at: an edit of a sweep refused as
+    invalid starts it, one of an ended sweep is said to change nothing."""
 
 
 class FineTuneSweep(Named, ApiModel):

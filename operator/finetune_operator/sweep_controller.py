@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from finetune_operator.api import KIND, SWEEP_KIND, FineTuneSweep, TrialStatus
+from finetune_operator.api import KIND, SWEEP_KIND, TERMINAL_PHASES, FineTuneSweep, TrialStatus
 from finetune_operator.kube import Kube, KubeError, merge_patch, newer, slim
 from finetune_operator.reconcile import Event
 from finetune_operator.sweep import (
@@ -136,11 +136,24 @@ class Sweeps:
     async def _look(self, body: dict[str, Any]) -> float | None:
         sweep, errors = self._admit(body)
         old = dict(body.get("status") or {})
+        generation = body["metadata"].get("generation")
+        edited = old.get("observedGeneration") not in (None, generation)
         if sweep is None or errors:
             message = "; ".join(errors)
             if old.get("phase") != "Failed" or old.get("message") != message:
-                await self._patch(body, {**old, "phase": "Failed", "message": message})
+                await self._patch(body, {**old, "phase": "Failed", "message": message,
+                                         "observedGeneration": generation})
                 await self._post(body, Event("Warning", "Invalid", message))
+            return None
+        if old.get("phase") == "Failed" and not old.get("trials") and edited:
+            # refused as invalid before any trial was made: the edit that fixed it starts it
+            sweep, old = sweep.model_copy(update={"status": None}), {}
+        elif old.get("phase") in TERMINAL_PHASES and edited:
+            await self._patch(body, {**old, "observedGeneration": generation})
+            await self._post(body, Event(
+                "Warning", "SpecChangeIgnored", f"the sweep has ended ({old['phase']}): a "
+                "change of its spec starts nothing — create a FineTuneSweep of another name "
+                "to search again (its trials and their models stay)"))
             return None
         metric = sweep.spec.objective.metric
         trials = self.trials(body, metric)
@@ -154,6 +167,7 @@ class Sweeps:
                     trials[trial.number] = child_view(job, metric)
         # optuna's TPE over hundreds of finished trials takes a while: off the event loop
         decision = await asyncio.to_thread(decide, sweep, trials, datetime.now(UTC))
+        decision.status.observed_generation = generation
         new = decision.status.to_dict()
         if new != old:
             body = await self._patch(body, new) or body

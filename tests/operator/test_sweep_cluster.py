@@ -150,3 +150,45 @@ async def test_a_sweep_the_api_server_refuses_names_the_field(control_plane_test
     result = bed.installation.kubectl("apply", "-f", "-", input=json.dumps(sweep), check=False)
     assert result.returncode != 0
     assert "spec.template.resources.nodes" in result.stderr
+
+
+@pytest.mark.asyncio
+async def test_an_edit_starts_a_sweep_refused_as_invalid_and_is_said_to_change_an_ended_one_not(
+        control_plane_testbed):
+    """The helper's walkthrough: a sweep the operator refused (a searched value no trial
+    may have, which the CRD cannot see) kept its refusal after the edit that fixed it, and
+    an edit of an ended sweep was ignored without a word."""
+    bed: ControlPlaneTestbed = control_plane_testbed
+    template = bed.manifest("template", resources={"nodes": 1, "gpusPerNode": 1})["spec"]
+    sweep = {"apiVersion": "finetune.dev/v1alpha1", "kind": "FineTuneSweep",
+             "metadata": {"name": "fixed", "namespace": bed.namespace},
+             "spec": {"template": template, "maxTrials": 1, "objective": {"metric": "loss"},
+                      "searchSpace": {"method.lora.r": {"type": "choice", "values": [8, 0]}}}}
+    await bed.apply(sweep)
+
+    def status() -> dict[str, Any]:
+        return (bed.get(SWEEPS, "fixed") or {}).get("status") or {}
+
+    await bed.until(lambda: status().get("phase") == "Failed", "refused")
+    assert "the value 0 makes spec.template.method.lora.r invalid" in status()["message"]
+    kubectl = bed.installation.kubectl
+    edit = {"spec": {"searchSpace": {"method.lora.r": {"values": [8]}}}}
+    kubectl("patch", "ftsweep", "fixed", "-n", bed.namespace, "--type=merge", "-p",
+            json.dumps(edit))
+    await bed.until(lambda: status().get("trialCount") == 1, "the trial made after the edit")
+    await bed.until(lambda: bed.running_pods("fixed-0"), "the trial's workers")
+    await bed.finish("fixed-0")  # no loss reported: the sweep ends Failed, with its trial
+    await bed.until(lambda: status().get("phase") == "Failed" and status().get("trials"),
+                    "ended")
+    kubectl("patch", "ftsweep", "fixed", "-n", bed.namespace, "--type=merge", "-p",
+            json.dumps({"spec": {"maxTrials": 2}}))
+
+    def said() -> list[str]:
+        listed = json.loads(kubectl("get", "events", "-n", bed.namespace, "-o", "json").stdout)
+        return [e["message"] for e in listed["items"] if e.get("reason") == "SpecChangeIgnored"
+                and e["involvedObject"]["name"] == "fixed"]
+
+    await bed.until(said, "the edit of an ended sweep said to change nothing")
+    assert said()[0].startswith("the sweep has ended (Failed): a change of its spec starts "
+                                "nothing"), said()
+    assert status()["trialCount"] == 1

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune_operator import api, apidoc, yamlio
-from finetune_operator.validation import CelRule, cel_rules
+from finetune_operator.validation import CelRule, cel_rules, in_sweep_template
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 API_REFERENCE = REPO_ROOT / "docs" / "api-reference.md"
@@ -191,7 +191,8 @@ def sweep_openapi_schema() -> dict[str, Any]:
                  _schema_of(api.FineTuneSweepStatus, mode="serialization"))
     root["properties"]["status"]["properties"]["trials"].update(
         {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["number"]})
-    _attach(root, [replace(c, scope="spec.template" + c.scope[len("spec"):])
+    _attach(root, [replace(c, scope="spec.template" + c.scope[len("spec"):],
+                           message=in_sweep_template(c.message))
                    for c in cel_rules() if c.scope.split(".")[0] == "spec"])
     _attach(root, [CelRule("", f"self.metadata.name.size() <= {api.MAX_SWEEP_NAME_LENGTH}",
                            f"metadata.name: too long — a sweep's name takes at most "

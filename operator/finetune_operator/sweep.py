@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import itertools
 import math
-import re
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -40,7 +39,12 @@ from finetune_operator.api import (
     TrialStatus,
 )
 from finetune_operator.reconcile import Event
-from finetune_operator.validation import Problem, check_document, structural_problem
+from finetune_operator.validation import (
+    Problem,
+    check_document,
+    in_sweep_template,
+    structural_problem,
+)
 
 
 def grid_values(parameter: SearchParameter) -> list[Scalar]:
@@ -452,12 +456,6 @@ def _job_problems(sweep: FineTuneSweep, spec: dict[str, Any], number: int) -> li
 def _as_template(problems: list[Problem]) -> list[Problem]:
     """A trial's problems as the sweep's: `spec.x` is `spec.template.x`, in the path and in
     the words; its name is the sweep's."""
-    def in_template(text: str) -> str:
-        return _JOB_FIELD.sub("spec.template.", text)
-
-    return [replace(p, path=in_template(p.path), message=in_template(p.message),
-                    fix=in_template(p.fix)) for p in problems
+    return [replace(p, path=in_sweep_template(p.path), message=in_sweep_template(p.message),
+                    fix=in_sweep_template(p.fix)) for p in problems
             if not p.path.startswith("metadata.name")]
-
-
-_JOB_FIELD = re.compile(r"\bspec\.")

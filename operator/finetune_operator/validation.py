@@ -535,6 +535,15 @@ def short_repr(value: Any) -> str:
     return _SHORT.repr(value)
 
 
+def in_sweep_template(text: str) -> str:
+    """A job's words about its fields (`spec.x`) as a sweep's, whose template the job's
+    spec is (`spec.template.x`)."""
+    return _JOB_FIELD.sub("spec.template.", text)
+
+
+_JOB_FIELD = re.compile(r"\bspec\.")
+
+
 def structural_problem(error: Any, root: type[BaseModel]) -> Problem:
     loc = tuple(error["loc"])
     path = _path(loc)

@@ -31,8 +31,8 @@ def test_validate_refuses_a_sweep_whose_searched_value_breaks_the_template():
     result = finetune("validate", "-", stdin=yaml.safe_dump(sweep))
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "<stdin>: spec.searchSpace[resources.nodes]: the value 0 makes spec.resources.nodes "
-        "invalid: is 0, must be at least 1 — set a value at least 1"]
+        "<stdin>: spec.searchSpace[resources.nodes]: the value 0 makes "
+        "spec.template.resources.nodes invalid: is 0, must be at least 1 — set a value at least 1"]
 
 
 def test_validate_reports_one_line_per_problem_and_exits_2():

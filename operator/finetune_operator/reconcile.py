@@ -351,8 +351,11 @@ def _admitted(b: _Builder) -> bool:
                    f"spec.{', spec.'.join(changed)} cannot change after launch; only "
                    "spec.runPolicy can (suspend, deadlines, budget). Revert the change, or "
                    "delete and re-create the job to start over")
-        elif condition(status, "SpecChangeRefused"):
-            b.cond("SpecChangeRefused", False, "SpecMatchesLaunch", "")
+        else:
+            if condition(status, "SpecChangeRefused"):
+                b.cond("SpecChangeRefused", False, "SpecMatchesLaunch", "")
+            if not status.spec_at_launch:  # launched by an operator that kept only hashes
+                status.spec_at_launch = _spec_at_launch(b.asked)
     return False
 
 

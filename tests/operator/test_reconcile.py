@@ -365,6 +365,12 @@ def test_after_a_refused_change_the_workers_run_and_relaunch_as_launched():
     assert relaunch.status.launched_spec == first.status.launched_spec
     assert relaunch.status.spec_at_launch == first.status.spec_at_launch
     assert condition(relaunch.status, "SpecChangeRefused").status == "True"
+    # a job launched by an operator that kept only the fingerprints: kept at the next look
+    # while the spec is still as launched
+    older = launched("Running")
+    assert not older.spec_at_launch
+    kept = reconcile(job(older), Observation(exists=True, running=True), at(50))
+    assert kept.status.spec_at_launch == first.status.spec_at_launch
 
 
 def test_an_invalid_edit_after_launch_is_said_and_the_workers_are_still_followed():

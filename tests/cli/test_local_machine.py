@@ -110,6 +110,7 @@ def test_finetune_run_refuses_it_before_anything_starts(tmp_path):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")  # there: the machine is refused
     (tmp_path / "model" / "model.safetensors").write_bytes(b"")
+    (tmp_path / "model" / "tokenizer.json").write_text("{}")
     (tmp_path / "data.jsonl").write_text("{}\n")
     result = subprocess.run([sys.executable, "-m", "finetune_operator.cli", "run", "job.yaml",
                              "--nproc", "4"], cwd=tmp_path, capture_output=True, text=True,
@@ -191,6 +192,7 @@ def test_a_model_the_checks_refuse_marks_the_run_failed_with_where_to_read_why(t
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{not json")
     (tmp_path / "model" / "model.safetensors").write_bytes(b"")
+    (tmp_path / "model" / "tokenizer.json").write_text("{}")
     (tmp_path / "data.jsonl").write_text('{"text": "hello"}\n')
     finetune = [sys.executable, "-m", "finetune_operator.cli"]
     run = subprocess.run([*finetune, "run", "job.yaml"], cwd=tmp_path, capture_output=True,
@@ -427,6 +429,7 @@ def test_data_the_trainer_cannot_read_is_named_before_it_starts(tmp_path):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
     (tmp_path / "model" / "model.safetensors").write_bytes(b"")
+    (tmp_path / "model" / "tokenizer.json").write_text("{}")
     (tmp_path / "notes.txt").write_text('{"text": "hello"}\n')
     (tmp_path / "empty").mkdir()
     said = {"./notes.txt": "{0}/notes.txt has an extension the trainer does not read (.txt) "

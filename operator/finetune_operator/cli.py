@@ -246,9 +246,9 @@ def _unusable(where: Path, is_model: bool) -> tuple[str | None, str | None]:
         return (f"holds config.json but no weights ({', '.join(layout.SAVED_WEIGHTS)})",
                 saved_model)
     if is_model and not layout.holds_any(where, layout.TOKENIZER_FILES):
-        return ("holds no tokenizer (tokenizer.json, tokenizer.model or vocabulary files), "
-                "which the trainer reads from the model's folder", "save the model's "
-                "tokenizer into it as well: tokenizer.save_pretrained(<the folder>)")
+        return (f"{layout.NO_TOKENIZER}, which the trainer reads from the model's folder",
+                "save the model's tokenizer into it as well: "
+                "tokenizer.save_pretrained(<the folder>)")
     if not is_model and where.is_file() and where.stat().st_size == 0:
         return "is empty", "write at least one record to it, or name another file"
     if not is_model:

@@ -31,6 +31,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
                    "spiece.model", "sentencepiece.bpe.model", "*.tiktoken")
 """What a saved tokenizer leaves in a model folder, one at least: a fast tokenizer's
 tokenizer.json, a SentencePiece model, BPE or WordPiece vocabularies, tiktoken ranks."""
+NO_TOKENIZER = "holds no tokenizer (tokenizer.json, tokenizer.model or vocabulary files)"
+"""What `finetune run` and the trainer say of a model folder without TOKENIZER_FILES."""
 
 
 def holds_any(folder: Path, patterns: tuple[str, ...]) -> bool:

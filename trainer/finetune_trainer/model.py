@@ -100,9 +100,8 @@ def load_tokenizer(source: ModelSource, base_dir: Path | None = None):
         folder = Path(location)
         if (not source.uri.startswith("hf://") and folder.is_dir()
                 and not layout.holds_any(folder, layout.TOKENIZER_FILES)):
-            raise ModelError(location, "holds no tokenizer (tokenizer.json, tokenizer.model "
-                             "or vocabulary files)", "save the model's tokenizer into the "
-                             "folder as well: tokenizer.save_pretrained(<the folder>)"
+            raise ModelError(location, layout.NO_TOKENIZER, "save the model's tokenizer into "
+                             "the folder as well: tokenizer.save_pretrained(<the folder>)"
                              ) from error
         raise _load_error(location, source, error) from error
     if tokenizer.pad_token_id is None:

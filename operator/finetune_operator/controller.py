@@ -347,6 +347,10 @@ class Controller:
     async def stop(self) -> None:
         """Finish the looks in progress (each within the API timeout), start no new one."""
         self.queue.shut_down()
+        # a standby's reconciler that was handed a key waits to act: wake it, and the shut
+        # queue gives it None (else it held the stop for the whole timeout, past the pod's
+        # grace period)
+        self.acting.set()
         if not self._reconcilers:
             return
         _done, pending = await asyncio.wait(self._reconcilers,

@@ -15,6 +15,8 @@ import pytest
 
 from finetune_operator import controller
 from finetune_operator.controller import PEERING_LOOK_SECONDS, Peering
+from finetune_operator.kube import Kube
+from finetune_operator.settings import OperatorSettings
 from finetune_trainer.record import ProgressRecord
 from tests.support.emulator import ApiServer
 from tests.support.operator_fixtures import NotKopfs, Operator
@@ -115,3 +117,15 @@ async def test_who_leads_follows_kopfs_rule():
     assert not controller.leads({"a": peer(200, fresh)}, "b", 100, now)
     assert not controller.leads({"a": peer(100, fresh)}, "b", 100, now)  # kopf pauses both
     assert controller.leads({"a": peer(200, stale)}, "b", 100, now)  # its record expired
+
+
+async def test_a_standby_stops_at_once(cluster):
+    """A reconciler of a standby that was handed a key waits to act again; a stop must not
+    wait for that (a rolling update's grace period is 30 s)."""
+    standby = controller.Controller(controller.Runtime.build(
+        Kube(cluster.kubeconfig), OperatorSettings(), interval=0.3))
+    standby.acting.clear()
+    standby.start()
+    standby.queue.add(("default", "demo"))
+    await asyncio.sleep(0.1)  # a reconciler takes it, and waits for `acting`
+    await asyncio.wait_for(standby.stop(), timeout=5)

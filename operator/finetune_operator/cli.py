@@ -595,7 +595,8 @@ def operator_command(all_namespaces: bool, namespaces: tuple[str, ...], log_leve
 
     async def serve() -> None:
         try:  # one clear line, not kopf's retry loop, when the cluster cannot be used at all
-            await kube.check_access(client, namespaces)
+            for warning in await kube.check_access(client, namespaces):
+                logging.getLogger("finetune_operator").warning("%s", warning)
         except kube.LoginError as error:
             click.echo(f"finetune operator: {error}", err=True)
             sys.exit(1)

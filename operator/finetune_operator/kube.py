@@ -22,7 +22,7 @@ import importlib.metadata
 import json
 import os
 import ssl
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -549,9 +549,26 @@ optional: claims, Kueue workloads, the Job controller's events). With any missin
 retried the forbidden watch for ever and stopped answering, SIGTERM included."""
 
 
-async def denied_access(kube: Kube, namespaces: tuple[str, ...] = ()
+OPTIONAL_ACCESS: dict[tuple[str, str, str], str] = {
+    ("batch", "jobs", "patch"): "spec.runPolicy.suspend cannot suspend or resume a job",
+    ("", "persistentvolumeclaims", "get"):
+        "a multi-node job is launched without checking that its output claim is "
+        "ReadWriteMany",
+    ("", "events", "list"): "a job whose pods the Job controller cannot create (a quota, an "
+                            "admission webhook) does not say why",
+    (KUEUE_GROUP, "workloads", "list"): "a job queued by Kueue is not followed",
+    (KUEUE_GROUP, "workloads", "patch"): "a job queued by Kueue cannot be suspended",
+    ("finetune.dev", "finetunejobs", "patch"):
+        "an Azure ML job gets no finalizer: deleting its FineTuneJob leaves it running",
+}
+"""(group, resource, verb) the chart grants beyond NEEDED_ACCESS, and what goes without each:
+the operator starts without them, warning once per missing right."""
+
+
+async def denied_access(kube: Kube, namespaces: tuple[str, ...] = (),
+                        wanted: Iterable[tuple[str, str, str]] = NEEDED_ACCESS,
                         ) -> list[tuple[str, str, str, str | None]]:
-    """(group, resource, verb, namespace) of NEEDED_ACCESS the credentials lack, by the API
+    """(group, resource, verb, namespace) of `wanted` the credentials lack, by the API
     server's own SelfSubjectAccessReview (any authenticated user may ask it)."""
     async def allowed(group: str, resource: str, verb: str, namespace: str | None) -> bool:
         name, _, subresource = resource.partition("/")
@@ -578,15 +595,16 @@ async def denied_access(kube: Kube, namespaces: tuple[str, ...] = ()
             status["allowed"])
 
     asked = [(*needed, namespace) for namespace in namespaces or (None,)
-             for needed in NEEDED_ACCESS]
+             for needed in wanted]
     answers = await asyncio.gather(*(allowed(*a) for a in asked))
     return [a for a, ok in zip(asked, answers, strict=True) if not ok]
 
 
-async def check_access(kube: Kube, namespaces: tuple[str, ...] = ()) -> None:
+async def check_access(kube: Kube, namespaces: tuple[str, ...] = ()) -> list[str]:
     """List FineTuneJobs once, where the operator will watch them, and review the rest of
     what it needs (NEEDED_ACCESS); turn every way that can fail (no server, TLS, 401, 403,
-    no CRD, a Role missing a rule) into a LoginError naming the fix."""
+    no CRD, a Role missing a rule) into a LoginError naming the fix. Returns a warning for
+    each OPTIONAL_ACCESS right it lacks."""
     host = kube.configured.host
     where = f"in namespace {', '.join(namespaces)}" if namespaces else "in all namespaces"
     saved, kube.timeout = kube.timeout, 15.0
@@ -602,6 +620,10 @@ async def check_access(kube: Kube, namespaces: tuple[str, ...] = ()) -> None:
                 f"the credentials may not {', '.join(missing)} {within} (the API server's "
                 "access review) — install the chart's RBAC, or bind its ClusterRole to this "
                 "identity; the operator watches and launches with all of these")
+        lacking = await denied_access(kube, namespaces, OPTIONAL_ACCESS)
+        return [f"the credentials may not {verb} {resource}"
+                f"{f' in namespace {ns}' if ns else ''}: {OPTIONAL_ACCESS[group, resource, verb]}"
+                " (the chart's RBAC grants it)" for group, resource, verb, ns in lacking]
     except KubeError as error:
         fixes = {
             401: f"the API server at {host} refused the credentials (401 Unauthorized): "

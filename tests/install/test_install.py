@@ -179,6 +179,48 @@ def test_every_way_a_login_fails_is_one_line_naming_the_fix(
     assert "list finetunejobs" not in partial and "install the chart's RBAC" in partial
 
 
+def test_with_only_the_rights_it_needs_it_starts_warning_what_goes_without_the_rest(
+        installation, tmp_path):
+    """A hand-made ClusterRole of exactly kube.NEEDED_ACCESS: the operator starts, and says
+    per right the chart would also grant what goes without it (a job queued by Kueue, an
+    RWX check, runPolicy.suspend, an Azure ML job's finalizer)."""
+    from finetune_operator import kube
+
+    rules = [{"apiGroups": [group], "resources": [resource], "verbs": [verb]}
+             for group, resource, verb in kube.NEEDED_ACCESS]
+    installation.kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+        "metadata": {"name": "needed-only"}, "rules": rules}))
+    installation.kubectl("create", "serviceaccount", "needed-only", "-n", "default")
+    installation.kubectl("create", "clusterrolebinding", "needed-only",
+                         "--clusterrole=needed-only", "--serviceaccount=default:needed-only")
+    token = installation.kubectl("create", "token", "needed-only", "-n", "default").stdout
+    path = tmp_path / "needed-only.kubeconfig"
+    path.write_text(json.dumps(controlplane.kubeconfig(
+        installation.plane.server, "needed-only", token.strip(),
+        installation.plane.folder / "pki" / "ca.crt")))
+
+    async def check() -> list[str]:
+        client = kube.Kube(str(path))
+        try:
+            return await kube.check_access(client)
+        finally:
+            await client.close()
+
+    for _ in range(20):  # the API server's RBAC cache takes the binding in within a second
+        try:
+            warnings = asyncio.run(check())
+            break
+        except kube.LoginError as error:
+            assert "403 Forbidden" in str(error) or "may not" in str(error), error
+            time.sleep(0.5)
+    assert len(warnings) == len(kube.OPTIONAL_ACCESS), warnings
+    assert ("the credentials may not get persistentvolumeclaims: a multi-node job is launched "
+            "without checking that its output claim is ReadWriteMany (the chart's RBAC grants "
+            "it)") in warnings
+    assert any(w.startswith("the credentials may not patch workloads: ") for w in warnings)
+
+
 def _signed_client_certificate(pki, user: str, folder) -> tuple[str, str]:
     """A client certificate for `user`, signed by the cluster's CA (its --client-ca-file)."""
     key, csr, crt = folder / f"{user}.key", folder / f"{user}.csr", folder / f"{user}.crt"
@@ -250,7 +292,8 @@ def test_inside_a_pod_it_logs_in_with_the_mounted_service_account(
 
     async def check() -> None:
         try:
-            await kube.check_access(client)  # lists FineTuneJobs cluster-wide (chart's RBAC)
+            # lists FineTuneJobs cluster-wide; the chart's RBAC grants the optional rights too
+            assert await kube.check_access(client) == []
         finally:
             await client.close()
 

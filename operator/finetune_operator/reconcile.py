@@ -93,6 +93,10 @@ class Observation:
     degraded: str | None = None
     """The backend reports trouble that may pass (Azure ML `NotResponding`): a `Degraded`
     condition, nothing else changes."""
+    progress_unreadable: str | None = None
+    """Why the running workers' progress cannot be read now (Azure ML's tracking service):
+    a `Degraded` condition, and the stall check waits, as no progress read is not no
+    progress made."""
     unreachable: str | None = None
     """The backend could not be asked (identity refused, throttled, outage), so nothing is
     known: a `Degraded` condition saying what to fix, and no decision until it answers."""
@@ -373,6 +377,9 @@ def _backend_health(b: _Builder) -> bool:
         return True
     if seen.degraded:
         _degraded(b, "BackendDegraded", seen.degraded)
+    elif seen.progress_unreadable:
+        _degraded(b, "ProgressUnreadable", f"{seen.progress_unreadable}; the stall check "
+                  "waits until it can be read")
     elif (degraded := condition(status, "Degraded")) and degraded.status == "True":
         b.cond("Degraded", False, "Recovered", "")
     return False
@@ -705,6 +712,9 @@ def _restart_or_fail(b: _Builder, failure: Failure) -> Decision:
 
 
 def _watch_for_stall(b: _Builder) -> Decision:
+    if b.seen.progress_unreadable:
+        b.requeue(30.0)
+        return b.decision
     timeout = b.job.spec.run_policy.stall_timeout_seconds
     progress = b.status.progress
     # measured from the later of the last step and this attempt's launch

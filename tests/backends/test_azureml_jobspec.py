@@ -136,6 +136,9 @@ def test_attached_kubernetes_compute_named_environment_and_cpu_workers(tmp_path)
     (tmp_path / "gpus").mkdir()
     gpus = round_trip(aml_job(resources={"gpusPerNode": 8}), tmp_path / "gpus")
     assert "CUDA_VISIBLE_DEVICES" not in gpus.environment_variables
+    # torchrun sets it, Azure ML does not: the checkpoint writer sizes host memory by it
+    assert (loaded.environment_variables["LOCAL_WORLD_SIZE"],
+            gpus.environment_variables["LOCAL_WORLD_SIZE"]) == ("4", "8")
     assert "inputs.model" not in loaded.command
     config = decoded_config(loaded)
     assert config.model.uri == "hf://Qwen/Qwen2.5-0.5B"
@@ -160,8 +163,10 @@ def test_a_dataset_folder_is_a_uri_folder_input():
     ({"model": {"uri": "hf://meta-llama/Llama-3.1-8B", "tokenSecretRef": {"name": "hf"}}},
      "spec.model.tokenSecretRef", "Kubernetes Secrets do not reach Azure ML workers"),
     ({"azureml": {**AML, "shmSize": "1.5Gi"}}, "spec.azureml.shmSize", "not a whole size"),
+    ({"azureml": {**AML, "environment": "azureml:trainer-env"}}, "spec.azureml.environment",
+     "'azureml:trainer-env' names no version"),
 ], ids=["pvc-dataset", "relative-model", "pvc-output", "asset-output", "hf-token",
-        "fractional-shm"])
+        "fractional-shm", "unversioned-environment"])
 def test_what_azure_ml_cannot_run_is_refused_with_a_fix(spec, path, words):
     problems = jobspec.validate(aml_job(**spec))
     assert [p.path for p in problems] == [path]

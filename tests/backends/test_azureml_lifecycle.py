@@ -115,6 +115,9 @@ def test_running_jobs_mirror_their_mlflow_metrics(backend, azure):
     azure.fail("GET", "/mlflow/", 500, times=10)  # tracking down: still running, no progress
     seen = run(backend.observe(aml_job()))
     assert seen.running and seen.progress is None
+    assert seen.progress_unreadable == (f"the progress of Azure ML job {NAME} cannot be read "
+                                        "from its MLflow run (the tracking service answered "
+                                        "HTTP 500)")
 
 
 def test_cancel_posts_cancel_and_tolerates_gone_or_ended_jobs(backend, azure):
@@ -199,15 +202,22 @@ def test_a_failed_attempt_is_read_with_what_its_workers_said_on_its_run(backend,
     assert failure.kind == "worker" and "its logs are in Azure ML Studio" in failure.message
 
 
-def test_a_job_created_meanwhile_is_adopted_on_409(backend, azure):
+@pytest.mark.parametrize("answer", ["409", "400 already exists"])
+def test_a_job_created_meanwhile_is_adopted(backend, azure, answer):
+    """The service answers a taken name with a 400 UserError (MicrosoftDocs/azure-docs
+    #122250), not only a 409: either way the job there is ours, by its name."""
     other = AzureMLBackend(BackendContext(settings=OperatorSettings(),
                                           azure_credential=StaticCredential(),
                                           azure_transport=azure), retry=FAST)
     run(other.launch(aml_job()))  # another operator replica got there first
     azure.fail("GET", f"/jobs/{NAME}", 404, "ResourceNotFound")  # our look missed it
+    if answer != "409":
+        azure.fail("PUT", "/jobs/", 400, "UserError", "A job with this name already exists. "
+                   "Please use a different name.")
     run(backend.launch(aml_job()))
     puts = azure.requests_to("PUT", "/jobs/")
-    assert len(puts) == 2 and list(azure.jobs) == [NAME]  # second PUT answered 409, adopted
+    assert len(puts) == 2 and list(azure.jobs) == [NAME]  # the second PUT refused, adopted
+    assert run(backend.observe(aml_job())).failure is None
 
 
 def test_a_refused_identity_is_reported_with_the_fix(backend, azure):
@@ -262,6 +272,21 @@ def test_transient_errors_are_retried_with_backoff(backend, azure):
     assert "is not answering" in seen.unreachable
 
 
+def test_a_workspace_that_does_not_answer_is_left_alone_for_a_while(backend, azure):
+    """Each look at each of its jobs held a worker thread and a reconciler for the SDK's
+    whole timeout: after one unanswered call, the others wait without asking."""
+    run(backend.launch(aml_job()))
+    azure.fail("GET", "/jobs/", 503, "ServiceUnavailable", times=100)
+    seen = run(backend.observe(aml_job()))
+    assert "is not answering" in seen.unreachable
+    calls = len(azure.calls)
+    again = run(backend.observe(aml_job()))
+    assert again.unreachable == seen.unreachable and len(azure.calls) == calls
+    backend.gate.clock.now += 31
+    run(backend.observe(aml_job()))
+    assert len(azure.calls) > calls  # asked again once the spell is over
+
+
 def test_a_job_azure_ml_refuses_becomes_a_failed_attempt(backend, azure):
     azure.fail("PUT", "/jobs/", 400, "UserError",
                "Compute gpu not found in workspace ws-finetune")
@@ -272,6 +297,37 @@ def test_a_job_azure_ml_refuses_becomes_a_failed_attempt(backend, azure):
     assert "Compute gpu not found" in seen.failure.message
     run(backend.restart(aml_job("Launching")))
     assert run(backend.observe(aml_job("Restarting"))).exists is False
+
+
+def test_a_refused_later_attempt_is_what_the_status_says(backend, azure):
+    """After a worker failed, the next attempt is refused (the compute was deleted): the
+    refusal is reported, not the first attempt's failure again."""
+    run(backend.launch(aml_job()))
+    azure.set_tags(NAME, **{"finetune.failure": "rank 3: CUDA out of memory"})
+    azure.set_state(NAME, "Failed")
+    assert "CUDA out of memory" in run(backend.observe(aml_job("Running", NAME))).failure.message
+    run(backend.restart(aml_job("Running", NAME)))
+    azure.fail("PUT", "/jobs/", 400, "UserError", "Compute gpu-cluster not found", times=100)
+    run(backend.launch(aml_job("Restarting", NAME)))
+    seen = run(backend.observe(aml_job("Launching", NAME)))
+    assert seen.failure.kind == "worker"
+    assert seen.failure.message == (
+        "Azure ML refused the job: (UserError) Compute gpu-cluster not found")
+
+
+def test_a_job_the_sdk_refuses_as_it_submits_is_refused_in_one_clean_line(backend, azure):
+    """The SDK validates some references only as it submits, and re-raises that as a plain
+    MlException whose message is coloured and spread over a list: it was read as an outage
+    with an empty message, and retried every 30 s for ever."""
+    job = aml_job()
+    job.spec.azureml.environment = "my-env"  # no version: `finetune validate` says so too
+    run(backend.launch(job))  # no exception: the refusal is the attempt's outcome
+    seen = run(backend.observe(job))
+    assert seen.failure.message == (
+        "Azure ML refused the job: At least one required parameter is missing: Failed to "
+        "extract version when parsing asset azureml:my-env of type environments as arm id. "
+        "Version must be provided.")
+    assert azure.requests_to("PUT", "/jobs/") == []
 
 
 def test_deleting_a_never_submitted_job_needs_no_azure_but_a_submitted_one_does(backend, azure):

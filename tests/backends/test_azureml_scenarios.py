@@ -201,6 +201,31 @@ async def test_suspend_cancels_and_resume_submits_the_next_attempt(cluster, aml_
     assert sorted(azure.jobs) == [first, second]
 
 
+async def test_a_resume_while_azure_ml_still_cancels_waits_for_it(cluster, aml_operator, azure):
+    """suspend, then resume before Azure ML has cancelled (its workers write their
+    checkpoint): the next attempt waits for the old one to end. Before, the resume found it
+    alive and submitted nothing, then read its Canceled as a failure: a restart used up, and
+    the message blamed Studio."""
+    await apply(cluster, azureml_job())
+    first = await submitted(cluster, azure)
+    azure.set_state(first, "Running")
+    await eventually(phase_is(cluster, "Running"), what="Running")
+    await patch_spec(cluster, "aml", {"runPolicy": {"suspend": True}})
+    await eventually(lambda: azure.state(first) == "CancelRequested", what="cancel requested")
+    await eventually(phase_is(cluster, "Suspended"), what="Suspended")
+
+    await patch_spec(cluster, "aml", {"runPolicy": {"suspend": False}})
+    await eventually(lambda: "suspended workers have stopped" in status(cluster).get(
+        "message", ""), what="waiting for the cancel")
+    assert list(azure.jobs) == [first]
+    azure.set_state(first, "Canceled")
+    second = f"{first}-2"
+    await eventually(lambda: second in azure.jobs, what="the next attempt submitted")
+    azure.set_state(second, "Running")
+    await eventually(phase_is(cluster, "Running"), what="Running again")
+    assert status(cluster).get("restarts", 0) == 0
+
+
 async def test_a_refused_identity_is_a_condition_not_a_crash(cluster, aml_operator, azure):
     azure.fail("GET", "/jobs/", 401, "InvalidAuthenticationToken",
                "The access token is invalid.", times=10_000)

@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from finetune_operator.api import BackendRef, FineTuneJobStatus
+from finetune_operator.api import BackendRef, FineTuneJobStatus, Progress
 from finetune_operator.backends.azureml import states
 from finetune_operator.backends.azureml.states import AzureJob
 from finetune_operator.reconcile import Observation, condition, reconcile, spec_fingerprint
@@ -59,8 +59,52 @@ def test_failed_and_cancelled_are_failed_attempts_with_the_reason():
     assert failed.failure.kind == "worker"
     assert "failed; its logs are in Azure ML Studio: https://ml.azure.com/runs/" in (
         failed.failure.message)
-    cancelled = states.observe(aml_job(), azure("Canceled"))
-    assert "cancelled outside the operator" in cancelled.failure.message
+
+def test_progress_that_cannot_be_read_is_not_taken_for_a_hung_gang():
+    """The operator's identity cannot read the MLflow run, or the tracking service is down:
+    the stall check restarted a healthy job every stallTimeoutSeconds until its budget was
+    gone. Now a Degraded condition says why, and the stall check waits."""
+    job = aml_job("Running")
+    later = T0 + timedelta(hours=2)
+    job.status.progress = Progress(step=500, last_step_time=T0 + timedelta(minutes=5))
+    seen = states.observe(job, azure("Running"), unread="the tracking service answered 403")
+    decision = reconcile(job, seen, later)
+    assert decision.status.phase == "Running" and decision.actions == []
+    degraded = condition(decision.status, "Degraded")
+    assert (degraded.status, degraded.reason) == ("True", "ProgressUnreadable")
+    assert "(the tracking service answered 403); the stall check waits" in degraded.message
+    readable = reconcile(job, states.observe(job, azure("Running")), later)
+    assert readable.status.phase == "Restarting"  # read again, and 2 h without a step
+
+
+def test_a_job_cancelled_in_studio_ends_without_another_attempt():
+    """Someone meant it to stop: submitting it again would undo that, on GPU nodes."""
+    cancelled = states.observe(aml_job("Running"), azure("Canceled"))
+    assert (cancelled.failure.kind, cancelled.failure.reason) == ("refused",
+                                                                  "CancelledInAzureML")
+    decision = reconcile(aml_job("Running"), cancelled, T0)
+    assert decision.status.phase == "Failed" and decision.status.restarts == 0
+    assert "cancelled outside the operator (Azure ML Studio or the CLI)" in (
+        condition(decision.status, "Failed").message)
+    assert "spec.runPolicy.suspend" in condition(decision.status, "Failed").message
+
+
+@pytest.mark.parametrize("state", ["Unknown", "Preparing", "Starting"])
+def test_an_attempt_seen_running_that_reports_another_state_runs_on(state):
+    """The SDK's own words: NotResponding can go back to any earlier state, and Unknown is
+    its fallback. Read as "still starting", a job launched hours ago failed at once on its
+    startup deadline, and its Azure ML job was cancelled."""
+    job = aml_job("Running")
+    job.status.backend_ref = states.backend_ref(azure("Running"))
+    later = T0 + timedelta(hours=2)
+    job.status.progress = Progress(step=500, last_step_time=later - timedelta(minutes=1))
+    seen = states.observe(job, azure(state))
+    assert seen.running and f"reports {state} after it ran" in seen.degraded
+    decision = reconcile(job, seen, later)
+    assert decision.status.phase == "Running" and decision.actions == []
+    assert condition(decision.status, "Degraded").status == "True"
+    # a new attempt that is still starting is waited for, as before
+    assert states.observe(aml_job("Launching"), azure(state)).waiting
 
 
 def test_a_workers_refusal_on_the_run_fails_the_job_at_once():
@@ -104,6 +148,9 @@ def test_what_we_cancelled_is_suspended_or_gone():
     gone = states.observe(aml_job("Restarting"), azure("Failed"))
     assert not gone.exists and gone.backend_ref.name == "demo-0b5e6c7e1234"
     assert states.observe(aml_job("Restarting"), azure("CancelRequested")).deleting
+    # still cancelling: a resume waits for its workers' checkpoint
+    assert states.observe(aml_job("Suspended"), azure("CancelRequested")).stopping
+    assert not states.observe(aml_job("Suspended"), azure("Canceled")).stopping
     assert states.observe(aml_job(), None) == Observation()
 
 

@@ -75,15 +75,32 @@ def test_reporter_logs_each_record_at_its_step(tmp_path):
     assert mlflow.tags == {"finetune.phase": "Succeeded", "finetune.exportEvalLoss": "2.25"}
 
 
-def test_a_tracking_failure_is_reported_once_and_never_stops_training(tmp_path, capsys):
+def test_a_tracking_outage_is_said_once_never_stops_training_and_passes(tmp_path, capsys):
+    """The operator follows an Azure ML job by these metrics: muted for good after one
+    failure, a passing outage made a healthy job look hung to its stall check."""
+    now = [0.0]
     mlflow = FakeMlflow(fail=True)
     reporter = Reporter(tmp_path, total_steps=100, start_step=0, enabled=True,
-                        trackers=(tracking.MlflowTracker(mlflow),))
+                        trackers=(tracking.MlflowTracker(mlflow, clock=lambda: now[0]),))
     reporter.report(10, 0.1, 2.5, 1e-4)
-    reporter.report(20, 0.2, 2.0, 1e-4)
+    reporter.report(20, 0.2, 2.0, 1e-4)  # within the quiet spell: not even tried
+    now[0] = 61.0
+    reporter.report(30, 0.3, 1.9, 1e-4)  # tried again, still down: quiet for longer
     out = capsys.readouterr().out
-    assert out.count("no longer sent to Azure ML tracking") == 1
+    assert out.count("metrics not sent to Azure ML tracking") == 1
+    assert "tried again in 60s" in out
     assert (tmp_path / "progress.json").is_file()
+
+    mlflow.fail = False
+    now[0] = 61.0 + 100.0
+    reporter.report(40, 0.4, 1.8, 1e-4)  # 120 s quiet after the second failure
+    assert mlflow.logged == []
+    now[0] = 61.0 + 121.0
+    reporter.report(50, 0.5, 1.7, 1e-4)
+    assert [step for step, _ in mlflow.logged] == [50]
+    assert "reach Azure ML tracking again (from step 50)" in capsys.readouterr().out
+    reporter.finish("Succeeded")
+    assert mlflow.tags["finetune.phase"] == "Succeeded"
 
 
 WORKER = """

@@ -11,7 +11,8 @@ without torch or mlflow: mlflow is imported only inside Azure ML.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from finetune_trainer.record import MLFLOW_METRICS
@@ -27,13 +28,22 @@ def in_azureml(environ: Mapping[str, str]) -> bool:
         environ.get("AZUREML_RUN_ID") or environ.get("MLFLOW_RUN_ID"))
 
 
+QUIET_AFTER_FAILURE = (60.0, 120.0, 300.0, 600.0)
+"""Seconds without trying after the 1st, 2nd, 3rd, ... tracking failure in a row."""
+
+
 class MlflowTracker:
     """Logs each published progress record as MLflow metrics at its step. A tracking
-    failure costs the charts, never the training run: it is reported once, then muted."""
+    failure costs the charts, never the training run: it is said once, and sending is tried
+    again after a quiet spell (QUIET_AFTER_FAILURE). Muted for good, a passing outage left
+    the operator, which follows the job by these metrics, reading no progress: its stall
+    check then restarted a healthy job."""
 
-    def __init__(self, mlflow: Any):
+    def __init__(self, mlflow: Any, clock: Callable[[], float] = time.monotonic):
         self.mlflow = mlflow
-        self.broken = False
+        self.clock = clock
+        self.failures = 0
+        self.quiet_until = 0.0
 
     def log(self, record: ProgressRecord) -> None:
         self._send(record.mlflow_metrics(), record.step)
@@ -42,17 +52,23 @@ class MlflowTracker:
         self._send({MLFLOW_METRICS["eval_loss"]: loss}, step)
 
     def _send(self, metrics: dict[str, float], step: int) -> None:
-        if self.broken:
+        if self.clock() < self.quiet_until:
             return
         try:
             self.mlflow.log_metrics(metrics, step=step)
         except Exception as error:  # the tracking service, the network, the plugin
-            self.broken = True
-            print(f"metrics are no longer sent to Azure ML tracking: {error}", flush=True)
+            quiet = QUIET_AFTER_FAILURE[min(self.failures, len(QUIET_AFTER_FAILURE) - 1)]
+            self.failures += 1
+            self.quiet_until = self.clock() + quiet
+            if self.failures == 1:
+                print(f"metrics not sent to Azure ML tracking ({error}); training goes on, "
+                      f"and sending is tried again in {quiet:.0f}s", flush=True)
+            return
+        if self.failures:
+            print(f"metrics reach Azure ML tracking again (from step {step})", flush=True)
+        self.failures = 0
 
     def finish(self, final: ProgressRecord) -> None:
-        if self.broken:
-            return
         try:
             self.mlflow.set_tag(PHASE_TAG, final.phase)
             if final.phase == "Succeeded" and final.eval_loss is not None:

@@ -20,8 +20,10 @@ from finetune_operator.backends import BackendContext, BackendError
 from finetune_operator.backends.azureml import jobspec, states
 from finetune_operator.backends.azureml.client import (
     AzureMLClient,
+    NotAnswering,
     Refused,
     RetrySettings,
+    RunUnreadable,
     Throttled,
     Workspace,
 )
@@ -35,17 +37,22 @@ T = TypeVar("T")
 
 
 class ThrottleGate:
-    """Per workspace: no call before the time Azure's last Retry-After named."""
+    """Per workspace: no call before the time Azure's last Retry-After named, or for a
+    while after it did not answer (each look at each of its jobs would otherwise hold a
+    worker thread, and a reconciler, for the SDK's whole timeout)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.clock = clock
         self.until: dict[Workspace, float] = {}
+        self.why: dict[Workspace, str] = {}
 
     def wait_left(self, workspace: Workspace) -> float:
         return max(0.0, self.until.get(workspace, 0.0) - self.clock())
 
-    def close_for(self, workspace: Workspace, seconds: float) -> None:
-        self.until[workspace] = max(self.until.get(workspace, 0.0), self.clock() + seconds)
+    def close_for(self, workspace: Workspace, seconds: float, why: str) -> None:
+        if self.clock() + seconds > self.until.get(workspace, 0.0):
+            self.until[workspace] = self.clock() + seconds
+            self.why[workspace] = why
 
 
 def workspace_of(job: FineTuneJob) -> Workspace:
@@ -68,8 +75,8 @@ class AzureMLBackend:
         self.retry = retry or RetrySettings()
         self.gate = ThrottleGate()
         self._clients: dict[Workspace, AzureMLClient] = {}
-        self._refused: dict[str, str] = {}
-        """FineTuneJob uid → why Azure ML refused its last submission."""
+        self._refused: dict[str, tuple[int, str]] = {}
+        """FineTuneJob uid → the attempt Azure ML last refused to run, and why."""
 
     # --- offline ---
 
@@ -89,18 +96,27 @@ class AzureMLBackend:
             current = await self._call(job, self._newest_attempt, job)
         except BackendError as error:
             return Observation(unreachable=str(error))
+        refused = self._refused.get(job.metadata.uid or job.name)
+        if refused is not None and (current is None or (current.ended and refused[0] > (
+                jobspec.attempt_of(job, current.name) or 1))):
+            # the attempt after the newest one there is was refused: that is the news, not
+            # the failure that led to it (counted as a failed attempt: the budget ends it)
+            return Observation(exists=True, failure=Failure(
+                "worker", f"Azure ML refused the job: {refused[1]}"))
         if current is None:
-            refused = self._refused.get(job.metadata.uid or job.name)
-            if refused is not None:  # counted as a failed attempt: the budget ends it
-                return Observation(exists=True, failure=Failure(
-                    "worker", f"Azure ML refused the job: {refused}"))
             return states.observe(job, None)
-        data: dict[str, Any] = {}
+        data: dict[str, Any] | None = {}
+        unread = None
         if current.status in states.READ_RUN:
-            data = await self._call(job, self._client(job).run_data, current,
-                                    quiet=True) or {}
+            try:
+                data = await self._call(job, self._client(job).run_data, current, quiet=True)
+            except RunUnreadable as error:
+                data, unread = None, str(error)
+            if data is None:
+                unread = unread or self.gate.why.get(workspace_of(job), "no answer")
+        data = data or {}
         progress = states.progress_from_metrics(data.get("metrics") or [])
-        return states.observe(job, current, progress, states.tags_of(data))
+        return states.observe(job, current, progress, states.tags_of(data), unread)
 
     async def launch(self, job: FineTuneJob) -> None:
         await self._submit_next(job)
@@ -161,7 +177,7 @@ class AzureMLBackend:
         try:
             created = self._client(job).create(command_job)
         except Refused as error:
-            self._refused[job.metadata.uid or job.name] = str(error)
+            self._refused[job.metadata.uid or job.name] = (attempt, str(error))
             logger.warning("Azure ML refused %s: %s", command_job.name, error)
             return
         self._refused.pop(job.metadata.uid or job.name, None)
@@ -204,14 +220,17 @@ class AzureMLBackend:
         if wait > 0:
             if quiet:
                 return None
-            raise BackendError(f"Azure ML is throttling calls to workspace {workspace}; the "
-                               "operator waits as asked", retry_after=wait)
+            raise BackendError(self.gate.why[workspace], retry_after=wait)
         try:
             return await asyncio.to_thread(step, *args)
         except Throttled as error:
-            self.gate.close_for(workspace, error.retry_after)
+            self.gate.close_for(workspace, error.retry_after, f"Azure ML is throttling calls "
+                                f"to workspace {workspace}; the operator waits as asked")
             if quiet:
                 return None
+            raise
+        except NotAnswering as error:
+            self.gate.close_for(workspace, error.retry_after, str(error))
             raise
         except Refused as error:  # a read refused: say so, and ask again later
             raise BackendError(f"Azure ML refused a call: {error}", retry_after=60) from error

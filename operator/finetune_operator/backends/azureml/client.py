@@ -12,6 +12,7 @@ to the backend's throttle gate, so no worker thread sleeps for minutes.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +64,14 @@ class Throttled(BackendError):
     """Azure asked the operator to slow down (429) for `retry_after` seconds."""
 
 
+class NotAnswering(BackendError):
+    """The workspace did not answer (an outage, a hung connection) for `retry_after`."""
+
+
+class RunUnreadable(Exception):
+    """The job's MLflow run (its progress, a worker's reason) cannot be read now."""
+
+
 def _retry_policy(settings: RetrySettings) -> Any:
     from azure.core.pipeline.policies import RetryPolicy
 
@@ -82,9 +91,23 @@ def _retry_policy(settings: RetrySettings) -> Any:
                               timeout=settings.timeout)
 
 
-def _first_line(error: BaseException, limit: int = 300) -> str:
-    text = str(getattr(error, "message", None) or error).strip().splitlines() or [""]
-    return text[0][:limit]
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_MARKER = re.compile(r"^(\d+\)|\(x\)|Details:)\s*")
+
+
+def _first_line(error: BaseException, limit: int = 300, whole: bool = False) -> str:
+    """An error's first line; `whole`: every line before the resolutions, on one (the SDK's
+    own validation errors are coloured and spread over a numbered list and details)."""
+    text = _ANSI.sub("", str(getattr(error, "message", None) or error))
+    lines = []
+    for line in text.splitlines():
+        if line.strip().startswith("Resolutions:"):
+            break
+        if line := _MARKER.sub("", line.strip()).strip():
+            lines.append(line)
+    if not lines:
+        return type(error).__name__
+    return (": ".join(lines) if whole else lines[0])[:limit]
 
 
 def translate(error: Exception, workspace: Workspace) -> Exception:
@@ -115,15 +138,17 @@ def translate(error: Exception, workspace: Workspace) -> Exception:
                          f"operator waits {int(wait)}s as asked", retry_after=wait)
     if isinstance(error, (ServiceRequestError, ServiceResponseError)) or (
             status is not None and (status >= 500 or status == 408)):
-        return BackendError(f"Azure ML workspace {workspace} is not answering "
+        return NotAnswering(f"Azure ML workspace {workspace} is not answering "
                             f"({_first_line(error)}); retrying", retry_after=30)
     if status == 404:
         return Refused(f"Azure ML answered 404 ({_first_line(error)}) — check "
                        "spec.azureml.subscriptionId, resourceGroup and workspace, and the "
                        "compute, environment and input assets the job names")
-    if isinstance(error, (HttpResponseError, ml_exceptions.ValidationException,
-                          ml_exceptions.UserErrorException)):
-        return Refused(_first_line(error, 600))
+    if isinstance(error, (HttpResponseError, ml_exceptions.MlException)):
+        # the service's 4xx, or the SDK refusing the job before it is sent (its validation
+        # re-raised as a plain MlException): the same on every try
+        return Refused(_first_line(error, 600,
+                                   whole=isinstance(error, ml_exceptions.MlException)))
     if isinstance(error, AzureError):  # anything else from the SDK's transport or parsing
         return BackendError(f"calling Azure ML workspace {workspace} failed "
                             f"({type(error).__name__}: {_first_line(error)}); retrying",
@@ -164,18 +189,15 @@ class AzureMLClient:
             raise self._translate(error) from error
 
     def create(self, command_job: Any) -> AzureJob:
-        """Submit; a job that appeared meanwhile under the same name (409) is adopted."""
-        from azure.core.exceptions import ResourceExistsError
-
+        """Submit; a job that appeared meanwhile under the same name is adopted (a 409, or
+        the 400 UserError "A job with this name already exists" the service answers)."""
         try:
             return self._read(self.ml.jobs.create_or_update(command_job))
-        except ResourceExistsError:
-            found = self.get(command_job.name)
-            if found is None:
-                raise
-            return found
         except Exception as error:
-            raise self._translate(error) from error
+            translated = self._translate(error)
+            if isinstance(translated, Refused) and (found := self.get(command_job.name)):
+                return found
+            raise translated from error
 
     def cancel(self, name: str) -> None:
         """Ask Azure ML to cancel (without waiting); a job that is gone needs nothing."""
@@ -188,12 +210,12 @@ class AzureMLClient:
         except Exception as error:
             raise self._translate(error) from error
 
-    def run_data(self, job: AzureJob) -> dict[str, Any] | None:
+    def run_data(self, job: AzureJob) -> dict[str, Any]:
         """The MLflow run's data (the run id is the job name): its latest `metrics` and its
-        `tags`, each a list of {key, value}; None when the tracking service cannot say:
-        progress and a worker's reason are niceties, never a reason to fail."""
+        `tags`, each a list of {key, value}. Raises RunUnreadable, saying why, when the
+        tracking service cannot say: never a reason to fail the job."""
         if not job.tracking_uri:
-            return None
+            raise RunUnreadable("Azure ML names no tracking service for the job")
         from azure.core import PipelineClient
         from azure.core.pipeline.policies import BearerTokenCredentialPolicy
         from azure.core.rest import HttpRequest
@@ -208,12 +230,13 @@ class AzureMLClient:
         try:
             response = client.send_request(request)
             if response.status_code != 200:
-                logger.debug("run data of %s: HTTP %s", job.name, response.status_code)
-                return None
+                raise RunUnreadable(f"the tracking service answered HTTP "
+                                    f"{response.status_code}")
             return dict(response.json().get("run", {}).get("data", {}))
-        except Exception as error:  # the tracking service is optional here
-            logger.debug("run data of %s not readable: %s", job.name, error)
-            return None
+        except RunUnreadable:
+            raise
+        except Exception as error:  # the tracking service, the network, the answer
+            raise RunUnreadable(f"{type(error).__name__}: {_first_line(error)}") from error
 
     @staticmethod
     def _read(entity: Any) -> AzureJob:

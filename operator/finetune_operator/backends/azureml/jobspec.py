@@ -169,6 +169,15 @@ def environment_reference(name: str) -> str:
     return name if name.startswith(("azureml:", "azureml://")) else f"azureml:{name}"
 
 
+def _versioned(environment: str) -> bool:
+    """Whether an environment reference names its version, as Azure ML requires (the SDK
+    refuses `my-env` only as it submits, in a message of several coloured lines)."""
+    if environment.startswith(("azureml://", "azureml:/")):  # a registry URI or an ARM id
+        return True
+    name = environment.removeprefix("azureml:")
+    return ":" in name or name.endswith("@latest")
+
+
 def job_environment(job: FineTuneJob, settings: OperatorSettings) -> Any:
     """A named Azure ML environment, or an anonymous one built on the trainer image."""
     from azure.ai.ml.entities import Environment
@@ -222,6 +231,9 @@ def build_command_job(job: FineTuneJob, settings: OperatorSettings, attempt: int
         "FINETUNE_JOB": f"{job.namespace}/{job.name}",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
         "NCCL_DEBUG": "WARN",
+        # Azure ML sets RANK, LOCAL_RANK, WORLD_SIZE and NODE_RANK but not this, which
+        # torchrun sets: the background checkpoint write sizes its host memory by it
+        "LOCAL_WORLD_SIZE": str(processes),
     }
     if not spec.resources.gpus_per_node:  # CPU workers on a GPU instance: none takes a GPU
         environment_variables["CUDA_VISIBLE_DEVICES"] = ""
@@ -276,6 +288,11 @@ def validate(job: FineTuneJob) -> list[Problem]:
         except ValueError as error:
             problems.append(Problem("spec.azureml.shmSize", str(error),
                                     "write a whole size, e.g. 64Gi"))
+    if aml is not None and aml.environment and not _versioned(aml.environment):
+        problems.append(Problem(
+            "spec.azureml.environment", f"{aml.environment!r} names no version",
+            f"write {aml.environment.removeprefix('azureml:')}@latest, or "
+            f"{aml.environment.removeprefix('azureml:')}:<version>"))
     if job.metadata.uid and len(attempt_name(job, 1000)) > JOB_NAME_LIMIT:
         problems.append(Problem("metadata.name", "is too long for Azure ML job names",
                                 "use a shorter name"))

@@ -2,13 +2,15 @@
 
 Job states (Azure ML): NotStarted, Starting, Provisioning, Preparing, Queued, Running,
 Finalizing, CancelRequested, Completed, Failed, Canceled, NotResponding, Paused.
-NotResponding can recover, so it is a Degraded condition, not an end.
+NotResponding can recover, so it is a Degraded condition, not an end; so is any other
+state an attempt reports after it was seen running (Unknown, the SDK's fallback, or a
+starting state again).
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from finetune_operator.api import BackendRef, FineTuneJob, Progress
@@ -63,10 +65,20 @@ def backend_ref(azure: AzureJob) -> BackendRef:
 
 
 def observe(job: FineTuneJob, azure: AzureJob | None, progress: Progress | None = None,
-            tags: dict[str, str] | None = None) -> Observation:
+            tags: dict[str, str] | None = None, unread: str | None = None) -> Observation:
     """The newest attempt of `job` (None: none exists) as the reconciler sees it; `tags`:
     its MLflow run's, where a failed worker left its reason and a finished run why it
-    stopped early."""
+    stopped early; `unread`: why that run could not be read."""
+    seen = _observe(job, azure, progress, tags)
+    if unread and seen.running:
+        return replace(seen, progress_unreadable=(
+            f"the progress of Azure ML job {azure.name if azure else ''} cannot be read from "
+            f"its MLflow run ({unread})"))
+    return seen
+
+
+def _observe(job: FineTuneJob, azure: AzureJob | None, progress: Progress | None,
+             tags: dict[str, str] | None) -> Observation:
     if azure is None:
         return Observation()
     ref, state, phase = backend_ref(azure), azure.status, (job.status.phase if job.status
@@ -78,7 +90,10 @@ def observe(job: FineTuneJob, azure: AzureJob | None, progress: Progress | None 
     if job.spec.run_policy.suspend or phase == "Suspended":
         # we cancelled it to suspend: cancelled (or cancelling) is what suspended looks like
         suspended = state in CANCELING or azure.ended
-        return Observation(exists=True, suspended=suspended, backend_ref=ref)
+        # still cancelling: its workers write their checkpoint, and a resume now would find
+        # this attempt alive, submit nothing, and then read its Canceled as a failure
+        return Observation(exists=True, suspended=suspended, stopping=state in CANCELING,
+                           backend_ref=ref)
     if phase == "Restarting" and azure.ended:
         return Observation(backend_ref=ref)  # gone: the next attempt can be submitted
     if state in CANCELING:
@@ -87,9 +102,12 @@ def observe(job: FineTuneJob, azure: AzureJob | None, progress: Progress | None 
         return Observation(exists=True, backend_ref=ref, progress=progress,
                            failure=failure(where, azure, tags or {}))
     if state == "Canceled":
+        # someone meant it to stop: submitting it again (the budget's worth of GPU nodes,
+        # each time) would undo what they did
         return Observation(exists=True, backend_ref=ref, failure=Failure(
-            "worker", f"{where} was cancelled outside the operator (Studio or the CLI); set "
-            "spec.runPolicy.suspend to stop a job instead"))
+            "refused", f"{where} was cancelled outside the operator (Azure ML Studio or the "
+            "CLI), so the job ends here; to stop a job and resume it later, set "
+            "spec.runPolicy.suspend", reason="CancelledInAzureML"))
     if state in QUEUED:
         on = f" on compute {azure.compute}" if azure.compute else ""
         return Observation(exists=True, backend_ref=ref,
@@ -100,6 +118,14 @@ def observe(job: FineTuneJob, azure: AzureJob | None, progress: Progress | None 
         return Observation(exists=True, running=True, progress=progress, backend_ref=ref,
                            degraded=f"{where} is NotResponding: Azure ML lost contact with "
                            "its workers; it may recover by itself")
+    if phase == "Running" and job.status is not None and job.status.backend_ref is not None \
+            and job.status.backend_ref.name == azure.name:
+        # an attempt seen running that reports Unknown (the SDK's fallback) or a starting
+        # state again: still followed as running, never failed by a startup deadline that
+        # counts from its launch hours ago
+        return Observation(exists=True, running=True, progress=progress, backend_ref=ref,
+                           degraded=f"{where} reports {state} after it ran; the operator "
+                           "follows it on until it runs or ends")
     # NotStarted, Starting, Provisioning, Preparing (image build, node setup), or a state
     # newer than this code: still on its way
     return Observation(exists=True, waiting=f"{where} is {state}", backend_ref=ref)

@@ -391,15 +391,16 @@ class Controller:
         self.failures.clear()
         self.sweeps.forget_all()
 
-    async def lead(self) -> None:
-        """This replica leads (again): act, starting from every job there is now (kopf
-        lists them too when its watches resume; the first listing wins, the other is a
-        no-op)."""
+    async def lead(self, namespaces: tuple[str, ...] = ()) -> None:
+        """This replica leads (again): act, starting from every job there is now in the
+        namespaces it watches (kopf lists them too when its watches resume; the first
+        listing wins, the other is a no-op)."""
         if self.acting.is_set():
             return
         self.acting.set()
+        kube_ = self.runtime.kube
         try:
-            listed = await self.runtime.kube.list(KIND, None)
+            listed = [body for ns in namespaces or (None,) for body in await kube_.list(KIND, ns)]
         except KubeError as error:
             logger.warning("listing the FineTuneJobs after taking over failed (%s): the "
                            "watch's own listing brings them", error)
@@ -407,9 +408,10 @@ class Controller:
         for body in listed:
             self.seen(None, {"apiVersion": f"{API_GROUP}/{VERSION}", "kind": KIND, **body})
         with contextlib.suppress(KubeError):  # without the sweeps' CRD there are none
-            for body in await self.runtime.kube.list(SWEEP_KIND, None):
-                self.sweeps.seen(None, {"apiVersion": f"{API_GROUP}/{VERSION}",
-                                        "kind": SWEEP_KIND, **body})
+            for ns in namespaces or (None,):
+                for body in await kube_.list(SWEEP_KIND, ns):
+                    self.sweeps.seen(None, {"apiVersion": f"{API_GROUP}/{VERSION}",
+                                            "kind": SWEEP_KIND, **body})
 
     def _retry_delay(self, key: Hashable, error: _Retry | None) -> float:
         retry = self.failures.get(key, 0)  # type: ignore[call-overload]
@@ -560,7 +562,7 @@ async def follow_peering(controller: Controller, peering: Peering, identity: str
         else:
             now = datetime.now(UTC)
             if all(leads((o or {}).get("status"), identity, priority, now) for o in objects):
-                await controller.lead()
+                await controller.lead(namespaces)
             elif controller.acting.is_set():
                 logger.info("another replica leads: standing by")
                 controller.stand_by()

@@ -98,8 +98,10 @@ class KubeError(RuntimeError):
         if status is None:
             super().__init__(f"{action}: no answer from the API server "
                              f"({type(cause).__name__}: {cause})")
-        else:
-            super().__init__(f"{action}: {status} {reason}")
+        else:  # with the API server's words, which say why (a namespace being deleted)
+            said = _status(body).get("message")
+            said = "" if not said or said.lower() == reason.lower() else f" ({said})"
+            super().__init__(f"{action}: {status} {reason}{said}")
         self.status = status
         self.cause = cause
         """Why no answer came (a refused connection, TLS, a timeout); None when one did."""
@@ -127,8 +129,18 @@ def _terminating(body: Any) -> bool:
 
 
 def merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
-    """A top-level merge patch from `old` to `new` (None removes a field)."""
-    patch: dict[str, Any] = {k: v for k, v in new.items() if old.get(k) != v}
+    """The JSON merge patch (RFC 7386) from `old` to `new`: None removes a field, at any
+    depth. (Written as `new`'s value, an emptied object ({}) changed nothing, and a key gone
+    from a nested object stayed: a status's launchedSpec could not be cleared.)"""
+    patch: dict[str, Any] = {}
+    for key, value in new.items():
+        before = old.get(key)
+        if before == value:
+            continue
+        if isinstance(value, dict) and isinstance(before, dict) and value:
+            patch[key] = merge_patch(before, value)
+        else:
+            patch[key] = None if value == {} else value
     patch.update({k: None for k in old if k not in new})
     return patch
 
@@ -396,6 +408,11 @@ class Kube:
             raise
         return True
 
+    async def patch(self, kind: str, namespace: str, name: str, body: dict[str, Any]) -> None:
+        """A merge patch of `body` into the object."""
+        await self.request(f"patch {kind} {name}", "PATCH", path(kind, namespace, name),
+                           body=body, merge_patch=True, answer=False)
+
     async def list(self, kind: str, namespace: str | None = None, *,
                    labels: str | None = None, fields: str | None = None,
                    limit: int | None = None, action: str | None = None
@@ -540,6 +557,8 @@ NEEDED_ACCESS: tuple[tuple[str, str, str], ...] = (
     *(("batch" if resource == "jobs" else "", resource, verb)
       for resource in ("jobs", "services", "configmaps")
       for verb in ("list", "watch", "create", "delete")),
+    ("", "configmaps", "get"),  # a relaunch brings the trainer config up to date
+    ("", "configmaps", "patch"),
     *(("", "pods", verb) for verb in ("list", "watch")),
     ("", "events", "create"),
 )

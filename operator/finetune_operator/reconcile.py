@@ -161,27 +161,44 @@ def spec_fingerprint(job: FineTuneJob) -> dict[str, str]:
 
 
 def changed_after_launch(job: FineTuneJob) -> list[str]:
-    """The spec sections other than runPolicy that differ from the launched ones."""
-    launched = job.status.launched_spec if job.status else {}
+    """The spec sections other than runPolicy that differ from the launched ones: compared
+    with `specAtLaunch` read by this version's model, so a field a newer operator added with
+    a default is no change; by fingerprint for a job launched by an operator that kept none
+    (until it is backfilled)."""
+    status = job.status
+    launched = status.launched_spec if status else {}
     if not launched:
         return []
+    before = _launched_spec(job)
+    if before is not None:
+        now = job.spec.to_dict()
+        then = before.to_dict()
+        return sorted(k for k in set(now) | set(then)
+                      if k not in MUTABLE_SECTIONS and now.get(k) != then.get(k))
     fingerprint = spec_fingerprint(job)
     return sorted(k for k in set(fingerprint) | set(launched)
                   if k not in MUTABLE_SECTIONS and fingerprint.get(k) != launched.get(k))
+
+
+def _launched_spec(job: FineTuneJob) -> FineTuneJobSpec | None:
+    """`status.specAtLaunch` with the current runPolicy, read by this version's model; None
+    where there is none, or it cannot be read."""
+    status = job.status
+    if status is None or not status.spec_at_launch:
+        return None
+    try:
+        return FineTuneJobSpec.model_validate({**status.spec_at_launch,
+                                               "runPolicy": job.spec.run_policy.to_dict()})
+    except ValidationError:
+        return None
 
 
 def as_launched(job: FineTuneJob) -> FineTuneJob:
     """The job as its workers run: the spec as launched with the current runPolicy, once a
     change to another section has been refused; else the job itself (and for a job
     launched by an operator that kept no `specAtLaunch`)."""
-    status = job.status
-    if status is None or not status.spec_at_launch or not changed_after_launch(job):
-        return job
-    try:
-        spec = FineTuneJobSpec.model_validate({**status.spec_at_launch,
-                                               "runPolicy": job.spec.run_policy.to_dict()})
-    except ValidationError:  # a record this version cannot read: the spec as written
-        return job
+    if not changed_after_launch(job) or (spec := _launched_spec(job)) is None:
+        return job  # (a record this version cannot read: the spec as written)
     return job.model_copy(update={"spec": spec})
 
 
@@ -323,6 +340,12 @@ def _finished(b: _Builder) -> bool:
         b.cond("Failed", False, "SpecEdited", "")
         b.status.phase, b.status.message, b.status.completion_time = None, None, None
         return False
+    seen_before = b.asked.status.observed_generation if b.asked.status else None
+    if seen_before not in (None, b.generation):  # observedGeneration alone read as applied
+        b.event("Warning", "SpecChangeIgnored", f"the job has ended ({b.status.phase}): an "
+                "edit starts nothing (only spec.runPolicy.ttlSecondsAfterFinished still "
+                "applies); apply it under a new name, or delete and re-create the job, to "
+                "train again")
     ttl = b.job.spec.run_policy.ttl_seconds_after_finished
     if ttl is not None:
         left = ttl - _seconds_since(b.status.completion_time, b.now)
@@ -351,16 +374,60 @@ def _admitted(b: _Builder) -> bool:
         return True
     if status.launched_spec:
         if changed := changed_after_launch(b.asked):
-            b.cond("SpecChangeRefused", True, "ImmutableAfterLaunch",
-                   f"spec.{', spec.'.join(changed)} cannot change after launch; only "
-                   "spec.runPolicy can (suspend, deadlines, budget). Revert the change, or "
-                   "delete and re-create the job to start over")
+            if not problems and _never_ran(status):
+                return _relaunch_as_edited(b, changed)
+            _refuse_change(b, changed)
         else:
             if condition(status, "SpecChangeRefused"):
                 b.cond("SpecChangeRefused", False, "SpecMatchesLaunch", "")
             if not status.spec_at_launch:  # launched by an operator that kept only hashes
                 status.spec_at_launch = _spec_at_launch(b.asked)
+            # the same spec, hashed by this version (a field it added shows in the hash)
+            status.launched_spec = spec_fingerprint(b.asked)
     return False
+
+
+def _never_ran(status: FineTuneJobStatus) -> bool:
+    """No worker of the job has trained yet: waiting to be scheduled, for its image, in a
+    queue. Nothing it would resume from exists, so a change costs nothing."""
+    return (status.phase in ("Pending", "Launching", "Queued", "Restarting")
+            and status.restarts == 0 and status.progress is None
+            and status.last_checkpoint is None)
+
+
+def _relaunch_as_edited(b: _Builder, changed: list[str]) -> bool:
+    """The fix a waiting job's message asked for (an image, a nodeSelector, a smaller
+    gang): the workers are launched again with it, as Kubernetes lets a Job that never
+    started change its scheduling directives. Refused, the job waited out its startup
+    deadline and failed."""
+    status, sections = b.status, f"spec.{', spec.'.join(changed)}"
+    # launched no more: once the workload is gone, the edited spec is planned and launched
+    # as a new job's is (phase Restarting holds the launch until then)
+    status.launched_spec, status.spec_at_launch, status.plan = {}, {}, None
+    if condition(status, "SpecChangeRefused"):
+        b.cond("SpecChangeRefused", False, "SpecMatchesLaunch", "")
+    b.event("Normal", "SpecChangeApplied",
+            f"{sections} changed before any worker ran: launching the workers again with it")
+    b.cond("Running", False, "Relaunching", f"{sections} changed before any worker ran")
+    b.act("delete-workload", "spec changed before any worker ran")
+    b.phase("Restarting", f"{sections} changed before any worker ran: launching the "
+            "workers again with it")
+    b.requeue(2)
+    return True
+
+
+def _refuse_change(b: _Builder, changed: list[str]) -> None:
+    """What runs keeps running; the condition, a Warning event once per generation and the
+    message say so (`kubectl get ftj` and a GitOps tool's sync show the spec as applied)."""
+    sections = f"spec.{', spec.'.join(changed)}"
+    before = condition(b.status, "SpecChangeRefused")
+    if before is None or before.status != "True" or before.observed_generation != b.generation:
+        b.event("Warning", "SpecChangeRefused", f"{sections} cannot change after launch: "
+                "the workers go on with the spec they were launched with")
+    b.cond("SpecChangeRefused", True, "ImmutableAfterLaunch",
+           f"{sections} cannot change after launch; only spec.runPolicy can (suspend, "
+           "deadlines, budget). Revert the change, or delete and re-create the job to start "
+           "over")
 
 
 def _backend_health(b: _Builder) -> bool:
@@ -468,6 +535,7 @@ def _launch(b: _Builder) -> bool:
         b.requeue(b.launch_wait)
         return True
     b.act("launch")
+    edited = status.phase == "Restarting" and not status.launched_spec  # _relaunch_as_edited
     if not status.launched_spec and b.feasibility is not None:
         status.plan = b.feasibility.plan  # what this and every later launch renders
         for warning in b.feasibility.warnings:
@@ -481,6 +549,11 @@ def _launch(b: _Builder) -> bool:
         _wait_for_queue(b)
     elif first:
         b.phase("Launching", "creating workers")
+    elif edited and queued(job):
+        _wait_for_queue(b, "the edited spec is a new Job, which Kueue admits like any other",
+                        reason="RequeuedByEdit")
+    elif edited:
+        b.phase("Launching", "creating workers with the edited spec")
     elif status.phase == "Restarting" and queued(job):
         # a new Job is a new Workload to Kueue: it queues again (docs/kueue.md says why the
         # gang is not restarted inside the admitted Job)

@@ -142,6 +142,15 @@ def test_a_missing_priority_class_and_a_selector_no_node_matches_name_their_fiel
         "check it against their labels (kubectl get nodes -L pool)")
     plain = FineTuneJob.model_validate(minimal_job())  # no selector of the user's
     assert named_by_field(plain, nowhere) == nowhere
+    # the nodes it matches are only full: on a cluster of several pools some node always
+    # "didn't match", and blaming the selector sent users to edit one that was right
+    busy = ("demo-0-a: Unschedulable: 0/5 nodes are available: 1 node(s) had untolerated "
+            "taint(s), 2 Insufficient nvidia.com/gpu, 2 node(s) didn't match Pod's node "
+            "affinity/selector.")
+    assert named_by_field(job, busy) == (
+        f"{busy} — the nodes spec.kubernetes.nodeSelector (pool=h100) matches have no free "
+        "nvidia.com/gpu now: the workers start when some frees up (or when the node pool "
+        "scales up)")
 
 
 def test_an_init_container_that_cannot_start_is_the_reason_not_pod_initializing():

@@ -89,6 +89,24 @@ def test_children_of_a_deleted_job_of_the_same_name_are_not_taken_for_its_own():
     assert children.foreign("ns", "demo", "new") == []
 
 
+def test_children_orphaned_by_a_deleted_job_are_named_with_the_command_that_removes_them():
+    """`kubectl delete --cascade=orphan` (Argo CD's PrunePropagationPolicy=orphan) strips
+    the owner: adopted, they ran the old config, and were orphaned again when this job was
+    deleted; nothing else ever removes them."""
+    from finetune_operator.backends.kubernetes import waiting_for_leftovers
+    from finetune_operator.validation import parse_job
+    from tests.conftest import minimal_job
+
+    children = Children(FakeClock())
+    store(children, child("Job", "demo", uid="j1"), child("ConfigMap", "demo-trainer", uid="c1"))
+    left = children.foreign("ns", "demo", "new")
+    assert left == ["Job demo (no owner)", "ConfigMap demo-trainer (no owner)"]
+    seen = waiting_for_leftovers(parse_job(minimal_job()), left)
+    assert seen.deleting and "deleted with --cascade=orphan, so nothing removes them" in (
+        seen.waiting)
+    assert "kubectl delete -n default job/demo configmap/demo-trainer" in seen.waiting
+
+
 def test_slim_keeps_what_observe_reads_and_drops_the_rest():
     pod = {"metadata": {"name": "demo-0-abc", "namespace": "ns", "uid": "p",
                         "labels": {naming.LABEL_JOB: "demo", "other": "x"},

@@ -255,3 +255,19 @@ async def test_finetune_logs_of_a_pod_that_cannot_start_names_the_command_that_s
         'resume-check waiting: CreateContainerConfigError (secret "hf-tokn" not found)) — '
         "`finetune status demo -n team` says what it waits for")
     assert not server.streamed
+
+
+async def test_a_status_merge_patch_removes_what_is_gone_at_any_depth():
+    """Written as the new value, an emptied launchedSpec ({}) changed nothing under RFC
+    7386, and a key gone from a nested object stayed behind."""
+    from finetune_operator.kube import merge_patch
+
+    old = {"phase": "Launching", "launchedSpec": {"model": "ab12"},
+           "specAtLaunch": {"kubernetes": {"image": "trainer:typo", "queueName": "q"}},
+           "message": "waiting"}
+    new = {"phase": "Restarting", "launchedSpec": {},
+           "specAtLaunch": {"kubernetes": {"queueName": "q"}}}
+    assert merge_patch(old, new) == {"phase": "Restarting", "launchedSpec": None,
+                                     "specAtLaunch": {"kubernetes": {"image": None}},
+                                     "message": None}
+    assert merge_patch(old, old) == {}

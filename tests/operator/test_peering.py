@@ -129,3 +129,21 @@ async def test_a_standby_stops_at_once(cluster):
     standby.queue.add(("default", "demo"))
     await asyncio.sleep(0.1)  # a reconciler takes it, and waits for `acting`
     await asyncio.wait_for(standby.stop(), timeout=5)
+
+
+async def test_a_namespaced_replica_taking_over_lists_only_its_namespaces(cluster):
+    """It listed every namespace, which a namespaced install may not: a 403 logged at each
+    takeover."""
+    standby = controller.Controller(controller.Runtime.build(
+        Kube(cluster.kubeconfig), OperatorSettings(), interval=0.3))
+    standby.acting.clear()
+    asked = []
+
+    async def listing(kind, namespace=None, **_):
+        asked.append((kind, namespace))
+        return []
+
+    standby.runtime.kube.list = listing
+    await standby.lead(("ml-team", "research"))
+    assert asked == [("FineTuneJob", "ml-team"), ("FineTuneJob", "research"),
+                     ("FineTuneSweep", "ml-team"), ("FineTuneSweep", "research")]

@@ -346,11 +346,78 @@ def test_spec_changes_after_launch_are_refused_except_run_policy():
     assert condition(policy.status, "SpecChangeRefused") is None
 
 
+def test_a_refused_change_is_an_event_once_per_generation():
+    """A GitOps tool shows the spec as synced and `kubectl get ftj` says `training`: the
+    refusal must reach `kubectl get events` too, once per edit, not once per look."""
+    status = launched("Running")
+    status.progress = Progress(step=5)
+    edited = reconcile(job(status, generation=2, method={"type": "full"}),
+                       Observation(exists=True, running=True), at(10))
+    assert [(e.type, e.reason) for e in edited.events] == [("Warning", "SpecChangeRefused")]
+    again = reconcile(job(edited.status, generation=2, method={"type": "full"}),
+                      Observation(exists=True, running=True), at(20))
+    assert again.events == []
+    other = reconcile(job(again.status, generation=3, method={"type": "full"},
+                          dataset={"uri": "pvc://data/other.jsonl"}),
+                      Observation(exists=True, running=True), at(30))
+    assert [e.reason for e in other.events] == ["SpecChangeRefused"]
+
+
+def test_an_edit_of_an_ended_job_is_said_to_start_nothing():
+    """observedGeneration alone read as "applied" (Flux's kstatus does)."""
+    ended = launched("Succeeded")
+    ended.observed_generation = 1
+    edited = reconcile(job(ended, generation=2, method={"type": "full"}),
+                       Observation(exists=True, succeeded=True), at(10))
+    assert [(e.type, e.reason) for e in edited.events] == [("Warning", "SpecChangeIgnored")]
+    assert "the job has ended (Succeeded): an edit starts nothing" in edited.events[0].message
+    assert edited.status.phase == "Succeeded" and kinds(edited) == []
+    again = reconcile(job(edited.status, generation=2, method={"type": "full"}),
+                      Observation(exists=True, succeeded=True), at(20))
+    assert again.events == []
+
+
+def test_an_edit_before_any_worker_ran_relaunches_them_with_it():
+    """The fix a waiting job's message asks for (an image, a nodeSelector): refused, the job
+    waited out its startup deadline and failed."""
+    first = reconcile(job(), Observation(), T0)
+    edited = job(first.status, generation=2, kubernetes={"image": "trainer:fixed"})
+    waiting = Observation(exists=True, waiting="demo-0: ErrImagePull")
+    applied = reconcile(edited, waiting, at(10))
+    assert kinds(applied) == ["delete-workload"]
+    assert applied.status.phase == "Restarting" and not applied.status.launched_spec
+    assert [e.reason for e in applied.events] == ["SpecChangeApplied", "Restarting"]
+    assert "spec.kubernetes changed before any worker ran" in applied.events[0].message
+    gone = reconcile(job(applied.status, generation=2, kubernetes={"image": "trainer:fixed"}),
+                     Observation(), at(20))
+    assert kinds(gone) == ["launch"] and gone.status.phase == "Launching"
+    assert gone.status.spec_at_launch["kubernetes"]["image"] == "trainer:fixed"
+    # once a worker has trained, the same edit is refused: its checkpoints are of the spec
+    ran = first.status.model_copy(update={"phase": "Running", "progress": Progress(step=1)})
+    refused = reconcile(job(ran, generation=2, kubernetes={"image": "trainer:fixed"}),
+                        Observation(exists=True, running=True), at(10))
+    assert kinds(refused) == [] and condition(refused.status, "SpecChangeRefused").status == "True"
+
+
+def test_a_field_a_newer_operator_added_is_no_change_after_an_upgrade():
+    """specAtLaunch written by an operator that had no such field, and its fingerprint: the
+    upgraded operator called every running job changed, and advised deleting them."""
+    first = reconcile(job(), Observation(), T0)
+    older = first.status.model_copy(deep=True)
+    older.phase, older.progress = "Running", Progress(step=5)
+    del older.spec_at_launch["hyperparameters"]["earlyStoppingThreshold"]  # not there then
+    older.launched_spec["hyperparameters"] = "0123456789ab"  # hashed with the fields then
+    upgraded = reconcile(job(older), Observation(exists=True, running=True), at(10))
+    assert condition(upgraded.status, "SpecChangeRefused") is None and upgraded.events == []
+    assert upgraded.status.launched_spec == first.status.launched_spec  # hashed anew
+
+
 def test_after_a_refused_change_the_workers_run_and_relaunch_as_launched():
     first = reconcile(job(), Observation(), T0)
     assert first.status.spec_at_launch["resources"]["nodes"] == 1
     assert "runPolicy" not in first.status.spec_at_launch
-    edited = job(first.status, generation=2, resources={"nodes": 3, "gpusPerNode": 1},
+    ran = first.status.model_copy(update={"phase": "Running", "progress": Progress(step=5)})
+    edited = job(ran, generation=2, resources={"nodes": 3, "gpusPerNode": 1},
                  runPolicy={"backoffLimit": 9})
     running = as_launched(edited)
     assert running.spec.resources.nodes == 1  # what the workers were launched as

@@ -11,12 +11,13 @@ tests/support/testbed.py): the `[emulator]`, `[control-plane]` and `[kubeconfig]
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
 from finetune_trainer.record import ProgressRecord
 from tests.support.emulator import ApiServer
-from tests.support.testbed import Testbed
+from tests.support.testbed import Testbed, merged
 
 pytestmark = [pytest.mark.kmock(cls=ApiServer), pytest.mark.asyncio, pytest.mark.timeout(900)]
 CHILDREN = (("batch/v1/jobs", "demo"), ("v1/services", "demo"), ("v1/configmaps", "demo-trainer"))
@@ -161,6 +162,29 @@ async def test_pods_stuck_past_the_startup_deadline_fail_with_their_reason(testb
     assert "(init container resume-check)" in testbed.status()["message"]
     assert "spec.kubernetes.image" in testbed.status()["message"]  # where the image is set
     assert testbed.condition("Failed")["reason"] == "StartupDeadlineExceeded"
+
+
+async def test_the_fix_a_waiting_job_asks_for_relaunches_its_workers(testbed: Testbed):
+    """ErrImagePull names spec.kubernetes.image as what to check; the fixed image was
+    refused as a change after launch, and the job waited out its startup deadline and
+    failed. No worker has run, so the edit relaunches them with it."""
+    await testbed.apply(merged(testbed.unpullable(testbed.manifest()),
+                               {"runPolicy": {"startupDeadlineSeconds": 120}}))
+    await testbed.until(lambda: "spec.kubernetes.image" in testbed.status().get("message", ""),
+                        "waiting on the image pull")
+    testbed.pulls_again()
+    image = testbed.manifest()["spec"].get("kubernetes", {}).get("image")  # None: the default
+    await testbed.patch_spec("demo", {"kubernetes": {"image": image},
+                                      "hyperparameters": {"learningRate": 0.005}})
+    await testbed.until_phase("Running", timeout=60)
+    assert testbed.jobs_created("demo") == 2
+    template = testbed.get("batch/v1/jobs", "demo")["spec"]["template"]["spec"]
+    assert "registry.invalid" not in json.dumps(template)
+    config = testbed.get("v1/configmaps", "demo-trainer")["data"]
+    assert "0.005" in json.dumps(config)  # the trainer config relaunched with the edit
+    assert "SpecChangeApplied" in testbed.event_reasons()
+    assert "SpecChangeRefused" not in {c["type"] for c in testbed.status()["conditions"]}
+    assert testbed.status().get("restarts", 0) == 0
 
 
 async def test_suspend_and_resume(testbed: Testbed):

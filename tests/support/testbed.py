@@ -131,6 +131,10 @@ class Testbed:
         """`doc`, changed so its pods stay waiting on an image pull."""
         raise NotImplementedError
 
+    def pulls_again(self) -> None:
+        """Where the test plays the kubelet: the image it was stuck on is fixed. A real
+        cluster pulls the fixed image by itself."""
+
     # --- the operator -------------------------------------------------------------------
     async def kill_operator(self) -> None:
         raise NotImplementedError
@@ -229,6 +233,9 @@ class EmulatedTestbed(Testbed):
         self.kubelet.stuck_reason = ("ImagePullBackOff",
                                      'Back-off pulling image "trainer:typo"')
         return merged(doc, {"runPolicy": {"startupDeadlineSeconds": 2}})
+
+    def pulls_again(self):
+        self.kubelet.stuck_reason = None
 
     async def kill_operator(self):
         await self.operator.kill()

@@ -56,13 +56,20 @@ def owner_uid(body: Mapping[str, Any]) -> str | None:
     return next((r.get("uid") for r in refs if r.get("controller")), None)
 
 
+ORPHANED = " (no owner)"
+"""Marks a leftover that nothing will collect: its job was deleted with
+`--cascade=orphan` (or Argo CD's PrunePropagationPolicy=orphan)."""
+
+
 def foreign(children: Iterable[tuple[str, Mapping[str, Any]]], uid: str | None) -> list[str]:
-    """`Kind name` of each of `children` (kind, object) that an owner other than the job of
-    `uid` controls: an earlier job of the same name, deleted, whose children remain."""
+    """`Kind name` of each of `children` (kind, object) that the job of `uid` does not
+    control: an earlier job of the same name, deleted, whose children remain (ORPHANED
+    where they have no owner at all: adopted, they ran the earlier job's config and were
+    orphaned again when this one was deleted)."""
     if not uid:
         return []
-    return [f"{kind} {child['metadata']['name']}" for kind, child in children
-            if owner_uid(child) not in (None, uid)]
+    return [f"{kind} {child['metadata']['name']}{ORPHANED if owner is None else ''}"
+            for kind, child in children if (owner := owner_uid(child)) != uid]
 
 
 def slim(kind: str, body: Mapping[str, Any]) -> dict[str, Any]:

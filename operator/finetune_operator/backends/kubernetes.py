@@ -21,7 +21,13 @@ import aiohttp
 from finetune_operator import naming, yamlio
 from finetune_operator.api import API_VERSION, KIND, BackendRef, FineTuneJob, Progress
 from finetune_operator.backends import BackendContext, LaunchBlocked
-from finetune_operator.backends.children import CONTROLLER_UID_KEY, Children, foreign
+from finetune_operator.backends.children import (
+    CONTROLLER_UID_KEY,
+    ORPHANED,
+    Children,
+    foreign,
+    owner_uid,
+)
 from finetune_operator.kube import KUEUE_JOB_UID_LABEL, KubeError, timestamp
 from finetune_operator.reconcile import INPUT_REFUSED, Failure, Observation, queued
 from finetune_operator.settings import OperatorSettings, Taint
@@ -612,6 +618,7 @@ _MISSING_OBJECT = re.compile(r'(secret|configmap)s? "([^"]+)" not found')
 _MISSING_KEY = re.compile(r"couldn't find key (\S+) in (Secret|ConfigMap) [^/\s]+/([^\s:]+)")
 _NO_PRIORITY_CLASS = re.compile(r"no PriorityClass with name (\S+) was found")
 _NO_NODE_MATCHES = "didn't match Pod's node affinity/selector"
+_INSUFFICIENT = re.compile(r"Insufficient ([\w./-]+)")
 
 
 def named_by_field(job: FineTuneJob, waiting: str | None) -> str | None:
@@ -630,6 +637,13 @@ def named_by_field(job: FineTuneJob, waiting: str | None) -> str | None:
                 "those there are) or name one that exists")
     if _NO_NODE_MATCHES in waiting and k8s and k8s.node_selector:
         labels = ", ".join(f"{k}={v}" for k, v in k8s.node_selector.items())
+        if short := _INSUFFICIENT.findall(waiting):
+            # the scheduler checks resources only on nodes the selector let through: those
+            # match, and are full (on a cluster of several pools, some node always differs)
+            lacking = ", ".join(dict.fromkeys(r.rstrip(".") for r in short))
+            return (f"{waiting} — the nodes spec.kubernetes.nodeSelector ({labels}) matches "
+                    f"have no free {lacking} now: the workers start when some frees up (or "
+                    "when the node pool scales up)")
         return (f"{waiting} — spec.kubernetes.nodeSelector ({labels}) is what those nodes "
                 f"lack: check it against their labels (kubectl get nodes -L "
                 f"{','.join(k8s.node_selector)})")
@@ -862,6 +876,14 @@ def waiting_for_leftovers(job: FineTuneJob, leftovers: list[str]) -> Observation
     go rather than adopt them or fail on their name."""
     logger.info("%s/%s waits for the children of a deleted job of its name to go: %s",
                 job.namespace, job.name, ", ".join(leftovers))
+    orphans = [f"{kind.lower()}/{name}" for kind, name, *_ in (
+        left.removesuffix(ORPHANED).split(" ") for left in leftovers if left.endswith(ORPHANED))]
+    if orphans:
+        return Observation(exists=True, deleting=True, waiting=(
+            f"children of a deleted job of this name remain ({', '.join(leftovers)}): it was "
+            "deleted with --cascade=orphan, so nothing removes them, and they are not this "
+            f"job's — delete them (kubectl delete -n {job.namespace} {' '.join(orphans)}); "
+            "it launches once they are gone"))
     return Observation(exists=True, deleting=True, waiting=(
         "waiting for the workers of a deleted job of this name to stop and go ("
         f"{', '.join(leftovers)}); it launches once the garbage collector has removed them"))
@@ -923,9 +945,23 @@ class KubernetesBackend:
 
     async def _create(self, job: FineTuneJob, obj: dict[str, Any]) -> None:
         created = await self.kube.create(obj)
+        if not created and obj["kind"] == "ConfigMap":
+            await self._refresh_config(job, obj)
         self.children.created(obj)
         logger.info("%s %s %s/%s", "created" if created else "found", obj["kind"],
                     job.namespace, obj["metadata"]["name"])
+
+    async def _refresh_config(self, job: FineTuneJob, config_map: dict[str, Any]) -> None:
+        """A relaunch finds the job's ConfigMap from before: the workers get the trainer
+        config rendered now (the spec as launched after a restart, the edited one after an
+        edit before any worker ran)."""
+        name = config_map["metadata"]["name"]
+        current = await self.kube.get("ConfigMap", job.namespace, name)
+        if current is None or owner_uid(current) != job.metadata.uid or (
+                current.get("data") == config_map["data"]):
+            return
+        await self.kube.patch("ConfigMap", job.namespace, name, {"data": config_map["data"]})
+        logger.info("updated ConfigMap %s/%s to the config launched now", job.namespace, name)
 
     async def _output_claim(self, job: FineTuneJob) -> dict[str, Any] | None:
         """The output's PersistentVolumeClaim of a multi-node job (None otherwise, or when it

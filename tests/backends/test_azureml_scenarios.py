@@ -177,15 +177,21 @@ async def test_deleting_a_running_job_cancels_it_then_releases_the_finalizer(
     assert azure.state(name) == "CancelRequested"
 
 
-async def test_suspend_cancels_and_resume_submits_the_next_attempt(cluster, aml_operator, azure):
+async def suspended_while_running(cluster: ApiServer, azure: FakeAzureML) -> str:
+    """The job's first attempt running, then suspended: Azure ML is asked to cancel it
+    (CancelRequested) and the phase is Suspended. The attempt's name."""
     await apply(cluster, azureml_job())
     first = await submitted(cluster, azure)
     azure.set_state(first, "Running")
     await eventually(phase_is(cluster, "Running"), what="Running")
-
     await patch_spec(cluster, "aml", {"runPolicy": {"suspend": True}})
     await eventually(lambda: azure.state(first) == "CancelRequested", what="cancel requested")
     await eventually(phase_is(cluster, "Suspended"), what="Suspended")
+    return first
+
+
+async def test_suspend_cancels_and_resume_submits_the_next_attempt(cluster, aml_operator, azure):
+    first = await suspended_while_running(cluster, azure)
     azure.set_state(first, "Canceled")
 
     await patch_spec(cluster, "aml", {"runPolicy": {"suspend": False}})
@@ -206,14 +212,7 @@ async def test_a_resume_while_azure_ml_still_cancels_waits_for_it(cluster, aml_o
     checkpoint): the next attempt waits for the old one to end. Before, the resume found it
     alive and submitted nothing, then read its Canceled as a failure: a restart used up, and
     the message blamed Studio."""
-    await apply(cluster, azureml_job())
-    first = await submitted(cluster, azure)
-    azure.set_state(first, "Running")
-    await eventually(phase_is(cluster, "Running"), what="Running")
-    await patch_spec(cluster, "aml", {"runPolicy": {"suspend": True}})
-    await eventually(lambda: azure.state(first) == "CancelRequested", what="cancel requested")
-    await eventually(phase_is(cluster, "Suspended"), what="Suspended")
-
+    first = await suspended_while_running(cluster, azure)
     await patch_spec(cluster, "aml", {"runPolicy": {"suspend": False}})
     await eventually(lambda: "suspended workers have stopped" in status(cluster).get(
         "message", ""), what="waiting for the cancel")

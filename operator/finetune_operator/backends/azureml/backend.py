@@ -105,15 +105,15 @@ class AzureMLBackend:
                 "worker", f"Azure ML refused the job: {refused[1]}"))
         if current is None:
             return states.observe(job, None)
-        data: dict[str, Any] | None = {}
-        unread = None
+        data, unread = {}, None
         if current.status in states.READ_RUN:
             try:
                 data = await self._call(job, self._client(job).run_data, current, quiet=True)
             except RunUnreadable as error:
-                data, unread = None, str(error)
-            if data is None:
-                unread = unread or self.gate.why.get(workspace_of(job), "no answer")
+                unread = str(error)
+            else:
+                if data is None:  # the workspace is closed to calls for now: the gate says why
+                    unread = self.gate.why.get(workspace_of(job), "no answer")
         data = data or {}
         progress = states.progress_from_metrics(data.get("metrics") or [])
         return states.observe(job, current, progress, states.tags_of(data), unread)

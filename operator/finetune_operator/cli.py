@@ -118,11 +118,18 @@ def _jobs_in(paths: tuple[str, ...], use: Use, backend: str | None = None,
     return valid, invalid
 
 
-def _plain(value: object) -> str:
-    """`value` as it is when short and printable, else quoted and cut short: a value from
-    the manifest may hold a newline (a forged line), escapes, or megabytes."""
-    plain = isinstance(value, str) and value.isprintable() and len(value) <= 80
+def _plain(value: object, longest: int = 80) -> str:
+    """`value` as it is when printable and at most `longest` characters, else quoted and cut
+    short: a value from the manifest may hold a newline (a forged line), escapes, or
+    megabytes."""
+    plain = isinstance(value, str) and value.isprintable() and len(value) <= longest
     return value if plain else short_repr(value)
+
+
+def _path(path: Path) -> str:
+    """A path in a message: whole up to 256 characters (a path cut short cannot be copied
+    into the fix), quoted when it holds a line break or escapes, cut when it is longer."""
+    return _plain(str(path), longest=256)
 
 
 def _summary(job: FineTuneJob, where: str | None = None, on_gpus: bool = True) -> str:
@@ -217,13 +224,13 @@ def local_path_problems(job: FineTuneJob, base_dir: Path, runs_here: bool = Fals
                 fix += ": `finetune run` reads it on this machine"
         if not runs_here and scheme == "path":
             fix += "; ignore this if it is right where the job runs (inside its image)"
-        problems.append(Problem(location.field, f"{_plain(str(where))} {why}", fix,
+        problems.append(Problem(location.field, f"{_path(where)} {why}", fix,
                                 severity="error" if runs_here else "warning"))
     output = job.spec.output.location
     if runs_here and output.scheme in ("path", "relative"):
         where = base_dir / output.raw if output.scheme == "relative" else Path(output.raw)
         if why := _unwritable(where):
-            problems.append(Problem(output.field, f"{_plain(str(where))} {why}",
+            problems.append(Problem(output.field, f"{_path(where)} {why}",
                                     "point spec.output.uri at a folder this user can write "
                                     "(it is created if missing)"))
     return problems
@@ -272,10 +279,10 @@ def _unwritable(where: Path) -> str | None:
         while not parent.exists():
             parent = parent.parent
         if not parent.is_dir():
-            return f"cannot be created: {_plain(str(parent))} is a file"
+            return f"cannot be created: {_path(parent)} is a file"
         if not os.access(parent, os.W_OK | os.X_OK):
             return ("cannot be written by this user" if parent == where else
-                    f"cannot be created: {_plain(str(parent))} is not writable by this user")
+                    f"cannot be created: {_path(parent)} is not writable by this user")
     except OSError as error:
         return f"cannot be looked at on this machine ({error.strerror})"
     return None
@@ -385,10 +392,15 @@ def printable(text: str) -> str:
               help="Start over instead of resuming: the earlier run's checkpoints, model and "
                    "progress are moved aside (into before-<time>/ in the output folder), "
                    "never deleted.")
+@click.option("--metrics-port", type=click.IntRange(min=1, max=65535), default=None,
+              help="Serve each process's /metrics and /progress on 127.0.0.1 from this port "
+                   "(process k on PORT+k). Default: 9108, or the next free ports when another "
+                   "run holds them.")
 @click.option("--verbose", "-v", is_flag=True,
               help="Show every line torchrun and the workers print (library warnings, "
                    "loading progress bars, torchrun's own log).")
-def run_command(file: str, nproc: int | None, fresh: bool, verbose: bool) -> None:
+def run_command(file: str, nproc: int | None, fresh: bool, metrics_port: int | None,
+                verbose: bool) -> None:
     """Train a FineTuneJob on this machine with torchrun, no cluster needed.
 
     Validates first, checks the model and data before any process starts, then trains
@@ -402,7 +414,6 @@ def run_command(file: str, nproc: int | None, fresh: bool, verbose: bool) -> Non
     them.
     """
     from finetune_operator import local
-    from finetune_operator.validation import InvalidJobError
     from finetune_trainer import trained_with
 
     doc, job = _the_job_to_run(file)
@@ -416,12 +427,7 @@ def run_command(file: str, nproc: int | None, fresh: bool, verbose: bool) -> Non
         sys.exit(EXIT_INVALID)
     here = local.as_run_here(job, processes, accumulation)
     machine = local.this_machine(processes) if gpus and job.spec.resources.gpus_per_node else None
-    try:
-        config, step_settings = local.local_config(here, doc.folder, model, machine)
-    except InvalidJobError as error:
-        for problem in error.problems:
-            click.echo(f"{doc.source}: {problem}", err=True)
-        sys.exit(EXIT_INVALID)
+    config, step_settings, serving = _config_here(doc, here, model, machine, metrics_port)
     output_dir = Path(config.output.uri)
     lock = _hold_output(doc.source, output_dir)  # before anything in the folder changes
     if fresh and (moved := local.set_earlier_run_aside(output_dir)) is not None:
@@ -446,6 +452,7 @@ def run_command(file: str, nproc: int | None, fresh: bool, verbose: bool) -> Non
     for warning in local.plan_warnings(here if machine else job, model, machine):
         click.echo(f"{doc.source}: {warning}", err=True)
     click.echo(f"trainer config: {config_path}")
+    click.echo(serving)
     from finetune_operator.follow import mark_failed, run_log
 
     _fetch_and_check(config, config_path, output_dir, verbose)
@@ -467,6 +474,26 @@ def run_command(file: str, nproc: int | None, fresh: bool, verbose: bool) -> Non
         mark_failed(output_dir)
         click.echo(f"training failed (exit {code}): {_failure_hint(code)}", err=True)
     sys.exit(code)
+
+
+def _config_here(doc: Document, here: FineTuneJob, model, machine, metrics_port: int | None):
+    """The trainer config of the job run `here`, its step settings and the line saying where
+    its metrics are served; or its problems said and exit 2."""
+    from finetune_operator import local
+    from finetune_operator.validation import InvalidJobError
+
+    try:
+        config, step_settings = local.local_config(here, doc.folder, model, machine)
+        config, serving = local.serving_here(config, here.spec.resources.processes(),
+                                             metrics_port)
+    except InvalidJobError as error:
+        for problem in error.problems:
+            click.echo(f"{doc.source}: {problem}", err=True)
+        sys.exit(EXIT_INVALID)
+    except local.PortTaken as error:
+        click.echo(f"{doc.source}: {error}", err=True)
+        sys.exit(EXIT_INVALID)
+    return config, step_settings, serving
 
 
 def _failure_hint(code: int) -> str:

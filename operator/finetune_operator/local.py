@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -272,6 +273,54 @@ def visible_gpus() -> int:
         return 0
     result = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False)
     return sum(line.startswith("GPU ") for line in result.stdout.splitlines())
+
+
+LOOPBACK = "127.0.0.1"
+
+
+class PortTaken(ValueError):
+    """The metrics port asked for (`finetune run --metrics-port`) is held by another process."""
+
+
+def serving_here(config: TrainerConfig, processes: int, asked: int | None = None
+                 ) -> tuple[TrainerConfig, str]:
+    """The config with each worker's /metrics and /progress on this machine's loopback only
+    (a laptop's run is not served to its network) from port `asked`, else the trainer's
+    default, else the first ports after it that nothing holds (a second run beside the
+    first keeps its endpoints); and the line saying where. Raises PortTaken when a port
+    asked for is held."""
+    first = asked or config.metrics.port
+    tried = range(first, first + (1 if asked else 64) * processes, processes)
+    start = next((port for port in tried
+                  if all(_free(port + rank) for rank in range(processes))), None)
+    if start is None and asked:
+        raise PortTaken(f"--metrics-port {asked}: {_ports(asked, processes)} held by another "
+                        "process (another run?) — pass another port, or leave the option out "
+                        "to take the next free ones")
+    if start is None:
+        raise PortTaken(f"no free metrics ports from {first} to {tried[-1] + processes - 1} "
+                        "— pass --metrics-port with a free one")
+    where = (f"metrics: http://{LOOPBACK}:{start}/metrics"
+             + (f", one per process: {_ports(start, processes)}" if processes > 1 else "")
+             + (f" ({_ports(first, processes)} held by another process)" if start != first
+                else ""))
+    metrics = config.metrics.model_copy(update={"host": LOOPBACK, "port": start})
+    return config.model_copy(update={"metrics": metrics}), where
+
+
+def _ports(first: int, count: int) -> str:
+    return f"ports {first}-{first + count - 1}" if count > 1 else f"port {first}"
+
+
+def _free(port: int) -> bool:
+    """Whether a worker's endpoint could listen on `port` (bound as its server binds)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((LOOPBACK, port))
+        except OSError:
+            return False
+    return True
 
 
 def write_config(config: TrainerConfig, output_dir: Path) -> Path:

@@ -132,6 +132,7 @@ def test_the_check_is_the_operators_for_a_job_the_api_accepts():
         "spec.backend: 'azureml' is not served by this operator — use one of: kubernetes"]
 
 
+@pytest.mark.process
 @pytest.mark.skipif(not CONSOLE_SCRIPT.exists(), reason="the finetune console script is not "
                     "installed beside this Python (pip install -e .)")
 def test_the_console_script_answers_as_the_command_in_this_process(tmp_path):

@@ -17,6 +17,7 @@ from finetune_trainer.config import TrainerConfig
 from tests.conftest import minimal_job
 
 
+@pytest.mark.process
 def test_config_module_imports_without_torch():
     code = ("import sys; sys.modules['torch'] = None; "
             "import finetune_trainer.config, finetune_operator.cli; print('ok')")

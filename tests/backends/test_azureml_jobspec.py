@@ -201,6 +201,7 @@ def test_without_the_sdk_the_backend_says_how_to_install_it(monkeypatch):
         ("spec.backend", "pip install 'finetune-operator[azure]'")]
 
 
+@pytest.mark.process
 def test_render_backend_azureml_prints_yaml_that_load_job_accepts(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "finetune_operator.cli", "render", "--backend", "azureml",
@@ -230,6 +231,7 @@ def test_render_backend_azureml_prints_yaml_that_load_job_accepts(tmp_path):
     assert "spec.azureml: is required by backend azureml" in kubernetes_job.stderr
 
 
+@pytest.mark.process
 def test_a_job_the_sdk_refuses_is_refused_in_one_line_per_problem(tmp_path):
     """#25, item 1: the SDK's own validation (an environment it cannot parse) reached an
     attribute the validation result does not have; `render` crashed, the operator raised

@@ -26,7 +26,7 @@ from finetune_operator.settings import OperatorSettings
 from finetune_operator.validation import parse_job
 from finetune_trainer import errors
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.process
 
 SETTINGS = OperatorSettings()
 
@@ -216,20 +216,6 @@ def test_a_run_that_stops_early_leaves_its_final_record_for_the_status(tiny_mode
     assert seen.succeeded and seen.progress == progress
 
 
-def test_sigterm_checkpoints_and_ends_the_pod_143(tiny_model_dir, pod_here):
-    """What the kubelet does on a suspension, a Kueue preemption or a drain: SIGTERM to the
-    container's first process. torchrun alone ended with 1, so the rule that keeps a
-    suspended Job alive (143: Ignore) never matched a real pod, and the stop was charged
-    to the restart budget as a worker failure."""
-    data = Path(__file__).resolve().parents[2] / "examples/data/tiny-chat.jsonl"
-    pod = pod_here(job(tiny_model_dir, data, maxSteps=400))
-    pod.init_containers()
-    stopped = sigterm_after(pod, pod.start_trainer(), 2)  # ended 143
-    assert (pod.output / "checkpoints" / f"step-{stopped:08d}").is_dir()
-    assert pod.rule_for(backend.STOPPED_EXIT_CODE) == "Ignore"
-    assert backend.pod_failure(pod.terminated(backend.STOPPED_EXIT_CODE)).kind == "stopped"
-
-
 def sigterm_after(pod: PodHere, trainer: subprocess.Popen, step: int) -> int:
     """SIGTERM once the run has passed `step`; the step it checkpointed and stopped after."""
     deadline = time.monotonic() + 300
@@ -244,16 +230,24 @@ def sigterm_after(pod: PodHere, trainer: subprocess.Popen, step: int) -> int:
     return int(stopped_at[1])
 
 
-def test_a_job_re_created_on_fewer_workers_resumes_from_its_checkpoint(tiny_model_dir,
-                                                                       pod_here):
-    """The spot pool shrank: the FineTuneJob is re-created with 1 worker of twice the
+def test_sigterm_ends_the_pod_143_and_a_job_re_created_on_fewer_workers_resumes(
+        tiny_model_dir, pod_here):
+    """What the kubelet does on a suspension, a Kueue preemption or a drain: SIGTERM to the
+    container's first process. torchrun alone ended with 1, so the rule that keeps a
+    suspended Job alive (143: Ignore) never matched a real pod, and the stop was charged
+    to the restart budget as a worker failure.
+
+    Then the spot pool shrank: the FineTuneJob is re-created with 1 worker of twice the
     accumulation (the same global batch) and the same output. Its pod's resume check
     lets it through and its workers resume from the 2 workers' checkpoint."""
     data = Path(__file__).resolve().parents[2] / "examples/data/tiny-chat.jsonl"
     two = job(tiny_model_dir, data, maxSteps=400)
     pod = pod_here(two)
     pod.init_containers()
-    stopped = sigterm_after(pod, pod.start_trainer(), 2)
+    stopped = sigterm_after(pod, pod.start_trainer(), 2)  # ended 143
+    assert (pod.output / "checkpoints" / f"step-{stopped:08d}").is_dir()
+    assert pod.rule_for(backend.STOPPED_EXIT_CODE) == "Ignore"
+    assert backend.pod_failure(pod.terminated(backend.STOPPED_EXIT_CODE)).kind == "stopped"
 
     one = json.loads(json.dumps(two))
     one["spec"]["resources"]["processesPerNode"] = 1

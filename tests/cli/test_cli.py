@@ -6,9 +6,12 @@ import json
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from tests.conftest import EXAMPLES, REPO, SWEEP_EXAMPLES, minimal_job
+
+pytestmark = pytest.mark.process
 
 FINETUNE = [sys.executable, "-m", "finetune_operator.cli"]
 

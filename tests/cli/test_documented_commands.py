@@ -63,6 +63,7 @@ def test_the_docs_show_commands_to_run():
     assert {"validate", "render", "plan", "run"} <= shown
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(("where", "command"), COMMANDS, ids=[c for _, c in COMMANDS])
 def test_a_documented_command_works(where, command):
     words = shlex.split(command)
@@ -88,6 +89,7 @@ def test_a_documented_command_works(where, command):
     assert "experimental field" not in result.stderr  # the Azure ML SDK's noise (#19, item 9)
 
 
+@pytest.mark.process
 def test_the_plan_sample_is_what_finetune_plan_prints():
     text = README.read_text()
     start = text.index("ml-team/llama-8b-full: full, fsdp")

@@ -243,7 +243,7 @@ def test_the_namespace_is_the_kubeconfig_contexts(tmp_path):
     assert default_namespace(str(tmp_path / "missing")) == "default"
 
 
-@pytest.mark.slow
+@pytest.mark.process
 @pytest.mark.timeout(400)
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 def test_status_watch_in_a_terminal_follows_a_real_run_to_succeeded(tiny_model_dir, tmp_path):
@@ -281,7 +281,7 @@ def test_status_watch_in_a_terminal_follows_a_real_run_to_succeeded(tiny_model_d
     assert logs.returncode == 0 and "step 90/90" in logs.stdout
 
 
-@pytest.mark.slow
+@pytest.mark.process
 @pytest.mark.timeout(400)
 def test_a_second_run_on_the_folder_is_refused_and_a_killed_one_reads_stopped(
         tiny_model_dir, tmp_path):
@@ -384,6 +384,7 @@ async def test_status_and_logs_with_a_kubeconfig_against_the_real_api_server(
     assert absent.returncode == 1 and "no FineTuneJob or FineTuneSweep nope" in absent.stderr
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("command", ["status", "logs"])
 def test_a_job_name_without_a_cluster_points_at_the_local_way_too(tmp_path, command):
     """Someone who just used `finetune run` types the job's name: no kubeconfig works, and

@@ -106,6 +106,7 @@ ALIAS_BOMB = "".join(
         "maxSteps: 10", "maxSteps: *l6")).encode(),
      ": spec.hyperparameters.maxSteps: must be an integer, got [[[...], [...], [...], [...]"),
 ], ids=["latin-1", "utf-16", "deep", "huge-int", "alias-bomb"])
+@pytest.mark.process
 def test_what_fuzzing_found_is_one_line_from_the_real_command(tmp_path, content, expected):
     """Each of these was a traceback (or, for the alias bomb, 5 MB of output) before."""
     path = tmp_path / "job.yaml"
@@ -117,6 +118,7 @@ def test_what_fuzzing_found_is_one_line_from_the_real_command(tmp_path, content,
     assert "Traceback" not in result.stderr and len(result.stderr) < MAX_OUTPUT
 
 
+@pytest.mark.process
 def test_stdin_that_is_not_utf8_is_named():
     result = subprocess.run([sys.executable, "-m", "finetune_operator.cli", "validate", "-"],
                             input=b"kind: \xff\n", capture_output=True, cwd=REPO, timeout=60)

@@ -101,6 +101,7 @@ def test_a_cpu_jobs_workers_see_no_gpu(monkeypatch):
     assert worker_env(1, verbose=False)["CUDA_VISIBLE_DEVICES"] == "0"
 
 
+@pytest.mark.process
 def test_finetune_run_refuses_it_before_anything_starts(tmp_path):
     manifest = minimal_job(model={"uri": "./model"}, dataset={"uri": "./data.jsonl"},
                            output={"uri": "./out"},
@@ -135,6 +136,7 @@ def test_finetune_run_refuses_it_before_anything_starts(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.process
 def test_a_model_or_data_path_that_is_not_there_is_refused_before_anything_starts(tmp_path):
     """Before: the trainer's preflight found it 6 s later, prefixed `finetune-train:` with
     a hint about pvc:// mounts, and left out/.finetune/ and out/logs/run.lock behind."""
@@ -155,6 +157,7 @@ def test_a_model_or_data_path_that_is_not_there_is_refused_before_anything_start
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.process
 def test_an_empty_model_folder_or_data_file_is_refused_before_anything_starts(tmp_path):
     """There, but no saved model / no record: the trainer's checks found it 3-5 s later and
     left the output folder behind; `finetune validate` said nothing."""
@@ -181,6 +184,7 @@ def test_an_empty_model_folder_or_data_file_is_refused_before_anything_starts(tm
         f"job.yaml: warning: {line.removeprefix('job.yaml: ')}" for line in said]
 
 
+@pytest.mark.process
 def test_a_model_the_checks_refuse_marks_the_run_failed_with_where_to_read_why(tmp_path):
     """A model the trainer cannot load (its config.json does not parse) fails its preflight:
     `finetune status` of the folder read `Stopped` ('interrupted, or ...'), not Failed as
@@ -242,6 +246,7 @@ def test_the_job_run_here_is_one_node_of_the_local_workers():
     assert (on_cpu.nodes, on_cpu.gpus_per_node, on_cpu.processes()) == (1, 0, 3)
 
 
+@pytest.mark.process
 def test_a_run_on_fewer_processes_than_the_spec_resumes_on_them(tiny_model_dir, tmp_path,
                                                                  monkeypatch):
     """Stopped and started again on the same machine, a run whose accumulation was raised
@@ -277,6 +282,7 @@ def test_a_run_on_fewer_processes_than_the_spec_resumes_on_them(tiny_model_dir, 
     assert "starting" not in done.stdout
 
 
+@pytest.mark.process
 def test_the_training_stack_alone_plans_runs_and_follows_a_job(tiny_model_dir, tmp_path,
                                                               monkeypatch):
     """A GPU box given only the trainer's wheels (scripts/gpu-wheels.sh: no kopf, Kubernetes
@@ -301,6 +307,7 @@ def test_the_training_stack_alone_plans_runs_and_follows_a_job(tiny_model_dir, t
     assert f"exported {tmp_path / 'out' / 'final'}" in said["logs"]
 
 
+@pytest.mark.process
 def test_a_trainer_that_cannot_start_is_not_called_bad_input(tiny_model_dir, tmp_path,
                                                              monkeypatch):
     """A module missing where the trainer runs (on the GPU box: prometheus_client, which
@@ -329,6 +336,7 @@ ROWS
 """
 
 
+@pytest.mark.process
 def test_this_machine_is_planned_by_the_free_memory_nvidia_smi_reports(tmp_path, monkeypatch):
     """`finetune run` asks nvidia-smi (here a script printing what it prints for the query)
     about the GPUs its workers get, the ones CUDA_VISIBLE_DEVICES names: each worker gets
@@ -349,6 +357,7 @@ def test_this_machine_is_planned_by_the_free_memory_nvidia_smi_reports(tmp_path,
     assert this_machine(processes=1).gpus == 1
 
 
+@pytest.mark.process
 def test_paths_a_run_cannot_use_are_refused_before_anything_is_written(tiny_model_dir,
                                                                        tmp_path):
     """Each was a traceback from deep inside the run (NotADirectoryError writing
@@ -390,7 +399,7 @@ def test_paths_a_run_cannot_use_are_refused_before_anything_is_written(tiny_mode
         assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_ctrl_c_while_the_model_and_data_are_checked_ends_in_one_line(tiny_model_dir,
                                                                       tmp_path):
     """The terminal's SIGINT reaches its whole process group: the preflight printed a
@@ -423,6 +432,7 @@ def test_ctrl_c_while_the_model_and_data_are_checked_ends_in_one_line(tiny_model
     assert not (tmp_path / "out" / "progress.json").exists()  # not Failed: nothing failed
 
 
+@pytest.mark.process
 def test_data_the_trainer_cannot_read_is_named_before_it_starts(tmp_path):
     """A .txt file, or a folder with no data file in it, passed `validate` and `finetune
     run` until the trainer's preflight refused it, the run marked Failed."""
@@ -449,3 +459,50 @@ def test_data_the_trainer_cannot_read_is_named_before_it_starts(tmp_path):
         assert validate.returncode == 0  # a warning: the path may differ where the job runs
         assert f"job.yaml: warning: spec.dataset.uri: {line.format(tmp_path)}" in (
             validate.stderr)
+
+
+def test_a_run_serves_its_metrics_on_loopback_from_ports_no_other_process_holds():
+    """#51, item 2: `finetune run` serves each process's /metrics and /progress on 127.0.0.1
+    only (a laptop's run is not served to its network); a second run beside one that holds
+    the ports takes the next free ones and says so; a port asked for that is held is
+    refused with the fix."""
+    import socket
+
+    from finetune_operator.local import PortTaken, serving_here
+    from finetune_operator.trainer_config import build_trainer_config
+    from tests.trainer.test_metrics import metrics_ports
+
+    first = metrics_ports(4)
+    default = build_trainer_config(job(nodes=1, gpus=0, processes=2))
+    assert (default.metrics.host, default.metrics.port) == ("0.0.0.0", 9108)  # in a pod
+    config = default.model_copy(update={"metrics": default.metrics.model_copy(
+        update={"port": first})})
+
+    here, said = serving_here(config, processes=2)
+    assert (here.metrics.host, here.metrics.port) == ("127.0.0.1", first)
+    assert said == (f"metrics: http://127.0.0.1:{first}/metrics, one per process: ports "
+                    f"{first}-{first + 1}")
+    with socket.socket() as other_run:  # another run's rank 1 listens there
+        other_run.bind(("127.0.0.1", first + 1))
+        other_run.listen()
+        here, said = serving_here(config, processes=2)
+        assert here.metrics.port == first + 2
+        assert said == (f"metrics: http://127.0.0.1:{first + 2}/metrics, one per process: "
+                        f"ports {first + 2}-{first + 3} (ports {first}-{first + 1} held by "
+                        "another process)")
+        with pytest.raises(PortTaken) as refused:
+            serving_here(config, processes=1, asked=first + 1)
+    assert str(refused.value) == (
+        f"--metrics-port {first + 1}: port {first + 1} held by another process (another "
+        "run?) — pass another port, or leave the option out to take the next free ones")
+
+
+def test_a_long_path_is_named_whole_in_the_refusal(tmp_path):
+    """A path longer than 80 characters was quoted and cut in the middle: the path the fix
+    names could not be copied. (One with a line break is refused as no location at all.)"""
+    from finetune_operator.cli import local_path_problems
+
+    deep = tmp_path / ("a-rather-long-folder-name-" * 5) / "tiny-lama"
+    job = FineTuneJob.model_validate(minimal_job(model={"uri": str(deep)}))
+    (problem,) = local_path_problems(job, tmp_path, runs_here=True)
+    assert len(str(deep)) > 120 and problem.message == f"{deep} does not exist on this machine"

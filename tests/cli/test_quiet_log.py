@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 from finetune_operator.local import QuietLog, run_step, stopped_message
 
 SIGNAL_TRACEBACK = """Traceback (most recent call last):
@@ -46,6 +48,7 @@ def test_the_blank_lines_a_bar_leaves_before_it_go_with_it_and_others_stay():
     assert shown(text) == "preflight: 16 training sequences\n\nstep 1/2\n\n"
 
 
+@pytest.mark.process
 def test_a_step_before_the_workers_is_shown_as_they_are(tmp_path, capfd):
     """The preflight reads the data first and `datasets` draws its bar on stderr: a plain
     `finetune run` drops it, `--verbose` shows it, the run log keeps it either way."""

@@ -43,6 +43,7 @@ def pristine(tmp_path_factory) -> Path:
     return _scratch(tmp_path_factory.mktemp("pristine"))
 
 
+@pytest.mark.process
 def test_the_sources_keep_every_contract(pristine):
     result = _lint(pristine)
     assert result.returncode == 0, result.stdout[-3000:]
@@ -58,6 +59,7 @@ PLANTS = [
 ]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(("module", "line", "contract"), PLANTS,
                          ids=[f"{m}:{line}" for m, line, _ in PLANTS])
 def test_a_planted_import_breaks_its_contract(tmp_path, module, line, contract):
@@ -69,6 +71,7 @@ def test_a_planted_import_breaks_its_contract(tmp_path, module, line, contract):
     assert f"{contract} BROKEN" in result.stdout, result.stdout[-3000:]
 
 
+@pytest.mark.process
 def test_the_gpu_session_runs_the_gpu_tests_with_the_training_stack_alone(tmp_path):
     """`scripts/gpu-session.sh tests` on a GPU box given only the trainer's wheels: the
     shared conftest loaded the cluster fixtures, which import kopf, kmock and pytest-asyncio,

@@ -1,21 +1,26 @@
-"""Each test's level (unit, scenario, cluster, kind, gpu) comes from what it uses, so
-`pytest -m unit` is a quick loop that starts no cluster and no operator."""
+"""Each test's level (unit, process, scenario, cluster, kind, gpu) comes from what it uses, so
+`pytest -m unit` (`make test-quick`) is a quick loop that starts no process and no cluster."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
+
+pytestmark = pytest.mark.process
 
 FILES = ["tests/operator/test_scenarios.py", "tests/operator/test_reconcile.py",
          "tests/operator/test_peering.py", "tests/install/test_install.py",
-         "tests/trainer/test_gpu_training.py"]
+         "tests/trainer/test_gpu_training.py", "tests/trainer/test_training.py",
+         "tests/cli/test_cli.py", "tests/cli/test_local_machine.py"]
 
 
 LIST_LEVELS = """
 import sys, pytest
-LEVELS = ("unit", "scenario", "cluster", "kind", "gpu")
+from tests.conftest import LEVELS
 class Levels:
     def pytest_collection_finish(self, session):
         for item in session.items:
@@ -52,3 +57,48 @@ def test_levels_follow_the_fixtures_and_markers_a_test_uses():
     assert any(name.startswith("tests/operator/test_peering.py") for name in levels["scenario"])
     assert any(name.startswith("tests/install/test_install.py") for name in levels["cluster"])
     assert levels["gpu"] and all("test_gpu_training" in name for name in levels["gpu"])
+    assert any(name.startswith("tests/trainer/test_training.py") for name in levels["process"])
+    assert any(name.startswith("tests/cli/test_cli.py") for name in levels["process"])
+    local = "tests/cli/test_local_machine.py::"  # a module of both
+    assert f"{local}test_cpu_instead_of_the_gpu_the_spec_asks_for_is_said" in levels["unit"]
+    assert f"{local}test_finetune_run_refuses_it_before_anything_starts" in levels["process"]
+
+
+GUARDED = """
+import subprocess
+import pytest
+
+def test_a_unit_test_that_starts_a_process():
+    subprocess.run(["true"], check=True)
+
+@pytest.mark.process
+def test_a_process_test_that_starts_one():
+    subprocess.run(["true"], check=True)
+
+def test_a_unit_test():
+    assert True
+"""
+
+
+def pytest_with_our_conftest(test_file) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-q",
+                           "-p", "no:cacheprovider", "--rootdir", str(test_file.parent),
+                           str(test_file)], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_a_unit_test_that_starts_a_process_fails_naming_it(tmp_path):
+    """The levels stay true: a test the quick loop would run starts no process, or fails
+    saying what it started and which marker it needs; a test marked twice is refused."""
+    guarded = tmp_path / "test_guarded.py"
+    guarded.write_text(GUARDED)
+    result = pytest_with_our_conftest(guarded)
+    assert "1 failed, 2 passed" in result.stdout, result.stdout[-3000:] + result.stderr[-2000:]
+    assert ("test_guarded.py::test_a_unit_test_that_starts_a_process is a `unit` test but "
+            "started a process: subprocess.Popen ['true']. Mark it `process`") in result.stdout
+
+    guarded.write_text("import pytest\n\n@pytest.mark.process\n@pytest.mark.gpu\n"
+                       "def test_it():\n    pass\n")
+    result = pytest_with_our_conftest(guarded)
+    assert result.returncode != 0
+    assert "test_it: needs gpu, also marked ['process']" in result.stdout + result.stderr

@@ -13,8 +13,9 @@ import pytest
 
 from tests.conftest import REPO
 
-pytestmark = pytest.mark.skipif(shutil.which("go") is None,
-                                reason="the binaries' cache key names the Go version: no Go")
+pytestmark = [pytest.mark.process,
+              pytest.mark.skipif(shutil.which("go") is None,
+                                 reason="the binaries' cache key names the Go version: no Go")]
 
 
 def test_a_second_build_waits_for_the_first_and_builds_nothing(tmp_path):
@@ -24,11 +25,9 @@ def test_a_second_build_waits_for_the_first_and_builds_nothing(tmp_path):
     import controlplane
 
     env = {**os.environ, "FINETUNE_CLUSTER_CACHE": str(tmp_path)}
-    os.environ["FINETUNE_CLUSTER_CACHE"] = str(tmp_path)
-    try:
+    with pytest.MonkeyPatch.context() as patch:  # a cache set for the session stays set
+        patch.setenv("FINETUNE_CLUSTER_CACHE", str(tmp_path))
         target = controlplane.binaries_dir()
-    finally:
-        del os.environ["FINETUNE_CLUSTER_CACHE"]
     target.mkdir(parents=True)
     with open(target / ".build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # the first builder, at work

@@ -11,6 +11,8 @@ import yaml
 
 from tests.support.monitoring import PROMTOOL, RULES, alerts
 
+pytestmark = pytest.mark.process
+
 ALERTS_TEST = Path(__file__).with_name("alerts_test.yaml")
 needs_promtool = pytest.mark.skipif(
     PROMTOOL is None, reason="promtool is not on PATH (CI installs it; Debian/Ubuntu: "

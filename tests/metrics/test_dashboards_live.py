@@ -28,11 +28,11 @@ from tests.support.monitoring import (
     Prometheus,
     dashboard,
     panels,
-    port_in_use,
     substitute,
     targets,
     variable_queries,
 )
+from tests.trainer.test_metrics import metrics_ports
 from tests.trainer.test_training import finetune_run, manifest
 
 needs_prometheus = pytest.mark.skipif(
@@ -41,7 +41,6 @@ needs_prometheus = pytest.mark.skipif(
 
 BOARDS = ("finetune-job", "finetune-operator")
 JOB, NAMESPACE = "dashboards", "default"  # the emulated testbed's namespace, and the trainer's
-TRAINER_PORTS = (9108, 9109)  # the trainer's metrics port + local rank
 VARIABLES = {"namespace": NAMESPACE, "job": JOB, "backend": "kubernetes",
              "__rate_interval": "30s", "__interval": "15s", "__range": "5m"}
 
@@ -63,12 +62,10 @@ NOT_IN_THIS_RUN = {  # and so must be empty here
 }
 
 
-def start_trainer(model_dir, where) -> subprocess.Popen:
-    busy = [port for port in TRAINER_PORTS if port_in_use(port)]
-    assert not busy, f"ports {busy} are taken (another trainer run?): the trainer needs them"
+def start_trainer(model_dir, where, port: int) -> subprocess.Popen:
     job = manifest(model_dir, where / "out", steps=2000, checkpoint_every=10)
     job["metadata"] = {"name": JOB, "namespace": NAMESPACE}
-    return finetune_run(job, where, wait=False)
+    return finetune_run(job, where, "--metrics-port", str(port), wait=False)
 
 
 def stop(process: subprocess.Popen) -> str:
@@ -109,7 +106,6 @@ async def until(check, what: str, timeout: float) -> None:
         await asyncio.sleep(0.5)
 
 
-@pytest.mark.slow
 @needs_prometheus
 @pytest.mark.kmock(cls=ApiServer)
 @pytest.mark.asyncio
@@ -118,9 +114,11 @@ async def test_every_panel_of_both_dashboards_has_series(emulated_testbed, tiny_
                                                           tmp_path):
     testbed = emulated_testbed
     operator_port = testbed.operator.runtime.metrics.serve(0, host="127.0.0.1")
-    scraped = {"trainer": [f"127.0.0.1:{port}" for port in TRAINER_PORTS],
+    trainer_port = metrics_ports(2)  # local rank k on trainer_port + k
+    trainer_ports = (trainer_port, trainer_port + 1)
+    scraped = {"trainer": [f"127.0.0.1:{port}" for port in trainer_ports],
                "operator": [f"127.0.0.1:{operator_port}"]}
-    trainer = start_trainer(tiny_model_dir, tmp_path / "run")
+    trainer = start_trainer(tiny_model_dir, tmp_path / "run", trainer_port)
     try:
         with Prometheus(tmp_path / "prometheus", scraped, rule_files=(RULES,)) as prometheus:
             await drive_the_operator(testbed)
@@ -128,7 +126,7 @@ async def test_every_panel_of_both_dashboards_has_series(emulated_testbed, tiny_
             def trained() -> bool:
                 assert trainer.poll() is None, "the trainer exited"
                 steps = prometheus.query(f'finetune_step{{job="{JOB}"}} >= 12')
-                return len(steps) == len(TRAINER_PORTS)
+                return len(steps) == len(trainer_ports)
 
             # a dozen logged steps on both ranks (a checkpoint among them), seen over 5s
             await until(trained, "both ranks past step 12 in Prometheus", 150)
@@ -269,7 +267,7 @@ def value_of(series: list[dict]) -> set[float]:
     return {float(s["value"][1]) for s in series}
 
 
-@pytest.mark.slow
+@pytest.mark.process
 @needs_prometheus
 def test_the_gpu_panels_show_the_trainers_nvml_series_where_it_has_them(gpu_prometheus):
     found = gpu_panel_series(gpu_prometheus, NVML_JOB)
@@ -281,7 +279,7 @@ def test_the_gpu_panels_show_the_trainers_nvml_series_where_it_has_them(gpu_prom
     assert value_of(found["GPU memory"]) == {40e9, 80e9}  # used per GPU, capacity
 
 
-@pytest.mark.slow
+@pytest.mark.process
 @needs_prometheus
 def test_the_gpu_panels_fall_back_to_dcgm_for_the_jobs_pods_only(gpu_prometheus):
     found = gpu_panel_series(gpu_prometheus, DCGM_JOB)

@@ -13,7 +13,7 @@ import pytest
 from tests.conftest import REPO
 from tests.support.cluster_fixtures import missing_tools
 
-pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
 
 def test_the_operator_load_benchmark_measures_both_side_by_side(tmp_path):

@@ -14,7 +14,6 @@ missing = [tool for tool in TOOLS if shutil.which(tool) is None]
 engine = not missing and subprocess.run(["docker", "info"], capture_output=True).returncode == 0
 
 
-@pytest.mark.slow
 @pytest.mark.cluster  # its own kind cluster, not the one KUBECONFIG names
 @pytest.mark.skipif(bool(missing) or not engine,
                     reason="kind e2e needs a Docker engine and kind, kubectl, helm "

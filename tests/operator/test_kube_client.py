@@ -143,6 +143,7 @@ async def finetune_logs(kubeconfig: Path, *args: str) -> tuple[int, str, str]:
     return logs.returncode, out.decode(), err.decode()
 
 
+@pytest.mark.process
 async def test_finetune_logs_streams_the_current_pod_of_a_node_rank(server, tmp_path):
     """The real `finetune logs -f` against a server answering as the API server does: the
     FineTuneJob, its pods (rank 1's restarted: the newer pod is read), the log followed."""
@@ -171,6 +172,7 @@ async def test_finetune_logs_streams_the_current_pod_of_a_node_rank(server, tmp_
     assert asked == [("GET", "/api/v1/namespaces/team/pods/demo-1-b/log")]
 
 
+@pytest.mark.process
 async def test_finetune_logs_follows_the_models_download_into_the_trainers_log(server, tmp_path):
     """Before the trainer starts, fetch-model downloads the model (minutes for a large one):
     `finetune logs -f` shows that init container's log, then waits for the trainer and
@@ -224,6 +226,7 @@ def one_pod_before_its_trainer(server, phase: str, resume_check: dict) -> None:
                 "waiting": {"reason": "PodInitializing"}}}]}}]})
 
 
+@pytest.mark.process
 async def test_finetune_logs_of_a_pod_that_failed_in_its_resume_check_shows_why(
         server, tmp_path):
     """The trainer never started: the log that says why is resume-check's (the refusal to
@@ -240,6 +243,7 @@ async def test_finetune_logs_of_a_pod_that_failed_in_its_resume_check_shows_why(
     assert server.streamed == [f"{log}?container=resume-check"]
 
 
+@pytest.mark.process
 async def test_finetune_logs_of_a_pod_that_cannot_start_names_the_command_that_says_why(
         server, tmp_path):
     """An init container that cannot start (an image, a Secret): no log to show; the hint

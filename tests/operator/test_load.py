@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import minimal_job
 from tests.support.emulator import ApiServer, Kubelet
 
-pytestmark = [pytest.mark.slow, pytest.mark.kmock(cls=ApiServer), pytest.mark.asyncio,
+pytestmark = [pytest.mark.kmock(cls=ApiServer), pytest.mark.asyncio,
               pytest.mark.timeout(300)]
 JOBS = 200
 INTERVAL = 10.0  # seconds between looks at each job: the operator's default

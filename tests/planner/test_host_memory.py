@@ -122,6 +122,7 @@ def test_recommendations_only_offer_nodes_with_enough_host_memory():
         assert vm.memory_bytes > 4 * SHAPE.total_params or option.strategy != "fsdp"
 
 
+@pytest.mark.process
 def test_finetune_plan_prints_the_host_memory_line_and_refuses(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(minimal_job(

@@ -116,12 +116,12 @@ def _measurable() -> bool:
         return False
 
 
-@pytest.fixture(scope="module")
-def probe_model(tmp_path_factory) -> Path:
-    return build_probe_model(tmp_path_factory.mktemp("probe-model"))
+@pytest.fixture()
+def probe_model(shared) -> Path:
+    return shared.get("memory probe model", build_probe_model, name="probe-model")
 
 
-@pytest.mark.slow
+@pytest.mark.process
 @pytest.mark.skipif(not _measurable(), reason="needs Linux /proc/self/clear_refs (peak RSS)")
 @pytest.mark.parametrize("config", [c for i, c in enumerate(CONFIGS) if i in IN_SUITE],
                          ids=lambda c: "-".join(str(x) for x in c[:4])
@@ -133,7 +133,7 @@ def test_predicted_peak_is_within_15_percent_of_measured(config, probe_model, tm
         f"{config}: predicted {predicted / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB")
 
 
-@pytest.mark.slow
+@pytest.mark.process
 @pytest.mark.skipif(not _measurable(), reason="needs Linux /proc/self/clear_refs (peak RSS)")
 @pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
 def test_sharded_lora_holds_half_the_weights_the_planner_counts(strategy, probe_model,

@@ -8,9 +8,12 @@ import os
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from tests.conftest import REPO, minimal_job
+
+pytestmark = pytest.mark.process
 
 FINETUNE = [sys.executable, "-m", "finetune_operator.cli"]
 OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1"}

@@ -84,11 +84,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def port_in_use(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) == 0
-
-
 class Prometheus:
     """/usr/bin/prometheus on a free port, scraping `targets` every second with
     honor_labels (as the chart's monitors do) and evaluating `rule_files` every second."""

@@ -185,7 +185,7 @@ dist.destroy_process_group()
 '''
 
 
-@pytest.mark.slow
+@pytest.mark.process
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_the_checkpointer_completes_one_write_at_a_time_and_surfaces_its_failure(
         tmp_path, strategy):
@@ -220,7 +220,7 @@ def uninterrupted(tiny_model_dir, tmp_path_factory) -> tuple[Path, str]:
     return where / "out", result.stdout
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_a_checkpoint_written_behind_is_complete_at_the_first_step_after_its_write(
         tiny_model_dir, tmp_path):
     """Once every rank's write has ended, the loop makes the checkpoint complete at that
@@ -238,7 +238,7 @@ def test_a_checkpoint_written_behind_is_complete_at_the_first_step_after_its_wri
     assert text.index("step 5/10 |") < completed < text.index("step 10/10 |"), text[-3000:]
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_checkpoints_every_step_are_written_behind_training_and_complete(uninterrupted):
     output, log = uninterrupted
     names = sorted(p.name for p in (output / "checkpoints").iterdir())
@@ -256,7 +256,7 @@ def test_checkpoints_every_step_are_written_behind_training_and_complete(uninter
           f"{sum(written) / len(written):.3f} s written in the background")
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_sigterm_with_a_write_in_flight_leaves_a_complete_checkpoint_and_resumes_exactly(
         uninterrupted, tiny_model_dir, tmp_path):
     reference, _ = uninterrupted
@@ -293,7 +293,7 @@ def test_sigterm_with_a_write_in_flight_leaves_a_complete_checkpoint_and_resumes
     assert_same_weights(output, reference)
 
 
-@pytest.mark.slow
+@pytest.mark.process
 @pytest.mark.parametrize("strategy", ["fsdp", "zero2", "zero3"])
 def test_a_sharded_run_resumes_exactly_from_a_checkpoint_written_in_the_background(
         tiny_model_dir, tmp_path, strategy):
@@ -325,7 +325,7 @@ def test_a_sharded_run_resumes_exactly_from_a_checkpoint_written_in_the_backgrou
     assert_same_weights(again / "out", first / "out")
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_with_async_checkpoints_off_the_loop_waits_and_each_checkpoint_completes_at_once(
         tiny_model_dir, tmp_path):
     """`output.asyncCheckpoints: off` (here under ZeRO-2): the loop waits for each write,
@@ -343,7 +343,7 @@ def test_with_async_checkpoints_off_the_loop_waits_and_each_checkpoint_completes
         "step-00000002", "step-00000004"]
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_the_stall_benchmark_reads_every_checkpoint_of_both_sides(tiny_model_dir, tmp_path):
     """benchmarks/checkpoint_stall.py run small: it finds the trainer's line for every
     checkpoint, written in the background and synchronously (a reworded line fails here,

@@ -18,7 +18,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import throughput  # a script beside the tests, not a package
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_the_peer_worker_sums_its_counts_over_two_ranks(tiny_model_dir, tmp_path):
     bench = replace(throughput.SUITES["cpu"].benches[0], steps=4, warmup=1, samples=64,
                     seq_len=128)

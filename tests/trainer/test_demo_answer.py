@@ -13,7 +13,7 @@ import yaml
 
 from tests.conftest import REPO
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.process
 
 EXAMPLE = REPO / "examples/01-tiny-cpu-lora.yaml"
 DATA = REPO / "examples/data/tiny-chat.jsonl"

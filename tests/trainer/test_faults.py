@@ -24,10 +24,10 @@ import pytest
 import yaml
 
 from finetune_trainer.checkpoint import complete_checkpoints
-from tests.trainer.test_metrics import PORT, scrape
+from tests.trainer.test_metrics import metrics_ports, scrape
 from tests.trainer.test_training import losses, manifest
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.process
 STEPS, EVERY = 60, 10  # ~50 ms a step here: a fault lands seconds before the end
 # Same data order (seeded), fp32 on CPU with one thread per rank (torchrun's default) and a
 # resume that restores weights, optimizer, schedule and RNG: a restarted run is expected to
@@ -46,7 +46,7 @@ def fault_job(model_dir: Path, out_dir: Path, name: str, **spec) -> dict:
     return job
 
 
-def start(job: dict, where: Path) -> tuple[subprocess.Popen, Path]:
+def start(job: dict, where: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
     """`finetune run` in the background, its output in a file (a pipe nobody reads would
     fill up and stall the run)."""
     where.mkdir(parents=True, exist_ok=True)
@@ -56,7 +56,7 @@ def start(job: dict, where: Path) -> tuple[subprocess.Popen, Path]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     with log.open("w") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "finetune_operator.cli", "run", str(path)],
+            [sys.executable, "-m", "finetune_operator.cli", "run", str(path), *extra],
             stdout=out, stderr=subprocess.STDOUT, env=env)
     return process, log
 
@@ -67,8 +67,8 @@ def launch():
     runs in its own session, so the whole tree is."""
     started: list[subprocess.Popen] = []
 
-    def run(job: dict, where: Path) -> tuple[subprocess.Popen, Path]:
-        process, log = start(job, where)
+    def run(job: dict, where: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
+        process, log = start(job, where, *extra)
         started.append(process)
         return process, log
 
@@ -146,7 +146,9 @@ def uninterrupted(tiny_model_dir, tmp_path_factory) -> Path:
 def test_kill_9_of_one_rank_restarts_the_gang_from_the_last_checkpoint(
         uninterrupted, tiny_model_dir, tmp_path, launch):
     output = tmp_path / "out"
-    process, log = launch(fault_job(tiny_model_dir, output, "t-faults-kill"), tmp_path)
+    port = metrics_ports(2)  # its own: no other run on this machine takes them
+    process, log = launch(fault_job(tiny_model_dir, output, "t-faults-kill"), tmp_path,
+                          "--metrics-port", str(port))
     began = time.monotonic()
     wait_until(lambda: (output / "checkpoints" / f"step-{EVERY:08d}").is_dir()
                and progress_step(output) >= EVERY + 2,
@@ -157,19 +159,16 @@ def test_kill_9_of_one_rank_restarts_the_gang_from_the_last_checkpoint(
     kill_time = time.monotonic()
 
     restarts_seen: dict[str, float] = {}  # rank → finetune_restarts on the restarted gang
-    ports_taken = False  # another run on this machine holds the metrics ports meanwhile
     resumed_after = None
     while process.poll() is None:
         text = log.read_text()
         if resumed_after is None and "resuming from" in text:
             resumed_after = time.monotonic() - kill_time
         if "restart 1 of at most" in text:
-            for port in (PORT, PORT + 1):
-                series = scrape(port).get("finetune_restarts")
-                if series and series["labels"]["job"] == "t-faults-kill":
+            for rank in (0, 1):
+                if series := scrape(port + rank).get("finetune_restarts"):
+                    assert series["labels"]["job"] == "t-faults-kill", series
                     restarts_seen[series["labels"]["rank"]] = series["value"]
-                elif series:
-                    ports_taken = True
         time.sleep(0.05)
     done_after = time.monotonic() - kill_time
     text = log.read_text()
@@ -188,10 +187,8 @@ def test_kill_9_of_one_rank_restarts_the_gang_from_the_last_checkpoint(
     assert progress["phase"] == "Succeeded" and progress["step"] == STEPS
     assert losses(output) == pytest.approx(losses(uninterrupted), rel=1e-5)
     assert_same_weights(output, uninterrupted)
-    # torchrun's restart on the restarted ranks' gauge (a rank whose port another run on
-    # this machine held serves no endpoint; the gauge itself is unit-tested below)
-    assert restarts_seen or ports_taken
-    assert set(restarts_seen.values()) <= {1.0}, restarts_seen
+    # torchrun's restart on the restarted ranks' gauge
+    assert restarts_seen and set(restarts_seen.values()) == {1.0}, restarts_seen
     print(f"\nkill -9 of rank 1 at step {killed_at} ({kill_time - began:.1f}s into the run): "
           f"gang restarted and resumed from step {resumed_from} after {resumed_after:.1f}s, "
           f"{killed_at - resumed_from} step(s) redone, finished {done_after:.1f}s after "

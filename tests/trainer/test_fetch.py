@@ -106,6 +106,7 @@ def test_sharded_weights_come_with_every_shard_the_index_names(hub, tmp_path):
     assert fetch.complete_copy(tmp_path / "out", source()) == folder
 
 
+@pytest.mark.process
 def test_a_fetch_killed_halfway_leaves_no_marker_and_the_next_completes(hub, tmp_path):
     config = config_file(tmp_path, source(), tmp_path / "out")
     weights = hub.repos["org/tiny"].files[WEIGHTS]
@@ -131,6 +132,7 @@ def test_a_fetch_killed_halfway_leaves_no_marker_and_the_next_completes(hub, tmp
     assert not folder.with_name(folder.name + ".lock").exists()
 
 
+@pytest.mark.process
 def test_sigterm_gives_the_lock_back_and_exits_143(hub, tmp_path):
     config = config_file(tmp_path, source(), tmp_path / "out")
     hub.hold(WEIGHTS, after_bytes=1000)
@@ -145,6 +147,7 @@ def test_sigterm_gives_the_lock_back_and_exits_143(hub, tmp_path):
     assert not (folder / FETCHED_FILE).exists()
 
 
+@pytest.mark.process
 def test_two_fetches_at_once_leave_one_good_copy_downloaded_once(hub, tmp_path):
     """Two nodes sharing the output volume: one downloads, the other waits on the lock and
     then finds the copy complete."""
@@ -165,6 +168,7 @@ def test_two_fetches_at_once_leave_one_good_copy_downloaded_once(hub, tmp_path):
     assert fetch.complete_copy(tmp_path / "out", source()) == copies[0]
 
 
+@pytest.mark.process
 def test_the_workers_read_the_copy_without_a_single_request(hub, tmp_path):
     """The trainer's own entry point (the preflight reads the tokenizer and the
     architecture), after the fetch: the hub hears nothing more."""
@@ -233,6 +237,7 @@ def test_the_hubs_refusals_name_the_field_and_the_fix(hub, tmp_path, monkeypatch
     assert " — " in str(refused.value)  # and the fix
 
 
+@pytest.mark.process
 def test_a_gated_model_with_its_token_and_the_cli_exit_codes(hub, tmp_path, monkeypatch):
     config = config_file(tmp_path, source("hf://org/gated"), tmp_path / "out")
     refused = trainer(config, hub, "--fetch-model")
@@ -256,6 +261,7 @@ def test_a_volume_too_small_is_said_before_the_weights_download(hub, tmp_path, m
     assert WEIGHTS not in hub.downloads() and not refused.value.permanent
 
 
+@pytest.mark.process
 def test_other_locations_need_no_fetch(tmp_path, tiny_model_dir):
     config = config_file(tmp_path, source(str(tiny_model_dir)), tmp_path / "out")
     done = subprocess.run([sys.executable, "-m", "finetune_trainer", f"--config={config}",
@@ -305,7 +311,7 @@ def test_a_live_holder_keeps_its_lock_by_its_heartbeat(tmp_path):
         assert not other._create() and not other._gone(path.read_text())
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_finetune_run_fetches_once_and_a_second_run_asks_the_hub_nothing(hub, tmp_path):
     """The issue's check, end to end on one machine: `finetune run` fetches the hf:// model
     into its output folder; the same command again (a restart) resumes with no request at

@@ -27,7 +27,7 @@ from finetune_trainer.model import ModelError, load_tokenizer
 from finetune_trainer.train import preflight
 from tests.conftest import REPO
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.process
 
 _SHIPPED = (REPO / "examples/data/tiny-chat.jsonl").read_bytes()
 GOOD_JSONL = _SHIPPED[:_SHIPPED.index(b"\n", 3000) + 1]  # a few whole conversations

@@ -10,7 +10,7 @@ import pytest
 
 from tests.trainer.test_training import DATA, finetune_run, losses, manifest
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+pytestmark = pytest.mark.gpu
 
 
 def test_qlora_trains_and_exports_an_adapter(tiny_model_dir, tmp_path):
@@ -67,16 +67,18 @@ def test_a_gpu_run_reports_mfu_and_nvml_series(tiny_model_dir, tmp_path):
     import signal
     import time
 
-    from tests.trainer.test_metrics import PORT, scrape
+    from tests.trainer.test_metrics import metrics_ports, scrape
 
     job = manifest(tiny_model_dir, tmp_path / "out", method="full", precision="bf16",
                    processes=1, steps=400, checkpoint_every=1000)
     job["spec"]["resources"] = {"gpusPerNode": 1}
-    process = finetune_run(job, tmp_path, "--nproc", "1", wait=False)
+    port = metrics_ports(1)
+    process = finetune_run(job, tmp_path, "--nproc", "1", "--metrics-port", str(port),
+                           wait=False)
     try:
         deadline, seen = time.monotonic() + 300, {}
         while time.monotonic() < deadline and process.poll() is None:
-            seen = scrape(PORT)
+            seen = scrape(port)
             if "finetune_mfu" in seen and "finetune_gpu_utilization_ratio" in seen:
                 break
             time.sleep(0.5)

@@ -28,7 +28,7 @@ import yaml
 from tests.conftest import REPO
 from tests.support.bench_scripts import bench_script
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.process
 
 RATIO = 1.1
 MIB = 2**20

@@ -25,7 +25,7 @@ import pytest
 from tests.conftest import REPO
 from tests.support.bench_scripts import bench_script
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.process
 
 BOUND = 1.3
 """The node's peak over one copy of the weights while loading, FSDP or ZeRO-3 (every rank

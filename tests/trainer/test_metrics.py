@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import signal
+import socket
 import time
 import urllib.request
 
@@ -15,7 +16,38 @@ from finetune_trainer.progress import ProgressServer
 from tests.trainer.test_tensorboard import scalars
 from tests.trainer.test_training import finetune_run, manifest
 
-PORT = 9108  # the trainer's default metrics port; local rank k serves on PORT + k
+
+def metrics_ports(count: int = 2) -> int:
+    """The first of `count` consecutive ports nothing listens on (local rank k serves on
+    port + k), for `finetune run --metrics-port`: from the ephemeral range, which the
+    default ports (9108 and up: a free pair taken by each run) never reach, so a run beside
+    this one never takes them."""
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            first = probe.getsockname()[1]
+        if first + count <= 65536 and all(_bindable(first + k) for k in range(count)):
+            return first
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def lines_until(process, prefix: str) -> str:
+    """What a `finetune run` started with wait=False printed up to its first line that
+    starts with `prefix`, that line included."""
+    said = []
+    for line in process.stdout:
+        said.append(line)
+        if line.startswith(prefix):
+            break
+    return "".join(said)
 
 
 def scrape(port: int) -> dict[str, dict]:
@@ -58,23 +90,27 @@ def samples(port: int, name: str) -> dict[str, float]:
             if s.name == name}
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_both_ranks_of_a_real_run_serve_their_series(tiny_model_dir, tmp_path):
     job = manifest(tiny_model_dir, tmp_path / "out", steps=400, checkpoint_every=1000)
     job["spec"]["dataset"]["evalFraction"] = 0.25
     job["spec"]["hyperparameters"]["evalEverySteps"] = 2
-    process = finetune_run(job, tmp_path, wait=False)
+    port = metrics_ports(2)
+    process = finetune_run(job, tmp_path, "--metrics-port", str(port), wait=False)
     try:
+        said = lines_until(process, "metrics: ")
+        assert said.endswith(f"metrics: http://127.0.0.1:{port}/metrics, one per process: "
+                             f"ports {port}-{port + 1}\n"), said
         deadline, seen = time.monotonic() + 300, {}
         while time.monotonic() < deadline and process.poll() is None:
-            seen = {rank: scrape(PORT + rank) for rank in (0, 1)}
+            seen = {rank: scrape(port + rank) for rank in (0, 1)}
             if all(s.get("finetune_step", {}).get("value", 0) >= 2 for s in seen.values()):
                 break
             time.sleep(0.2)
         assert process.poll() is None, process.communicate()[0][-3000:]
         for rank in (0, 1):
             series = seen[rank]
-            assert series, f"rank {rank} serves no metrics on {PORT + rank}"
+            assert series, f"rank {rank} serves no metrics on {port + rank}"
             assert series["finetune_step"]["labels"]["rank"] == str(rank)
             assert series["finetune_step"]["labels"]["job"] == job["metadata"]["name"]
             assert series["finetune_step"]["value"] >= 2
@@ -86,19 +122,19 @@ def test_both_ranks_of_a_real_run_serve_their_series(tiny_model_dir, tmp_path):
             assert series["finetune_grad_norm"]["value"] > 0
             assert series["finetune_restarts"]["value"] == 0
             # the step-time split and the DDP hook's all-reduce timings
-            phases = samples(PORT + rank, "finetune_step_phase_seconds")
+            phases = samples(port + rank, "finetune_step_phase_seconds")
             assert set(phases) == {"data", "forward_backward", "optimizer", "collective_wait"}
             assert all(v >= 0 for v in phases.values()) and phases["forward_backward"] > 0
-            busbw = samples(PORT + rank, "finetune_collective_bus_bandwidth_bytes_per_second")
+            busbw = samples(port + rank, "finetune_collective_bus_bandwidth_bytes_per_second")
             assert busbw["all_reduce"] > 0
-            assert samples(PORT + rank, "finetune_collective_bytes_total")["all_reduce"] > 0
+            assert samples(port + rank, "finetune_collective_bytes_total")["all_reduce"] > 0
             # CPU: no GPU series and no MFU (no peak to measure against)
             assert not any(name.startswith("finetune_gpu_") for name in series)
             assert "finetune_mfu" not in series
-        preflight = samples(PORT, "finetune_preflight_bus_bandwidth_bytes_per_second")
+        preflight = samples(port, "finetune_preflight_bus_bandwidth_bytes_per_second")
         assert len(preflight) >= 4 and all(v > 0 for v in preflight.values())
-        assert samples(PORT, "finetune_preflight_slow_node") == {"localhost": 0.0} or \
-            len(samples(PORT, "finetune_preflight_slow_node")) == 1  # one node: nothing to compare
+        assert samples(port, "finetune_preflight_slow_node") == {"localhost": 0.0} or \
+            len(samples(port, "finetune_preflight_slow_node")) == 1  # one node: nothing to compare
         assert "finetune_preflight_bus_bandwidth_bytes_per_second" not in seen[1]  # rank 0 only
     finally:
         process.send_signal(signal.SIGTERM)
@@ -109,7 +145,7 @@ def test_both_ranks_of_a_real_run_serve_their_series(tiny_model_dir, tmp_path):
     assert all(v > 0 for v in seen["train/grad_norm"].values())
 
 
-@pytest.mark.slow
+@pytest.mark.process
 @pytest.mark.parametrize(("strategy", "ops"), [
     ("fsdp", {"all_gather", "reduce_scatter"}),  # FSDP2's own collectives, timed every step
     ("zero2", None),  # DeepSpeed's comms logger on sampled steps (ops are DeepSpeed's choice)
@@ -117,13 +153,14 @@ def test_both_ranks_of_a_real_run_serve_their_series(tiny_model_dir, tmp_path):
 def test_sharded_strategies_time_their_collectives(tiny_model_dir, tmp_path, strategy, ops):
     job = manifest(tiny_model_dir, tmp_path / "out", strategy=strategy, method="full",
                    steps=400, checkpoint_every=1000)
-    process = finetune_run(job, tmp_path, wait=False)
+    port = metrics_ports(2)
+    process = finetune_run(job, tmp_path, "--metrics-port", str(port), wait=False)
     try:
         deadline, busbw, phases = time.monotonic() + 300, {}, {}
         while time.monotonic() < deadline and process.poll() is None:
             try:
-                busbw = samples(PORT + 1, "finetune_collective_bus_bandwidth_bytes_per_second")
-                phases = samples(PORT + 1, "finetune_step_phase_seconds")
+                busbw = samples(port + 1, "finetune_collective_bus_bandwidth_bytes_per_second")
+                phases = samples(port + 1, "finetune_step_phase_seconds")
             except (OSError, http.client.HTTPException):  # not serving yet
                 pass
             if busbw and "collective_wait" in phases:
@@ -134,7 +171,7 @@ def test_sharded_strategies_time_their_collectives(tiny_model_dir, tmp_path, str
         if ops is not None:
             assert set(busbw) == ops
         assert phases["collective_wait"] > 0
-        calls = samples(PORT + 1, "finetune_collective_calls_total")
+        calls = samples(port + 1, "finetune_collective_calls_total")
         assert all(calls[op] >= 1 for op in busbw)
     finally:
         process.send_signal(signal.SIGTERM)

@@ -118,6 +118,7 @@ def test_relative_location_starts_at_the_manifest_folder(tiny_model_dir):
     assert model_location(source, base_dir=tiny_model_dir.parent) == str(tiny_model_dir)
 
 
+@pytest.mark.process
 def test_hub_model_without_network_says_so():
     # huggingface_hub reads HF_HUB_OFFLINE at import, so this runs in a fresh process
     code = ("from finetune_trainer.config import ModelSource\n"

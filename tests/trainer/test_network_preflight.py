@@ -89,7 +89,7 @@ dist.destroy_process_group()
 """
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_two_nodes_of_two_ranks_are_measured_inside_and_between(tmp_path):
     """Two torchrun agents on this machine are two nodes (NODE_NAME differs), as two pods are."""
     script = tmp_path / "sweep.py"
@@ -111,7 +111,7 @@ def test_two_nodes_of_two_ranks_are_measured_inside_and_between(tmp_path):
     assert isinstance(record["slowNodes"], list)
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_a_network_below_the_floor_fails_before_training_and_writes_nothing(
         tiny_model_dir, tmp_path):
     job = manifest(tiny_model_dir, tmp_path / "out", steps=4)

@@ -114,6 +114,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.process
 @pytest.mark.timeout(120)
 def test_the_trainer_joins_with_the_rank_env_azure_ml_sets(tmp_path):
     """Azure ML's PyTorch distribution starts every process itself with these variables
@@ -161,6 +162,7 @@ def run_tags(env: dict[str, str]) -> dict[str, str]:
     return {key: value for key, value in tags.items() if key.startswith("finetune.")}
 
 
+@pytest.mark.process
 def test_a_worker_that_refuses_its_data_says_so_on_the_job_run(job_run, tiny_model_dir,
                                                               tmp_path):
     """A worker as Azure ML starts it (its rank environment, no torchrun) on a data file with

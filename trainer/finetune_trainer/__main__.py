@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import base64
 import errno
+import gc
 import os
 import signal
 import sys
@@ -147,6 +148,28 @@ def _load(args) -> tuple[TrainerConfig, Path]:
     return bind_locations(config, args.location), base_dir
 
 
+def _import_training_stack(config: TrainerConfig, worker: bool) -> None:
+    """The libraries a worker (or the preflight) needs, imported up front with the cyclic
+    collector off, then frozen: they create objects by the million, and collections while
+    they import took a fifth of the import time (about 0.8 s a process); frozen, no later
+    collection walks them again. Nothing is allocated for training yet, so nothing waits on
+    the collector meanwhile."""
+    gc.disable()
+    try:
+        import accelerate  # noqa: F401
+        import datasets  # noqa: F401
+        import torch  # noqa: F401
+        import transformers.modeling_utils  # noqa: F401
+
+        if config.method.type != "full":
+            import peft  # noqa: F401
+        if worker and config.strategy.type.startswith("zero"):
+            import deepspeed  # noqa: F401
+    finally:
+        gc.freeze()
+        gc.enable()
+
+
 def _disk_full(error: OSError, output: Path) -> int:
     from finetune_trainer.layout import checkpoint_root
 
@@ -163,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as error:  # raised again: its traceback still goes to stderr
         record_failure(f"{type(error).__name__}: {error}")
         raise
+    finally:
+        gc.freeze()  # see finetune_trainer.launch.main
 
 
 def _main(argv: list[str] | None) -> int:
@@ -199,6 +224,7 @@ def _main(argv: list[str] | None) -> int:
         return failed(refused, EXIT_OTHER_CHECKPOINTS, termination=True)
     if args.check_resume:
         return 0
+    _import_training_stack(config, worker=not args.preflight)
     # the copy fetched into the output folder, where there is one: no hub request at all
     config = with_local_copy(config, output)
     try:

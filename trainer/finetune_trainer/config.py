@@ -329,6 +329,9 @@ class MetricsConfig(ApiModel):
     enabled: bool = True
     port: int = Field(default=9108, ge=1, le=65535)
     """Port of local rank 0; local rank k serves on port + k."""
+    host: str = "0.0.0.0"
+    """The address the endpoints listen on: every interface in a pod (Prometheus and the
+    operator reach it there); `finetune run` listens on 127.0.0.1 only."""
 
 
 class PreflightConfig(ApiModel):

@@ -605,7 +605,7 @@ class Trainer:
             self.metrics.resumed(time.perf_counter() - started)
             _say(f"resuming from {latest} (step {self.state.step}/{self.steps})")
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # one port per process on a node
-        server = (ProgressServer(config.metrics.port + local_rank,
+        server = (ProgressServer(config.metrics.port + local_rank, host=config.metrics.host,
                                  registry=self.metrics.registry)
                   if config.metrics.enabled else None)
         self.reporter = Reporter(output_dir, self.steps, self.state.step,

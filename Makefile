@@ -55,16 +55,17 @@ lint: venv
 	$(BIN)/lint-imports
 
 # A real Kubernetes control plane on 127.0.0.1 (etcd, kube-apiserver with RBAC,
-# controller-manager, scheduler, KWOK for the nodes), built from the Go modules in cluster/
-# into ~/.cache/finetune-operator (once per version: ~9 minutes cold on 2 cores). The tests
-# start their own; `make cluster` starts one for you, with an admin kubeconfig in
-# .cluster/admin.kubeconfig. Without Go, the tests that need it are skipped, saying so.
+# controller-manager, scheduler, KWOK for the nodes, Kueue with its queues), built from the
+# Go modules in cluster/ into ~/.cache/finetune-operator (once per version: ~14 minutes cold
+# on 2 cores). The tests start their own; `make cluster` starts one for you, with an admin
+# kubeconfig in .cluster/admin.kubeconfig (`make cluster KUEUE=0`: without Kueue). Without
+# Go, the tests that need it are skipped, saying so.
 cluster-bin: venv
 	@if command -v go >/dev/null 2>&1; then $(BIN)/python cluster/controlplane.py build; \
 	else echo "Go not installed: the real control-plane tests will be skipped"; fi
 
 cluster: venv
-	$(BIN)/python cluster/controlplane.py up
+	$(BIN)/python cluster/controlplane.py up $(if $(filter 0,$(KUEUE)),--no-kueue)
 
 # The CRD and the chart (all but the operator's Deployment), and .cluster/operator.kubeconfig
 # with only the chart's ServiceAccount token: run `finetune operator` with it (printed).

@@ -1,8 +1,10 @@
 """A real Kubernetes control plane on 127.0.0.1, without Docker: etcd, kube-apiserver (RBAC),
-kube-controller-manager, kube-scheduler and KWOK playing the kubelets of fake nodes.
+kube-controller-manager, kube-scheduler, KWOK playing the kubelets of fake nodes, and Kueue
+(cluster/kueue_manager.py).
 
     python cluster/controlplane.py build     # the binaries, once per version (cached)
     python cluster/controlplane.py up        # start in the background: .cluster/
+    python cluster/controlplane.py up --no-kueue   # the same without Kueue
     python cluster/controlplane.py install   # CRD, chart, the operator's kubeconfig
     python cluster/controlplane.py down      # stop what `up` started
 
@@ -35,12 +37,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import kueue_manager
 import yaml
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 KUBERNETES_VERSION = "v1.36.3"
-MODULES = ("kube", "etcd", "kwok")
+MODULES = ("kube", "etcd", "kwok", "kueue")
 BINARIES = {
     # binary: (module folder, package)
     "kube-apiserver": ("kube", "k8s.io/kubernetes/cmd/kube-apiserver"),
@@ -49,6 +52,7 @@ BINARIES = {
     "kubectl": ("kube", "k8s.io/kubernetes/cmd/kubectl"),
     "etcd": ("etcd", "."),
     "kwok": ("kwok", "sigs.k8s.io/kwok/cmd/kwok"),
+    "kueue": ("kueue", "sigs.k8s.io/kueue/cmd/kueue"),
 }
 ADMIN_TOKEN_USER = "finetune-admin"
 SERVICE_CIDR = "10.96.0.0/16"
@@ -106,7 +110,7 @@ def build(log=_say) -> Path:
     at a time per folder (a lock file): a second `make cluster` or test session started
     meanwhile waits for the first and builds nothing."""
     target = binaries_dir()
-    if all((target / b).exists() for b in BINARIES):
+    if _built(target):
         return target
     target.mkdir(parents=True, exist_ok=True)
     with open(target / ".build.lock", "w") as lock:
@@ -118,12 +122,18 @@ def build(log=_say) -> Path:
         missing = [b for b in BINARIES if not (target / b).exists()]
         if missing:
             _build(target, missing, log)
+        if not (target / kueue_manager.MANIFESTS).exists():
+            kueue_manager.render_manifests(target / "kubectl", target)
     return target
+
+
+def _built(target: Path) -> bool:
+    return all((target / b).exists() for b in (*BINARIES, kueue_manager.MANIFESTS))
 
 
 def _build(target: Path, missing: list[str], log) -> None:
     log(f"building the control plane ({', '.join(missing)}) into {target}; "
-        "cold, this takes ~9 minutes on 2 cores")
+        "cold, this takes ~14 minutes on 2 cores")
     version_flags = []
     major, minor = KUBERNETES_VERSION.lstrip("v").split(".")[:2]
     for package in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version"):
@@ -134,7 +144,8 @@ def _build(target: Path, missing: list[str], log) -> None:
     # kube-apiserver first: it compiles the shared code the other three reuse from the cache.
     for binary in missing:
         module, package = BINARIES[binary]
-        ldflags = "-s -w" + ("" if module != "kube" else " " + " ".join(version_flags))
+        flags = {"kube": version_flags, "kueue": kueue_manager.VERSION_FLAGS}.get(module, ())
+        ldflags = " ".join(("-s -w", *flags))
         partial = target / f".{binary}.partial"
         one = time.monotonic()
         result = subprocess.run(["go", "build", "-trimpath", "-ldflags", ldflags, "-o",
@@ -235,6 +246,8 @@ class ControlPlane:
     bin: Path = field(default_factory=binaries_dir)
     ports: dict[str, int] = field(default_factory=dict)
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    kueue: bool = True
+    """Start Kueue too (cluster/kueue_manager.py), with the queues of cluster/."""
 
     @property
     def server(self) -> str:
@@ -248,7 +261,7 @@ class ControlPlane:
     def kubectl(self) -> Path:
         return self.bin / "kubectl"
 
-    def _spawn(self, name: str, *args: str) -> None:
+    def spawn(self, name: str, *args: str) -> None:
         log = open(self.folder / "logs" / f"{name}.log", "ab")  # noqa: SIM115 (kept open)
         self.processes[name] = subprocess.Popen(
             [str(self.bin / name), *args], stdout=log, stderr=subprocess.STDOUT,
@@ -264,7 +277,7 @@ class ControlPlane:
         pki = self.folder / "pki"
         self.ports = {k: free_port() for k in
                       ("etcd", "etcd-peer", "apiserver", "controller-manager", "scheduler",
-                       "kwok")}
+                       "kwok", "kueue-webhook", "kueue-health", "kueue-metrics")}
         (self.folder / "state.json").write_text(json.dumps({"ports": self.ports}))
         tokens = {user: base64.b32encode(os.urandom(20)).decode().lower()
                   for user in (ADMIN_TOKEN_USER, "controller-manager", "scheduler", "kwok")}
@@ -274,7 +287,7 @@ class ControlPlane:
             f"{tokens['scheduler']},system:kube-scheduler,3\n"
             f"{tokens['kwok']},kwok,4,\"system:masters\"\n")
         etcd_url = f"http://127.0.0.1:{self.ports['etcd']}"
-        self._spawn("etcd", "--data-dir", str(self.folder / "etcd"), "--unsafe-no-fsync",
+        self.spawn("etcd", "--data-dir", str(self.folder / "etcd"), "--unsafe-no-fsync",
                     "--listen-client-urls", etcd_url, "--advertise-client-urls", etcd_url,
                     "--listen-peer-urls", f"http://127.0.0.1:{self.ports['etcd-peer']}",
                     "--initial-advertise-peer-urls",
@@ -282,7 +295,7 @@ class ControlPlane:
                     "--initial-cluster",
                     f"default=http://127.0.0.1:{self.ports['etcd-peer']}",
                     "--log-level", "warn")
-        self._spawn("kube-apiserver",
+        self.spawn("kube-apiserver",
                     "--etcd-servers", etcd_url, "--bind-address", "127.0.0.1",
                     "--advertise-address", "127.0.0.1",
                     "--secure-port", str(self.ports["apiserver"]),
@@ -308,7 +321,7 @@ class ControlPlane:
             path.write_text(json.dumps(kubeconfig(self.server, user, tokens[component],
                                                   pki / "ca.crt")))
         cm = str(self.folder / "controller-manager.kubeconfig")
-        self._spawn("kube-controller-manager", "--kubeconfig", cm,
+        self.spawn("kube-controller-manager", "--kubeconfig", cm,
                     "--authentication-kubeconfig", cm, "--authorization-kubeconfig", cm,
                     "--controllers", "*", "--use-service-account-credentials=true",
                     "--leader-elect=false", "--bind-address", "127.0.0.1",
@@ -317,11 +330,11 @@ class ControlPlane:
                     "--root-ca-file", str(pki / "ca.crt"),
                     "--service-cluster-ip-range", SERVICE_CIDR, "-v=1")
         sched = str(self.folder / "scheduler.kubeconfig")
-        self._spawn("kube-scheduler", "--kubeconfig", sched,
+        self.spawn("kube-scheduler", "--kubeconfig", sched,
                     "--authentication-kubeconfig", sched, "--authorization-kubeconfig", sched,
                     "--leader-elect=false", "--bind-address", "127.0.0.1",
                     "--secure-port", str(self.ports["scheduler"]), "-v=1")
-        self._spawn("kwok", "--kubeconfig", str(self.folder / "kwok.kubeconfig"),
+        self.spawn("kwok", "--kubeconfig", str(self.folder / "kwok.kubeconfig"),
                     "--manage-all-nodes=false",
                     "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
                     "--cidr", POD_CIDR, "--node-ip=127.0.0.1",
@@ -331,6 +344,12 @@ class ControlPlane:
         nodes = yaml.safe_load((HERE / "nodes.yaml").read_text())  # anchors resolved here
         self.kubectl_run("apply", "-f", "-", input=json.dumps(nodes))
         self._wait_nodes_ready(timeout)
+        if self.kueue:
+            kueue_manager.start(self, timeout)
+
+    def kubeconfig_for(self, user: str, token: str) -> dict[str, Any]:
+        """A kubeconfig of this control plane holding only `user`'s token."""
+        return kubeconfig(self.server, user, token, self.folder / "pki" / "ca.crt")
 
     def _audit_policy(self) -> Path:
         """Every request of a service account of `OPERATOR_NAMESPACE` (the operator's, when
@@ -344,7 +363,7 @@ class ControlPlane:
                       {"level": "None"}]}))
         return path
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
         for name, process in self.processes.items():
             if process.poll() is not None:
                 tail = (self.folder / "logs" / f"{name}.log").read_text(errors="replace")
@@ -355,7 +374,7 @@ class ControlPlane:
         context = ssl.create_default_context(cafile=str(self.folder / "pki" / "ca.crt"))
         deadline = time.monotonic() + timeout
         while True:
-            self._check_alive()
+            self.check_alive()
             with contextlib.suppress(OSError, urllib.error.URLError):
                 with urllib.request.urlopen(f"{self.server}/readyz", context=context,
                                             timeout=2) as response:
@@ -369,7 +388,7 @@ class ControlPlane:
     def _wait_nodes_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while True:
-            self._check_alive()
+            self.check_alive()
             ready = self.kubectl_run(
                 "get", "nodes", "-o",
                 "jsonpath={range .items[*]}{.status.conditions[?(@.type=='Ready')].status}"
@@ -447,19 +466,36 @@ class ControlPlane:
             with contextlib.suppress(ValueError):
                 pids[pidfile.name] = int(pidfile.read_text())
             pidfile.unlink()
-        order = ["kwok", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd"]
+        order = ["kueue", "kwok", "kube-scheduler", "kube-controller-manager", "kube-apiserver",
+                 "etcd"]
         for pid in [pids[n] for n in order if n in pids]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and _alive(pid):
-                time.sleep(0.05)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+            _terminate(pid)
         for process in self.processes.values():
             with contextlib.suppress(Exception):
                 process.wait(timeout=5)
         self.processes.clear()
+
+    def stop_one(self, name: str) -> None:
+        """Stop one process of this control plane (a component's restart, in a test)."""
+        pidfile = self.folder / "pids" / name
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            _terminate(int(pidfile.read_text()))
+            pidfile.unlink()
+        process = self.processes.pop(name, None)
+        if process is not None:
+            with contextlib.suppress(Exception):
+                process.wait(timeout=5)
+
+
+def _terminate(pid: int) -> None:
+    """SIGTERM, then SIGKILL if it is still there after 10 s."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
 
 
 def _alive(pid: int) -> bool:
@@ -480,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("action", choices=["build", "up", "install", "down", "bin"])
     parser.add_argument("--folder", type=Path, default=REPO / ".cluster",
                         help="state folder (default: .cluster in the repository)")
+    parser.add_argument("--no-kueue", dest="kueue", action="store_false",
+                        help="up: without Kueue (make cluster KUEUE=0)")
     args = parser.parse_args(argv)
     try:
         if args.action == "bin":
@@ -488,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.action == "build":
             build()
             return 0
-        plane = ControlPlane(args.folder, bin=binaries_dir())
+        plane = ControlPlane(args.folder, bin=binaries_dir(), kueue=args.kueue)
         if args.action == "install":
             if not plane.running():
                 raise ControlPlaneError(f"no control plane is running from {args.folder}: "
@@ -522,9 +560,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"control plane ready in {time.monotonic() - started:.0f} s at {plane.server}\n"
               f"  export KUBECONFIG={plane.admin_kubeconfig}\n"
               f"  kubectl: {plane.kubectl}\n"
-              f"  logs: {args.folder / 'logs'}; stop with `make cluster-down`")
+              + (f"  Kueue {kueue_manager.KUEUE_VERSION}: ClusterQueue gpu, LocalQueue "
+                 "team-a in namespace ml-team (cluster/kueue-queues.yaml)\n"
+                 if plane.kueue else "")
+              + f"  logs: {args.folder / 'logs'}; stop with `make cluster-down`")
         return 0
-    except ControlPlaneError as error:
+    except (ControlPlaneError, kueue_manager.KueueError) as error:
         print(f"control plane: {error}", file=sys.stderr)
         return 1
 

@@ -52,7 +52,15 @@ from finetune_operator.backends import (
     load_backends,
 )
 from finetune_operator.backends.children import MANAGED, RESOURCES, owner_key
-from finetune_operator.kube import Kube, KubeError, merge_patch, newer, slim, timestamp
+from finetune_operator.kube import (
+    Kube,
+    KubeError,
+    merge_patch,
+    newer,
+    slim,
+    timestamp,
+    webhook_hint,
+)
 from finetune_operator.metrics import RESTART_CAUSES, OperatorMetrics
 from finetune_operator.pacing import LAUNCH_BURST, LAUNCH_RATE, LaunchPacer
 from finetune_operator.planner import ModelConfigs, plan_job
@@ -429,6 +437,7 @@ class Controller:
             wait = self._retry_delay(key, error)
             logger.error("%s/%s: %s", *key, error.message(wait))
             await self._post(body, Event("Warning", "Retrying", error.message(wait)))
+            await self._not_launched_yet(key, body, error)
             self.queue.hold(key, wait)
             return
         self.failures.pop(key, None)
@@ -439,6 +448,29 @@ class Controller:
             await self._post(patched or body, event)
         if look_.wake_after is not None:
             self.queue.add_after(key, look_.wake_after)
+
+    async def _not_launched_yet(self, key: Key, body: dict[str, Any], error: _Retry) -> None:
+        """A job whose first launch fails again and again (an admission webhook that does
+        not answer refuses every Job create) says so in its status, Pending, instead of no
+        phase at all: once per cause, not per retry. A launched job keeps its phase; the
+        Retrying events say it."""
+        status = body.get("status") or {}
+        if status.get("phase") not in (None, "Pending") or status.get("launchedSpec"):
+            return
+        message = (f"not launched yet (retried with a backoff): {error.error}"
+                   f"{webhook_hint(error.error)}")
+        if status.get("message") == message and status.get("phase") == "Pending":
+            return
+        try:
+            patched = await self.runtime.kube.patch_finetunejob_status(
+                *key, {"phase": "Pending", "message": message})
+        except KubeError as refused:  # the same outage, likely: the events say it
+            backend = (body.get("spec") or {}).get("backend", "kubernetes")
+            self.runtime.metrics.backend_errors.labels(backend, "status").inc()
+            logger.warning("%s/%s: status not updated: %s", *key, refused)
+            return
+        if patched is not None and key in self.jobs and newer(slim(patched), self.jobs[key]):
+            self.jobs[key] = slim(patched)
 
     async def _look(self, body: dict[str, Any]) -> tuple[Look, dict[str, Any] | None]:
         """`look` and the status patch; a failure that may pass is a _Retry."""

@@ -21,6 +21,7 @@ import functools
 import importlib.metadata
 import json
 import os
+import re
 import ssl
 from collections.abc import AsyncIterator, Callable, Iterable
 from datetime import UTC, datetime
@@ -110,6 +111,21 @@ class KubeError(RuntimeError):
         """What the API server said (its Status message), else the HTTP reason."""
         self.namespace_terminating = status == 403 and _terminating(body)
         """The namespace is being deleted: nothing can be created in it, ever again."""
+
+
+_WEBHOOK = re.compile(r'failed calling webhook "([^"]+)"')
+
+
+def webhook_hint(error: BaseException) -> str:
+    """What to do when an admission webhook that does not answer made the API server refuse
+    a call (its words: `failed calling webhook "NAME": ...`); "" for any other refusal."""
+    match = _WEBHOOK.search(str(error))
+    if match is None:
+        return ""
+    return (f" — the admission webhook {match[1]} does not answer, and the API server refuses "
+            "what it must admit until it does: start its server (for Kueue's, its controller "
+            "manager: kubectl -n kueue-system get pods) or delete its webhook configuration "
+            "(kubectl get mutatingwebhookconfigurations,validatingwebhookconfigurations)")
 
 
 def _status(body: Any) -> dict[str, Any]:

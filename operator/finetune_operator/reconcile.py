@@ -90,6 +90,9 @@ class Observation:
     queue_message: str | None = None
     """Why Kueue has not admitted the job, in Kueue's words (no flavor fits, quota), or why
     it is not queued at all (no Workload: Kueue missing)."""
+    queue_evicted: str | None = None
+    """Why Kueue evicted the admitted job, in Kueue's words (a preemption, a pods-ready
+    timeout), until it is admitted again; not for a suspension the job's spec asked for."""
     degraded: str | None = None
     """The backend reports trouble that may pass (Azure ML `NotResponding`): a `Degraded`
     condition, nothing else changes."""
@@ -470,6 +473,10 @@ def _suspended(b: _Builder) -> bool:
     seen, status = b.seen, b.status
     if seen.queue_active or (seen.exists and not seen.suspended and seen.queue_active is None):
         b.act("suspend", "spec.runPolicy.suspend")
+    admitted = condition(status, "Admitted")
+    if queued(b.job) and admitted is not None and admitted.status == "True":
+        b.cond("Admitted", False, "Suspended", "suspended by spec.runPolicy.suspend: Kueue "
+               "frees the job's quota, and it queues again when resumed")
     if status.phase != "Suspended" and (status.launched_spec or not seen.exists):
         freed = " and Kueue frees the job's quota" if queued(b.job) else ""
         b.cond("Running", False, "Suspended", "")
@@ -494,7 +501,7 @@ def _resumed(b: _Builder) -> bool:
     if seen.queue_active is False or (seen.exists and seen.suspended and not queued(b.job)):
         b.act("resume", "spec.runPolicy.suspend cleared")
     if queued(b.job) and seen.exists:  # back in the queue: Kueue resumes it on admission
-        _wait_for_queue(b, seen.queue_message)
+        _wait_for_queue(b)  # what Kueue said was read before the resume: the suspension
     else:
         b.phase("Launching", "resuming from the last checkpoint")
     status.launch_time = b.now
@@ -655,7 +662,8 @@ def _held_suspended(b: _Builder) -> bool:
         return False
     admitted = condition(b.status, "Admitted")
     if queued(job) and admitted is not None and admitted.status == "True":
-        why = f" ({seen.queue_message})" if seen.queue_message else ""
+        said = seen.queue_evicted or seen.queue_message
+        why = f" ({said})" if said else ""
         message = (f"Kueue evicted the job{why} and suspended its workers, which checkpoint "
                    f"and stop; it waits in queue {job.spec.kubernetes.queue_name} to be "
                    "admitted again and resumes from the last checkpoint (not counted against "
@@ -691,7 +699,11 @@ def _running(b: _Builder) -> bool:
 
 
 def _starting(b: _Builder) -> bool:
-    """Launched but not running yet: the startup deadline."""
+    """Launched but not running yet: the startup deadline. Workers that ran since the launch
+    are past it, though not all run now: one rank ends before the others."""
+    if b.status.phase == "Running":
+        b.requeue(10.0)
+        return True
     deadline = b.job.spec.run_policy.startup_deadline_seconds
     waited = _seconds_since(b.status.launch_time, b.now)
     if deadline and waited > deadline:

@@ -55,8 +55,24 @@ class Problem:
     cluster_only: bool = False
     """True when the problem does not apply to `finetune run` on one machine."""
 
+    def __post_init__(self) -> None:
+        # a problem is one line wherever it is read (a terminal, an event, the status),
+        # whatever the user's value it quotes holds: a line break would start a forged one
+        for name in ("path", "message", "fix"):
+            object.__setattr__(self, name, one_line(getattr(self, name)))
+
     def __str__(self) -> str:
         return f"{self.path}: {self.message} — {self.fix}"
+
+
+def one_line(text: str) -> str:
+    """`text` with control characters (line breaks among them) and lone surrogates escaped
+    as Python writes them (`\\n`)."""
+    if text.isprintable():
+        return text
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode()
+                   for c in text)
 
 
 class InvalidJobError(ValueError):

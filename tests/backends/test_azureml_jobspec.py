@@ -173,6 +173,15 @@ def test_what_azure_ml_cannot_run_is_refused_with_a_fix(spec, path, words):
     assert words in problems[0].message and problems[0].fix
 
 
+def test_a_value_with_a_line_break_is_quoted_on_one_line():
+    """The value is quoted escaped in the message and in the fix alike: one problem, one
+    line (#49)."""
+    problems = jobspec.validate(aml_job(azureml={**AML, "environment": "/a\nb\x1b[2J"}))
+    [problem] = problems
+    assert str(problem) == ("spec.azureml.environment: '/a\\nb\\x1b[2J' names no version — "
+                            "write /a\\nb\\x1b[2J@latest, or /a\\nb\\x1b[2J:<version>")
+
+
 def test_names_are_derived_from_the_uid_and_the_attempt():
     job = aml_job()
     assert jobspec.attempt_name(job, 1) == "demo-0b5e6c7e1234"

@@ -350,18 +350,69 @@ def test_a_refusal_in_a_namespace_being_deleted_is_told_apart():
     assert refused.message == "configmaps is forbidden: User cannot create"
 
 
+def test_a_webhook_that_does_not_answer_is_named_with_what_to_do():
+    """The API server's words when Kueue's webhook is down (v1.36, #49), and a refusal that
+    is not a webhook's, which gets no hint."""
+    import json
+
+    from finetune_operator.kube import KubeError, webhook_hint
+
+    said = ('Internal error occurred: failed calling webhook "mjob.kb.io": failed to call '
+            'webhook: Post "https://kueue-webhook-service.kueue-system.svc:443/mutate-batch-'
+            'v1-job?timeout=10s": dial tcp 127.0.0.1:443: connect: connection refused')
+    down = KubeError("create Job demo", 500, "Internal Server Error",
+                     json.dumps({"kind": "Status", "code": 500, "message": said}))
+    hint = webhook_hint(down)
+    assert hint.startswith(" — the admission webhook mjob.kb.io does not answer")
+    assert "kubectl -n kueue-system get pods" in hint
+    assert webhook_hint(KubeError("create Job demo", 409, "Conflict")) == ""
+
+
 def test_kueues_word_on_a_queued_job_is_read_from_its_workload():
     why = "couldn't assign flavors to pod set main: insufficient quota for nvidia.com/gpu"
     waiting = {"spec": {"active": True}, "status": {"conditions": [
         {"type": "QuotaReserved", "status": "False", "reason": "Pending", "message": why}]}}
-    assert backend.queue_state(waiting, 5.0) == (True, why)
+    assert backend.queue_state(waiting, 5.0) == (True, why, None)
     admitted = {"spec": {}, "status": {"conditions": [
         {"type": "QuotaReserved", "status": "True", "reason": "QuotaReserved", "message": "x"}]}}
-    assert backend.queue_state(admitted, 5.0) == (True, None)  # active unless set false
-    assert backend.queue_state({"spec": {"active": False}}, 5.0) == (False, None)
-    assert backend.queue_state(None, 5.0) == (None, None)  # Kueue makes it within a second or two
-    active, message = backend.queue_state(None, 300.0)
+    assert backend.queue_state(admitted, 5.0) == (True, None, None)  # active unless set false
+    assert backend.queue_state({"spec": {"active": False}}, 5.0) == (False, None, None)
+    assert backend.queue_state(None, 5.0) == (None, None, None)  # Kueue makes it in a second
+    active, message, _ = backend.queue_state(None, 300.0)
     assert active is None and "is Kueue installed" in message
+
+
+PREEMPTED = ("Preempted to accommodate a workload (UID: 5f0c, JobUID: 77ab) due to "
+             "prioritization in the ClusterQueue")
+
+
+FLAVORS = "couldn't assign flavors to pod set main: insufficient unused quota"
+DEACTIVATED = "The workload is deactivated"
+
+
+@pytest.mark.parametrize(("active", "evicted", "reserved", "concluded"), [
+    # preempted: Evicted says why, and QuotaReserved=False repeats it
+    (True, ("True", "Preempted", PREEMPTED), ("False", PREEMPTED), (PREEMPTED, PREEMPTED)),
+    # still evicted, the scheduler has looked again with its own words
+    (True, ("True", "Preempted", PREEMPTED), ("False", FLAVORS), (FLAVORS, PREEMPTED)),
+    # admitted again: the eviction is history
+    (True, ("False", "QuotaReserved", f"Previously: {PREEMPTED}"), ("True", "Quota reserved"),
+     (None, None)),
+    # runPolicy.suspend (spec.active false): the job's own doing, not an eviction to report
+    (False, ("True", "Deactivated", DEACTIVATED), ("False", DEACTIVATED), (DEACTIVATED, None)),
+    # resumed: Kueue repeats the suspension's words until its scheduler looks again
+    (True, ("True", "Deactivated", DEACTIVATED), ("False", DEACTIVATED), (None, None)),
+], ids=["preempted", "preempted-waiting", "readmitted", "suspended", "resumed"])
+def test_kueues_eviction_is_told_apart_from_why_it_waits(active, evicted, reserved, concluded):
+    """Kueue v0.17's conditions as it writes them (pkg/workload): an eviction sets Evicted
+    with its reason, and QuotaReserved=False repeats it until the scheduler looks again with
+    its own words (#49: the Preempted event quoted a flavor message from before)."""
+    conditions = [{"type": "Evicted", "status": evicted[0], "reason": evicted[1],
+                   "message": evicted[2]},
+                  {"type": "QuotaReserved", "status": reserved[0], "reason": "Pending",
+                   "message": reserved[1]}]
+    workload = {"spec": {"active": active}, "status": {"conditions": conditions}}
+    assert backend.queue_state(workload, 500.0) == (active, *concluded)
 
 
 def test_a_queued_jobs_workload_is_read_seldom_once_kueue_has_had_its_minute():

@@ -3,6 +3,8 @@ restart budget, waiting reasons in the pod's own words."""
 
 from __future__ import annotations
 
+import pytest
+
 from finetune_operator.api import FineTuneJob, Progress
 from finetune_operator.backends.kubernetes import (
     creation_failure,
@@ -74,6 +76,55 @@ def test_success_suspension_and_deletion():
     assert done.succeeded and done.progress == progress
     assert observe(job_object(suspend=True), [], nodes=1).suspended
     assert observe(job_object(deleting=True), [], nodes=1).deleting
+
+
+def conditions(*said: tuple[str, str, str]) -> dict:
+    """A Job whose status holds these (type, status, reason) conditions, in order."""
+    return {"metadata": {"name": "demo"}, "spec": {"suspend": False}, "status": {
+        "conditions": [{"type": t, "status": v, "reason": r, "message": f"{r} said"}
+                       for t, v, r in said]}}
+
+
+SUCCESS = ("SuccessCriteriaMet", "True", "CompletionsReached")
+COMPLETE = ("Complete", "True", "CompletionsReached")
+FAILURE_TARGET = ("FailureTarget", "True", "BackoffLimitExceeded")
+FAILED = ("Failed", "True", "BackoffLimitExceeded")
+SUSPENDED = ("Suspended", "True", "JobSuspended")
+RESUMED = ("Suspended", "False", "JobResumed")
+
+
+@pytest.mark.parametrize(("said", "suspend", "phases", "concluded"), [
+    # every pod running, no verdict yet
+    ((), False, ("Running", "Running"), "running"),
+    # one node's worker ended first: the other still trains
+    ((), False, ("Succeeded", "Running"), "starting"),
+    # the Job controller's verdict while a pod still holds its finalizer, then its last word
+    ((SUCCESS,), False, ("Succeeded", "Succeeded"), "succeeded"),
+    ((SUCCESS, COMPLETE), False, ("Succeeded", "Succeeded"), "succeeded"),
+    ((SUCCESS, COMPLETE), False, (), "succeeded"),  # the pods already collected
+    ((FAILURE_TARGET,), False, (), "failed"),  # the failed pods already gone
+    ((FAILURE_TARGET, FAILED), False, (), "failed"),
+    # suspended (Kueue, or runPolicy.suspend), then resumed: the condition stays, False
+    ((SUSPENDED,), True, (), "suspended"),
+    ((SUSPENDED,), True, ("Running",), "suspended"),  # its pods stopping
+    ((RESUMED,), False, ("Running", "Running"), "running"),
+    ((RESUMED, SUCCESS, COMPLETE), False, ("Succeeded",), "succeeded"),
+], ids=lambda value: "-".join(c if isinstance(c, str) else c[0] for c in value)
+    if isinstance(value, tuple) else str(value))
+def test_every_condition_sequence_of_the_job_controller(said, suspend, phases, concluded):
+    """What the Job controller of 1.34-1.36 writes (SuccessCriteriaMet and FailureTarget the
+    moment it decides, Complete and Failed once every pod has terminated) and what we
+    conclude at each point."""
+    workload = conditions(*said)
+    workload["spec"]["suspend"] = suspend
+    pods = [pod(f"demo-{i}-x", phase) for i, phase in enumerate(phases)]
+    seen = observe(workload, pods, nodes=2)
+    found = ("succeeded" if seen.succeeded else "failed" if seen.failure else
+             "suspended" if seen.suspended else "running" if seen.running else "starting")
+    assert found == concluded
+    if concluded == "failed":
+        assert seen.failure.kind == "worker"
+        assert seen.failure.message == "BackoffLimitExceeded: BackoffLimitExceeded said"
 
 
 def test_running_needs_every_node():

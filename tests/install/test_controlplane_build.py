@@ -37,10 +37,10 @@ def test_a_second_build_waits_for_the_first_and_builds_nothing(tmp_path):
         said = second.stdout.readline()  # printed at once (flushed), then it waits
         assert "another process is building the control plane" in said, said
         assert second.poll() is None  # waiting, not building nor failed
-        for binary in controlplane.BINARIES:  # what the first builder leaves
-            (target / binary).write_bytes(b"")
+        built = [*controlplane.BINARIES, controlplane.kueue_manager.MANIFESTS]
+        for name in built:  # what the first builder leaves
+            (target / name).write_bytes(b"")
     out, _ = second.communicate(timeout=60)
     assert second.returncode == 0, said + out
     assert out == ""  # it built nothing (a build says "building the control plane (...) into")
-    assert sorted(p.name for p in target.iterdir()) == sorted(
-        [*controlplane.BINARIES, ".build.lock"])
+    assert sorted(p.name for p in target.iterdir()) == sorted([*built, ".build.lock"])

@@ -1,19 +1,19 @@
 """What only a real control plane can show: the scheduler's and the Job controller's own words,
-admission (a missing PriorityClass), kubectl's view of a FineTuneJob, Kueue's contract, and
-which bad manifests the API server refuses by itself."""
+admission (a missing PriorityClass), kubectl's view of a FineTuneJob, and which bad
+manifests the API server refuses by itself (Kueue's part: test_kueue.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import subprocess
 
 import pytest
 
 from tests.api.test_bad_manifests import CASES, edit
 from tests.conftest import minimal_job
-from tests.support import kueue
-from tests.support.cluster_testbed import ControlPlaneTestbed
+from tests.support.cluster_testbed import RUN_TIME, ControlPlaneTestbed
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -50,6 +50,74 @@ async def test_more_gpus_than_any_node_has_fails_with_the_schedulers_words(
     assert "Unschedulable: 0/5 nodes are available" in message
     assert "Insufficient nvidia.com/gpu" in message
     await bed.until(lambda: bed.get("batch/v1/jobs", "demo") is None, "workers removed")
+
+
+@pytest.mark.asyncio
+async def test_a_job_that_ran_longer_than_its_startup_deadline_succeeds(control_plane_testbed):
+    """The Job controller says SuccessCriteriaMet when the last pod succeeds and Complete only
+    later; the workers of each node end one by one. Between them, a job that ran past its
+    startupDeadlineSeconds had read as never started and was failed (#49)."""
+    bed: ControlPlaneTestbed = control_plane_testbed
+    await bed.apply(bed.manifest(kubernetes={"nodeSelector": {"agentpool": "ndasrv4"},
+                                             "annotations": {RUN_TIME: "20s"}},
+                                 runPolicy={"startupDeadlineSeconds": 10}))
+    await bed.until_phase("Running")
+    await bed.until(lambda: bed.status().get("phase") in ("Succeeded", "Failed"),
+                    "the job ended", timeout=30)
+    assert bed.status()["phase"] == "Succeeded", bed.status()
+    assert bed.condition("Complete")["status"] == "True"
+
+
+def unanswered_webhook(namespace: str) -> dict:
+    """A mutating webhook for Jobs in `namespace` whose server does not run: what the API
+    server meets when Kueue's controller manager is down (its Service an ExternalName to
+    localhost, as make cluster reaches a webhook on this machine; nothing on the port)."""
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    service = {"apiVersion": "v1", "kind": "Service",
+               "metadata": {"name": "webhook-down", "namespace": namespace},
+               "spec": {"type": "ExternalName", "externalName": "localhost",
+                        "ports": [{"port": port}]}}
+    webhook = {"apiVersion": "admissionregistration.k8s.io/v1",
+               "kind": "MutatingWebhookConfiguration", "metadata": {"name": namespace},
+               "webhooks": [{
+                   "name": "mjob.down.finetune.dev", "failurePolicy": "Fail",
+                   "sideEffects": "None", "admissionReviewVersions": ["v1"],
+                   "clientConfig": {"service": {"namespace": namespace, "name": "webhook-down",
+                                                "port": port, "path": "/mutate"}},
+                   "rules": [{"operations": ["CREATE"], "apiGroups": ["batch"],
+                              "apiVersions": ["v1"], "resources": ["jobs"]}],
+                   "namespaceSelector": {"matchLabels": {
+                       "kubernetes.io/metadata.name": namespace}}}]}
+    return {"apiVersion": "v1", "kind": "List", "items": [service, webhook]}
+
+
+@pytest.mark.asyncio
+async def test_a_webhook_that_does_not_answer_is_in_the_status_until_it_does(
+        control_plane_testbed):
+    """Every Job create is refused while an admission webhook is down (Kueue's, when its
+    manager stops): the job says so, Pending, with the API server's words and what to do,
+    instead of showing no phase at all; it launches once the webhook is gone (#49)."""
+    bed: ControlPlaneTestbed = control_plane_testbed
+    await bed.apply(unanswered_webhook(bed.namespace))
+    try:
+        await bed.apply(bed.manifest())
+        await bed.until(lambda: "failed calling webhook" in bed.status().get("message", ""),
+                        "the refusal in the status")
+        status = bed.status()
+        assert status["phase"] == "Pending"
+        assert status["message"].startswith("not launched yet (retried with a backoff): "
+                                            "create Job demo: 500")
+        assert '"mjob.down.finetune.dev"' in status["message"]
+        assert "does not answer" in status["message"]
+        assert "kubectl -n kueue-system get pods" in status["message"]
+        assert bed.get("batch/v1/jobs", "demo") is None
+    finally:
+        await asyncio.to_thread(bed.installation.kubectl, "delete",
+                                "mutatingwebhookconfiguration", bed.namespace)
+    await bed.until(lambda: bed.status().get("phase") in ("Launching", "Running"),
+                    "launched once the webhook is gone")
 
 
 @pytest.mark.asyncio
@@ -93,115 +161,6 @@ async def test_kubectl_shows_columns_conditions_and_events(control_plane_testbed
         "our events in describe")
     events = kubectl("describe", "ftj", "demo", "-n", bed.namespace).stdout.split("Events:")[1]
     assert "Launching" in events and "creating workers" in events
-
-
-FLAVOR = {"agentpool": "ndasrv4"}
-UNPLACEABLE = ("couldn't assign flavors to pod set main: flavor ndasrv4 doesn't match node "
-               "affinity")
-
-
-def _queued_manifest(bed: ControlPlaneTestbed) -> dict:
-    return bed.manifest(kubernetes={"queueName": "team-a", "annotations": {
-        "fake.finetune.dev/run-time": "1h"}})
-
-
-@pytest.mark.asyncio
-async def test_kueue_queues_admits_and_preempts(control_plane_testbed):
-    """Queued from the first look, with Kueue's reason when it cannot place the job; admitted
-    onto the flavor's nodes; preempted and admitted again without a new Job or a counted
-    restart. Kueue is tests/support/kueue.py, a stand-in doing what Kueue documents
-    (the real Kueue cannot be built here)."""
-    bed: ControlPlaneTestbed = control_plane_testbed
-    with kueue.KueueStandIn(bed.installation.kubectl, bed.namespace) as stand_in:
-        await bed.apply(_queued_manifest(bed))
-        await bed.until_phase("Queued")
-        job = bed.get("batch/v1/jobs", "demo")
-        assert job["spec"]["suspend"] is True
-        assert job["metadata"]["labels"][kueue.QUEUE_LABEL] == "team-a"
-        assert bed.condition("Admitted")["reason"] == "WaitingForQueue"
-
-        await asyncio.to_thread(stand_in.pend, "demo", UNPLACEABLE)
-        await bed.until(lambda: UNPLACEABLE in bed.condition("Admitted")["message"],
-                        "Kueue's reason in the Admitted condition", timeout=30)
-        assert UNPLACEABLE in bed.status()["message"]
-        assert not await asyncio.to_thread(bed.running_pods, "demo")  # held while suspended
-
-        await asyncio.to_thread(stand_in.admit, "demo", FLAVOR)
-        await bed.until_phase("Running")
-        assert bed.condition("Admitted")["status"] == "True"
-        assert {p["spec"]["nodeSelector"]["agentpool"] for p in bed.running_pods("demo")} == {
-            "ndasrv4"}
-
-        # preempted by a job of higher priority: Queued again, saying so, nothing counted
-        await asyncio.to_thread(stand_in.preempt, "demo")
-        await bed.until(lambda: bed.condition("Admitted")["reason"] == "Preempted", "Preempted")
-        assert "higher priority" in bed.condition("Admitted")["message"]  # Kueue's words
-        assert bed.status()["phase"] == "Queued"
-        assert bed.condition("Running")["status"] == "False"
-        assert "Preempted" in bed.event_reasons()
-        await bed.until(lambda: not bed.running_pods("demo"), "the preempted pods stopped")
-        await asyncio.to_thread(stand_in.admit, "demo", FLAVOR)
-        await bed.until_phase("Running")
-        assert bed.status().get("restarts", 0) == 0
-        assert bed.jobs_created("demo") == 1  # the same Job, admitted again
-        assert stand_in.errors == []
-
-
-@pytest.mark.asyncio
-async def test_kueue_suspend_frees_the_quota_and_resume_queues_again(control_plane_testbed):
-    """runPolicy.suspend on an admitted job goes through Kueue's switch (the Workload's
-    spec.active): Kueue evicts it and frees its quota, and does not undo the suspension
-    (a suspended Job it would unsuspend at once); resume puts it back in its queue."""
-    bed: ControlPlaneTestbed = control_plane_testbed
-    with kueue.KueueStandIn(bed.installation.kubectl, bed.namespace) as stand_in:
-        await bed.apply(_queued_manifest(bed))
-        await asyncio.to_thread(stand_in.admit, "demo", FLAVOR)
-        await bed.until_phase("Running")
-
-        await bed.patch_spec("demo", {"runPolicy": {"suspend": True}})
-        await bed.until_phase("Suspended")
-        await bed.until(lambda: stand_in.workload("demo")["spec"]["active"] is False,
-                        "the Workload deactivated")
-        await bed.until(lambda: not bed.running_pods("demo"), "the workers stopped")
-        await asyncio.sleep(2)  # Kueue would unsuspend a Job still admitted: it must not
-        assert bed.get("batch/v1/jobs", "demo")["spec"]["suspend"] is True
-        assert not bed.running_pods("demo")
-        reserved = kueue._condition(stand_in.workload("demo"), "QuotaReserved")
-        assert reserved["status"] == "False"  # the quota is free for other jobs
-        assert bed.status()["phase"] == "Suspended"
-
-        await bed.patch_spec("demo", {"runPolicy": {"suspend": False}})
-        await bed.until(lambda: stand_in.workload("demo")["spec"]["active"] is True,
-                        "the Workload active again")
-        await bed.until_phase("Queued")
-        assert bed.condition("Admitted")["status"] == "False"
-        await asyncio.to_thread(stand_in.admit, "demo", FLAVOR)
-        await bed.until_phase("Running")
-        assert bed.jobs_created("demo") == 1
-        assert bed.status().get("restarts", 0) == 0
-        assert stand_in.errors == []
-
-
-@pytest.mark.asyncio
-async def test_kueue_gang_restart_queues_again_and_says_so(control_plane_testbed):
-    """A worker failure of an admitted job restarts the gang as a new Job, which Kueue queues
-    as a new Workload (the documented alternative to restarting inside the admitted Job,
-    docs/kueue.md): Restarting, then Queued with the reason, then admitted and counted."""
-    bed: ControlPlaneTestbed = control_plane_testbed
-    with kueue.KueueStandIn(bed.installation.kubectl, bed.namespace) as stand_in:
-        await bed.apply(_queued_manifest(bed))
-        await asyncio.to_thread(stand_in.admit, "demo", FLAVOR)
-        await bed.until_phase("Running")
-        await bed.fail_worker("demo", 1, "CUDA error: an illegal memory access")
-        await bed.until(lambda: bed.condition("Admitted")["reason"] == "RequeuedByRestart",
-                        "queued again by the restart", timeout=60)
-        assert bed.status()["phase"] == "Queued"
-        assert "new Job" in bed.condition("Admitted")["message"]
-        await bed.until(lambda: bed.jobs_created("demo") == 2, "the second Job")
-        await asyncio.to_thread(stand_in.admit, "demo", FLAVOR)
-        await bed.until_phase("Running")
-        assert bed.status()["restarts"] == 1
-        assert stand_in.errors == []
 
 
 # Cases of tests/api/test_bad_manifests.py that the CRD cannot see, and what the API server

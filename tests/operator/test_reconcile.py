@@ -73,6 +73,16 @@ def test_waiting_workers_are_reported_until_the_startup_deadline():
     assert "demo-0-x7k2p: ImagePullBackOff" in late.status.message
 
 
+def test_workers_that_ran_since_the_launch_are_past_the_startup_deadline():
+    """One node's worker ended before the other's, or all ended before the Job controller
+    says so: not running now, yet started long ago (#49)."""
+    ending = Observation(exists=True, running=False)
+    d = reconcile(job(launched(phase="Running")), ending, at(3600))
+    assert d.status.phase == "Running" and kinds(d) == []
+    assert condition(d.status, "Failed") is None
+    assert d.requeue_after is not None
+
+
 def test_workers_that_cannot_start_are_a_warning_event_once_per_cause():
     """What blocks the workers (an image, a Secret, no node that fits) is a Warning event,
     once per cause: the kubelet's retries and the scheduler's changing counts reword it, and
@@ -252,6 +262,21 @@ def test_kueue_preemption_says_preempted_and_clears_running():
     assert condition(again.status, "Admitted").status == "True"
 
 
+def test_the_preempted_event_quotes_the_eviction_not_an_older_wait():
+    """#49: the event quoted Kueue's last word on why the job waited (a flavor message from
+    before its admission) instead of the eviction's."""
+    running = reconcile(job(launched(**QUEUE), **QUEUE), Observation(exists=True, running=True),
+                        at(10))
+    evicted = ("Preempted to accommodate a workload (UID: 5f0c, JobUID: 77ab) due to "
+               "prioritization in the ClusterQueue")
+    d = reconcile(job(running.status, **QUEUE), Observation(
+        exists=True, suspended=True, stopping=True, queue_active=True,
+        queue_message="couldn't assign flavors to pod set main", queue_evicted=evicted), at(20))
+    [event] = [e for e in d.events if e.reason == "Preempted"]
+    assert f"Kueue evicted the job ({evicted})" in event.message
+    assert "flavors" not in event.message
+
+
 def test_a_queued_job_shows_kueues_reason_for_not_admitting_it():
     """#24: a job Kueue could not place stayed Queued for ever without the reason."""
     queued = reconcile(job(**QUEUE), Observation(), T0)
@@ -272,15 +297,21 @@ def test_suspending_a_queued_job_goes_through_kueues_switch():
                   Observation(exists=True, running=True, queue_active=True), at(20))
     assert kinds(d) == ["suspend"] and d.status.phase == "Suspended"
     assert "quota" in condition(d.status, "Suspended").message
+    # #49: it kept Admitted=True while suspended, its quota freed
+    assert condition(d.status, "Admitted").status == "False"
+    assert condition(d.status, "Admitted").reason == "Suspended"
     # Kueue suspends the Job itself: nothing more to do, whatever the Job shows
     for seen in (Observation(exists=True, running=True, queue_active=False),
                  Observation(exists=True, suspended=True, queue_active=False)):
         assert kinds(reconcile(job(d.status, **suspend), seen, at(25))) == []
-    resumed = reconcile(job(d.status, **QUEUE),
-                        Observation(exists=True, suspended=True, queue_active=False), at(30))
+    resumed = reconcile(job(d.status, **QUEUE), Observation(
+        exists=True, suspended=True, queue_active=False,
+        queue_message="The workload is deactivated"), at(30))
     assert kinds(resumed) == ["resume"]
     assert resumed.status.phase == "Queued"  # not Launching: Kueue decides when it runs
     assert condition(resumed.status, "Admitted").status == "False"
+    # #49: Kueue's word read before the resume is about the suspension, not news
+    assert "deactivated" not in condition(resumed.status, "Admitted").message
 
 
 def test_a_queued_job_without_a_workload_is_suspended_by_its_job():

@@ -58,6 +58,9 @@ QUEUE_LOOK_SECONDS = 120.0
 """How often a queued Job's Kueue Workload is read once the Job is older than that: its
 message (why Kueue waits) changes seldom, admission itself arrives through the Job's watch,
 and a read every look would cost 1,000 queued jobs 100 requests/s at the default interval."""
+DEACTIVATED = "Deactivated"
+"""The reason (a prefix: `Deactivated` or `DeactivatedDueTo...`) of Kueue's Evicted condition
+when the Workload's `spec.active` is false: a suspension the operator asked for."""
 NO_WORKLOAD_GRACE_SECONDS = 30.0
 """How long a queued Job may wait for Kueue to make its Workload before the status asks
 whether Kueue is there at all."""
@@ -840,13 +843,16 @@ def _observe_job(workload: dict[str, Any], pods: list[dict[str, Any]], nodes: in
     # a worker failure outranks a preemption seen at the same time: it must be counted
     failures.sort(key=lambda f: {"refused": 0, "worker": 1, "preempted": 2,
                                  "stopped": 3}[f.kind])
-    if _condition(workload, "Complete") is not None:
+    # The Job controller (1.31+) says its verdict at once (SuccessCriteriaMet, FailureTarget)
+    # and its final word (Complete, Failed) only once every pod has terminated: the verdict
+    # is the answer, else a job that ran past its startup deadline reads as not started.
+    if _condition(workload, "Complete") or _condition(workload, "SuccessCriteriaMet"):
         return Observation(exists=True, succeeded=True,
                            progress=final_progress(current) or progress)
     if failures:
         return Observation(exists=True, failure=failures[0], progress=progress)
-    if _condition(workload, "Failed") is not None:
-        return Observation(exists=True, failure=job_failure(_condition(workload, "Failed")))
+    if ended := _condition(workload, "Failed") or _condition(workload, "FailureTarget"):
+        return Observation(exists=True, failure=job_failure(ended))
     if workload.get("spec", {}).get("suspend"):
         # the pods of a suspended Job go only once their trainers have checkpointed
         return Observation(exists=True, suspended=True, stopping=bool(pods))
@@ -890,18 +896,25 @@ def waiting_for_leftovers(job: FineTuneJob, leftovers: list[str]) -> Observation
 
 
 def queue_state(kueue_workload: dict[str, Any] | None, job_age: float
-                ) -> tuple[bool | None, str | None]:
-    """Kueue's word on a queued Job (pure): whether its Workload is active, and why it is
-    not admitted (the scheduler's message, such as no flavor fitting), if it says."""
+                ) -> tuple[bool | None, str | None, str | None]:
+    """Kueue's word on a queued Job (pure): whether its Workload is active, why it is not
+    admitted (the scheduler's message, such as no flavor fitting), and why it was evicted
+    (a preemption, a pods-ready timeout) until admitted again, if Kueue says."""
     if kueue_workload is None:
         if job_age > NO_WORKLOAD_GRACE_SECONDS:
             return None, ("Kueue has made no Workload for the Job: is Kueue installed, with "
-                          "its batch/job integration enabled?")
-        return None, None
+                          "its batch/job integration enabled?"), None
+        return None, None, None
     active = kueue_workload.get("spec", {}).get("active") is not False
-    reserved = next((c for c in kueue_workload.get("status", {}).get("conditions") or []
-                     if c.get("type") == "QuotaReserved" and c.get("status") == "False"), None)
-    return active, (reserved or {}).get("message") or None
+    said = {c.get("type"): c for c in kueue_workload.get("status", {}).get("conditions") or []}
+    reserved, evicted = said.get("QuotaReserved") or {}, said.get("Evicted") or {}
+    waiting = (reserved.get("message") or None) if reserved.get("status") == "False" else None
+    if evicted.get("status") != "True":
+        return active, waiting, None
+    if evicted.get("reason", "").startswith(DEACTIVATED):  # the job's own suspend
+        # resumed, Kueue repeats the suspension's words until its scheduler looks again
+        return active, None if active and waiting == evicted.get("message") else waiting, None
+    return active, waiting, evicted.get("message") or None
 
 
 # --- the backend: the pure parts above, plus the API calls ------------------------------
@@ -918,8 +931,8 @@ class KubernetesBackend:
         self.settings = context.settings
         self.kube = context.kube  # None offline: then only validate and render are used
         self.progress_port = context.progress_port or context.settings.metrics_port
-        self._queue_looks: dict[str, tuple[float, bool | None, str | None]] = {}
-        """Job uid → (when, active, message) of its Kueue Workload's last read."""
+        self._queue_looks: dict[str, tuple[float, bool | None, str | None, str | None]] = {}
+        """Job uid → (when, active, waiting, evicted) of its Kueue Workload's last read."""
         self._events: dict[tuple[str, str], tuple[float, asyncio.Future]] = {}
         """(namespace, field selector) → (when, the read) of those events (`_warnings`)."""
         self.children = Children()
@@ -1084,10 +1097,13 @@ class KubernetesBackend:
                           seen: Observation) -> Observation:
         """Add Kueue's word while it matters: the job waits to be admitted, or is to be
         suspended (one API call; the Workload is not watched)."""
-        if not queued(job) or seen.deleting or not (
-                seen.suspended or job.spec.run_policy.suspend):
+        if not queued(job) or seen.deleting:
             return seen
         uid, now = workload["metadata"]["uid"], time.monotonic()
+        if not (seen.suspended or job.spec.run_policy.suspend):
+            # admitted: what Kueue said before is old news when it evicts the job
+            self._queue_looks.pop(uid, None)
+            return seen
         last = self._queue_looks.get(uid)
         if last is None or job.spec.run_policy.suspend or now - last[0] > QUEUE_LOOK_SECONDS \
                 or self._age(workload) < QUEUE_LOOK_SECONDS:
@@ -1100,7 +1116,7 @@ class KubernetesBackend:
             last = (now, *queue_state(found, self._age(workload)))
             self._queue_looks[uid] = last
         # no watch event says when Kueue's answer changes: look again while it is awaited
-        return replace(seen, queue_active=last[1], queue_message=last[2],
+        return replace(seen, queue_active=last[1], queue_message=last[2], queue_evicted=last[3],
                        polled=seen.polled or not job.spec.run_policy.suspend)
 
     async def _kueue_workload(self, job: FineTuneJob) -> dict[str, Any] | None:

@@ -56,7 +56,7 @@ lint: venv
 
 # A real Kubernetes control plane on 127.0.0.1 (etcd, kube-apiserver with RBAC,
 # controller-manager, scheduler, KWOK for the nodes, Kueue with its queues), built from the
-# Go modules in cluster/ into ~/.cache/finetune-operator (once per version: ~14 minutes cold
+# Go modules in cluster/ into ~/.cache/finetune-operator (once per version: ~8 minutes cold
 # on 2 cores). The tests start their own; `make cluster` starts one for you, with an admin
 # kubeconfig in .cluster/admin.kubeconfig (`make cluster KUEUE=0`: without Kueue). Without
 # Go, the tests that need it are skipped, saying so.

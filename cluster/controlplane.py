@@ -288,29 +288,29 @@ class ControlPlane:
             f"{tokens['kwok']},kwok,4,\"system:masters\"\n")
         etcd_url = f"http://127.0.0.1:{self.ports['etcd']}"
         self.spawn("etcd", "--data-dir", str(self.folder / "etcd"), "--unsafe-no-fsync",
-                    "--listen-client-urls", etcd_url, "--advertise-client-urls", etcd_url,
-                    "--listen-peer-urls", f"http://127.0.0.1:{self.ports['etcd-peer']}",
-                    "--initial-advertise-peer-urls",
-                    f"http://127.0.0.1:{self.ports['etcd-peer']}",
-                    "--initial-cluster",
-                    f"default=http://127.0.0.1:{self.ports['etcd-peer']}",
-                    "--log-level", "warn")
+                   "--listen-client-urls", etcd_url, "--advertise-client-urls", etcd_url,
+                   "--listen-peer-urls", f"http://127.0.0.1:{self.ports['etcd-peer']}",
+                   "--initial-advertise-peer-urls",
+                   f"http://127.0.0.1:{self.ports['etcd-peer']}",
+                   "--initial-cluster",
+                   f"default=http://127.0.0.1:{self.ports['etcd-peer']}",
+                   "--log-level", "warn")
         self.spawn("kube-apiserver",
-                    "--etcd-servers", etcd_url, "--bind-address", "127.0.0.1",
-                    "--advertise-address", "127.0.0.1",
-                    "--secure-port", str(self.ports["apiserver"]),
-                    "--authorization-mode", "Node,RBAC",
-                    "--token-auth-file", str(pki / "tokens.csv"),
-                    "--client-ca-file", str(pki / "ca.crt"),
-                    "--tls-cert-file", str(pki / "apiserver.crt"),
-                    "--tls-private-key-file", str(pki / "apiserver.key"),
-                    "--service-account-issuer", "https://kubernetes.default.svc.cluster.local",
-                    "--service-account-key-file", str(pki / "sa.pub"),
-                    "--service-account-signing-key-file", str(pki / "sa.key"),
-                    "--service-cluster-ip-range", SERVICE_CIDR,
-                    "--audit-log-path", str(self.folder / "logs" / "audit.jsonl"),
-                    "--audit-policy-file", str(self._audit_policy()),
-                    "--profiling=false", "-v=1")
+                   "--etcd-servers", etcd_url, "--bind-address", "127.0.0.1",
+                   "--advertise-address", "127.0.0.1",
+                   "--secure-port", str(self.ports["apiserver"]),
+                   "--authorization-mode", "Node,RBAC",
+                   "--token-auth-file", str(pki / "tokens.csv"),
+                   "--client-ca-file", str(pki / "ca.crt"),
+                   "--tls-cert-file", str(pki / "apiserver.crt"),
+                   "--tls-private-key-file", str(pki / "apiserver.key"),
+                   "--service-account-issuer", "https://kubernetes.default.svc.cluster.local",
+                   "--service-account-key-file", str(pki / "sa.pub"),
+                   "--service-account-signing-key-file", str(pki / "sa.key"),
+                   "--service-cluster-ip-range", SERVICE_CIDR,
+                   "--audit-log-path", str(self.folder / "logs" / "audit.jsonl"),
+                   "--audit-policy-file", str(self._audit_policy()),
+                   "--profiling=false", "-v=1")
         admin = kubeconfig(self.server, "admin", tokens[ADMIN_TOKEN_USER], pki / "ca.crt")
         self.admin_kubeconfig.write_text(json.dumps(admin, indent=2))
         self._wait_ready(timeout)
@@ -322,25 +322,25 @@ class ControlPlane:
                                                   pki / "ca.crt")))
         cm = str(self.folder / "controller-manager.kubeconfig")
         self.spawn("kube-controller-manager", "--kubeconfig", cm,
-                    "--authentication-kubeconfig", cm, "--authorization-kubeconfig", cm,
-                    "--controllers", "*", "--use-service-account-credentials=true",
-                    "--leader-elect=false", "--bind-address", "127.0.0.1",
-                    "--secure-port", str(self.ports["controller-manager"]),
-                    "--service-account-private-key-file", str(pki / "sa.key"),
-                    "--root-ca-file", str(pki / "ca.crt"),
-                    "--service-cluster-ip-range", SERVICE_CIDR, "-v=1")
+                   "--authentication-kubeconfig", cm, "--authorization-kubeconfig", cm,
+                   "--controllers", "*", "--use-service-account-credentials=true",
+                   "--leader-elect=false", "--bind-address", "127.0.0.1",
+                   "--secure-port", str(self.ports["controller-manager"]),
+                   "--service-account-private-key-file", str(pki / "sa.key"),
+                   "--root-ca-file", str(pki / "ca.crt"),
+                   "--service-cluster-ip-range", SERVICE_CIDR, "-v=1")
         sched = str(self.folder / "scheduler.kubeconfig")
         self.spawn("kube-scheduler", "--kubeconfig", sched,
-                    "--authentication-kubeconfig", sched, "--authorization-kubeconfig", sched,
-                    "--leader-elect=false", "--bind-address", "127.0.0.1",
-                    "--secure-port", str(self.ports["scheduler"]), "-v=1")
+                   "--authentication-kubeconfig", sched, "--authorization-kubeconfig", sched,
+                   "--leader-elect=false", "--bind-address", "127.0.0.1",
+                   "--secure-port", str(self.ports["scheduler"]), "-v=1")
         self.spawn("kwok", "--kubeconfig", str(self.folder / "kwok.kubeconfig"),
-                    "--manage-all-nodes=false",
-                    "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
-                    "--cidr", POD_CIDR, "--node-ip=127.0.0.1",
-                    "--node-lease-duration-seconds=40",
-                    "--server-address", f"127.0.0.1:{self.ports['kwok']}",
-                    "-c", str(HERE / "kwok-stages.yaml"))
+                   "--manage-all-nodes=false",
+                   "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
+                   "--cidr", POD_CIDR, "--node-ip=127.0.0.1",
+                   "--node-lease-duration-seconds=40",
+                   "--server-address", f"127.0.0.1:{self.ports['kwok']}",
+                   "-c", str(HERE / "kwok-stages.yaml"))
         nodes = yaml.safe_load((HERE / "nodes.yaml").read_text())  # anchors resolved here
         self.kubectl_run("apply", "-f", "-", input=json.dumps(nodes))
         self._wait_nodes_ready(timeout)

@@ -11,7 +11,10 @@ import json
 import pytest
 
 from tests.support import kueue
+from tests.support.cluster_fixtures import controlplane
 from tests.support.cluster_testbed import RUN_TIME, ControlPlaneTestbed
+
+kueue_manager = controlplane.kueue_manager  # cluster/kueue_manager.py, what make cluster runs
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.asyncio]
 
@@ -230,7 +233,7 @@ async def test_kueue_restarted_mid_admission(control_plane_testbed, queues):
         assert bed.get("batch/v1/jobs", "late") is None
         assert bed.status()["phase"] == "Queued"
     finally:
-        await asyncio.to_thread(_run_kueue, plane)
+        await asyncio.to_thread(kueue_manager.run, plane)
     await bed.until_phase("Queued", "late", timeout=60)  # created now; no a100 quota here
     await asyncio.to_thread(queues.quota, "ndasrv4", 16)
     await bed.until_phase("Running", timeout=40)
@@ -247,15 +250,15 @@ async def test_a_job_queued_before_kueue_is_installed_asks_for_it_then_runs(
     queues.make(ndasrv4=16)
     await asyncio.to_thread(plane.stop_one, "kueue")
     try:
-        await asyncio.to_thread(_kueue().uninstall_webhooks, plane)
+        await asyncio.to_thread(kueue_manager.uninstall_webhooks, plane)
         await bed.apply(queued(bed))
         await bed.until(lambda: "is Kueue installed" in bed.condition("Admitted")["message"],
                         "the question in the Admitted condition", timeout=30)
         assert bed.status()["phase"] == "Queued"
         assert bed.get("batch/v1/jobs", "demo")["spec"]["suspend"] is True
     finally:
-        await asyncio.to_thread(_kueue().install, plane, plane.ports["kueue-webhook"])
-        await asyncio.to_thread(_run_kueue, plane)
+        await asyncio.to_thread(kueue_manager.install, plane, plane.ports["kueue-webhook"])
+        await asyncio.to_thread(kueue_manager.run, plane)
     await bed.until_phase("Running", timeout=40)
     assert bed.jobs_created("demo") == 1
 
@@ -268,7 +271,7 @@ async def test_the_startup_deadline_and_kueues_pods_ready_timeout_whichever_is_s
     not failed and nothing counted."""
     bed: ControlPlaneTestbed = control_plane_testbed
     plane = bed.installation.plane
-    await asyncio.to_thread(_kueue().restart, plane, pods_ready_timeout="20s")
+    await asyncio.to_thread(kueue_manager.restart, plane, pods_ready_timeout="20s")
     try:
         queues.make(ndasrv4=16)
         await bed.apply(unpullable(bed, "short", startup_deadline=4))
@@ -288,14 +291,4 @@ async def test_the_startup_deadline_and_kueues_pods_ready_timeout_whichever_is_s
         assert bed.status("long")["phase"] == "Queued"
         assert bed.status("long").get("restarts", 0) == 0
     finally:
-        await asyncio.to_thread(_kueue().restart, plane)
-
-
-def _kueue():
-    import kueue_manager  # cluster/, on the path with controlplane (cluster_fixtures)
-
-    return kueue_manager
-
-
-def _run_kueue(plane) -> None:
-    _kueue().run(plane)
+        await asyncio.to_thread(kueue_manager.restart, plane)

@@ -1,10 +1,10 @@
-"""The peers: Hugging Face `transformers.Trainer`, or TRL's `SFTTrainer`, on the same model,
-data and settings.
+"""The peers: Hugging Face `transformers.Trainer`, or TRL's `SFTTrainer` or `DPOTrainer`, on
+the same model, data and settings.
 
 Started under torchrun by benchmarks/throughput.py (`--config FILE`, the same trainer
-config our trainer reads; `--peer trainer|sft`). The samples are tokenised by our own data
-module, so every side trains on identical token sequences. Each peer then does what its
-users do:
+config our trainer reads; `--peer trainer|sft|sft-liger|dpo`). The samples are tokenised by
+our own data module, so every side trains on identical token sequences (preference pairs
+excepted: DPOTrainer takes text). Each peer then does what its users do:
 
 - `Trainer`: one sample per row, padded to the longest in the batch
   (DataCollatorForSeq2Seq), labels -100 on padding.
@@ -15,9 +15,20 @@ users do:
 - `SFTTrainer` with Liger kernels (`--peer sft-liger`, `use_liger_kernel=True`; needs
   `liger-kernel` and a GPU): Triton kernels for RMSNorm, RoPE, SwiGLU and a fused linear
   cross-entropy, what speed-conscious TRL users switch on.
+- `DPOTrainer` (`--peer dpo`, the config's `objective.dpo` as its beta, loss_type and
+  label_smoothing): the config's preference records as its `prompt`/`chosen`/`rejected`
+  text rows, tokenised by itself (prompt, prompt + answer + EOS, the answer after the
+  common prefix, as ours does; ours also starts the prompt with BOS where the tokenizer
+  adds none), `max_length` the config's maxSeqLength (per prompt + answer, as ours); each
+  batch `per_device_train_batch_size` pairs (`--batch-per-device` where the benchmark
+  matches ours' pairs per step), chosen and rejected rows padded to the longest (its
+  padding-free mode is switched off in TRL 1.16), its chunked log-probability head; the
+  reference from a second forward at every step, with the adapters switched off under
+  LoRA (`precompute_ref_log_probs=False`, its default).
 
 Writes a JSON result (label tokens/s over the timed steps, step time, peak memory) on
-rank 0.
+rank 0. Label tokens are counted as ours counts them: each trained position, both answers
+of a preference pair; the reference's forward (no grad) is not counted.
 """
 
 from __future__ import annotations
@@ -37,8 +48,10 @@ def main() -> None:
     parser.add_argument("--config", type=Path, required=True)
     parser.add_argument("--result", type=Path, required=True)
     parser.add_argument("--warmup-steps", type=int, default=3)
-    parser.add_argument("--peer", choices=("trainer", "sft", "sft-liger"),
+    parser.add_argument("--peer", choices=("trainer", "sft", "sft-liger", "dpo"),
                         default="trainer")
+    parser.add_argument("--batch-per-device", type=int, default=None,
+                        help="instead of the config's batchSizePerDevice")
     args = parser.parse_args()
 
     import torch
@@ -61,8 +74,14 @@ def main() -> None:
     tokenizer = load_tokenizer(config.model, base)
     records = read_records(config.dataset, base)
     fmt = resolve_format(config.dataset.format, records.column_names)
-    samples = tokenize_records(records, fmt, tokenizer, config.dataset.max_seq_length)
-    train = [{"input_ids": s["input_ids"], "labels": s["labels"]} for s in samples]
+    if (fmt == "preference") != (args.peer == "dpo"):
+        raise SystemExit(f"--peer {args.peer} does not train on {fmt} data")
+    if fmt == "preference":  # DPOTrainer tokenises the text itself
+        train = [{side: record[side] for side in ("prompt", "chosen", "rejected")}
+                 for record in records]
+    else:
+        samples = tokenize_records(records, fmt, tokenizer, config.dataset.max_seq_length)
+        train = [{"input_ids": s["input_ids"], "labels": s["labels"]} for s in samples]
 
     gpu = torch.cuda.is_available()
     compute = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
@@ -97,7 +116,7 @@ def main() -> None:
     timing = StepTiming(args.warmup_steps)
     settings = dict(
         output_dir=str(args.result.parent / f"{args.peer}-output"),
-        per_device_train_batch_size=hp.batch_size_per_device,
+        per_device_train_batch_size=args.batch_per_device or hp.batch_size_per_device,
         gradient_accumulation_steps=hp.gradient_accumulation_steps,
         max_steps=hp.max_steps, learning_rate=hp.resolved_learning_rate(config.method.type),
         warmup_steps=int(hp.warmup_ratio * hp.max_steps), lr_scheduler_type=hp.scheduler,
@@ -109,7 +128,9 @@ def main() -> None:
         dataloader_num_workers=0, report_to=[], save_strategy="no", logging_steps=10**9,
         disable_tqdm=True, remove_unused_columns=False, optim="adamw_torch_fused" if gpu
         else "adamw_torch")
-    if args.peer.startswith("sft"):
+    if args.peer == "dpo":
+        trainer = dpo_trainer(config, model, train, tokenizer, adapters, timing, settings)
+    elif args.peer.startswith("sft"):
         from datasets import Dataset
         from trl import SFTConfig, SFTTrainer
 
@@ -124,7 +145,7 @@ def main() -> None:
                                           label_pad_token_id=IGNORE)
         trainer = Trainer(model=model, args=TrainingArguments(**settings),
                           train_dataset=train, data_collator=collator, callbacks=[timing])
-    # on the model each peer calls (SFTTrainer wraps it in PEFT itself)
+    # on the model each peer calls (SFTTrainer and DPOTrainer wrap it in PEFT themselves)
     trainer.model.register_forward_pre_hook(timing.count, with_kwargs=True)
     trainer.train()
 
@@ -138,13 +159,47 @@ def main() -> None:
         peak_flops = gpu and flops.peak_flops(torch.cuda.get_device_name())
         if peak_flops and seconds:
             params, frozen, layers, width = flops.model_shape(trainer.model)
-            mean = sum(len(s["input_ids"]) for s in train) / len(train)
+            mean = mean_length(trainer, train, config.dataset.max_seq_length)
             per_token = flops.model_flops_per_token(params, layers, width, mean, frozen)
             mfu = per_token * input_tokens / seconds / (peak_flops * world)
         args.result.write_text(json.dumps({
             "tokens_per_second": label_tokens / seconds if seconds else 0.0, "mfu": mfu,
             "step_seconds": seconds / max(timing.timed_steps, 1),
+            "tokens_per_step": label_tokens / max(timing.timed_steps, 1),
             "timed_steps": timing.timed_steps, "peak_memory_bytes": int(peak)}))
+
+
+def dpo_trainer(config, model, rows: list[dict], tokenizer, adapters, timing, settings: dict):
+    """TRL's DPOTrainer as its users run it, on the config's pairs and DPO settings."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    dpo = config.objective.dpo_settings()
+    if dpo is None:
+        raise SystemExit("--peer dpo needs a config with objective.type dpo")
+    if dpo.loss == "sigmoid" and dpo.label_smoothing:
+        # TRL 1.16's sigmoid loss leaves label_smoothing out (its robust and exo_pair use it)
+        print(f"note: DPOTrainer's sigmoid loss ignores label_smoothing "
+              f"{dpo.label_smoothing:g}", file=sys.stderr)
+    return DPOTrainer(
+        model=model, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+        peft_config=adapters, callbacks=[timing], args=DPOConfig(
+            **{**settings, "remove_unused_columns": True},  # its default: the ids alone
+            max_length=config.dataset.max_seq_length, beta=dpo.beta, loss_type=[dpo.loss],
+            label_smoothing=dpo.label_smoothing, precompute_ref_log_probs=False))
+
+
+def mean_length(trainer, train: list[dict], max_length: int) -> float:
+    """The mean tokens of a row the model reads: a sample, or (DPOTrainer) a prompt with one
+    answer, cut to max_length as its collator cuts them."""
+    if "input_ids" in train[0]:
+        return sum(len(s["input_ids"]) for s in train) / len(train)
+    rows = trainer.train_dataset
+    lengths = [min(len(prompt) + len(answer), max_length)
+               for prompt, chosen, rejected in zip(rows["prompt_ids"], rows["chosen_ids"],
+                                                   rows["rejected_ids"], strict=True)
+               for answer in (chosen, rejected)]
+    return sum(lengths) / len(lengths)
 
 
 def collective_device(backend: str, local_rank: int) -> str:
@@ -168,8 +223,9 @@ def all_ranks_sum(values: list[float]) -> list[float]:
 
 
 class StepTiming(TrainerCallback):
-    """Wall time of the steps after the warm-up, and the label tokens the model saw in
-    them (counted in a forward pre-hook, so the dataloader's read-ahead does not matter)."""
+    """Wall time of the steps after the warm-up, and the label tokens the model trained on
+    in them (counted in a forward pre-hook, so the dataloader's read-ahead does not
+    matter)."""
 
     def __init__(self, warmup: int) -> None:
         self.warmup, self.step = warmup, 0
@@ -177,8 +233,12 @@ class StepTiming(TrainerCallback):
         self.timed_seconds, self.started = 0.0, None
 
     def count(self, module, args, kwargs) -> None:
+        import torch
+
         labels, mask = kwargs.get("labels"), kwargs.get("attention_mask")
-        if self.started is not None and labels is not None:
+        # the trained forward only: DPOTrainer's reference (adapters off, no grad) goes
+        # through the same module with the same labels
+        if self.started is not None and labels is not None and torch.is_grad_enabled():
             self.timed_tokens += int((labels[:, 1:] != -100).sum())
             self.timed_inputs += int(mask.sum()) if mask is not None else labels.numel()
 

@@ -1,24 +1,35 @@
 """Our trainer against Hugging Face `transformers.Trainer` and TRL's `SFTTrainer`, side by
-side.
+side; with DPO (preference tuning), against TRL's `DPOTrainer`.
 
 Same model (built from a config, random weights, saved with save_pretrained), same
 token sequences (tokenised once by our data module), sequence length, global batch,
 precision and strategy; one run after the other in this script. Prints a table and writes
-benchmarks/throughput.json (ratios under `*ratio*` keys: `tokens_per_second_ratio` is ours
-over Trainer, `trl_tokens_per_second_ratio` ours over SFTTrainer, `liger_…` ours over
-SFTTrainer with Liger kernels). The SFTTrainer sides need `trl` (`pip install -e ".[bench]"`,
-which `make bench` does), the Liger side `liger-kernel` and a GPU.
+benchmarks/throughput.json (the CPU suite's; another suite's to throughput-<suite>.json;
+ratios under `*ratio*` keys: `tokens_per_second_ratio` is ours over Trainer,
+`trl_tokens_per_second_ratio` ours over SFTTrainer, `liger_…` ours over SFTTrainer with
+Liger kernels, `trl_dpo_…` ours over DPOTrainer). The TRL sides need `trl` (`pip install
+-e ".[bench]"`, which `make bench` does), the Liger side `liger-kernel` and a GPU.
 
     .venv/bin/python benchmarks/throughput.py                 # the CPU configurations
     .venv/bin/python benchmarks/throughput.py --suite gpu     # 1B full, 1B/3B LoRA, QLoRA
     .venv/bin/python benchmarks/throughput.py --only gpu-1b-full --profile /tmp/prof
+    .venv/bin/python benchmarks/throughput.py --suite cpu-dpo # DPO, LoRA, vs DPOTrainer
+    .venv/bin/python benchmarks/throughput.py --suite gpu-dpo # 1B LoRA DPO on a GPU
 
 The CPU suite runs against Trainer and SFTTrainer three times each; the GPU suite against
 SFTTrainer with and without Liger once each (Trainer pads every sample, which on a GPU
-says more about packing than about the trainer). Tokens/s counts label tokens only (what
-the loss trains on), over the steps after a warm-up. Peak memory: the CUDA allocator's
-peak on a GPU, else the largest worker's resident set; the largest resident set is
-recorded on GPUs too (`peak_host_bytes`). MFU on GPUs only.
+says more about packing than about the trainer). The DPO suites (`cpu-dpo`, `gpu-dpo`:
+LoRA, so each side's reference is the base with its adapters switched off, taken at every
+step; beta 0.1, the sigmoid loss) train on preference pairs in plain text, a prompt and
+two answers of long-tailed lengths, which both sides tokenise themselves the same way;
+DPOTrainer runs with its defaults (no padding-free batches, reference log-probabilities
+not precomputed). Its batch is `batchSizePerDevice` pairs, ours that many packed rows,
+each holding several pairs (tok/step in the table, `tokens_per_step` in the JSON, says
+how far apart the steps are); `cpu-dpo-pairs` raises its batch to the pairs of ours' step.
+Tokens/s counts label tokens only (what the loss trains on: with DPO, both answers of
+each pair), over the steps after a warm-up. Peak memory: the CUDA allocator's peak on a
+GPU, else the largest worker's resident set; the largest resident set is recorded on GPUs
+too (`peak_host_bytes`). MFU on GPUs only.
 """
 
 from __future__ import annotations
@@ -84,6 +95,9 @@ class Bench:
     warmup: int = 3
     samples: int = 600
     gpu: bool = False
+    objective: str = "sft"
+    """`dpo`: preference pairs (`write_pairs`), trained with DPO (`DPO`, or `extra["dpo"]`),
+    against the peers of that objective."""
     extra: dict = field(default_factory=dict)
 
 
@@ -92,6 +106,11 @@ LLAMA_1B = Shape(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192
                  bf16=True)
 LLAMA_3B = Shape(hidden=3072, layers=28, heads=24, kv_heads=8, intermediate=8192, vocab=128256,
                  bf16=True)
+
+PAIRS = "pairs"
+"""`extra["peerBatch"]`: a DPO peer's per-device batch is the preference pairs in ours'
+(`batch` packed rows of them); resolved by `compare` to a number."""
+
 
 @dataclass(frozen=True)
 class Suite:
@@ -119,7 +138,27 @@ SUITES = {
             ("gpu-1b-full", LLAMA_1B, "full", 4), ("gpu-1b-lora", LLAMA_1B, "lora", 4),
             ("gpu-3b-lora", LLAMA_3B, "lora", 2), ("gpu-1b-qlora", LLAMA_1B, "qlora", 4))
     ], peers=("trl_sft", "trl_liger"), repeats=1),
+    # DPO on LoRA (the reference: the base, adapters off, at every step on both sides);
+    # each pair's prompt + answer within seqLen, so neither side truncates
+    "cpu-dpo": Suite([
+        Bench("cpu-dpo", TINY, "lora", "variable", seq_len=512, batch=4, steps=30,
+              processes=2, objective="dpo"),
+        # DPOTrainer's batch raised to the pairs of ours' step (`PAIRS`): the same
+        # training per step, the difference left to padding vs packing
+        Bench("cpu-dpo-pairs", TINY, "lora", "variable", seq_len=512, batch=4, steps=30,
+              processes=2, objective="dpo", extra={"peerBatch": PAIRS}),
+    ], peers=("trl_dpo",), repeats=3),
+    # as the gpu suite: the defaults users get; prompt + each answer up to 2,048 tokens
+    # (our packed rows up to 4,096)
+    "gpu-dpo": Suite([
+        Bench("gpu-1b-dpo", LLAMA_1B, "lora", "variable", seq_len=2048, batch=4, steps=30,
+              processes=1, precision="bf16", gpu=True, checkpointing=None, compile=None,
+              samples=2000, warmup=10, objective="dpo"),
+    ], peers=("trl_dpo",), repeats=1),
 }
+
+DPO = {"beta": 0.1, "loss": "sigmoid", "labelSmoothing": 0.0}
+"""`objective.dpo` of the DPO configurations (TRL's defaults); `extra["dpo"]` overrides."""
 
 
 # --- inputs --------------------------------------------------------------------------------
@@ -131,6 +170,9 @@ def sentence(rng: random.Random, words: int) -> str:
 def write_data(path: Path, bench: Bench, seed: int = 0) -> None:
     """Chat samples; `variable` lengths are log-normal (many short, a long tail), as
     instruction data is; `fixed` ones all overflow the sequence length (truncated)."""
+    if bench.objective == "dpo":
+        write_pairs(path, bench, seed)
+        return
     rng = random.Random(seed)
     with path.open("w", encoding="utf-8") as out:
         for _ in range(bench.samples):
@@ -143,6 +185,28 @@ def write_data(path: Path, bench: Bench, seed: int = 0) -> None:
             messages = [{"role": "user", "content": sentence(rng, prompt)},
                         {"role": "assistant", "content": sentence(rng, answer)}]
             out.write(json.dumps({"messages": messages}) + "\n")
+
+
+def write_pairs(path: Path, bench: Bench, seed: int = 0) -> None:
+    """Preference pairs in plain text (`prompt`, `chosen`, `rejected`): each prompt and
+    answer as `variable` samples are (log-normal, many short, a long tail), the rejected
+    answer's length drawn on its own; prompt + each answer within the sequence length, so
+    that neither side truncates (our maxSeqLength and TRL's max_length both bound each of
+    prompt + chosen and prompt + rejected). The prompt ends in a newline, so each answer
+    starts a token of its own on both sides."""
+    if bench.data != "variable":
+        raise ValueError(f"{bench.name}: preference pairs come in variable lengths only")
+    rng = random.Random(seed)
+    room = bench.seq_len - 4  # a word is a token; BOS, the newline and EOS besides
+    with path.open("w", encoding="utf-8") as out:
+        for _ in range(bench.samples):
+            total = min(int(rng.lognormvariate(4.0, 0.9)) + 8, room)
+            prompt = max(total // 3, 2)
+            chosen = max(total - prompt, 2)
+            rejected = max(min(int(rng.lognormvariate(4.0, 0.9)) * 2 // 3, room - prompt), 2)
+            out.write(json.dumps({"prompt": sentence(rng, prompt) + "\n",
+                                  "chosen": sentence(rng, chosen),
+                                  "rejected": sentence(rng, rejected)}) + "\n")
 
 
 def build_model(where: Path, shape: Shape, corpus_file: Path) -> Path:
@@ -178,12 +242,15 @@ def trainer_config(bench: Bench, model: Path, data: Path, output: Path) -> dict:
     method: dict = {"type": bench.method}
     if bench.method != "full":
         method["lora"] = {"r": 16, "alpha": 32, "dropout": 0.0, "targetModules": ["all-linear"]}
+    dpo = bench.objective == "dpo"
     return {
         "job": {"name": f"bench-{bench.name}", "namespace": "bench"},
         "model": {"uri": str(model)},
-        "dataset": {"uri": str(data), "format": "chat", "maxSeqLength": bench.seq_len,
-                    "packing": bench.packing},
+        "dataset": {"uri": str(data), "format": "preference" if dpo else "chat",
+                    "maxSeqLength": bench.seq_len, "packing": bench.packing},
         "method": method,
+        **({"objective": {"type": "dpo", "dpo": {**DPO, **bench.extra.get("dpo", {})}}}
+           if dpo else {}),
         "strategy": {"type": bench.strategy, "precision": bench.precision,
                      "gradientCheckpointing": bench.checkpointing, "compile": bench.compile,
                      "gradientCheckpointingPolicy": bench.extra.get("checkpointPolicy", "full")},
@@ -224,6 +291,7 @@ def as_users_run_it(bench: Bench, model: Path) -> Bench:
                                                       "maxSeqLength": bench.seq_len,
                                                       "packing": bench.packing},
             "method": {"type": bench.method, **lora},
+            **({"objective": {"type": bench.objective}} if bench.objective != "sft" else {}),
             "strategy": {"type": bench.strategy, "precision": bench.precision,
                          "gradientCheckpointing": bench.checkpointing,
                          "compile": bench.compile},
@@ -279,9 +347,10 @@ def run_ours(bench: Bench, config: Path, output: Path) -> dict:
     tokens = sum(r["tokensPerSecond"] * r["stepSeconds"] * bench.warmup for r in timed)
     peak = max(r["peakMemoryBytes"] for r in records) if bench.gpu else maxrss
     mfu = [r["mfu"] for r in timed if r.get("mfu") is not None]
-    return {"tokens_per_second": tokens / seconds, "step_seconds": seconds / (len(timed)
-            * bench.warmup), "peak_memory_bytes": peak, "peak_host_bytes": maxrss,
-            "mfu": sum(mfu) / len(mfu) if mfu else None}
+    steps = len(timed) * bench.warmup
+    return {"tokens_per_second": tokens / seconds, "step_seconds": seconds / steps,
+            "tokens_per_step": tokens / steps, "peak_memory_bytes": peak,
+            "peak_host_bytes": maxrss, "mfu": sum(mfu) / len(mfu) if mfu else None}
 
 
 @dataclass(frozen=True)
@@ -291,24 +360,40 @@ class Peer:
     prefix: str
     """Of its ratio keys in the results."""
     label: str
+    objective: str = "sft"
+    """The configurations it runs: those of this objective (`Bench.objective`)."""
 
 
 PEERS = {"hf_trainer": Peer("trainer", "", "ours/HF"), "trl_sft": Peer("sft", "trl_", "ours/TRL"),
-         "trl_liger": Peer("sft-liger", "liger_", "ours/Liger")}
+         "trl_liger": Peer("sft-liger", "liger_", "ours/Liger"),
+         "trl_dpo": Peer("dpo", "trl_dpo_", "ours/TRLDPO", objective="dpo")}
 """A side's key in the results → the peer."""
 
 
 def run_peer(bench: Bench, config: Path, side: str) -> dict:
     peer = PEERS[side].worker
     result = config.with_suffix(f".{peer}.json")
+    batch = bench.extra.get("peerBatch")
     maxrss = run(torchrun(bench.processes, str(REPO / "benchmarks/hf_worker.py"),
                           f"--config={config}", f"--result={result}", f"--peer={peer}",
-                          f"--warmup-steps={bench.warmup}"), config.with_suffix(f".{peer}.log"))
+                          f"--warmup-steps={bench.warmup}",
+                          *([f"--batch-per-device={batch}"] if batch else [])),
+                 config.with_suffix(f".{peer}.log"))
     figures = json.loads(result.read_text())
     figures["peak_host_bytes"] = maxrss
     if not bench.gpu:
         figures["peak_memory_bytes"] = maxrss
     return figures
+
+
+def pairs_per_sequence(config: Path) -> float:
+    """The mean preference pairs in one of ours' packed rows (the trainer's own preflight:
+    tokenised, truncated and packed as training does)."""
+    from finetune_trainer.config import TrainerConfig
+    from finetune_trainer.train import preflight
+
+    sequences = preflight(TrainerConfig.load(config), config.parent).train
+    return sum(len(s["pairs"]) for s in sequences) / len(sequences)
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -328,6 +413,11 @@ def compare(bench: Bench, work: Path, repeats: int, peers: tuple[str, ...]) -> d
     config = work / f"{bench.name}.yaml"
     output = work / f"out-{bench.name}"
     config.write_text(yaml.safe_dump(trainer_config(bench, model, data, output)))
+    if bench.extra.get("peerBatch") == PAIRS:
+        per_row = pairs_per_sequence(config)
+        bench = replace(bench, extra={**bench.extra, "peerBatch": round(bench.batch * per_row)})
+        print(f"  {bench.name}: {per_row:.2f} pairs per packed row of ours; the peers' batch "
+              f"{bench.extra['peerBatch']} pairs per device", flush=True)
     sides = ("ours", *peers)
     runs: dict[str, list[dict]] = {side: [] for side in sides}
     for repeat in range(repeats):
@@ -363,7 +453,7 @@ def compare(bench: Bench, work: Path, repeats: int, peers: tuple[str, ...]) -> d
 
 def table(rows: list[dict]) -> str:
     lines = [f"{'config':<14} {'side':<11} {'tokens/s':>10} {'step s':>8} {'peak MiB':>9} "
-             f"{'MFU':>6} {'host MiB':>9}"]
+             f"{'MFU':>6} {'host MiB':>9} {'tok/step':>9}"]
     for row in rows:
         peers = [side for side in PEERS if side in row]
         for side in ("ours", *peers):
@@ -372,7 +462,8 @@ def table(rows: list[dict]) -> str:
             lines.append(f"{row['config']['name']:<14} {side:<11} "
                          f"{f['tokens_per_second']:>10,.0f} {f['step_seconds']:>8.3f} "
                          f"{f['peak_memory_bytes'] / 2**20:>9,.0f} {mfu:>6} "
-                         f"{f.get('peak_host_bytes', 0) / 2**20:>9,.0f}")
+                         f"{f.get('peak_host_bytes', 0) / 2**20:>9,.0f} "
+                         f"{f.get('tokens_per_step', 0):>9,.0f}")
         for side in peers:
             prefix = PEERS[side].prefix
             lines.append(f"{'':<14} {PEERS[side].label:<11} "
@@ -413,16 +504,19 @@ def main() -> None:
                         help="run these configurations (comma-separated names)")
     parser.add_argument("--repeats", type=int, default=None,
                         help="runs of each side, alternating; the median is reported "
-                        "(default: 3 on the CPU suite, 1 on the GPU suite)")
+                        "(default: 3 on the CPU suites, 1 on the GPU suites)")
     parser.add_argument("--peers", default=None,
                         help=f"comma-separated, among {', '.join(PEERS)} (default: the "
-                        "suite's)")
+                        "suite's); each configuration runs beside those of its objective "
+                        "(trl_dpo beside the DPO ones, the others beside the rest)")
     parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
                         help="profile our warm-up steps (FINETUNE_PROFILE): the top "
                         "kernels per configuration under DIR/<name>/")
     parser.add_argument("--keep", type=Path, default=None, metavar="DIR",
                         help="copy our log and progress records of each configuration here")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks/throughput.json")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default: benchmarks/throughput.json for the cpu suite, "
+                        "benchmarks/throughput-<suite>.json for another")
     args = parser.parse_args()
     global KEEP
     KEEP = args.keep
@@ -432,34 +526,46 @@ def main() -> None:
         parser.error(f"--only {args.only}: no configuration named "
                      f"{', '.join(sorted(set(names) - known))}; choose among "
                      f"{', '.join(sorted(known))}")
-    chosen = [(suite, b) for name in names for suite in SUITES.values() for b in suite.benches
-              if b.name == name] if names else [
-        (SUITES[args.suite], b) for b in SUITES[args.suite].benches]
-    suite = chosen[0][0]
-    peers = tuple(p.strip() for p in args.peers.split(",") if p.strip()) \
-        if args.peers is not None else suite.peers
-    if set(peers) - set(PEERS):
+    chosen = [(key, b) for name in names for key, suite in SUITES.items()
+              for b in suite.benches if b.name == name] if names else [
+        (args.suite, b) for b in SUITES[args.suite].benches]
+    asked = tuple(p.strip() for p in args.peers.split(",") if p.strip()) \
+        if args.peers is not None else None
+    if asked is not None and set(asked) - set(PEERS):
         parser.error(f"--peers {args.peers}: choose among {', '.join(PEERS)}")
-    if {"trl_sft", "trl_liger"} & set(peers) and importlib.util.find_spec("trl") is None:
+    runs = [(bench, sides_of(bench, SUITES[key].peers if asked is None else asked),
+             args.repeats or SUITES[key].repeats) for key, bench in chosen]
+    peers = {side for _, sides, _ in runs for side in sides}
+    for side in set(asked or ()) - peers:
+        parser.error(f"--peers {args.peers}: {side} runs the {PEERS[side].objective} "
+                     "configurations, and none is chosen")
+    if {"trl_sft", "trl_liger", "trl_dpo"} & peers and importlib.util.find_spec("trl") is None:
         parser.error('the TRL peers need trl: pip install -e ".[bench]" (make bench does), '
                      "or leave them out with --peers")
     if "trl_liger" in peers and importlib.util.find_spec("liger_kernel") is None:
         parser.error("the trl_liger peer needs liger-kernel (pip install liger-kernel) and a "
                      "GPU, or leave it out with --peers")
-    repeats = args.repeats or suite.repeats
+    out = args.out or REPO / "benchmarks" / (
+        "throughput.json" if chosen[0][0] == "cpu" else f"throughput-{chosen[0][0]}.json")
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="finetune-bench-") as tmp:
-        for _, bench in chosen:
+        for bench, sides, repeats in runs:
             print(f"running {bench.name} ...", flush=True)
             if args.profile:  # inside the warm-up, so the timed steps run unprofiled
                 os.environ["FINETUNE_PROFILE"] = str(args.profile / bench.name)
                 os.environ["FINETUNE_PROFILE_STEPS"] = f"2:{max(bench.warmup - 2, 1)}"
-            rows.append(compare(bench, Path(tmp), repeats, peers))
+            rows.append(compare(bench, Path(tmp), repeats, sides))
             print(table(rows[-1:]), flush=True)
-            write_results(args.out, rows)  # after each: a run cut short keeps what finished
+            write_results(out, rows)  # after each: a run cut short keeps what finished
     print(f"\n{machine()}\n{table(rows)}")
-    print(f"\nwrote {args.out}")
+    print(f"\nwrote {out}")
+
+
+def sides_of(bench: Bench, peers: tuple[str, ...]) -> tuple[str, ...]:
+    """The peers a configuration runs beside: those of its objective (SFTTrainer cannot
+    train on preference pairs, nor DPOTrainer on chat samples)."""
+    return tuple(side for side in peers if PEERS[side].objective == bench.objective)
 
 
 def write_results(out: Path, rows: list[dict]) -> None:

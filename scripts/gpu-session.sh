@@ -6,7 +6,7 @@
 # back), else ./gpu-out, and each benchmark writes its JSON after every configuration, so a
 # call cut short keeps what finished.
 #
-#   bash scripts/gpu-session.sh tests                 # pytest -m gpu (the GPU tests)
+#   bash scripts/gpu-session.sh tests [EXPR]          # pytest -m gpu (the GPU tests; -k EXPR)
 #   bash scripts/gpu-session.sh bench NAMES [PEERS]   # throughput.py --only NAMES, beside
 #                                                     # PEERS (default trl_sft,trl_liger)
 #   bash scripts/gpu-session.sh changes NAMES         # changes.py --only NAMES (on vs off)
@@ -43,7 +43,7 @@ case "$step" in
     # the cluster tests' pytest plugins are absent there (no kopf, kmock or pytest-asyncio);
     # no log capture: DCP's DEBUG records had buried the failures' own lines (11-26)
     "$PY" -m pytest -p no:cacheprovider -p no:asyncio -p no:kmock -p no:logging -m gpu \
-      -rA -q --durations=0 \
+      -rA -q --durations=0 ${2:+-k "$2"} \
       tests/trainer/test_gpu_training.py tests/trainer/test_packed_attention_gpu.py \
       2>&1 | tee "$out/tests.txt"
     ;;

@@ -61,6 +61,10 @@ def level(item: pytest.Item) -> str:
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted(p for p in (REPO / "examples").glob("*.yaml")
                   if "kind: FineTuneJob" in p.read_text())
+CLUSTER_EXAMPLES = [p for p in EXAMPLES
+                    if not yaml.safe_load(p.read_text())["spec"]["model"]["uri"].startswith(".")]
+"""The examples a cluster can run (01 and 08 name paths relative to their file: `finetune
+run` only)."""
 SWEEP_EXAMPLES = sorted(p for p in (REPO / "examples").glob("*.yaml")
                         if "kind: FineTuneSweep" in p.read_text())
 
@@ -183,9 +187,13 @@ def pytest_xdist_node_collection_finished(node, ids):
 
 PROCESS_EVENTS = {"subprocess.Popen", "os.posix_spawn", "os.fork", "os.forkpty", "os.system",
                   "os.exec", "os.spawn"}
-LIBRARY_PROBES = {"git"}
+LIBRARY_PROBES = {"git", "ldconfig", "uname"}
 """Commands a library runs on its own, not the test: azure-ai-ml asks git about the working
-folder at every job create (get_git_properties), a few milliseconds."""
+folder at every job create (get_git_properties), a few milliseconds; the first import of
+torch asks ldconfig where libdl is (cuda-pathfinder, through ctypes.util.find_library),
+and the first of deepspeed (which transformers' save_pretrained imports) asks uname for
+the processor (mlflow's telemetry, platform.processor()): whichever unit test came first
+failed for them."""
 _unit_test: dict[str, list[str]] = {}
 """While a `unit` test runs: its node id → the processes it started."""
 

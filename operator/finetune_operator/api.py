@@ -30,6 +30,7 @@ from finetune_trainer.config import (
     Hyperparameters,
     MethodConfig,
     ModelSource,
+    ObjectiveConfig,
     OutputConfig,
     PreflightConfig,
     StrategyConfig,
@@ -288,6 +289,7 @@ class FineTuneJobSpec(ApiModel):
     model: ModelSource
     dataset: DatasetSource
     method: MethodConfig = section(MethodConfig)
+    objective: ObjectiveConfig = section(ObjectiveConfig)
     strategy: StrategyConfig = section(StrategyConfig)
     hyperparameters: Hyperparameters
     resources: Resources = section(Resources)
@@ -352,6 +354,12 @@ class Progress(StatusModel):
     evaluation's, which a sweep's evalLoss objective then ranks)."""
     tokens_per_second: float | None = None
     """Label tokens per second, summed over all ranks."""
+    rewards: dict[str, Annotated[float, Field(description="The mean over the window's "
+                                              "pairs.")]] | None = None
+    """DPO (`objective.type: dpo`), over the last logging window's preference pairs, as TRL
+    names them: `chosen` and `rejected` (the mean reward, beta x log-ratio to the reference,
+    of each side), `margins` (their mean difference), `accuracies` (the fraction of pairs
+    whose chosen answer has the higher reward)."""
     mfu: float | None = None
     """Model FLOPs utilisation, 0 to 1 (GPU only)."""
     eta_seconds: int | None = None
@@ -370,7 +378,7 @@ class Progress(StatusModel):
         """Rank 0's progress record (finetune_trainer.record), as every backend reads it."""
         return cls(step=record.step, total_steps=record.total_steps, epoch=record.epoch,
                    loss=record.loss, eval_loss=record.eval_loss,
-                   tokens_per_second=record.tokens_per_second,
+                   tokens_per_second=record.tokens_per_second, rewards=record.rewards,
                    mfu=record.mfu, eta_seconds=record.eta_seconds, preflight=record.preflight,
                    stopped_early=record.stopped_early)
 

@@ -204,7 +204,8 @@ def output_folder(target: str) -> tuple[str, Path] | None:
 
 def progress_bar(progress: Progress | None, width: int = 30, running: bool = True) -> str:
     """`[#########.....] 120/400  30% | loss 1.2345 | eval 1.3010 | 5,120 tok/s | eta 0:12:00`
-    (no eta unless `running`: a stopped or finished run's last record has a stale one)"""
+    (DPO: the reward margin and the preference accuracy after eval; no eta unless
+    `running`: a stopped or finished run's last record has a stale one)"""
     if progress is None or progress.step is None or not (progress.step
                                                          or progress.total_steps):
         return "[" + "." * width + "] no step yet"  # (step 0 of ?: a run failed before one)
@@ -213,8 +214,11 @@ def progress_bar(progress: Progress | None, width: int = 30, running: bool = Tru
     filled = round(done * width)
     parts = [f"[{'#' * filled}{'.' * (width - filled)}] {progress.step}/{total or '?'} "
              f"{done:4.0%}"]
+    rewards = progress.rewards or {}
     for label, value, shown in (("loss", progress.loss, "{:.4f}"),
                                 ("eval", progress.eval_loss, "{:.4f}"),
+                                ("margin", rewards.get("margins"), "{:.4f}"),
+                                ("accuracy", rewards.get("accuracies"), "{:.0%}"),
                                 ("", progress.tokens_per_second, "{:,.0f} tok/s"),
                                 ("MFU", progress.mfu, "{:.1%}")):
         if isinstance(value, (int, float)) and math.isfinite(value):

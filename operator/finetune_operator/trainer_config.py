@@ -115,6 +115,7 @@ def trainer_config_and_step_settings(job: FineTuneJob, mount: Mount = keep_locat
         model=spec.model.model_copy(update={"uri": model_at}),
         dataset=spec.dataset.model_copy(update={"uri": dataset_at}),
         method=_explicit_lora(spec.method),
+        objective=spec.objective.model_copy(update={"dpo": spec.objective.dpo_settings()}),
         strategy=strategy,
         hyperparameters=spec.hyperparameters.model_copy(update={
             "learning_rate": spec.hyperparameters.resolved_learning_rate(spec.method.type),

@@ -261,6 +261,46 @@ def lora_settings_need_lora(job: FineTuneJob) -> Iterator[Problem]:
                       "remove `lora`, or set `method.type: lora`")
 
 
+@rule(
+    CelRule("spec", "self.objective.type != 'dpo' || self.dataset.format in ['auto', "
+            "'preference']", "objective dpo trains on preference pairs — set "
+            "spec.dataset.format to preference (or auto) with prompt, chosen and rejected "
+            "columns", ".dataset.format"),
+    CelRule("spec", "self.dataset.format != 'preference' || self.objective.type == 'dpo'",
+            "preference data (chosen and rejected answers) trains with objective dpo — set "
+            "spec.objective.type to dpo, or use format instruction for supervised "
+            "fine-tuning", ".objective.type"),
+    CelRule("spec.objective", "!has(self.dpo) || self.type == 'dpo'",
+            "spec.objective.dpo is only used with objective dpo — remove it, or set "
+            "spec.objective.type to dpo", ".dpo"),
+    CelRule("spec.objective", "!has(self.dpo) || self.dpo.loss != 'ipo' || "
+            "self.dpo.labelSmoothing == 0.0",
+            "ipo has no label smoothing — remove spec.objective.dpo.labelSmoothing, or use "
+            "loss sigmoid (conservative DPO) or robust", ".dpo.labelSmoothing"),
+)
+def objective_matches_data(job: FineTuneJob) -> Iterator[Problem]:
+    spec = job.spec
+    objective, data_format = spec.objective, spec.dataset.format
+    if objective.type == "dpo" and data_format not in ("auto", "preference"):
+        yield Problem("spec.dataset.format", f"is {data_format}, and objective dpo trains on "
+                      "preference pairs (a prompt, a chosen and a rejected answer)",
+                      "set `dataset.format: preference` (or auto) with prompt, chosen and "
+                      "rejected columns, or `objective.type: sft`")
+    if data_format == "preference" and objective.type != "dpo":
+        yield Problem("spec.objective.type", f"is {objective.type}, and preference data "
+                      "(chosen and rejected answers) trains with dpo",
+                      "set `objective.type: dpo`, or lay the data out as instruction "
+                      "records (prompt, response) for supervised fine-tuning")
+    if objective.dpo is not None and objective.type != "dpo":
+        yield Problem("spec.objective.dpo", f"is set but objective.type is {objective.type}",
+                      "remove `dpo`, or set `objective.type: dpo`")
+    dpo = objective.dpo
+    if dpo is not None and dpo.loss == "ipo" and dpo.label_smoothing:
+        yield Problem("spec.objective.dpo.labelSmoothing", "is not used by the ipo loss",
+                      "remove labelSmoothing, or use `loss: sigmoid` (conservative DPO) or "
+                      "`loss: robust`")
+
+
 @rule(CelRule("spec", "!self.output.mergeAdapter || self.method.type != 'full'",
               "spec.output.mergeAdapter needs method lora or qlora — remove it for full "
               "fine-tuning", ".output.mergeAdapter"))

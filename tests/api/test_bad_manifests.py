@@ -42,6 +42,8 @@ class Case:
 
 GPU_LORA = {"spec.resources.gpusPerNode": 1}
 FOLDER = {"spec.dataset.uri": "pvc://data/chats/"}
+DPO = {"spec.objective": {"type": "dpo"}}
+PREFERENCE = {"spec.dataset.format": "preference"}
 AML = {"subscriptionId": "00000000-0000-0000-0000-000000000000", "resourceGroup": "rg",
        "workspace": "ws", "compute": "gpu-cluster"}
 
@@ -174,6 +176,32 @@ CASES = [
          "schema"),
     Case("batch-size-word", {"spec.hyperparameters.batchSizePerDevice": "four"},
          "spec.hyperparameters.batchSizePerDevice", "must be an integer", "schema"),
+    Case("dpo-on-chat-data", {**DPO, "spec.dataset.format": "chat"}, "spec.dataset.format",
+         "is chat, and objective dpo trains on preference pairs", "cel"),
+    Case("dpo-on-instruction-data", {**DPO, "spec.dataset.format": "instruction"},
+         "spec.dataset.format", "set `dataset.format: preference` (or auto)", "cel"),
+    Case("dpo-on-text-data", {**DPO, "spec.dataset.format": "text"}, "spec.dataset.format",
+         "is text, and objective dpo trains on preference pairs", "cel"),
+    Case("preference-data-with-sft", {"spec.dataset.format": "preference"},
+         "spec.objective.type", "is sft, and preference data (chosen and rejected answers) "
+         "trains with dpo", "cel"),
+    Case("preference-data-with-explicit-sft", {**PREFERENCE, "spec.objective": {"type": "sft"}},
+         "spec.objective.type", "set `objective.type: dpo`", "cel"),
+    Case("dpo-settings-with-sft", {"spec.objective": {"type": "sft", "dpo": {"beta": 0.2}}},
+         "spec.objective.dpo", "is set but objective.type is sft", "cel"),
+    Case("ipo-with-label-smoothing", {**PREFERENCE, "spec.objective": {
+        "type": "dpo", "dpo": {"loss": "ipo", "labelSmoothing": 0.1}}},
+         "spec.objective.dpo.labelSmoothing", "is not used by the ipo loss", "cel"),
+    Case("objective-typo", {"spec.objective": {"type": "ppo"}}, "spec.objective.type",
+         "use one of 'sft' or 'dpo'", "schema"),
+    Case("dpo-loss-typo", {**PREFERENCE, "spec.objective": {"type": "dpo",
+                                                             "dpo": {"loss": "hinge"}}},
+         "spec.objective.dpo.loss", "use one of 'sigmoid', 'ipo' or 'robust'", "schema"),
+    Case("label-smoothing-half", {**PREFERENCE, "spec.objective": {
+        "type": "dpo", "dpo": {"labelSmoothing": 0.5}}},
+         "spec.objective.dpo.labelSmoothing", "must be at most 0.49", "schema"),
+    Case("beta-zero", {**PREFERENCE, "spec.objective": {"type": "dpo", "dpo": {"beta": 0}}},
+         "spec.objective.dpo.beta", "must be greater than 0", "schema"),
 ]
 
 
@@ -210,6 +238,25 @@ def test_the_minimal_job_is_valid(committed_crd):
     job, problems = check_document(doc)
     assert job is not None and problems == []
     assert schema_errors(committed_crd, doc) == []
+
+
+@pytest.mark.parametrize("changes", [
+    {**DPO, **PREFERENCE},
+    DPO,  # format auto: the trainer tells the layout from the columns
+    {**PREFERENCE, "spec.objective": {"type": "dpo", "dpo": {"loss": "ipo", "beta": 0.5}}},
+    {**PREFERENCE, "spec.objective": {"type": "dpo", "dpo": {"loss": "robust",
+                                                             "labelSmoothing": 0.1}}},
+    {**PREFERENCE, "spec.objective": {"type": "dpo", "dpo": {"labelSmoothing": 0.05}}},
+    {"spec.objective": {"type": "sft"}, "spec.dataset.format": "chat"},
+], ids=["dpo", "dpo-auto", "ipo", "robust", "conservative", "sft"])
+def test_a_proper_objective_is_valid_to_both(changes, committed_crd):
+    """What validate accepts the API server accepts too: its CEL rules and validate agree."""
+    doc = edit(minimal_job(), changes)
+    admission = admit(doc, INSTALLED)
+    assert admission.job is not None and admission.errors == []
+    assert schema_errors(committed_crd, doc) == []
+    defaulted = admission.job.model_dump(by_alias=True, exclude_none=True, mode="json")
+    assert cel_failures(committed_crd, defaulted) == []
 
 
 def test_all_problems_are_reported_at_once():

@@ -27,7 +27,7 @@ from finetune_operator.validation import (
     check_document,
     parse_job,
 )
-from tests.conftest import EXAMPLES, load_yaml, minimal_job
+from tests.conftest import CLUSTER_EXAMPLES, load_yaml, minimal_job
 from tests.install.test_chart import MONITORING, NON_DEFAULT, by_kind, render
 from tests.support.crd_schema import cel_failures, schema_errors
 
@@ -91,9 +91,8 @@ def test_the_operator_pod_is_locked_down_whatever_the_values(values):
 
 
 SETTINGS = OperatorSettings()
-K8S_EXAMPLES = {p.name: load_yaml(p) for p in EXAMPLES
-                if load_yaml(p)["spec"].get("backend", "kubernetes") == "kubernetes"
-                and "cpu-lora" not in p.name}  # relative paths: `finetune run` only
+K8S_EXAMPLES = {p.name: load_yaml(p) for p in CLUSTER_EXAMPLES
+                if load_yaml(p)["spec"].get("backend", "kubernetes") == "kubernetes"}
 VOLUMES = [{"name": "creds", "mountPath": "/creds", "secret": {"secretName": "aws"}},
            {"name": "scratch", "mountPath": "/scratch", "emptyDir": {"medium": "Memory"}}]
 JOBS = {

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 from pydantic import ValidationError
 
 from finetune_operator import naming
@@ -13,7 +14,7 @@ from finetune_operator.api import MAX_NAME_LENGTH, FineTuneJobStatus, LaunchPlan
 from finetune_operator.render import render
 from finetune_operator.trainer_config import build_trainer_config, resolve_strategy
 from finetune_operator.validation import parse_job
-from finetune_trainer.config import TrainerConfig
+from finetune_trainer.config import DpoConfig, TrainerConfig
 from tests.conftest import minimal_job
 
 
@@ -95,3 +96,25 @@ def test_workers_are_told_the_recorded_micro_batch_while_it_divides_the_step():
     for recorded, told in ((2, 2), (8, 8), (None, 4), (3, 4)):
         job.status = FineTuneJobStatus(plan=LaunchPlan(**plan, micro_batch_size=recorded))
         assert build_trainer_config(job).hyperparameters.micro_steps()[0] == told
+
+
+def test_the_trainer_is_told_the_objective_with_its_dpo_defaults_spelled_out(tmp_path):
+    dpo = parse_job(minimal_job(objective={"type": "dpo"},
+                                dataset={"uri": "pvc://data/pairs.jsonl", "format": "preference"}))
+    config = build_trainer_config(dpo)
+    assert config.objective.type == "dpo"
+    assert config.objective.dpo == DpoConfig(beta=0.1, loss="sigmoid", label_smoothing=0.0)
+    # as the workers read it: the rendered ConfigMap, every setting written out
+    path = tmp_path / naming.TRAINER_CONFIG_KEY
+    path.write_text(render(dpo)[0]["data"][naming.TRAINER_CONFIG_KEY])
+    assert TrainerConfig.load(path).objective == config.objective
+    assert yaml.safe_load(path.read_text())["objective"] == {
+        "type": "dpo", "dpo": {"beta": 0.1, "loss": "sigmoid", "labelSmoothing": 0.0}}
+
+    chosen = parse_job(minimal_job(objective={"type": "dpo", "dpo": {"loss": "robust",
+                                                                     "labelSmoothing": 0.1}},
+                                   dataset={"uri": "pvc://data/pairs.jsonl"}))
+    assert build_trainer_config(chosen).objective.dpo == DpoConfig(
+        beta=0.1, loss="robust", label_smoothing=0.1)
+    sft = build_trainer_config(parse_job(minimal_job()))
+    assert sft.objective.type == "sft" and sft.objective.dpo is None

@@ -14,11 +14,11 @@ from finetune_operator.backends import kubernetes as backend
 from finetune_operator.reconcile import Observation
 from finetune_operator.settings import OperatorSettings, Taint
 from finetune_operator.validation import parse_job
-from tests.conftest import EXAMPLES, load_yaml, minimal_job
+from tests.conftest import CLUSTER_EXAMPLES, load_yaml, minimal_job
 
 SETTINGS = OperatorSettings()
-K8S_EXAMPLES = [p for p in EXAMPLES if load_yaml(p)["spec"].get("backend", "kubernetes")
-                == "kubernetes" and "cpu-lora" not in p.name]
+K8S_EXAMPLES = [p for p in CLUSTER_EXAMPLES
+                if load_yaml(p)["spec"].get("backend", "kubernetes") == "kubernetes"]
 
 
 def objects(doc, settings=SETTINGS):

@@ -314,3 +314,28 @@ def test_a_good_sweep_passes_and_a_long_name_does_not():
     doc = sweep_doc()
     doc["metadata"]["name"] = "a" * 44
     assert [p.path for p in check_sweep(doc)[1]] == ["metadata.name"]
+
+
+def test_a_sweep_searches_dpos_beta_and_is_told_a_beta_out_of_range():
+    """`objective.dpo.beta` is a field of the template like any other: searched within its
+    range, and a range that leaves it is refused naming the field."""
+    import yaml
+
+    from tests.conftest import REPO
+
+    doc = yaml.safe_load((REPO / "examples/07-sweep-lora-lr.yaml").read_text())
+    template = doc["spec"]["template"]
+    template["dataset"] = {"uri": "pvc://data/pairs.jsonl", "format": "preference",
+                           "evalSplit": "train[95%:]", "split": "train[:95%]"}
+    template["objective"] = {"type": "dpo", "dpo": {"loss": "sigmoid"}}
+    doc["spec"]["searchSpace"] = {"objective.dpo.beta": {"type": "logUniform", "min": 0.01,
+                                                         "max": 0.5}}
+    sweep, problems = check_sweep(doc)
+    assert sweep is not None and [p for p in problems if p.severity == "error"] == []
+    assert with_params(template, {"objective.dpo.beta": 0.2})["objective"]["dpo"] == {
+        "loss": "sigmoid", "beta": 0.2}
+    doc["spec"]["searchSpace"]["objective.dpo.beta"]["max"] = 500.0
+    _, problems = check_sweep(doc)
+    said = [str(p) for p in problems if p.severity == "error"]
+    assert any("spec.searchSpace[objective.dpo.beta]" in p and "500" in p and
+               "objective.dpo.beta" in p.split(":", 1)[1] for p in said), said

@@ -242,3 +242,27 @@ def test_finetune_run_warns_where_the_operator_would_refuse():
     assert local.plan_warnings(job(**skipped), model) == []
     small = {**spec, "model": {"uri": "hf://Qwen/Qwen2.5-0.5B"}}
     assert local.plan_warnings(job(**small), from_table(small["model"]["uri"])) == []
+
+
+def test_dpo_is_planned_with_its_pairs_and_its_reference():
+    """A DPO row holds a pair (two sequences of up to maxSeqLength): more activations per
+    row than SFT's, and longer attention; with adapters each batch also runs the reference
+    forward (adapters off), which full weights take once before training instead."""
+    def plans(method: str):
+        spec = {"model": {"uri": "hf://meta-llama/Llama-3.1-8B"}, "method": {"type": method},
+                "resources": {"gpusPerNode": 8, "gpuType": "Standard_ND96amsr_A100_v4"},
+                "strategy": {"type": "fsdp", "gradientCheckpointing": True}}
+        dpo = {"objective": {"type": "dpo"},
+               "dataset": {"uri": "pvc://data/pairs.jsonl", "format": "preference"}}
+        return plan_job(job(**spec), LLAMA_8B, "fsdp"), plan_job(job(**spec, **dpo),
+                                                                  LLAMA_8B, "fsdp")
+
+    def flops(plan) -> float:
+        return plan.throughput.hardware_flops_per_token
+
+    (lora_sft, lora_dpo), (full_sft, full_dpo) = plans("lora"), plans("full")
+    assert lora_dpo.breakdown["activations"] > 1.9 * lora_sft.breakdown["activations"]
+    longer = flops(full_dpo) / flops(full_sft)  # forward, backward, recompute: longer rows
+    assert 1.0 < longer < 1.2
+    # LoRA: forward, backward (half), recompute, plus the reference forward: 4 forwards, not 3
+    assert flops(lora_dpo) / flops(lora_sft) == pytest.approx(longer * 4 / 3, rel=1e-9)

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import yaml
@@ -18,31 +19,87 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import throughput  # a script beside the tests, not a package
 
 
+def peer_figures(bench, model_dir: Path, data: Path, where: Path, peer: str) -> dict:
+    """A peer's worker (benchmarks/hf_worker.py) on 2 ranks over `data`: its figures."""
+    config = where / "config.yaml"
+    config.write_text(yaml.safe_dump(throughput.trainer_config(bench, model_dir, data,
+                                                               where / "out")))
+    result = where / f"{peer}.json"
+    command = throughput.torchrun(2, str(REPO / "benchmarks/hf_worker.py"), f"--config={config}",
+                                  f"--result={result}", f"--peer={peer}", "--warmup-steps=1")
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                          env=throughput.worker_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(result.read_text())
+
+
 @pytest.mark.process
 def test_the_peer_worker_sums_its_counts_over_two_ranks(tiny_model_dir, tmp_path):
     bench = replace(throughput.SUITES["cpu"].benches[0], steps=4, warmup=1, samples=64,
                     seq_len=128)
     data = tmp_path / "data.jsonl"
     throughput.write_data(data, bench)
-    config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump(throughput.trainer_config(
-        bench, tiny_model_dir, data, tmp_path / "out")))
-    result = tmp_path / "trainer.json"
-    command = throughput.torchrun(2, str(REPO / "benchmarks/hf_worker.py"), f"--config={config}",
-                                  f"--result={result}", "--peer=trainer", "--warmup-steps=1")
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                          env=throughput.worker_env())
-    assert done.returncode == 0, done.stderr[-3000:]
-    figures = json.loads(result.read_text())
+    figures = peer_figures(bench, tiny_model_dir, data, tmp_path, "trainer")
     assert figures["timed_steps"] == 3
     assert figures["tokens_per_second"] > 0
+
+
+@pytest.mark.process
+def test_the_dpo_peer_counts_the_trained_answers_once(tiny_model_dir, tmp_path):
+    """DPOTrainer's reference forward goes through the same module with the same labels:
+    only the trained forward counts, so a step's tokens are its pairs' answer tokens, as
+    ours counts them (every pair alike here, so the count is known without the order)."""
+    from transformers import AutoTokenizer
+
+    from finetune_trainer.data import pair_tokens
+
+    bench = replace(throughput.SUITES["cpu-dpo"].benches[0], steps=4, warmup=1, batch=2,
+                    seq_len=128)
+    record = {"prompt": "what does the model learn\n", "chosen": "a short answer",
+              "rejected": "the network and its layers"}
+    data = tmp_path / "pairs.jsonl"
+    data.write_text((json.dumps(record) + "\n") * 16)
+    figures = peer_figures(bench, tiny_model_dir, data, tmp_path, "dpo")
+    _, chosen, rejected = pair_tokens(record, AutoTokenizer.from_pretrained(tiny_model_dir))
+    assert figures["timed_steps"] == 3
+    assert figures["tokens_per_step"] == 2 * 2 * (len(chosen) + len(rejected))
+
+
+def test_the_dpo_suites_train_preference_pairs_whole(tmp_path):
+    """Each DPO configuration is a config the trainer takes (objective dpo on preference
+    data), its pairs fit maxSeqLength on both sides (neither truncates, so both train on
+    the same answer tokens) with a long tail of lengths, and it runs beside the DPO peer
+    alone."""
+    import statistics
+
+    from finetune_trainer.config import TrainerConfig
+    from finetune_trainer.data import read_records, tokenize_pairs
+    from finetune_trainer.tiny import build_tokenizer, corpus_from_jsonl
+
+    benches = [b for name in ("cpu-dpo", "gpu-dpo") for b in throughput.SUITES[name].benches]
+    for bench in benches:
+        small = replace(bench, samples=300)
+        data = tmp_path / f"{bench.name}.jsonl"
+        throughput.write_data(data, small)
+        config = TrainerConfig.model_validate(throughput.trainer_config(
+            bench, tmp_path / "m", data, tmp_path / "o"))
+        assert config.objective.dpo_settings().beta == throughput.DPO["beta"]
+        tokenizer = build_tokenizer(corpus_from_jsonl(data)[:2000], vocab_size=1024)  # as
+        pairs = tokenize_pairs(read_records(config.dataset, tmp_path), tokenizer,  # build_model
+                               bench.seq_len)
+        assert pairs.truncated == 0 and len(pairs.samples) == 300
+        lengths = [len(s["input_ids"]) for s in pairs.samples]  # both sides of a pair
+        assert max(lengths) > 4 * statistics.median(lengths)  # a long tail
+        assert throughput.sides_of(bench, tuple(throughput.PEERS)) == ("trl_dpo",)
+    assert throughput.sides_of(throughput.SUITES["cpu"].benches[0],
+                               tuple(throughput.PEERS)) == ("hf_trainer", "trl_sft", "trl_liger")
 
 
 def test_the_gpu_suite_runs_the_settings_users_get(tmp_path):
     """checkpointing, micro-batch and compile unset in the suite: resolved by the planner
     as for a long run on an 80 GB H100 (what `finetune plan` prints for such a job)."""
     chosen = {}
-    for bench in throughput.SUITES["gpu"].benches:
+    for bench in throughput.SUITES["gpu"].benches + throughput.SUITES["gpu-dpo"].benches:
         assert bench.checkpointing is None and bench.compile is None
         model = tmp_path / bench.name
         model.mkdir()
@@ -61,6 +118,21 @@ def test_the_gpu_suite_runs_the_settings_users_get(tmp_path):
         assert config["hyperparameters"]["microBatchSize"] == resolved.micro_batch
     assert chosen["gpu-1b-full"] == (False, True)
     assert chosen["gpu-1b-qlora"][1] is False  # 4-bit layers are not compiled
+
+
+def test_the_dpo_peers_mean_row_is_a_prompt_with_one_answer():
+    """The length MFU is taken at on a GPU (DPOTrainer's rows: prompt + chosen, prompt +
+    rejected, cut to max_length), here where no GPU runs it."""
+    from types import SimpleNamespace
+
+    import hf_worker
+    from datasets import Dataset
+
+    rows = Dataset.from_list([{"prompt_ids": [1, 2, 3], "chosen_ids": [4], "rejected_ids": [5, 6]},
+                              {"prompt_ids": [1], "chosen_ids": [2] * 9, "rejected_ids": [3]}])
+    trainer = SimpleNamespace(train_dataset=rows)
+    assert hf_worker.mean_length(trainer, [{"prompt": "p"}], 8) == (4 + 5 + 8 + 2) / 4
+    assert hf_worker.mean_length(None, [{"input_ids": [1, 2]}, {"input_ids": [1]}], 8) == 1.5
 
 
 def test_collectives_run_on_the_device_their_backend_serves():

@@ -52,9 +52,18 @@ def test_reads_the_shipped_chat_data():
     assert resolve_format("auto", records.column_names) == "chat"
 
 
+def test_reads_the_shipped_preference_data():
+    records = read_records(DatasetSource(uri="./examples/data/tiny-preferences.jsonl"),
+                           base_dir=REPO)
+    assert len(records) == 64
+    assert resolve_format("auto", records.column_names) == "preference"
+
+
 @pytest.mark.parametrize(("columns", "expected"), [
     (["messages"], "chat"), (["prompt", "response"], "instruction"),
-    (["instruction", "input", "output"], "instruction"), (["text", "id"], "text")])
+    (["instruction", "input", "output"], "instruction"), (["text", "id"], "text"),
+    (["prompt", "chosen", "rejected"], "preference"),
+    (["rejected", "chosen", "prompt", "response"], "preference")])
 def test_auto_detects_the_format(columns, expected):
     assert resolve_format("auto", columns) == expected
 
@@ -64,6 +73,13 @@ def test_missing_columns_name_what_was_found():
         resolve_format("chat", ["text"])
     with pytest.raises(DataError, match="match no format"):
         resolve_format("auto", ["question", "answer"])
+    with pytest.raises(DataError, match=r"format preference needs columns "
+                                        r"chosen\+prompt\+rejected, found \['chosen', 'prompt'\]"):
+        resolve_format("preference", ["prompt", "chosen"])
+    with pytest.raises(DataError) as refused:  # half a pair is no format, and says so
+        resolve_format("auto", ["prompt", "chosen"])
+    assert refused.value.fix.endswith("`text`, or `prompt`+`chosen`+`rejected` (preference, "
+                                      "for objective dpo)")
 
 
 def test_malformed_jsonl_line_is_named(tmp_path):
@@ -365,6 +381,23 @@ def test_collate_pads_and_fills_empty_micro_batches():
     assert batch["position_ids"].tolist() == [[0, 1, 2], [0, 0, 1]]
     empty = collate([], pad_id=0)
     assert empty["labels"].tolist() == [[IGNORE]]
+    assert "answers" not in empty and "pairs" not in empty
+
+
+def test_collate_of_pairs_pads_their_answers_and_fills_empty_micro_batches():
+    """Preference pairs (`data.pair_sample`): padding belongs to no answer (-1); a rank
+    with nothing left still runs a forward, over no pair."""
+    import torch
+
+    pair = {"input_ids": [5, 6, 5, 7], "labels": [IGNORE, 6, IGNORE, 7],
+            "position_ids": [0, 1, 0, 1], "answers": [-1, 0, -1, 1], "pairs": [3]}
+    batch = collate([pair], pad_id=0, width=6, paired=True)
+    assert batch["answers"].tolist() == [[-1, 0, -1, 1, -1, -1]]
+    assert batch["position_ids"].tolist() == [[0, 1, 0, 1, 0, 1]]  # padding: its own segment
+    assert batch["pairs"].tolist() == [3]
+    empty = collate([], pad_id=0, paired=True)
+    assert empty["labels"].tolist() == [[IGNORE]] and empty["answers"].tolist() == [[-1]]
+    assert empty["pairs"].tolist() == [] and empty["pairs"].dtype == torch.long
 
 
 def test_prefetched_keeps_order_and_raises_errors_where_read():

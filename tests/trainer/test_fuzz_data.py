@@ -31,7 +31,8 @@ pytestmark = pytest.mark.process
 
 _SHIPPED = (REPO / "examples/data/tiny-chat.jsonl").read_bytes()
 GOOD_JSONL = _SHIPPED[:_SHIPPED.index(b"\n", 3000) + 1]  # a few whole conversations
-COLUMNS = ["messages", "text", "prompt", "response", "instruction", "input", "output", "id"]
+COLUMNS = ["messages", "text", "prompt", "response", "instruction", "input", "output", "id",
+           "chosen", "rejected"]
 MAX_LENGTH = 48
 
 json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
@@ -50,17 +51,25 @@ records = st.dictionaries(st.sampled_from(COLUMNS),
 words = st.text(st.characters(codec="utf-8"), max_size=40)
 turn = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
                               "content": words})
+said = st.text(st.characters(codec="utf-8"), min_size=1, max_size=40)
+answer_turns = st.lists(st.fixed_dictionaries({"role": st.just("assistant"), "content": words}),
+                       min_size=1, max_size=2)
+pairs = st.one_of(  # preference records (objective dpo), as text and as chat messages
+    st.fixed_dictionaries({"prompt": said, "chosen": said, "rejected": said}),
+    st.fixed_dictionaries({"prompt": st.lists(turn, min_size=1, max_size=3),
+                           "chosen": answer_turns, "rejected": answer_turns}))
 usable = st.one_of(  # records of every format as a user would write them
     st.fixed_dictionaries({"messages": st.lists(turn, min_size=1, max_size=4)}),
     st.fixed_dictionaries({"prompt": words, "response": words}),
     st.fixed_dictionaries({"instruction": words, "output": words}, optional={"input": words}),
-    st.fixed_dictionaries({"text": words}, optional={"id": st.integers()}))
+    st.fixed_dictionaries({"text": words}, optional={"id": st.integers()}),
+    pairs)
 
 
 @st.composite
-def mostly_usable(draw) -> list[dict]:
+def mostly_usable(draw, records=usable) -> list[dict]:
     """Usable records, one of them perhaps spoiled: a field set to any JSON value."""
-    rows = draw(st.lists(usable, min_size=1, max_size=5))
+    rows = draw(st.lists(records, min_size=1, max_size=5))
     if draw(st.booleans()):
         row = draw(st.sampled_from(rows))
         row[draw(st.sampled_from(sorted(row) + COLUMNS))] = draw(json_values)
@@ -139,13 +148,14 @@ data_files = st.one_of(
 
 
 def config(data: Path, model: Path, out: Path, fmt: str, eval_fraction: float,
-           packing: bool) -> TrainerConfig:
+           packing: bool, objective: str = "sft") -> TrainerConfig:
     return TrainerConfig.model_validate({
         "job": {"name": "fuzz"}, "model": {"uri": str(model)},
         "dataset": {"uri": str(data), "format": fmt, "maxSeqLength": MAX_LENGTH,
                     "evalFraction": eval_fraction, "packing": packing},
-        "method": {"type": "lora"}, "strategy": {"type": "ddp"},
-        "hyperparameters": {"maxSteps": 1}, "output": {"uri": str(out)}})
+        "method": {"type": "lora"}, "objective": {"type": objective},
+        "strategy": {"type": "ddp"}, "hyperparameters": {"maxSteps": 1},
+        "output": {"uri": str(out)}})
 
 
 @pytest.fixture(scope="module")
@@ -159,31 +169,94 @@ def datasets_cache(tmp_path_factory):
     datasets.config.HF_DATASETS_CACHE = before
 
 
-@settings(max_examples=120, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(file=data_files, fmt=st.sampled_from(["auto", "auto", "chat", "instruction", "text"]),
-       eval_fraction=st.sampled_from([0.0, 0.0, 0.5]), packing=st.booleans())
-def test_any_data_file_gives_a_clear_error_or_valid_sequences(
-        tiny_model_dir, datasets_cache, file, fmt, eval_fraction, packing):
+def prepared_or_refused(file: tuple[str, bytes], model: Path, fmt: str, eval_fraction: float,
+                        packing: bool, objective: str):
+    """`train.preflight` of the file; None when it was refused as it should be: a DataError
+    that says where, what and how to fix it."""
     suffix, content = file
     with tempfile.TemporaryDirectory() as where:
         path = Path(where) / f"train{suffix}"
         path.write_bytes(content)
         try:
-            prepared = preflight(config(path, tiny_model_dir, Path(where) / "out", fmt,
-                                        eval_fraction, packing), Path(where))
+            return preflight(config(path, model, Path(where) / "out", fmt, eval_fraction,
+                                    packing, objective), Path(where))
         except DataError as error:
             assert error.what and error.fix, str(error)
             assert str(path) in error.where or error.where.startswith("dataset"), str(error)
-            return
+            return None
+
+
+def check_pairs(prepared) -> None:
+    """Preference pairs (objective dpo): each pair whole in one sequence, its two sides from
+    position 0 and at most maxSeqLength each, its answers 2k and 2k + 1 in the sequence
+    (k: its place in `pairs`) and labelled exactly there, every pair once, the eval
+    split's numbered after the training split's."""
+    for sequence in prepared.train + prepared.eval:
+        answers, labels, positions = (sequence[k] for k in ("answers", "labels",
+                                                            "position_ids"))
+        assert len(answers) == len(labels)
+        assert [a >= 0 for a in answers] == [label != IGNORE for label in labels]
+        assert set(answers) - {-1} == set(range(2 * len(sequence["pairs"])))
+        assert positions.count(0) == 2 * len(sequence["pairs"]) and max(positions) < MAX_LENGTH
+        # an answer's first token is predicted from its own prompt, never from the sequence
+        # before it (another side, another pair)
+        assert all(p > 0 for p, a in zip(positions, answers, strict=True) if a >= 0)
+    train = sorted(p for s in prepared.train for p in s["pairs"])
+    evaluation = sorted(p for s in prepared.eval for p in s["pairs"])
+    assert train + evaluation == list(range(len(train) + len(evaluation)))
+
+
+@settings(max_examples=120, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(file=data_files,
+       fmt=st.sampled_from(["auto", "auto", "chat", "instruction", "text", "preference"]),
+       eval_fraction=st.sampled_from([0.0, 0.0, 0.5]), packing=st.booleans(),
+       objective=st.sampled_from(["sft", "sft", "dpo"]))
+def test_any_data_file_gives_a_clear_error_or_valid_sequences(
+        tiny_model_dir, datasets_cache, file, fmt, eval_fraction, packing, objective):
+    prepared = prepared_or_refused(file, tiny_model_dir, fmt, eval_fraction, packing,
+                                   objective)
+    if prepared is None:
+        return
     assert prepared.train  # the preflight refuses data with nothing to train on
+    longest = MAX_LENGTH * (2 if objective == "dpo" else 1)  # dpo: two sides to a pair
     for sequence in prepared.train + prepared.eval:
         ids, labels, positions = (sequence[k] for k in ("input_ids", "labels",
                                                         "position_ids"))
-        assert 0 < len(ids) == len(labels) == len(positions) <= MAX_LENGTH
+        assert 0 < len(ids) == len(labels) == len(positions) <= longest
         assert all(isinstance(t, int) and 0 <= t < len(prepared.tokenizer) for t in ids)
         assert all(label in (IGNORE, token) for label, token in zip(labels, ids, strict=True))
     assert any(label != IGNORE for s in prepared.train for label in s["labels"])
+    if objective == "dpo":
+        check_pairs(prepared)
+
+
+pair_files = st.one_of(
+    st.tuples(st.just(".jsonl"), mostly_usable(pairs).map(jsonl)),
+    st.tuples(st.just(".jsonl"), mostly_usable(pairs).map(jsonl).flatmap(mutated)),
+    st.tuples(st.just(".json"), mostly_usable(pairs).map(lambda rows: json.dumps(rows).encode())),
+)
+
+
+@settings(max_examples=80, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(file=pair_files, fmt=st.sampled_from(["auto", "preference"]),
+       eval_fraction=st.sampled_from([0.0, 0.5]), packing=st.booleans())
+def test_any_preference_file_gives_a_clear_error_or_valid_pairs(
+        tiny_model_dir, datasets_cache, file, fmt, eval_fraction, packing):
+    """The data fuzz on the preference format: pairs as text and as chat messages, one of
+    them perhaps spoiled, the file perhaps cut or garbled."""
+    prepared = prepared_or_refused(file, tiny_model_dir, fmt, eval_fraction, packing, "dpo")
+    if prepared is None:
+        return
+    assert prepared.train
+    for sequence in prepared.train + prepared.eval:
+        ids, labels = sequence["input_ids"], sequence["labels"]
+        assert 0 < len(ids) == len(sequence["position_ids"]) <= 2 * MAX_LENGTH
+        assert all(isinstance(t, int) and 0 <= t < len(prepared.tokenizer) for t in ids)
+        assert all(label in (IGNORE, token) for label, token in zip(labels, ids, strict=True))
+        assert len(sequence["pairs"]) == 1 or packing
+    check_pairs(prepared)
 
 
 @pytest.mark.parametrize(("name", "content", "expected"), [

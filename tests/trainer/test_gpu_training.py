@@ -165,3 +165,27 @@ def test_a_step_never_waits_for_the_gpu(tiny_model_dir, tmp_path, monkeypatch, s
     # compiled layers are compiled in the first step only: one shape of row, the count of
     # samples' bounds dynamic (attention.forward_kwargs)
     assert compiled_in_steps == [], compiled_in_steps
+
+
+@pytest.mark.parametrize("method", ["lora", "qlora", "full"])
+def test_dpo_on_a_gpu_starts_at_ln2_and_learns_the_preference(tiny_model_dir, tmp_path,
+                                                              method):
+    """DPO in bf16 on one GPU (packed pairs through the GPU's attention path): at step 1
+    the policy is its reference (adapters off, a 4-bit base for qlora; for full weights
+    the table taken before the step), so the loss is ln 2; then the margin grows."""
+    import math
+
+    from tests.trainer.test_dpo import PAIRS, dpo_manifest, records
+
+    job = dpo_manifest(tiny_model_dir, PAIRS, tmp_path / "out", method=method, processes=1,
+                       batch=8, steps=12, checkpoint_every=100)
+    job["spec"]["strategy"]["precision"] = "bf16"
+    job["spec"]["resources"] = {"gpusPerNode": 1}
+    if method == "qlora":
+        job["spec"]["method"]["lora"] = {"r": 4, "alpha": 8, "dropout": 0.0}
+    result = finetune_run(job, tmp_path, "--nproc", "1")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    steps = records(tmp_path / "out")
+    assert steps[0]["loss"] == pytest.approx(math.log(2), abs=5e-3)
+    assert steps[-1]["loss"] < steps[0]["loss"]
+    assert steps[-1]["rewards"]["margins"] > 0.05

@@ -96,3 +96,39 @@ def test_a_whole_model_gives_the_same_loss_fused_and_plain():
     batch.update(loss.loss_targets(batch["labels"]))
     assert float(loss.summed_loss(model, batch, head)) == pytest.approx(float(reference),
                                                                          rel=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_answer_logps_and_gradients_match_the_plain_path(dtype):
+    """Preference pairs (`computing_logps`): each trained row's target log-probability,
+    computed on those rows only, through autograd."""
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(32, 50)
+    fused = torch.nn.Linear(32, 50)
+    fused.load_state_dict(plain.state_dict())
+    fused.__class__ = loss.FusedLossHead
+    labels = torch.randint(0, 50, (2, 9))
+    labels[:, :4] = IGNORE  # prompts
+    answers = torch.where(labels == IGNORE, -1, torch.tensor([[0], [2]]))
+    targets = loss.answer_targets(labels, answers)
+    hidden = torch.randn(2, 9, 32, requires_grad=True)
+    hidden_plain = hidden.detach().clone().requires_grad_()
+
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        with fused.computing_logps(targets["loss_rows"], targets["loss_targets"]):
+            ours = fused(hidden)
+        logits = plain(hidden_plain).flatten(0, 1).float()
+    reference = logits.log_softmax(-1)[targets["loss_rows"], targets["loss_targets"]]
+    weights = torch.linspace(-1, 1, ours.numel())
+    (ours * weights).sum().backward()
+    (reference * weights).sum().backward()
+
+    close = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2,
+                                                                         "atol": 5e-2}
+    assert ours.shape == (10,) and ours.dtype == torch.float32  # 5 trained rows a sequence
+    assert torch.allclose(ours, reference, **close)
+    assert targets["loss_answers"].tolist() == [0] * 5 + [2] * 5
+    assert torch.allclose(hidden.grad, hidden_plain.grad, **close)
+    assert torch.allclose(fused.weight.grad, plain.weight.grad, **close)
+    assert fused.targets is None and not fused.per_row  # back to an ordinary Linear
+    assert fused(hidden).shape == (2, 9, 50)

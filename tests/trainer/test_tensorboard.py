@@ -65,3 +65,16 @@ def test_a_writer_that_fails_costs_the_charts_once_and_never_the_run(tmp_path, c
     reporter.finish("Succeeded")
     assert capsys.readouterr().out.count("TensorBoard event files are no longer written") == 1
     assert json.loads((tmp_path / "progress.json").read_text())["phase"] == "Succeeded"
+
+
+def test_dpo_rewards_are_charted_under_trls_names(tmp_path):
+    reporter = Reporter(tmp_path, total_steps=10, start_step=0, enabled=True,
+                        trackers=(tensorboard_tracker(tmp_path),))
+    reporter.step_done(300)
+    reporter.report(5, 0.5, 0.61, 1e-4, rewards={"chosen": 0.25, "rejected": -0.5,
+                                                 "margins": 0.75, "accuracies": 1.0})
+    reporter.finish("Succeeded")
+    seen = scalars(tmp_path)
+    assert {tag: values[5] for tag, values in seen.items() if "rewards" in tag} == {
+        "train/rewards/chosen": 0.25, "train/rewards/rejected": -0.5,
+        "train/rewards/margins": 0.75, "train/rewards/accuracies": 1.0}

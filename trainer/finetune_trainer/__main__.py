@@ -230,8 +230,13 @@ def _main(argv: list[str] | None) -> int:
     try:
         if args.preflight:
             prepared = preflight(config, base_dir)
+            pairs = [sum(len(s.get("pairs", ())) for s in part)
+                     for part in (prepared.train, prepared.eval)]
+            held = (f" ({pairs[0]} and {pairs[1]} preference pairs)" if any(pairs) else "")
             print(f"preflight: {len(prepared.train)} training sequences, "
-                  f"{len(prepared.eval)} eval sequences; model and data look usable")
+                  f"{len(prepared.eval)} eval sequences{held}; model and data look usable")
+            for note in prepared.notes:
+                print(f"preflight: {note}")
             return 0
         code = run(config, base_dir)
         if code == 0 and os.environ.get("RANK", "0") == "0":

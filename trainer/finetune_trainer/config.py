@@ -39,7 +39,9 @@ Offload = Literal["none", "cpu", "nvme"]
 Precision = Literal["bf16", "fp16", "fp32"]
 CheckpointPolicy = Literal["full", "selective"]
 AsyncCheckpoints = Literal["auto", "on", "off"]
-DatasetFormat = Literal["auto", "chat", "instruction", "text"]
+DatasetFormat = Literal["auto", "chat", "instruction", "text", "preference"]
+ObjectiveType = Literal["sft", "dpo"]
+DpoLoss = Literal["sigmoid", "ipo", "robust"]
 Scheduler = Literal["cosine", "linear", "constant"]
 
 
@@ -115,8 +117,10 @@ class DatasetSource(ApiModel):
     format: DatasetFormat = "auto"
     """How samples are laid out. `chat`: a `messages` list with roles, rendered through
     the tokenizer's chat template. `instruction`: `prompt`/`response` or
-    `instruction`/`input`/`output` columns. `text`: a `text` column. `auto` detects
-    from the columns. Loss counts only response tokens where the format has a prompt."""
+    `instruction`/`input`/`output` columns. `text`: a `text` column. `preference` (for
+    `objective.type: dpo`): `prompt`, `chosen` and `rejected`, as text or as chat messages
+    (the answers' assistant turns after the prompt's conversation). `auto` detects from the
+    columns. Loss counts only response tokens where the format has a prompt."""
     split: str = Field(default="train", min_length=1, max_length=128)
     """Split to train on: a hub dataset's, or a folder's, whose files are named by split
     as Hugging Face datasets names them (`train.jsonl`, `validation.jsonl`, `test.jsonl`,
@@ -130,7 +134,9 @@ class DatasetSource(ApiModel):
     out `evalFraction` of the training split: the hub dataset's split, the folder's files
     named by it, or a slice of a single file (`train[95%:]`, with `split: train[:95%]`)."""
     max_seq_length: int = Field(default=2048, ge=16, le=1_048_576)
-    """Tokens per training sequence; longer samples are truncated."""
+    """Tokens per training sequence; longer samples are truncated. With preference data,
+    each of prompt + chosen and prompt + rejected (a packed row then holds up to twice
+    this); truncation keeps the answers and the end of the prompt."""
     packing: bool = True
     """Pack several samples into each sequence, without attention or positions leaking
     between them. Faster on variable-length data; the loss is unchanged."""
@@ -171,6 +177,41 @@ class MethodConfig(ApiModel):
     base model (GPU only, bf16 or fp16). `full`: every weight."""
     lora: LoraConfig | None = None
     """Adapter settings for `lora` and `qlora`; defaults apply when left out."""
+
+
+class DpoConfig(ApiModel):
+    """Direct Preference Optimization (Rafailov et al., 2023), as TRL's DPOConfig names it."""
+
+    beta: float = Field(default=0.1, gt=0, le=100)
+    """How far the trained model may move from the reference (the model before training):
+    small values let it move further. For `ipo`, the regularisation strength (tau)."""
+    loss: DpoLoss = "sigmoid"
+    """`sigmoid`: the DPO loss, -log sigmoid(beta x margin); with `labelSmoothing`,
+    conservative DPO (cDPO). `ipo`: IPO's squared loss on the per-token mean log-ratio
+    margin. `robust`: robust DPO, unbiased under the `labelSmoothing` fraction of flipped
+    labels. Without label smoothing, TRL's `loss_type`s of these names (TRL 1.16's
+    `sigmoid` ignores its `label_smoothing`)."""
+    label_smoothing: float = Field(default=0.0, ge=0.0, le=0.49)
+    """The fraction of pairs assumed to be labelled the wrong way round (`sigmoid`:
+    conservative DPO; `robust`), at most 0.49 (0.5 would say a label means nothing).
+    0: trust every label."""
+
+
+class ObjectiveConfig(ApiModel):
+    """What the training optimises, whatever the method trains (LoRA, QLoRA or full)."""
+
+    type: ObjectiveType = "sft"
+    """`sft`: supervised fine-tuning, the cross-entropy of the answers (or text) in the
+    data. `dpo`: preference tuning on pairs of a chosen and a rejected answer to one prompt
+    (`dataset.format: preference`), against the model as it was before training (with
+    adapters: the base, adapters switched off; with full weights: log-probabilities taken
+    once before the first step and kept in the output folder)."""
+    dpo: DpoConfig | None = None
+    """DPO settings for `type: dpo`; defaults apply when left out."""
+
+    def dpo_settings(self) -> DpoConfig | None:
+        """The DPO settings, defaults included; None for `sft`."""
+        return (self.dpo or DpoConfig()) if self.type == "dpo" else None
 
 
 class StrategyConfig(ApiModel):
@@ -377,6 +418,7 @@ class TrainerConfig(ApiModel):
     model: ModelSource
     dataset: DatasetSource
     method: MethodConfig = section(MethodConfig)
+    objective: ObjectiveConfig = section(ObjectiveConfig)
     strategy: StrategyConfig = section(StrategyConfig)
     hyperparameters: Hyperparameters
     output: OutputConfig

@@ -305,6 +305,7 @@ def _locator(where: str, lines: list[tuple[Path, list[int]]], count: int):
 # --- formats -----------------------------------------------------------------------------
 
 FORMAT_COLUMNS: dict[str, list[set[str]]] = {
+    "preference": [{"prompt", "chosen", "rejected"}],
     "chat": [{"messages"}],
     "instruction": [{"prompt", "response"}, {"instruction", "output"}],
     "text": [{"text"}],
@@ -320,7 +321,8 @@ def resolve_format(requested: DatasetFormat, columns: Sequence[str]) -> str:
                 return fmt
         raise DataError("dataset", f"has columns {sorted(present)}, which match no format",
                         "provide `messages` (chat), `prompt`+`response` or "
-                        "`instruction`+`output` (instruction), or `text`")
+                        "`instruction`+`output` (instruction), `text`, or "
+                        "`prompt`+`chosen`+`rejected` (preference, for objective dpo)")
     if not any(needed <= present for needed in FORMAT_COLUMNS[requested]):
         wanted = " or ".join("+".join(sorted(n)) for n in FORMAT_COLUMNS[requested])
         raise DataError("dataset", f"format {requested} needs columns {wanted}, found "
@@ -350,8 +352,42 @@ def _is_text(value: Any) -> bool:
     return isinstance(value, (str, int))
 
 
+PREFERENCE_FIX = ('write "prompt", "chosen" and "rejected" as non-empty text, or each as '
+                  'chat messages ("prompt": [{"role": "user", ...}], "chosen": [{"role": '
+                  '"assistant", ...}]), or remove that record')
+
+
+def _preference_problem(record: dict[str, Any]) -> tuple[str, str] | None:
+    sides = {side: record.get(side) for side in ("prompt", "chosen", "rejected")}
+    chat = [side for side, value in sides.items() if isinstance(value, list)]
+    text = [side for side, value in sides.items() if _is_text(value)]
+    if chat and text:
+        return (f"mixes chat messages ({', '.join(chat)}) and text ({', '.join(text)})",
+                PREFERENCE_FIX)
+    for side, value in sides.items():
+        if chat and not isinstance(value, list):
+            return f"`{side}` is {_describe(value)}, not a list of messages", PREFERENCE_FIX
+        if chat:
+            if not value:
+                return f"`{side}` is an empty list of messages", PREFERENCE_FIX
+            problem = record_problem({"messages": value}, "chat")
+            if problem is not None:
+                return f"`{side}`: {problem[0]}", PREFERENCE_FIX
+            roles = [m["role"] for m in value if m["role"] != "assistant"]
+            if side != "prompt" and roles:
+                return (f"`{side}` has a {roles[0]} message; the answers are assistant "
+                        "turns", PREFERENCE_FIX)
+        elif not _is_text(value):
+            return f"`{side}` is {_describe(value)}, not text", PREFERENCE_FIX
+        elif not str(value).strip():
+            return f"`{side}` is empty", PREFERENCE_FIX
+    return None
+
+
 def record_problem(record: dict[str, Any], fmt: str) -> tuple[str, str] | None:
     """What is wrong with one record for `fmt` (and the fix), or None."""
+    if fmt == "preference":
+        return _preference_problem(record)
     if fmt == "text":
         if not _is_text(record.get("text")):
             return (f"`text` is {_describe(record.get('text'))}, not text",
@@ -392,6 +428,7 @@ def record_problem(record: dict[str, Any], fmt: str) -> tuple[str, str] | None:
 def check_records(records, fmt: str, locate) -> None:
     """Refuse the first record `fmt` cannot use; `locate(index)` says where it is."""
     wanted = {"chat": ["messages"], "text": ["text"],
+              "preference": ["prompt", "chosen", "rejected"],
               "instruction": ["prompt", "response", "instruction", "input", "output"]}[fmt]
     columns = [c for c in wanted if c in records.column_names]
     for index, record in enumerate(records.select_columns(columns)):
@@ -483,14 +520,146 @@ def tokenize_records(records, fmt: str, tokenizer, max_length: int) -> list[dict
     return out
 
 
+# --- preference pairs --------------------------------------------------------------------
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _with_bos(ids: list[int], tokenizer) -> list[int]:
+    """`ids` starting with the BOS token where the tokenizer has one and did not add it
+    (as `tokenize_record` starts every sample)."""
+    bos = tokenizer.bos_token_id
+    return ids if bos is None or ids[:1] == [bos] else [bos, *ids]
+
+
+def pair_tokens(record: dict[str, Any], tokenizer) -> tuple[list[int], list[int], list[int]]:
+    """(prompt, chosen, rejected) token ids of one preference record, as TRL's DPOTrainer
+    makes them: the prompt alone (chat: with the generation prompt) and the prompt joined
+    with each answer (text: ending in EOS) are tokenised, and each answer is what follows
+    the longest prefix all three share, so a token merged across the boundary is the
+    answer's."""
+    if isinstance(record["prompt"], list):
+        def render(messages: list[dict[str, Any]], prompt: bool = False) -> list[int]:
+            return list(tokenizer.apply_chat_template(messages, tokenize=True,
+                                                      return_dict=False,
+                                                      add_generation_prompt=prompt))
+        prompt = render(record["prompt"], prompt=True)
+        chosen = render(record["prompt"] + record["chosen"])
+        rejected = render(record["prompt"] + record["rejected"])
+    else:
+        text, eos = str(record["prompt"]), tokenizer.eos_token
+
+        def encode(value: str) -> list[int]:
+            return _with_bos(tokenizer(value)["input_ids"], tokenizer)
+
+        def answer(value: Any) -> str:
+            value = str(value)
+            return value if value.endswith(eos) else value + eos
+        prompt = encode(text)
+        chosen = encode(text + answer(record["chosen"]))
+        rejected = encode(text + answer(record["rejected"]))
+    shared = min(_common_prefix(prompt, chosen), _common_prefix(prompt, rejected))
+    if shared == 0:  # an answer's first token would be predicted from outside its side
+        raise DataError("dataset record", "its prompt shares no token with its answers once "
+                        "tokenised (the tokenizer adds no BOS, and the prompt's last token "
+                        f"merges into the answers): {_describe(dict(record))}",
+                        "lengthen the prompt or end it on a word boundary, or remove it")
+    return chosen[:shared], chosen[shared:], rejected[shared:]
+
+
+def truncated_pair(prompt: list[int], chosen: list[int], rejected: list[int],
+                   max_length: int) -> tuple[list[int], list[int], list[int]]:
+    """The pair cut so prompt + each answer fits `max_length`: the answers kept whole and
+    the prompt's start dropped while the prompt keeps at least half the room; beyond that
+    the answers lose their ends too."""
+    longest = max(len(chosen), len(rejected))
+    if len(prompt) + longest <= max_length:
+        return prompt, chosen, rejected
+    keep = max(max_length - longest, min(len(prompt), max_length // 2))
+    room = max_length - keep
+    return prompt[len(prompt) - keep:], chosen[:room], rejected[:room]
+
+
+def pair_sample(prompt: list[int], chosen: list[int], rejected: list[int]
+                ) -> dict[str, list[int]]:
+    """One pair as the model reads it: prompt + chosen, then prompt + rejected, positions
+    restarting at the second (so neither attends to the other), labels on the answers;
+    `answers` says which answer each token belongs to (0 chosen, 1 rejected, -1 none)."""
+    ids, labels, positions, answers = [], [], [], []
+    for side, answer in enumerate((chosen, rejected)):
+        ids += prompt + answer
+        labels += [IGNORE] * len(prompt) + answer
+        positions += list(range(len(prompt) + len(answer)))
+        answers += [-1] * len(prompt) + [side] * len(answer)
+    return {"input_ids": ids, "labels": labels, "position_ids": positions,
+            "answers": answers, "pairs": [0]}
+
+
+@dataclass
+class Pairs:
+    """Tokenised preference pairs, and how many truncation cut."""
+
+    samples: list[dict[str, list[int]]]
+    truncated: int = 0
+
+    def said(self, max_length: int) -> str | None:
+        if not self.truncated:
+            return None
+        return (f"truncated {self.truncated} of {len(self.samples)} preference pairs to "
+                f"maxSeqLength {max_length} tokens a side (kept the answers and the end of "
+                "each prompt; raise spec.dataset.maxSeqLength to keep them whole)")
+
+
+def tokenize_pairs(records, tokenizer, max_length: int, first_id: int = 0) -> Pairs:
+    """Every preference record as a pair sample (`pair_sample`), numbered from `first_id`
+    in `pairs`; a record the tokenizer refuses is a DataError quoting it."""
+    from jinja2.exceptions import TemplateError
+
+    out = Pairs([])
+    for record in records:
+        if (problem := record_problem(record, "preference")) is not None:
+            raise DataError("dataset record", *problem)
+        try:
+            prompt, chosen, rejected = pair_tokens(record, tokenizer)
+        except (TemplateError, ValueError, TypeError, KeyError, IndexError) as error:
+            raise DataError("dataset record", f"cannot be tokenized ({_root_cause(error)}): "
+                            f"{_describe(dict(record))}", "fix the record so the tokenizer's "
+                            "chat template accepts it, or remove it") from error
+        if not chosen or not rejected:
+            side = "chosen" if not chosen else "rejected"
+            raise DataError("dataset record", f"its {side} answer adds no token to the "
+                            f"prompt: {_describe(dict(record))}", PREFERENCE_FIX)
+        cut = truncated_pair(prompt, chosen, rejected, max_length)
+        out.truncated += cut != (prompt, chosen, rejected)
+        sample = pair_sample(*cut)
+        sample["pairs"] = [first_id + len(out.samples)]
+        out.samples.append(sample)
+    return out
+
+
 # --- sequences ---------------------------------------------------------------------------
 
 def _sequence(samples: list[dict[str, list[int]]]) -> dict[str, list[int]]:
+    """Samples joined into one sequence; preference pairs keep their own positions, and
+    their `answers` are numbered within the sequence (pair k's are 2k and 2k + 1)."""
     seq: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": []}
+    paired = bool(samples) and "pairs" in samples[0]
+    if paired:
+        seq["answers"], seq["pairs"] = [], []
     for sample in samples:
         seq["input_ids"] += sample["input_ids"]
         seq["labels"] += sample["labels"]
-        seq["position_ids"] += list(range(len(sample["input_ids"])))
+        seq["position_ids"] += sample.get("position_ids") or list(range(len(sample["input_ids"])))
+        if paired:
+            offset = 2 * len(seq["pairs"])
+            seq["answers"] += [a if a < 0 else a + offset for a in sample["answers"]]
+            seq["pairs"] += sample["pairs"]
     return seq
 
 
@@ -702,7 +871,8 @@ class Prefetched:
         return key, value
 
 
-def collate(sequences: list[dict[str, list[int]]], pad_id: int, width: int | None = None):
+def collate(sequences: list[dict[str, list[int]]], pad_id: int, width: int | None = None,
+            paired: bool = False):
     """Tensors for one micro-batch, right-padded to its longest sequence (or to `width`
     when that is longer).
 
@@ -713,7 +883,8 @@ def collate(sequences: list[dict[str, list[int]]], pad_id: int, width: int | Non
     import torch
 
     if not sequences:
-        sequences = [{"input_ids": [pad_id], "labels": [IGNORE], "position_ids": [0]}]
+        sequences = [{"input_ids": [pad_id], "labels": [IGNORE], "position_ids": [0],
+                      **({"answers": [-1], "pairs": []} if paired else {})}]
     width = max(width or 0, *(len(s["input_ids"]) for s in sequences))
 
     def padded(key: str, fill: int, continue_positions: bool = False) -> torch.Tensor:
@@ -724,5 +895,15 @@ def collate(sequences: list[dict[str, list[int]]], pad_id: int, width: int | Non
             rows.append(s[key] + tail)
         return torch.tensor(rows, dtype=torch.long)
 
-    return {"input_ids": padded("input_ids", pad_id), "labels": padded("labels", IGNORE),
-            "position_ids": padded("position_ids", 0, continue_positions=True)}
+    batch = {"input_ids": padded("input_ids", pad_id), "labels": padded("labels", IGNORE),
+             "position_ids": padded("position_ids", 0, continue_positions=True)}
+    if "pairs" in sequences[0]:  # preference pairs: answers numbered across the batch
+        rows, before = [], 0
+        for s in sequences:
+            rows.append([a if a < 0 else a + 2 * before for a in s["answers"]]
+                        + [-1] * (width - len(s["answers"])))
+            before += len(s["pairs"])
+        batch["answers"] = torch.tensor(rows, dtype=torch.long)
+        batch["pairs"] = torch.tensor([p for s in sequences for p in s["pairs"]],
+                                      dtype=torch.long)
+    return batch

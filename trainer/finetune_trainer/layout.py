@@ -25,6 +25,8 @@ LOCAL_CONFIG = ".finetune/trainer.yaml"
 """`finetune run`: the trainer config it wrote and the workers read (the job's name in it)."""
 TENSORBOARD_DIR = "tensorboard"
 """Rank 0's TensorBoard event files (`tensorboard --logdir <output>`)."""
+REFERENCE_FILE = "reference-logps.pt"
+"""DPO with full weights: every pair's reference log-probabilities, taken before step 1."""
 SAVED_WEIGHTS = ("*.safetensors", "*.bin")
 """The weight files of a folder save_pretrained wrote (sharded ones too)."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",

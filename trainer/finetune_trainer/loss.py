@@ -92,6 +92,31 @@ def summed_loss(model, batch, head: FusedLossHead | None):
         logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
+def answer_logps(model, batch, head: FusedLossHead | None):
+    """Each answer's summed token log-probability (preference pairs: chosen at even
+    indices, rejected at odd), computed for the answers' rows only where the head is
+    fused."""
+    inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"],
+              "use_cache": False, **forward_kwargs(batch)}
+    rows, targets, answers = batch["loss_rows"], batch["loss_targets"], batch["loss_answers"]
+    if head is not None:
+        with head.computing_logps(rows, targets):
+            picked = model(**inputs).logits
+    else:
+        logits = model(**inputs).logits.flatten(0, 1).index_select(0, rows).float()
+        picked = logits.log_softmax(-1).gather(1, targets[:, None]).squeeze(1)
+    summed = torch.zeros(2 * batch["pairs"].shape[0], dtype=torch.float32,
+                         device=picked.device)
+    return summed.index_add(0, answers, picked.float())
+
+
+def answer_targets(labels, answers) -> dict[str, Any]:
+    """`loss_targets`, and the answer each trained position belongs to."""
+    targets = loss_targets(labels)
+    shifted = torch.nn.functional.pad(answers[:, 1:], (0, 1), value=-1).flatten()
+    return {**targets, "loss_answers": shifted[targets["loss_rows"]]}
+
+
 def chunk_rows(vocabulary: int) -> int:
     return max(MIN_CHUNK_ROWS, CHUNK_BYTES // (4 * vocabulary))
 
@@ -153,6 +178,8 @@ class FusedLossHead(torch.nn.Linear):
     the rows named there instead of logits."""
 
     targets: tuple | None = None
+    per_row: bool = False
+    """While `computing_logps`: each row's target log-probability, not their summed loss."""
 
     @contextlib.contextmanager
     def computing_loss(self, rows, targets):
@@ -162,10 +189,24 @@ class FusedLossHead(torch.nn.Linear):
         finally:
             self.targets = None
 
+    @contextlib.contextmanager
+    def computing_logps(self, rows, targets):
+        """Return the log-probability of each row's target (preference losses need them
+        per answer): logits of those rows only, through autograd."""
+        self.targets, self.per_row = (rows, targets), True
+        try:
+            yield
+        finally:
+            self.targets, self.per_row = None, False
+
     def forward(self, hidden):
         if self.targets is None:
             return super().forward(hidden)
         rows, targets = self.targets
+        if self.per_row:
+            picked = hidden.flatten(0, 1).index_select(0, rows)
+            logits = super().forward(picked).float()
+            return logits.log_softmax(-1).gather(1, targets[:, None]).squeeze(1)
         device = hidden.device.type
         compute = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
                    else self.weight.dtype)

@@ -61,7 +61,8 @@ class Reporter:
 
     def report(self, step: int, epoch: float, loss: float | None, lr: float,
                mfu: float | None = None, peak_memory: int | None = None,
-               grad_norm: float | None = None) -> ProgressRecord:
+               grad_norm: float | None = None,
+               rewards: dict[str, float] | None = None) -> ProgressRecord:
         """Close the current window and publish it (`step` counts completed steps)."""
         elapsed = max(time.perf_counter() - self.window_start, 1e-9)
         tokens_per_second = self.window_tokens / elapsed
@@ -70,6 +71,7 @@ class Reporter:
         record = ProgressRecord(
             step=step, total_steps=self.total_steps, epoch=round(epoch, 4), loss=loss,
             learning_rate=lr, grad_norm=grad_norm, eval_loss=self.eval_loss,
+            rewards=None if rewards is None else {k: round(v, 6) for k, v in rewards.items()},
             tokens_per_second=round(tokens_per_second, 1), eta_seconds=eta,
             mfu=None if mfu is None else round(mfu, 4),
             step_seconds=None if step_seconds is None else round(step_seconds, 6),
@@ -79,7 +81,9 @@ class Reporter:
             loss_text = "n/a" if loss is None else f"{loss:.4f}"
             line = (f"step {step}/{self.total_steps} | epoch {epoch:.2f} | loss {loss_text} | "
                     f"lr {lr:.2e} | {tokens_per_second:,.0f} tok/s | eta {format_duration(eta)}"
-                    + ("" if mfu is None else f" | MFU {mfu:.1%}"))
+                    + ("" if mfu is None else f" | MFU {mfu:.1%}")
+                    + ("" if rewards is None else f" | margin {rewards['margins']:.4f} | "
+                       f"accuracy {rewards['accuracies']:.0%}"))
             if self.bar is not None:
                 self.bar.write(line)
             else:

@@ -28,6 +28,11 @@ MLFLOW_METRICS: dict[str, str] = {
 }
 """Record field → MLflow metric name (the Studio's charts; the operator reads them back)."""
 
+REWARDS = ("chosen", "rejected", "margins", "accuracies")
+"""What a DPO log step reports of its preference pairs, as TRL names them (`rewards/<name>`):
+the mean reward (beta x log-ratio to the reference) of the chosen and of the rejected
+answers, their mean difference, and the fraction of pairs whose chosen reward is higher."""
+
 
 def format_duration(seconds: float | None) -> str:
     """`3725` → `1:02:05` (an ETA, an elapsed time); `?` when unknown."""
@@ -55,6 +60,8 @@ class ProgressRecord(BaseModel):
     eval_loss: float | None = None
     """Mean token loss on the eval split at the latest evaluation (None: not evaluated yet);
     in a Succeeded record, the export's (under early stopping, the best evaluation's)."""
+    rewards: dict[str, float] | None = None
+    """DPO: the window's REWARDS by name (TRL's `rewards/chosen`, ...); None for SFT."""
     tokens_per_second: float | None = None
     """Label tokens per second, all ranks together."""
     eta_seconds: int | None = None
@@ -88,8 +95,9 @@ class ProgressRecord(BaseModel):
         """The record's numbers under their MLflow names; unknown or non-finite values are
         left out (MLflow refuses NaN, and a missing loss is not a zero loss)."""
         out = {}
-        for field, metric in MLFLOW_METRICS.items():
-            value = getattr(self, field)
+        values = [(metric, getattr(self, field)) for field, metric in MLFLOW_METRICS.items()]
+        values += [(f"rewards/{name}", value) for name, value in (self.rewards or {}).items()]
+        for metric, value in values:
             if isinstance(value, (int, float)) and math.isfinite(value):
                 out[metric] = float(value)
         return out
@@ -111,5 +119,7 @@ class ProgressRecord(BaseModel):
         for whole in ("total_steps", "eta_seconds"):
             if whole in values:
                 values[whole] = int(values[whole])
+        rewards = {name: float(latest[f"rewards/{name}"]["value"]) for name in REWARDS
+                   if f"rewards/{name}" in latest}
         step = max(int(m.get("step") or 0) for m in latest.values())
-        return cls(step=step, **values)
+        return cls(step=step, rewards=rewards or None, **values)

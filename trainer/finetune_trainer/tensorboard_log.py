@@ -35,8 +35,11 @@ class TensorBoardTracker:
         self.broken = False
 
     def log(self, record: ProgressRecord) -> None:
-        self._write([(tag, getattr(record, field)) for field, tag in TRAIN_SCALARS.items()],
-                    record.step)
+        values = [(tag, getattr(record, field)) for field, tag in TRAIN_SCALARS.items()]
+        # DPO: TRL's names under train/ (train/rewards/margins, ...), as its users chart them
+        values += [(f"train/rewards/{name}", value)
+                   for name, value in (record.rewards or {}).items()]
+        self._write(values, record.step)
 
     def evaluated(self, step: int, loss: float) -> None:
         self._write([(EVAL_LOSS, loss)], step)

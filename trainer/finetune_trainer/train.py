@@ -36,11 +36,13 @@ from finetune_trainer.data import (
     pack_in_order,
     read_split,
     resolve_format,
+    tokenize_pairs,
     tokenize_records,
 )
 from finetune_trainer.layout import (
     FINAL_DIR,
     MERGED_DIR,
+    REFERENCE_FILE,
     STATE_FILE,
     checkpoint_root,
     resolve_output,
@@ -55,6 +57,7 @@ from finetune_trainer.model import (
 )
 from finetune_trainer.profiling import StepProfiler
 from finetune_trainer.progress import ProgressServer, Reporter
+from finetune_trainer.record import REWARDS
 from finetune_trainer.tensorboard_log import tensorboard_tracker
 from finetune_trainer.timing import StepPhases
 
@@ -72,6 +75,8 @@ class Prepared:
     wrap_classes: list[str]
     sources: str = ""
     """Where the training and eval splits come from (`data.read_split`), for the log."""
+    notes: tuple[str, ...] = ()
+    """What the log says of the data beyond that (preference pairs truncated)."""
 
 
 PACKERS = {"best-fit": pack, "next-fit": pack_in_order}
@@ -85,6 +90,7 @@ def preflight(config: TrainerConfig, base_dir: Path) -> Prepared:
     records, sources = read_split(data, base_dir)
     sources = f"training on {sources}"
     fmt = resolve_format(data.format, records.column_names)
+    _check_objective(config, fmt)
     if fmt == "chat" and not getattr(tokenizer, "chat_template", None):
         raise ModelError(config.model.uri, "its tokenizer has no chat template, which turns "
                          "the data's conversations (format chat) into tokens",
@@ -108,6 +114,8 @@ def preflight(config: TrainerConfig, base_dir: Path) -> Prepared:
                                          seed=config.hyperparameters.seed)
         records, eval_records = split["train"], split["test"]
         sources += f", evaluating on {data.eval_fraction:g} of it held out (evalFraction)"
+    if fmt == "preference":
+        return _prepared_pairs(config, tokenizer, records, eval_records, wrap_classes, sources)
     train = tokenize_records(records, fmt, tokenizer, data.max_seq_length)
     if not train and fmt == "chat" and not any(
             isinstance(m, dict) and m.get("role") == "assistant"
@@ -130,6 +138,45 @@ def preflight(config: TrainerConfig, base_dir: Path) -> Prepared:
                                  max_length=data.max_seq_length) if data.packing
                else one_per_sequence)
     return Prepared(tokenizer, arrange(train), arrange(evaluation), wrap_classes, sources)
+
+
+def _check_objective(config: TrainerConfig, fmt: str) -> None:
+    """The data's format is the one the objective trains on (an `auto` format is only
+    known here, from the columns)."""
+    data, objective = config.dataset, config.objective.type
+    if objective == "dpo" and fmt != "preference":
+        raise DataError(data.uri, f"is laid out as {fmt}, and objective dpo trains on "
+                        "preference pairs", "give each record `prompt`, `chosen` and "
+                        "`rejected` (text or chat messages), or set spec.objective.type to sft")
+    if objective != "dpo" and fmt == "preference":
+        raise DataError(data.uri, "holds preference pairs (prompt, chosen, rejected), which "
+                        f"objective {objective} does not train on",
+                        "set spec.objective.type to dpo, or lay the data out as instruction "
+                        "records (prompt, response)")
+
+
+def _prepared_pairs(config: TrainerConfig, tokenizer, records, eval_records, wrap_classes,
+                    sources: str) -> Prepared:
+    """Preference pairs, train then eval numbered in one sequence of pair ids (the
+    reference's table is indexed by them), packed two sides to a pair: a row holds up to
+    twice maxSeqLength."""
+    data = config.dataset
+    train = tokenize_pairs(records, tokenizer, data.max_seq_length)
+    if not train.samples:
+        raise DataError(data.uri, "holds no preference pair", "add records with prompt, "
+                        "chosen and rejected")
+    evaluation = tokenize_pairs(eval_records, tokenizer, data.max_seq_length,
+                                first_id=len(train.samples))
+    if data.eval_split is not None and not evaluation.samples:
+        raise DataError(data.uri, f"its {data.eval_split} split holds no preference pair",
+                        "add records to it, or use evalFraction")
+    notes = tuple(note for part in (train, evaluation)
+                  if (note := part.said(data.max_seq_length)) is not None)
+    arrange = (functools.partial(PACKERS[config.benchmark.packer],
+                                 max_length=2 * data.max_seq_length) if data.packing
+               else one_per_sequence)
+    return Prepared(tokenizer, arrange(train.samples), arrange(evaluation.samples),
+                    wrap_classes, sources, notes)
 
 
 class StopRequest:
@@ -176,6 +223,11 @@ class StepCounts:
         # as the loss counts them: the label of each row's first token is never predicted
         self.labels = [sum(label != IGNORE for label in s["labels"][1:]) for s in sequences]
         self.inputs = [len(s["input_ids"]) for s in sequences]
+        self.pairs = [len(s.get("pairs", ())) for s in sequences]
+
+    def pairs_of_step(self, epoch: int, step: int) -> int:
+        """Preference pairs in the step's global batch (what the DPO loss averages over)."""
+        return sum(self.pairs[i] for i in self.batches.step_indices(epoch, step))
 
     def of_indices(self, micro_batches: list[list[int]]) -> int:
         return sum(self.labels[i] for indices in micro_batches for i in indices)
@@ -275,9 +327,10 @@ def _network_env(config: TrainerConfig, output_dir: Path) -> Path | None:
     return scratch
 
 
-def evaluate(strategy, sequences, micro_batch: int, collation: Collation, group
-             ) -> float | None:
-    """Mean token loss over the eval split; every rank runs the same number of batches."""
+def evaluate(strategy, sequences, micro_batch: int, collation: Collation, group,
+             objective=None) -> float | None:
+    """Mean token loss over the eval split (preference pairs, `objective`: mean pair
+    loss); every rank runs the same number of batches."""
     import torch
     import torch.distributed as dist
 
@@ -293,6 +346,10 @@ def evaluate(strategy, sequences, micro_batch: int, collation: Collation, group
             mine = sequences[start + rank * micro_batch: start + (rank + 1) * micro_batch]
             batch = collation.tensors(mine)
             with strategy.autocast():
+                if objective is not None:
+                    total += float(objective.summed(_to(batch, strategy.device))[0])
+                    tokens += len(batch["pairs"])
+                    continue
                 total += float(summed_loss(strategy.model, _to(batch, strategy.device),
                                            collation.head))
             tokens += _label_tokens(batch)
@@ -381,13 +438,17 @@ class Collation:
     width: int | None = None
     """Pad every row to this width (compiled layers on packed rows: one shape, so no
     recompile when a batch comes out a little shorter); else to the longest row."""
+    paired: bool = False
+    """Preference pairs: each trained position's answer goes with the batch."""
 
     def tensors(self, sequences) -> dict:
         from finetune_trainer import loss
         from finetune_trainer.attention import sequence_bounds
 
-        batch = collate(sequences, self.pad_id, self.width)
-        if self.head is not None:
+        batch = collate(sequences, self.pad_id, self.width, paired=self.paired)
+        if self.paired:
+            batch.update(loss.answer_targets(batch["labels"], batch["answers"]))
+        elif self.head is not None:
             batch.update(loss.loss_targets(batch["labels"]))
         if self.bounds:
             batch["cu_seq_lens"] = sequence_bounds(batch["position_ids"])
@@ -429,6 +490,9 @@ class StepLogger:
         self.sampled: list = []  # ZeRO's timed steps since the last log step
         self.loss = torch.zeros((), device=device, dtype=torch.float64)
         self.tokens = 0
+        self.pairs: int | None = None if trainer.config.objective.type == "sft" else 0
+        """Preference pairs since the last log step (DPO: what the loss is a mean over)."""
+        self.rewards = torch.zeros(4, device=device, dtype=torch.float64)  # record.REWARDS
         self.window = LogWindow()
 
     def mark(self, begin: bool = False) -> None:
@@ -443,13 +507,15 @@ class StepLogger:
         return False
 
     def step_done(self, sampled: bool, counts: tuple[int, int, int], local_tokens: int,
-                  local_samples: int) -> None:
+                  local_samples: int, pairs: int | None = None) -> None:
         if sampled:
             self.sampled.append(self.sampler.end())
         if self.collectives is not None:
             self.collectives.step_boundary()
         step_tokens, step_inputs, step_sequences = counts
         self.tokens += int(step_tokens)
+        if pairs is not None:
+            self.pairs += pairs
         self.window.add(step_inputs, step_sequences)
         self.trainer.reporter.step_done(int(step_tokens))
         self.trainer.metrics.tokens.inc(local_tokens)
@@ -458,16 +524,21 @@ class StepLogger:
     def log(self, grad_norm: Any) -> None:
         t = self.trainer
         state, metrics = t.state, t.metrics
-        window_loss = _all_ranks_sum([float(self.loss)], t.control)[0]
+        window_loss, *reward_sums = _all_ranks_sum([float(self.loss), *self.rewards.tolist()],
+                                                   t.control)
+        per = self.tokens if self.pairs is None else self.pairs
+        rewards = (None if self.pairs is None else
+                   {name: value / max(self.pairs, 1)
+                    for name, value in zip(REWARDS, reward_sums, strict=True)})
         seconds = self.window.seconds()
         mfu = (self.flops_per_token * self.window.inputs / seconds / (self.peak * t.world)
                if self.peak and seconds > 0 else None)
         with t.checkpoints.writing_beside():  # a full volume: the checkpoint's doing
             record = t.reporter.report(state.step, state.step / t.batches.steps_per_epoch,
-                                       window_loss / max(self.tokens, 1),
+                                       window_loss / max(per, 1),
                                        t.scheduler.get_last_lr()[0], mfu=mfu,
                                        peak_memory=peak_memory_bytes(t.device),
-                                       grad_norm=_as_float(grad_norm))
+                                       grad_norm=_as_float(grad_norm), rewards=rewards)
         split = self.phases.drain() if self.phases is not None else {}
         if self.collectives is not None:
             timed = merge([self.collectives.drain(), *self.sampled])
@@ -478,9 +549,12 @@ class StepLogger:
         metrics.logged(record.step, t.steps, record.epoch, record.loss, record.learning_rate,
                        record.tokens_per_second, t.device, grad_norm=record.grad_norm,
                        samples_per_second=self.window.sequences / seconds if seconds else None,
-                       mfu=mfu, phases=split)
+                       mfu=mfu, phases=split, rewards=rewards)
         self.loss.zero_()
+        self.rewards.zero_()
         self.tokens = 0
+        if self.pairs is not None:
+            self.pairs = 0
         self.window = LogWindow()
 
 
@@ -517,6 +591,7 @@ class Trainer:
         self._build_model()
         self._build_schedule()
         self._resume()
+        self.objective = self._objective()
         self.counts = StepCounts(self.prepared.train, self.batches)
         self.steps_ahead = self._data(self.batches.schedule(self.state.step))
         self.grad_norm: Any = None
@@ -560,8 +635,10 @@ class Trainer:
             else:
                 _say(f"fused loss off: {why_not}; the logits are computed whole")
         fixed = config.strategy.compile is True and config.dataset.packing
+        self.dpo = config.objective.dpo_settings()
+        width = (2 if self.dpo else 1) * config.dataset.max_seq_length
         self.collation = Collation(self.prepared.tokenizer.pad_token_id, self.head, bounds,
-                                   width=config.dataset.max_seq_length if fixed else None)
+                                   width=width if fixed else None, paired=self.dpo is not None)
         flops_per_token = _model_flops_per_token(model, self.prepared.train)
         peak = (flops.peak_flops(torch.cuda.get_device_name(device))
                 if device.type == "cuda" else None)
@@ -571,6 +648,56 @@ class Trainer:
                        weights)
         self.strategy = strategy
         self.log = StepLogger(self, flops_per_token, peak)
+
+    def _objective(self):
+        """DPO's pair loss and its reference (None: SFT's token loss). The reference of an
+        adapter run is the base, adapters off, at every batch; of a full-weight run, a
+        table of every pair's log-probabilities taken before the first step and kept in
+        the output folder (the weights it was taken from change at every step)."""
+        from finetune_trainer.preference import DpoObjective
+
+        if self.dpo is None:
+            return None
+        table = self._reference_table() if self.config.method.type == "full" else None
+        return DpoObjective(self.dpo, self.strategy, self.head, table)
+
+    def _reference_table(self):
+        import hashlib
+
+        import torch
+        import torch.distributed as dist
+
+        from finetune_trainer.preference import reference_table
+
+        path = self.output_dir / REFERENCE_FILE
+        sequences = self.prepared.train + self.prepared.eval
+        digest = hashlib.sha256()
+        for sequence in sequences:
+            digest.update(repr((sequence["input_ids"], sequence["pairs"])).encode())
+        fingerprint = digest.hexdigest()
+        if path.is_file():
+            saved = torch.load(path, weights_only=True)
+            if saved.get("fingerprint") == fingerprint:
+                _say(f"reference log-probabilities read from {path}")
+                return saved["logps"]
+        if self.state.step > 0:
+            raise DataError(str(path), "is missing, or was taken of other preference pairs, "
+                            f"and this run resumes at step {self.state.step}: the reference "
+                            "of a full-weight run is the model before its first step, gone "
+                            "since", "restore the file, or start the run afresh (finetune "
+                            "run --fresh; a FineTuneJob with a new output.uri)")
+        started = time.perf_counter()
+        pairs = sum(len(s["pairs"]) for s in sequences)
+        table = reference_table(self.strategy, self.head, sequences, pairs,
+                                self.batches.micro_batch, self.collation, self.control)
+        if self.rank == 0:
+            partial = path.with_name(path.name + ".partial")
+            torch.save({"fingerprint": fingerprint, "logps": table}, partial)
+            os.replace(partial, path)
+        dist.barrier(group=self.control)
+        _say(f"reference log-probabilities of {pairs} preference pairs taken in "
+             f"{time.perf_counter() - started:.1f} s, kept in {path}")
+        return table
 
     def _build_schedule(self) -> None:
         from finetune_trainer.optim import build_scheduler
@@ -653,12 +780,19 @@ class Trainer:
         # every rank knows the whole global batch: the token count the loss is normalised
         # by needs no collective
         counts = self.counts.of_step(epoch, step_in_epoch)
-        scale = self.world / max(counts[0], 1)
+        # the loss is the mean over the step's label tokens, or over its preference pairs
+        pairs = self.counts.pairs_of_step(epoch, step_in_epoch) if self.objective else None
+        scale = self.world / max(counts[0] if pairs is None else pairs, 1)
         log.mark()
         sampled = log.sampling(self.state.step + 1)
         for index, batch in enumerate(micro_batches):
+            batch = _to(batch, self.device)
             with strategy.autocast():
-                summed = summed_loss(strategy.model, _to(batch, self.device), self.head)
+                if self.objective is None:
+                    summed = summed_loss(strategy.model, batch, self.head)
+                else:
+                    summed, rewards = self.objective.summed(batch)
+                    log.rewards += rewards
             strategy.backward(summed * scale, boundary=index == len(micro_batches) - 1)
             log.loss += summed.detach()
         log.mark()
@@ -671,7 +805,7 @@ class Trainer:
         self.checkpoint_written = agreement.written
         self.state = self._advanced(epoch, step_in_epoch, counts[0])
         log.step_done(sampled, counts, self.counts.of_indices(mine),
-                      sum(len(indices) for indices in mine))
+                      sum(len(indices) for indices in mine), pairs)
         return stopping
 
     def _advanced(self, epoch: int, step_in_epoch: int, tokens: int) -> checkpoint.TrainerState:
@@ -686,6 +820,13 @@ class Trainer:
         """Train to the last step, or to a SIGTERM after a checkpoint; the exit code."""
         hp = self.hp
         _say(f"data: {self.prepared.sources}")
+        for note in self.prepared.notes:
+            _say(note)
+        if self.dpo is not None:
+            _say(f"objective dpo ({self.dpo.loss}, beta {self.dpo.beta:g}"
+                 + (f", label smoothing {self.dpo.label_smoothing:g}"
+                    if self.dpo.label_smoothing else "") + f"): {sum(self.counts.pairs)} "
+                 "preference pairs")
         _say(f"training {len(self.prepared.train)} sequences on {self.world} "
              f"{'process' if self.world == 1 else 'processes'} ({self.strategy.name}, "
              f"{self.config.strategy.precision}): {self.steps} "
@@ -759,7 +900,7 @@ class Trainer:
         stopping (`judged`, which every evaluation is, the last one's included) and returned
         (the same on every rank)."""
         loss = evaluate(self.strategy, self.prepared.eval, self.batches.micro_batch,
-                        self.collation, self.control)
+                        self.collation, self.control, self.objective)
         if loss is not None:
             _say(f"{said} {loss:.4f}")
             self.reporter.evaluated(self.state.step, loss)

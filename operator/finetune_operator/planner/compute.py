@@ -63,7 +63,8 @@ def hardware_flops_per_token(shape: ModelShape, setup: TrainingSetup) -> float:
     # selective checkpointing recomputes element-wise ops only: no matmul FLOPs
     full = setup.gradient_checkpointing and setup.checkpoint_policy == "full"
     recompute = forward if full else 0.0
-    return forward + backward + recompute
+    reference = forward if setup.reference_forward else 0.0
+    return forward + backward + recompute + reference
 
 
 def communication_bytes(shape: ModelShape, setup: TrainingSetup) -> float:

@@ -87,6 +87,9 @@ class TrainingSetup(BaseModel):
     fused_loss: bool = True
     gradient_accumulation: int = 1
     world_size: int = 1
+    reference_forward: bool = False
+    """DPO with adapters: every batch also runs forward, without grad, with the adapters off
+    (the reference); full weights take the reference once before training instead."""
     device: Device = "cuda"
     """`cpu`: CPU workers (gloo) — no CUDA context, and AdamW runs its foreach kernels,
     which hold a temporary copy of the second moments; on CUDA the fused kernel does not."""

@@ -1,0 +1,229 @@
+"""DPO for real: `finetune run` with `objective: dpo` on 2 CPU processes over gloo, against
+TRL's DPOTrainer step for step, under every strategy, and resumed from a checkpoint.
+
+The peer (tests/support/trl_dpo_peer.py) trains the same tiny model on the same pairs with
+the same settings, seeded so that its adapters start where ours do. Each step of both
+trains on all 8 pairs (one batch holds them), so the sampling order cannot differ.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from finetune_trainer.layout import REFERENCE_FILE
+from tests.conftest import REPO
+from tests.trainer.test_training import finetune_run
+
+pytestmark = pytest.mark.process
+PAIRS = REPO / "examples/data/tiny-preferences.jsonl"
+PEER = REPO / "tests/support/trl_dpo_peer.py"
+MAX_LENGTH = 96
+
+
+def dpo_manifest(model_dir: Path, data: Path, output: Path, *, method: str = "lora",
+                 strategy: str = "ddp", processes: int = 2, batch: int = 4, steps: int = 6,
+                 loss: str = "sigmoid", smoothing: float = 0.0, beta: float = 0.1,
+                 lr: float | None = None, checkpoint_every: int = 3) -> dict:
+    dpo = {"beta": beta, "loss": loss}
+    if smoothing:
+        dpo["labelSmoothing"] = smoothing
+    spec = {
+        "model": {"uri": str(model_dir)},
+        "dataset": {"uri": str(data), "maxSeqLength": MAX_LENGTH},
+        "method": {"type": method},
+        "objective": {"type": "dpo", "dpo": dpo},
+        "strategy": {"type": strategy, "precision": "fp32", "gradientCheckpointing": False},
+        "hyperparameters": {"maxSteps": steps, "batchSizePerDevice": batch,
+                            "learningRate": lr or (5e-3 if method == "lora" else 5e-4),
+                            "logEverySteps": 1, "warmupRatio": 0.0},
+        "resources": {"gpusPerNode": 0, "processesPerNode": processes},
+        "output": {"uri": str(output), "checkpointEverySteps": checkpoint_every},
+    }
+    if method == "lora":
+        spec["method"]["lora"] = {"r": 4, "alpha": 8, "dropout": 0.0}
+    return {"apiVersion": "finetune.dev/v1alpha1", "kind": "FineTuneJob",
+            "metadata": {"name": f"dpo-{strategy}-{method}"}, "spec": spec}
+
+
+def records(output: Path) -> list[dict]:
+    """Our progress records, one per step."""
+    lines = (output / "progress.jsonl").read_text().splitlines()
+    return sorted((json.loads(line) for line in lines), key=lambda r: r["step"])
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def trl_steps(model_dir: Path, data: Path, out: Path, *, method: str, processes: int,
+              batch: int, steps: int, loss: str, smoothing: float, beta: float, lr: float
+              ) -> list[dict]:
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                 str(processes), "--master-port", str(free_port())] if processes > 1
+                else [sys.executable])
+    command = [*launcher, str(PEER), "--model", str(model_dir), "--data", str(data),
+               "--method", method, "--loss", loss, "--out", str(out), "--beta", str(beta),
+               "--smoothing", str(smoothing), "--lr", str(lr), "--steps", str(steps),
+               "--batch", str(batch), "--max-length", str(MAX_LENGTH), "--seed", "42"]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+@pytest.fixture()
+def eight_pairs(tmp_path) -> Path:
+    """The first 8 shipped pairs (a function's fixture: the comparisons spread over the
+    pytest-xdist workers)."""
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(PAIRS.read_text().splitlines(keepends=True)[:8]))
+    return path
+
+
+@pytest.mark.parametrize(("method", "processes", "loss", "smoothing"), [
+    ("lora", 1, "sigmoid", 0.0), ("lora", 2, "sigmoid", 0.0), ("full", 1, "sigmoid", 0.0),
+    ("full", 2, "sigmoid", 0.0), ("lora", 1, "ipo", 0.0), ("lora", 2, "robust", 0.1)])
+def test_every_step_agrees_with_trls_dpo_trainer(tiny_model_dir, eight_pairs, tmp_path,
+                                                 method, processes, loss, smoothing):
+    """20 steps, fp32: the loss, the reward margin and the chosen and rejected rewards of
+    every step within 1e-4 of DPOTrainer's (the reference: the base with the adapters off,
+    or, for full weights, the table taken before step 1 against TRL's frozen copy)."""
+    batch, steps, beta = 8 // processes, 20, 0.1
+    lr = 5e-3 if method == "lora" else 5e-4
+    job = dpo_manifest(tiny_model_dir, eight_pairs, tmp_path / "out", method=method,
+                       processes=processes, batch=batch, steps=steps, loss=loss,
+                       smoothing=smoothing, beta=beta, checkpoint_every=100)
+    ours = finetune_run(job, tmp_path)
+    assert ours.returncode == 0, ours.stdout[-3000:] + ours.stderr[-3000:]
+    theirs = trl_steps(tiny_model_dir, eight_pairs, tmp_path / "trl.jsonl", method=method,
+                       processes=processes, batch=batch, steps=steps, loss=loss,
+                       smoothing=smoothing, beta=beta, lr=lr)
+    mine = records(tmp_path / "out")
+    assert [r["step"] for r in mine] == [t["step"] for t in theirs] == list(range(1, 21))
+    for our, their in zip(mine, theirs, strict=True):
+        assert our["loss"] == pytest.approx(their["loss"], abs=1e-4), our["step"]
+        for name in ("margins", "chosen", "rejected", "accuracies"):
+            assert our["rewards"][name] == pytest.approx(their[f"rewards/{name}"], abs=1e-4), \
+                (our["step"], name)
+    assert mine[-1]["loss"] < mine[0]["loss"] - 0.05  # it learns the preference
+    assert mine[-1]["rewards"]["margins"] > 0.1
+
+
+@pytest.fixture()
+def dpo_runs(tiny_model_dir, shared):
+    """One finished 2-process DPO run (6 steps on all 64 pairs, checkpoints at 3 and 6) per
+    strategy and method in the session."""
+
+    def get(strategy: str, method: str) -> Path:
+        def make(where: Path) -> None:
+            job = dpo_manifest(tiny_model_dir, PAIRS, where / "out", method=method,
+                               strategy=strategy)
+            result = finetune_run(job, where)
+            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+            (where / "stdout").write_text(result.stdout)
+
+        return shared.get(f"dpo-{strategy}-{method}", make, name=f"dpo-{strategy}-{method}")
+
+    return get
+
+
+def test_cpu_offload_trains_the_same_pairs(dpo_runs, tiny_model_dir, tmp_path):
+    """ZeRO-3 with its optimizer and weights offloaded to the host (FSDP's CPUOffloadPolicy
+    is for GPU workers only): the same DPO steps as without."""
+    job = dpo_manifest(tiny_model_dir, PAIRS, tmp_path / "out", method="full",
+                       strategy="zero3")
+    job["spec"]["strategy"]["offload"] = "cpu"
+    result = finetune_run(job, tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert [r["loss"] for r in records(tmp_path / "out")] == pytest.approx(
+        [r["loss"] for r in records(dpo_runs("zero3", "full") / "out")], rel=1e-3)
+
+
+def test_a_dpo_run_stops_early_on_its_eval_loss_and_exports_the_best(tiny_model_dir,
+                                                                     tmp_path):
+    """The eval loss of DPO is the mean pair loss of the held-out pairs; early stopping
+    counts it as for SFT. A threshold no evaluation can clear makes the first evaluation
+    the best and the next one no better: the run ends at that step, exporting step 2's
+    adapter."""
+    job = dpo_manifest(tiny_model_dir, PAIRS, tmp_path / "out", steps=20, checkpoint_every=100)
+    job["spec"]["dataset"]["evalFraction"] = 0.125
+    job["spec"]["hyperparameters"].update({"evalEverySteps": 2, "earlyStoppingPatience": 1,
+                                           "earlyStoppingThreshold": 100.0})
+    result = finetune_run(job, tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "stopped early at step 4 of 20: 1 evaluation did not improve" in result.stdout
+    assert "the export is of step 2, the best evaluation's" in result.stdout
+    evaluations = [float(line.rsplit(" ", 1)[1]) for line in result.stdout.splitlines()
+                   if line.startswith("eval at step")]
+    assert len(evaluations) == 2 and 0 < evaluations[0] < 0.7  # pair losses, not token ones
+    progress = json.loads((tmp_path / "out/progress.json").read_text())
+    assert (progress["step"], progress["phase"]) == (4, "Succeeded")
+    assert progress["evalLoss"] == pytest.approx(evaluations[0], abs=1e-4)
+
+
+STRATEGIES = [("fsdp", "lora"), ("zero2", "lora"), ("zero3", "lora"), ("fsdp", "full"),
+              ("zero2", "full"), ("zero3", "full")]
+
+
+@pytest.mark.parametrize(("strategy", "method"), STRATEGIES)
+def test_strategies_train_the_same_pairs_as_ddp(dpo_runs, strategy, method):
+    reference = records(dpo_runs("ddp", method) / "out")
+    assert len(reference) == 6 and reference[-1]["loss"] < reference[0]["loss"]
+    mine = records(dpo_runs(strategy, method) / "out")
+    assert [r["loss"] for r in mine] == pytest.approx([r["loss"] for r in reference], rel=1e-3)
+    assert [r["rewards"]["margins"] for r in mine] == pytest.approx(
+        [r["rewards"]["margins"] for r in reference], rel=1e-3, abs=1e-5)
+
+
+@pytest.mark.parametrize(("strategy", "method"), [("ddp", "lora"), ("ddp", "full"),
+                                                  *STRATEGIES])
+def test_a_dpo_run_resumes_exactly_from_its_checkpoint(dpo_runs, tiny_model_dir, tmp_path,
+                                                       strategy, method):
+    """Stopped after step 3 (its step-6 checkpoint and export gone): the rerun resumes there,
+    with the reference of full weights read back, not taken again of trained weights, and
+    steps 4-6 repeat the uninterrupted run."""
+    finished = dpo_runs(strategy, method) / "out"
+    output = tmp_path / "out"
+    shutil.copytree(finished, output)
+    shutil.rmtree(output / "checkpoints" / "step-00000006")
+    shutil.rmtree(output / "final")
+    (output / "progress.jsonl").unlink()
+    job = dpo_manifest(tiny_model_dir, PAIRS, output, method=method, strategy=strategy)
+    result = finetune_run(job, tmp_path / "here")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "step-00000003 (step 3/6)" in result.stdout
+    assert (f"reference log-probabilities read from {output / REFERENCE_FILE}"
+            in result.stdout) == (method == "full")
+    assert "reference log-probabilities of" not in result.stdout
+    resumed, uninterrupted = records(output), records(finished)[3:]
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert [r["loss"] for r in resumed] == pytest.approx(
+        [r["loss"] for r in uninterrupted], rel=1e-4)
+
+
+def test_a_full_weight_run_without_its_reference_is_refused_not_retaken(
+        dpo_runs, tiny_model_dir, tmp_path):
+    """The reference of full weights is the model before step 1: a resume that finds the
+    table gone says so and trains nothing, rather than scoring pairs with trained weights."""
+    output = tmp_path / "out"
+    shutil.copytree(dpo_runs("ddp", "full") / "out", output)
+    shutil.rmtree(output / "checkpoints" / "step-00000006")
+    shutil.rmtree(output / "final")
+    (output / REFERENCE_FILE).unlink()
+    job = dpo_manifest(tiny_model_dir, PAIRS, output, method="full")
+    result = finetune_run(job, tmp_path / "here")
+    assert result.returncode != 0
+    said = result.stdout + result.stderr
+    assert f"{output / REFERENCE_FILE}: is missing" in said, said[-3000:]
+    assert "start the run afresh" in said
+    assert sorted(p.name for p in (output / "checkpoints").iterdir()) == ["step-00000003"]

@@ -8,7 +8,11 @@ import yaml
 
 
 class _Dumper(yaml.SafeDumper):
-    pass
+    def ignore_aliases(self, data: Any) -> bool:
+        """No `&id001` anchors and `*id001` aliases where one object appears twice (the
+        labels a Job and its pod template share): each place spelled out, to read, diff
+        and apply piecewise (#51, item 4)."""
+        return True
 
 
 def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:

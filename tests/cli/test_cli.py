@@ -173,6 +173,7 @@ def test_render_kubernetes_job_yaml():
     assert trainer["kind"] == "TrainerConfig"
     assert trainer["dataset"]["uri"] == "/mnt/pvc/datasets/support-chats/train.jsonl"
     assert trainer["strategy"]["type"] == "fsdp"
+    assert "&id" not in result.stdout and "*id" not in result.stdout  # spelled out, no aliases
 
 
 def test_render_json_and_invalid_input():

@@ -93,6 +93,17 @@ def test_malformed_jsonl_line_is_named(tmp_path):
     assert error.value.what.endswith("(Expecting ',' delimiter, column 18)"), error.value.what
 
 
+def test_an_unterminated_string_says_the_column_it_starts_at(tmp_path):
+    """json's "Unterminated string starting at" names a place: the column follows it, not
+    a comma (#51, item 9: it read "(Unterminated string starting at, column 103)")."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "ok"}\n{"text": "cut short\n')
+    with pytest.raises(DataError) as error:
+        read_records(DatasetSource(uri=str(path)))
+    assert error.value.where == f"{path}:2"
+    assert error.value.what == "is not valid JSON (Unterminated string starting at column 10)"
+
+
 def test_a_byte_order_mark_is_named_with_its_fix(tmp_path):
     """Python's own message, `Unexpected UTF-8 BOM (decode using utf-8-sig)`, named a codec."""
     path = tmp_path / "bom.jsonl"

@@ -140,7 +140,10 @@ def check_jsonl(path: Path) -> list[int]:
         try:
             value = json.loads(line.rstrip("\r\n"))  # a column past the end, not 1 of a next line
         except json.JSONDecodeError as error:
-            raise DataError(f"{path}:{number}", f"is not valid JSON ({error.msg}, column "
+            # json's messages that end in "at" name the place themselves ("Unterminated
+            # string starting at", column N); the others say what was expected there
+            at = " " if error.msg.endswith(" at") else ", "
+            raise DataError(f"{path}:{number}", f"is not valid JSON ({error.msg}{at}column "
                             f"{error.colno})", "fix or remove that line") from error
         except RecursionError:
             raise DataError(f"{path}:{number}", "nests JSON too deeply to read",

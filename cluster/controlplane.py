@@ -547,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if plane.running():
             print(f"a control plane is already running from {args.folder}: "
-                  "`make cluster-down` first", file=sys.stderr)
+                  f"{stop_command(args.folder)} first", file=sys.stderr)
             return 1
         build()
         shutil.rmtree(args.folder, ignore_errors=True)
@@ -563,11 +563,19 @@ def main(argv: list[str] | None = None) -> int:
               + (f"  Kueue {kueue_manager.KUEUE_VERSION}: ClusterQueue gpu, LocalQueue "
                  "team-a in namespace ml-team (cluster/kueue-queues.yaml)\n"
                  if plane.kueue else "")
-              + f"  logs: {args.folder / 'logs'}; stop with `make cluster-down`")
+              + f"  logs: {args.folder / 'logs'}; stop with {stop_command(args.folder)}")
         return 0
     except (ControlPlaneError, kueue_manager.KueueError) as error:
         print(f"control plane: {error}", file=sys.stderr)
         return 1
+
+
+def stop_command(folder: Path) -> str:
+    """How to stop the control plane of `folder` (from the repo's root, as the Makefile
+    runs this script): `make cluster-down` stops the repo's own (.cluster) only."""
+    if folder.resolve() == (REPO / ".cluster").resolve():
+        return "`make cluster-down`"
+    return f"`.venv/bin/python cluster/controlplane.py --folder {folder} down`"
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -59,18 +58,12 @@ def records(output: Path) -> list[dict]:
     return sorted((json.loads(line) for line in lines), key=lambda r: r["step"])
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def trl_steps(model_dir: Path, data: Path, out: Path, *, method: str, processes: int,
               batch: int, steps: int, loss: str, smoothing: float, beta: float, lr: float
               ) -> list[dict]:
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                 str(processes), "--master-port", str(free_port())] if processes > 1
-                else [sys.executable])
+    # --standalone: torchrun's own rendezvous on a port it picks (no port to race for)
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 "--nproc-per-node", str(processes)] if processes > 1 else [sys.executable])
     command = [*launcher, str(PEER), "--model", str(model_dir), "--data", str(data),
                "--method", method, "--loss", loss, "--out", str(out), "--beta", str(beta),
                "--smoothing", str(smoothing), "--lr", str(lr), "--steps", str(steps),

@@ -821,6 +821,14 @@ class GlobalBatches:
             step += 1
 
 
+def rank_batches(sequences: list, micro_batch: int, world: int, rank: int) -> Iterator[list]:
+    """`rank`'s micro-batches of a pass over `sequences` in order (evaluation, the DPO
+    reference): every rank gets the same number, the last ones possibly empty, so
+    collectives inside the forward stay in step."""
+    for start in range(0, len(sequences), micro_batch * world):
+        yield sequences[start + rank * micro_batch: start + (rank + 1) * micro_batch]
+
+
 def batch_larger_than_data(batches: GlobalBatches, per_device: int, accumulation: int,
                            packed: bool) -> str | None:
     """A warning when one step's batch holds more sequences than the data has: every step

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from finetune_trainer.config import DpoConfig
+from finetune_trainer.data import rank_batches
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,10 @@ class DpoObjective:
         from finetune_trainer.loss import answer_logps
 
         if self.table is not None:
-            return self.table[batch["pairs"].cpu()].flatten().to(batch["pairs"].device)
+            pairs = batch["pairs"]
+            if self.table.device != pairs.device:  # once: then no host sync per batch
+                self.table = self.table.to(pairs.device)
+            return self.table[pairs].flatten()
         with torch.no_grad(), adapters_off(self.strategy.unwrapped()):
             return answer_logps(self.strategy.model, batch, self.head)
 
@@ -111,8 +115,7 @@ def reference_table(strategy, head, sequences, pair_count: int, micro_batch: int
     was_training = strategy.model.training
     strategy.model.eval()
     with torch.no_grad():
-        for start in range(0, len(sequences), micro_batch * world):
-            mine = sequences[start + rank * micro_batch: start + (rank + 1) * micro_batch]
+        for mine in rank_batches(sequences, micro_batch, world, rank):
             batch = collation.tensors(mine)
             on_device = {k: v.to(strategy.device) for k, v in batch.items()}
             with strategy.autocast():

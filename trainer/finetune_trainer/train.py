@@ -34,6 +34,7 @@ from finetune_trainer.data import (
     one_per_sequence,
     pack,
     pack_in_order,
+    rank_batches,
     read_split,
     resolve_format,
     tokenize_pairs,
@@ -342,8 +343,7 @@ def evaluate(strategy, sequences, micro_batch: int, collation: Collation, group,
     strategy.model.eval()
     total, tokens = 0.0, 0
     with torch.no_grad():
-        for start in range(0, len(sequences), micro_batch * world):
-            mine = sequences[start + rank * micro_batch: start + (rank + 1) * micro_batch]
+        for mine in rank_batches(sequences, micro_batch, world, rank):
             batch = collation.tensors(mine)
             with strategy.autocast():
                 if objective is not None:

@@ -21,15 +21,20 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # Debian's prometheus + promtool: the alert rule tests and the real-Prometheus dashboard
-# test use them; tmux: `finetune status --watch` is driven in a terminal. Each test that
-# needs one is skipped, saying so, where it cannot be installed.
+# test use them; tmux: `finetune status --watch` is driven in a terminal; containerd, runc,
+# the CNI plugins, iptables, buildah and debootstrap: the real node of `make cluster` and its
+# images (cluster/real_node.py, cluster/node_images.py). Each test that needs one is skipped, saying
+# so, where it cannot be installed.
 tools:
 	@missing=""; \
 	command -v promtool >/dev/null 2>&1 || missing="$$missing prometheus"; \
 	command -v tmux >/dev/null 2>&1 || missing="$$missing tmux"; \
+	for tool in containerd runc iptables buildah debootstrap; do \
+	  command -v $$tool >/dev/null 2>&1 || missing="$$missing $$tool"; done; \
+	[ -x /usr/lib/cni/bridge ] || missing="$$missing containernetworking-plugins"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    echo "installing Debian's$$missing for the metrics and terminal tests"; \
+	    echo "installing Debian's$$missing for the metrics, terminal and real-node tests"; \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	      --no-install-recommends $$missing >/dev/null; \
 	  else \
@@ -54,18 +59,20 @@ lint: venv
 	$(BIN)/ruff check operator trainer tests cluster
 	$(BIN)/lint-imports
 
-# A real Kubernetes control plane on 127.0.0.1 (etcd, kube-apiserver with RBAC,
-# controller-manager, scheduler, KWOK for the nodes, Kueue with its queues), built from the
-# Go modules in cluster/ into ~/.cache/finetune-operator (once per version: ~8 minutes cold
-# on 2 cores). The tests start their own; `make cluster` starts one for you, with an admin
-# kubeconfig in .cluster/admin.kubeconfig (`make cluster KUEUE=0`: without Kueue). Without
-# Go, the tests that need it are skipped, saying so.
+# A real Kubernetes control plane (etcd, kube-apiserver with RBAC, controller-manager,
+# scheduler, KWOK for the GPU pools, Kueue with its queues) and a real node (kubelet,
+# containerd, CNI, CoreDNS, kube-proxy in a network namespace of its own: cluster/real_node.py),
+# built from the Go modules in cluster/ into ~/.cache/finetune-operator (once per version:
+# ~10 minutes cold on 2 cores). The tests start their own; `make cluster` starts one for you,
+# with an admin kubeconfig in .cluster/admin.kubeconfig (`make cluster KUEUE=0`: without
+# Kueue; NODE=0: KWOK's nodes only). Without Go, the tests that need it are skipped.
 cluster-bin: venv
 	@if command -v go >/dev/null 2>&1; then $(BIN)/python cluster/controlplane.py build; \
 	else echo "Go not installed: the real control-plane tests will be skipped"; fi
 
 cluster: venv
-	$(BIN)/python cluster/controlplane.py up $(if $(filter 0,$(KUEUE)),--no-kueue)
+	$(BIN)/python cluster/controlplane.py up $(if $(filter 0,$(KUEUE)),--no-kueue) \
+		$(if $(filter 0,$(NODE)),--no-node)
 
 # The CRD and the chart (all but the operator's Deployment), and .cluster/operator.kubeconfig
 # with only the chart's ServiceAccount token: run `finetune operator` with it (printed).

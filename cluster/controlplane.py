@@ -25,7 +25,6 @@ import json
 import os
 import shlex
 import shutil
-import signal
 import socket
 import ssl
 import subprocess
@@ -38,12 +37,16 @@ from pathlib import Path
 from typing import Any
 
 import kueue_manager
+import node_images as images
+import real_node
 import yaml
+from build_cache import cache_dir
+from processes import alive, terminate
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 KUBERNETES_VERSION = "v1.36.3"
-MODULES = ("kube", "etcd", "kwok", "kueue")
+MODULES = ("kube", "etcd", "kwok", "kueue", "coredns", "pause")
 BINARIES = {
     # binary: (module folder, package)
     "kube-apiserver": ("kube", "k8s.io/kubernetes/cmd/kube-apiserver"),
@@ -53,6 +56,11 @@ BINARIES = {
     "etcd": ("etcd", "."),
     "kwok": ("kwok", "sigs.k8s.io/kwok/cmd/kwok"),
     "kueue": ("kueue", "sigs.k8s.io/kueue/cmd/kueue"),
+    # the real node (cluster/real_node.py)
+    "kubelet": ("kube", "k8s.io/kubernetes/cmd/kubelet"),
+    "kube-proxy": ("kube", "k8s.io/kubernetes/cmd/kube-proxy"),
+    "coredns": ("coredns", "github.com/coredns/coredns"),
+    "pause": ("pause", "."),
 }
 ADMIN_TOKEN_USER = "finetune-admin"
 SERVICE_CIDR = "10.96.0.0/16"
@@ -69,10 +77,7 @@ class ControlPlaneError(RuntimeError):
 
 # --- binaries -------------------------------------------------------------------------------
 def cache_root() -> Path:
-    base = os.environ.get("FINETUNE_CLUSTER_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
-        "finetune-operator", "control-plane")
-    return Path(base)
+    return cache_dir("control-plane")
 
 
 def cache_key() -> str:
@@ -163,8 +168,9 @@ def _openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
 
 
-def make_pki(folder: Path) -> None:
-    """A CA, the API server's serving certificate and the service-account signing key."""
+def make_pki(folder: Path, address: str = "127.0.0.1") -> None:
+    """A CA, the API server's serving certificate (for 127.0.0.1 and `address`), its client
+    certificate for kubelets, and the service-account signing key."""
     folder.mkdir(parents=True, exist_ok=True)
     if (folder / "apiserver.crt").exists():
         return
@@ -172,7 +178,8 @@ def make_pki(folder: Path) -> None:
              "ca.crt", "-days", "365", "-subj", "/CN=finetune-control-plane-ca", cwd=folder)
     (folder / "san.cnf").write_text(
         "[req]\ndistinguished_name=dn\n[dn]\n[ext]\n"
-        "subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,"
+        f"subjectAltName=IP:127.0.0.1,IP:{address},IP:10.96.0.1,DNS:localhost,"
+        "DNS:kubernetes,"
         "DNS:kubernetes.default,DNS:kubernetes.default.svc,"
         "DNS:kubernetes.default.svc.cluster.local\n"
         "keyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n")
@@ -181,6 +188,12 @@ def make_pki(folder: Path) -> None:
     _openssl("x509", "-req", "-in", "apiserver.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
              "-CAcreateserial", "-out", "apiserver.crt", "-days", "365", "-extfile",
              "san.cnf", "-extensions", "ext", cwd=folder)
+    # what the API server shows a kubelet (logs, exec, port-forward)
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "kubelet-client.key", "-out",
+             "kubelet-client.csr", "-subj", "/O=system:masters/CN=kube-apiserver-kubelet-client",
+             cwd=folder)
+    _openssl("x509", "-req", "-in", "kubelet-client.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+             "-CAcreateserial", "-out", "kubelet-client.crt", "-days", "365", cwd=folder)
     _openssl("genrsa", "-out", "sa.key", "2048", cwd=folder)
     _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=folder)
 
@@ -248,10 +261,15 @@ class ControlPlane:
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     kueue: bool = True
     """Start Kueue too (cluster/kueue_manager.py), with the queues of cluster/."""
+    node: bool = False
+    """Start a real node too (cluster/real_node.py): the API server then listens on the host's
+    end of the node's link instead of 127.0.0.1, and KWOK's CPU node is left out."""
+    address: str = "127.0.0.1"
+    real_node: real_node.RealNode | None = None
 
     @property
     def server(self) -> str:
-        return f"https://127.0.0.1:{self.ports['apiserver']}"
+        return f"https://{self.address}:{self.ports['apiserver']}"
 
     @property
     def admin_kubeconfig(self) -> Path:
@@ -273,19 +291,38 @@ class ControlPlane:
         controllers' service accounts exist. Raises with the failing process's log tail."""
         for sub in ("logs", "pids", "pki"):
             (self.folder / sub).mkdir(parents=True, exist_ok=True)
-        make_pki(self.folder / "pki")
+        network = None
+        if self.node:
+            pause = images.pause_image(self.bin / "pause", _say)  # before anything starts
+            network = real_node.free_network()
+            network.create()
+            self.address = network.host_ip
+            self.real_node = real_node.RealNode(self.folder / "node", self.bin, network,
+                                                sandbox_image=pause[0])
+        make_pki(self.folder / "pki", self.address)
         pki = self.folder / "pki"
         self.ports = {k: free_port() for k in
                       ("etcd", "etcd-peer", "apiserver", "controller-manager", "scheduler",
                        "kwok", "kueue-webhook", "kueue-health", "kueue-metrics")}
-        (self.folder / "state.json").write_text(json.dumps({"ports": self.ports}))
-        tokens = {user: base64.b32encode(os.urandom(20)).decode().lower()
-                  for user in (ADMIN_TOKEN_USER, "controller-manager", "scheduler", "kwok")}
+        (self.folder / "state.json").write_text(json.dumps({
+            "ports": self.ports, "address": self.address,
+            "node": network.index if network else None}))
+        users = [ADMIN_TOKEN_USER, "controller-manager", "scheduler", "kwok",
+                 *(real_node.NODE_USERS if self.node else ())]
+        tokens = {user: base64.b32encode(os.urandom(20)).decode().lower() for user in users}
+        node_lines = "".join(
+            f"{tokens[component]},{user},{10 + i}" + (f',"{groups}"' if groups else "") + "\n"
+            for i, (component, (user, groups)) in enumerate(real_node.NODE_USERS.items())
+            if component in tokens)
         (pki / "tokens.csv").write_text(
             f"{tokens[ADMIN_TOKEN_USER]},{ADMIN_TOKEN_USER},1,\"system:masters\"\n"
             f"{tokens['controller-manager']},system:kube-controller-manager,2\n"
             f"{tokens['scheduler']},system:kube-scheduler,3\n"
-            f"{tokens['kwok']},kwok,4,\"system:masters\"\n")
+            f"{tokens['kwok']},kwok,4,\"system:masters\"\n" + node_lines)
+        kubelet_flags = (
+            "--kubelet-preferred-address-types", "InternalIP",
+            "--kubelet-client-certificate", str(pki / "kubelet-client.crt"),
+            "--kubelet-client-key", str(pki / "kubelet-client.key")) if self.node else ()
         etcd_url = f"http://127.0.0.1:{self.ports['etcd']}"
         self.spawn("etcd", "--data-dir", str(self.folder / "etcd"), "--unsafe-no-fsync",
                    "--listen-client-urls", etcd_url, "--advertise-client-urls", etcd_url,
@@ -296,8 +333,8 @@ class ControlPlane:
                    f"default=http://127.0.0.1:{self.ports['etcd-peer']}",
                    "--log-level", "warn")
         self.spawn("kube-apiserver",
-                   "--etcd-servers", etcd_url, "--bind-address", "127.0.0.1",
-                   "--advertise-address", "127.0.0.1",
+                   "--etcd-servers", etcd_url, "--bind-address", self.address,
+                   "--advertise-address", self.address, *kubelet_flags,
                    "--secure-port", str(self.ports["apiserver"]),
                    "--authorization-mode", "Node,RBAC",
                    "--token-auth-file", str(pki / "tokens.csv"),
@@ -342,6 +379,14 @@ class ControlPlane:
                    "--server-address", f"127.0.0.1:{self.ports['kwok']}",
                    "-c", str(HERE / "kwok-stages.yaml"))
         nodes = yaml.safe_load((HERE / "nodes.yaml").read_text())  # anchors resolved here
+        if self.real_node is not None:
+            credentials = real_node.NodeCredentials(pki / "ca.crt", {
+                component: self.kubeconfig_for(user, tokens[component])
+                for component, (user, _) in real_node.NODE_USERS.items()})
+            self.real_node.start(credentials, self.kubectl_run,
+                                 lambda: images.load(self.real_node, *pause, _say), timeout)
+            # the real node is the cluster's CPU node: KWOK's stays out
+            nodes["items"] = [n for n in nodes["items"] if n["metadata"]["name"] != "aks-cpu-0"]
         self.kubectl_run("apply", "-f", "-", input=json.dumps(nodes))
         self._wait_nodes_ready(timeout)
         if self.kueue:
@@ -369,6 +414,11 @@ class ControlPlane:
                 tail = (self.folder / "logs" / f"{name}.log").read_text(errors="replace")
                 raise ControlPlaneError(f"{name} exited with {process.returncode}:\n"
                                         f"{tail[-3000:]}")
+        if self.real_node is not None:
+            try:
+                self.real_node.check_alive()
+            except real_node.NodeError as error:
+                raise ControlPlaneError(f"the real node's {error}") from None
 
     def _wait_ready(self, timeout: float) -> None:
         context = ssl.create_default_context(cafile=str(self.folder / "pki" / "ca.crt"))
@@ -453,7 +503,7 @@ class ControlPlane:
     def running(self) -> bool:
         """Whether a process this folder started (maybe from another process) still runs."""
         pids = self.folder / "pids"
-        return pids.exists() and any(_alive(int(p.read_text())) for p in pids.glob("*")
+        return pids.exists() and any(alive(int(p.read_text())) for p in pids.glob("*")
                                      if p.read_text().strip().isdigit())
 
     def stop(self) -> None:
@@ -461,6 +511,7 @@ class ControlPlane:
         time, clients first and etcd last, each SIGKILLed if still there after 10 s. All at
         once, the API server lost etcd while it shut down and waited out the 10 s every
         time (it sometimes ignores SIGTERM for ~45 s anyway)."""
+        self._stop_node()
         pids = {}
         for pidfile in sorted((self.folder / "pids").glob("*")):
             with contextlib.suppress(ValueError):
@@ -469,45 +520,36 @@ class ControlPlane:
         order = ["kueue", "kwok", "kube-scheduler", "kube-controller-manager", "kube-apiserver",
                  "etcd"]
         for pid in [pids[n] for n in order if n in pids]:
-            _terminate(pid)
+            terminate(pid)
         for process in self.processes.values():
             with contextlib.suppress(Exception):
                 process.wait(timeout=5)
         self.processes.clear()
 
+    def _stop_node(self) -> None:
+        """The real node first (its pods, containerd, mounts, network), while the API
+        server is still there; found from state.json when another process started it."""
+        node = self.real_node
+        if node is None:
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                index = json.loads((self.folder / "state.json").read_text())["node"]
+                if index is not None:
+                    node = real_node.RealNode(self.folder / "node", self.bin,
+                                              real_node.NodeNetwork(index))
+        if node is not None:
+            node.stop()
+        self.real_node = None
+
     def stop_one(self, name: str) -> None:
         """Stop one process of this control plane (a component's restart, in a test)."""
         pidfile = self.folder / "pids" / name
         with contextlib.suppress(FileNotFoundError, ValueError):
-            _terminate(int(pidfile.read_text()))
+            terminate(int(pidfile.read_text()))
             pidfile.unlink()
         process = self.processes.pop(name, None)
         if process is not None:
             with contextlib.suppress(Exception):
                 process.wait(timeout=5)
-
-
-def _terminate(pid: int) -> None:
-    """SIGTERM, then SIGKILL if it is still there after 10 s."""
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and _alive(pid):
-        time.sleep(0.05)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with contextlib.suppress(OSError):
-        # a zombie child of ours counts as gone
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.split(") ", 1)[1][0] != "Z"
-    return True
 
 
 # --- the command line -----------------------------------------------------------------------
@@ -518,6 +560,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="state folder (default: .cluster in the repository)")
     parser.add_argument("--no-kueue", dest="kueue", action="store_false",
                         help="up: without Kueue (make cluster KUEUE=0)")
+    parser.add_argument("--no-node", dest="node", action="store_false",
+                        help="up: without the real node, KWOK's nodes only (make cluster NODE=0)")
     args = parser.parse_args(argv)
     try:
         if args.action == "bin":
@@ -526,7 +570,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.action == "build":
             build()
             return 0
-        plane = ControlPlane(args.folder, bin=binaries_dir(), kueue=args.kueue)
+        node = args.node and args.action == "up"
+        if node and (reason := real_node.unavailable()):
+            print(f"no real node: {reason}; KWOK's nodes only", file=sys.stderr)
+            node = False
+        plane = ControlPlane(args.folder, bin=binaries_dir(), kueue=args.kueue, node=node)
         if args.action == "install":
             if not plane.running():
                 raise ControlPlaneError(f"no control plane is running from {args.folder}: "
@@ -563,6 +611,9 @@ def main(argv: list[str] | None = None) -> int:
               + (f"  Kueue {kueue_manager.KUEUE_VERSION}: ClusterQueue gpu, LocalQueue "
                  "team-a in namespace ml-team (cluster/kueue-queues.yaml)\n"
                  if plane.kueue else "")
+              + (f"  real node {real_node.NODE_NAME} ({plane.real_node.network.node_ip}, pods "
+                 f"{plane.real_node.network.pod_cidr}): CPU pods run for real; KWOK plays "
+                 "the GPU pools\n" if plane.real_node else "")
               + f"  logs: {args.folder / 'logs'}; stop with {stop_command(args.folder)}")
         return 0
     except (ControlPlaneError, kueue_manager.KueueError) as error:

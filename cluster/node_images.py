@@ -1,0 +1,218 @@
+"""Images for the real node, built without a daemon and without a registry: Debian's buildah
+builds them, containerd imports them, pods run them with `imagePullPolicy: Never` (or
+IfNotPresent).
+
+- `finetune-pause`: the pod sandbox (cluster/pause, a static Go program, from scratch).
+- `finetune-base`: Debian bookworm from Debian's packages (debootstrap minbase + Python 3.11
+  and pip), standing in for `python:3.11-slim`, which no registry here can serve. Like that
+  image, pip installs into the system Python (Debian's EXTERNALLY-MANAGED marker removed).
+- our Dockerfiles (`operator/Dockerfile`, `trainer/Dockerfile`) built as users build them,
+  with `--build-arg BASE=` the base above.
+
+Each is named by a hash of what goes into it and kept as an archive in the cache, so a
+rebuild happens only when an input changes; loading skips what containerd already holds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from build_cache import cache_dir
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+DEBIAN_SUITE = "bookworm"
+DEBIAN_MIRROR = "http://deb.debian.org/debian"
+BASE_PACKAGES = ("python3", "python3-pip", "python3-venv", "python-is-python3",
+                 "ca-certificates")
+HOST_TRUST = (Path("/etc/ssl/certs/ca-certificates.crt"), Path("/etc/pip.conf"))
+"""Mounted into builds where the host has them: on a machine whose TLS goes through a proxy
+with its own CA, pip inside the build trusts what the host trusts. Not in the image."""
+
+
+class ImageError(RuntimeError):
+    """Something a user can act on: the message says what and how."""
+
+
+def cache() -> Path:
+    return cache_dir("images")
+
+
+def buildah(*args: str, log_to: Path | None = None) -> str:
+    """buildah with its storage in the cache (not the machine's /var/lib/containers)."""
+    command = ["buildah", *_storage(), *args]
+    if log_to is None:
+        result = subprocess.run(command, capture_output=True, text=True)
+        output = result.stdout + result.stderr
+    else:
+        with open(log_to, "w") as log:
+            result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, text=True)
+        output = log_to.read_text(errors="replace")
+    if result.returncode != 0:
+        raise ImageError(f"buildah {' '.join(args[:2])} failed:\n{output[-4000:]}")
+    return result.stdout.strip() if log_to is None else ""
+
+
+def _storage() -> list[str]:
+    return ["--root", str(cache() / "storage"), "--runroot", "/run/finetune-buildah",
+            "--storage-driver", "overlay"]
+
+
+def digest_of(*parts: bytes | str | Path) -> str:
+    """A short hash of files (by content, folders recursively) and strings."""
+    digest = hashlib.sha256()
+    for part in parts:
+        if isinstance(part, Path):
+            files = sorted(p for p in part.rglob("*") if p.is_file()) if part.is_dir() \
+                else [part]
+            for path in files:
+                if "__pycache__" in path.parts:
+                    continue
+                digest.update(str(path.relative_to(REPO) if path.is_relative_to(REPO)
+                                  else path).encode() + b"\0" + path.read_bytes())
+        else:
+            digest.update(part.encode() if isinstance(part, str) else part)
+    return digest.hexdigest()[:12]
+
+
+def archive_of(reference: str) -> Path:
+    return cache() / "archives" / (reference.replace("/", "_").replace(":", "-") + ".tar")
+
+
+def _commit(container: str, reference: str, started: float, log) -> Path:
+    buildah("commit", "--quiet", container, reference)
+    buildah("rm", container)
+    return _export(reference, started, log, keep=True)
+
+
+def _in_storage(reference: str) -> None:
+    """`reference` in buildah's storage (a `FROM` of a build), from its archive if need be."""
+    if subprocess.run(["buildah", *_storage(), "inspect", "--type", "image", reference],
+                      capture_output=True).returncode != 0:
+        buildah("pull", "--quiet", f"docker-archive:{archive_of(reference)}")
+
+
+def _export(reference: str, started: float, log, keep: bool = False) -> Path:
+    """The image as a docker-archive (layers uncompressed: containerd imports it faster than
+    it would decompress them), named so that containerd keeps `reference` as its name."""
+    archive = archive_of(reference)
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    partial = archive.with_suffix(".partial")
+    partial.unlink(missing_ok=True)
+    buildah("push", "--quiet", reference, f"docker-archive:{partial}:{reference}")
+    partial.rename(archive)
+    name = archive.name.rsplit("-", 1)[0]
+    for older in archive.parent.glob(f"{name}-*.tar"):  # earlier builds of the same image
+        if older != archive and older.name.rsplit("-", 1)[0] == name:
+            older.unlink()
+    if not keep:  # the archive is the cache: one copy of a large image on disk, not two
+        buildah("rmi", reference)
+    log(f"  image {reference}: {time.monotonic() - started:.0f} s "
+        f"({archive.stat().st_size / 2**20:.0f} MiB)")
+    return archive
+
+
+def pause_image(pause_binary: Path, log) -> tuple[str, Path]:
+    """The pod sandbox image: the pause program alone."""
+    reference = f"localhost/finetune-pause:{digest_of(pause_binary)}"
+    if archive_of(reference).exists():
+        return reference, archive_of(reference)
+    started = time.monotonic()
+    container = buildah("from", "scratch")
+    buildah("copy", container, str(pause_binary), "/pause")
+    buildah("config", "--entrypoint", '["/pause"]', container)
+    return reference, _commit(container, reference, started, log)
+
+
+def base_image(log) -> tuple[str, Path]:
+    """Debian bookworm with Python 3.11 and pip, from Debian's packages (~80 s cold)."""
+    reference = (f"localhost/finetune-base:{DEBIAN_SUITE}-"
+                 f"{digest_of(DEBIAN_SUITE, *BASE_PACKAGES, 'no-externally-managed')}")
+    if archive_of(reference).exists():
+        return reference, archive_of(reference)
+    started = time.monotonic()
+    log(f"building the base image {reference} from Debian's packages (debootstrap)")
+    with tempfile.TemporaryDirectory(dir=cache().parent, prefix="rootfs-") as scratch:
+        rootfs = Path(scratch) / "rootfs"
+        result = subprocess.run(
+            ["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}",
+             DEBIAN_SUITE, str(rootfs), DEBIAN_MIRROR], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise ImageError(f"debootstrap failed (is {DEBIAN_MIRROR} reachable?):\n"
+                             f"{(result.stdout + result.stderr)[-3000:]}")
+        for marker in rootfs.glob("usr/lib/python3*/EXTERNALLY-MANAGED"):
+            marker.unlink()
+        for cached in ("var/cache/apt/archives", "var/lib/apt/lists"):
+            for path in (rootfs / cached).glob("*"):
+                if path.is_file():
+                    path.unlink()
+        container = buildah("from", "scratch")
+        buildah("add", container, f"{rootfs}/", "/")
+    buildah("config", "--env", "LANG=C.UTF-8", "--env",
+            "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "--cmd", "python3", container)
+    return reference, _commit(container, reference, started, log)
+
+
+def copied(dockerfile: Path) -> list[Path]:
+    """What the Dockerfile's COPY lines take from the repository."""
+    text = dockerfile.read_text().replace("\\\n", " ")
+    return [REPO / source for line in text.splitlines()
+            if (words := line.split()) and words[0] == "COPY"
+            and not any(w.startswith("--") for w in words) for source in words[1:-1]]
+
+
+def dockerfile_image(dockerfile: Path, name: str, base: str, build_args: dict[str, str],
+                     log) -> tuple[str, Path]:
+    """`dockerfile` built from the repository as a user builds it (`buildah bud`, which reads
+    the same Dockerfile as `docker build`), from `base`; named by a hash of the Dockerfile,
+    the base, the build arguments and what its COPY lines take."""
+    args = {"BASE": base, **build_args}
+    reference = f"localhost/{name}:" + digest_of(
+        dockerfile, REPO / ".dockerignore", *copied(dockerfile),
+        *(f"{k}={v}" for k, v in sorted(args.items())))
+    if archive_of(reference).exists():
+        return reference, archive_of(reference)
+    started = time.monotonic()
+    log(f"building {reference} from {dockerfile.relative_to(REPO)}")
+    volumes = [arg for path in HOST_TRUST if path.exists()
+               for arg in ("--volume", f"{path}:{path}:ro")]
+    _in_storage(base)
+    build_log = cache() / "logs" / f"{name}.log"
+    build_log.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        buildah("bud", "--isolation", "chroot", "--pull=never", "-f", str(dockerfile), "-t",
+                reference, *(a for k, v in args.items() for a in ("--build-arg", f"{k}={v}")),
+                *volumes, str(REPO), log_to=build_log)
+    except ImageError:
+        _remove_working_containers()
+        raise
+    return reference, _export(reference, started, log)
+
+
+def _remove_working_containers() -> None:
+    """A failed `bud` leaves its working container (mounted) behind."""
+    subprocess.run(["buildah", *_storage(), "rm", "--all"], capture_output=True)
+
+
+def load(node, reference: str, archive: Path, log) -> None:
+    """Into the node's containerd, unless it holds `reference` already."""
+    listed = node.ctr("images", "ls", "-q", f"name=={reference}", check=False).stdout
+    if reference in listed.split():
+        return
+    started = time.monotonic()
+    node.ctr("images", "import", str(archive))
+    log(f"  loaded {reference} into the node: {time.monotonic() - started:.0f} s")
+
+
+def available() -> str | None:
+    """Why images cannot be built here, or None."""
+    missing = [tool for tool in ("buildah", "debootstrap") if shutil.which(tool) is None]
+    if missing:
+        return f"building images needs Debian's {' and '.join(missing)} (`make tools`)"
+    return None

@@ -3,9 +3,11 @@ kube-controller-manager, kube-scheduler, KWOK playing the kubelets of fake nodes
 (cluster/kueue_manager.py).
 
     python cluster/controlplane.py build     # the binaries, once per version (cached)
+    python cluster/controlplane.py build-images   # the node's images (cached by inputs)
     python cluster/controlplane.py up        # start in the background: .cluster/
     python cluster/controlplane.py up --no-kueue   # the same without Kueue
     python cluster/controlplane.py install   # CRD, chart, the operator's kubeconfig
+    python cluster/controlplane.py images    # our images, built and loaded into the node
     python cluster/controlplane.py down      # stop what `up` started
 
 `make cluster` / `make cluster-down` call this; the tests' `real_cluster` fixture uses the
@@ -41,12 +43,12 @@ import node_images as images
 import real_node
 import yaml
 from build_cache import cache_dir
-from processes import alive, terminate
+from processes import alive, processes_naming, terminate
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 KUBERNETES_VERSION = "v1.36.3"
-MODULES = ("kube", "etcd", "kwok", "kueue", "coredns", "pause")
+MODULES = ("kube", "etcd", "kwok", "kueue", "coredns", "pause", "helm")
 BINARIES = {
     # binary: (module folder, package)
     "kube-apiserver": ("kube", "k8s.io/kubernetes/cmd/kube-apiserver"),
@@ -61,7 +63,10 @@ BINARIES = {
     "kube-proxy": ("kube", "k8s.io/kubernetes/cmd/kube-proxy"),
     "coredns": ("coredns", "github.com/coredns/coredns"),
     "pause": ("pause", "."),
+    # what users install the chart with
+    "helm": ("helm", "helm.sh/helm/v3/cmd/helm"),
 }
+HELM_VERSION = "v3.22.0"  # as cluster/helm/go.mod pins it
 ADMIN_TOKEN_USER = "finetune-admin"
 SERVICE_CIDR = "10.96.0.0/16"
 OPERATOR_NAMESPACE = "finetune-system"
@@ -149,7 +154,9 @@ def _build(target: Path, missing: list[str], log) -> None:
     # kube-apiserver first: it compiles the shared code the other three reuse from the cache.
     for binary in missing:
         module, package = BINARIES[binary]
-        flags = {"kube": version_flags, "kueue": kueue_manager.VERSION_FLAGS}.get(module, ())
+        flags = {"kube": version_flags, "kueue": kueue_manager.VERSION_FLAGS,
+                 "helm": (f"-X helm.sh/helm/v3/internal/version.version={HELM_VERSION}",)
+                 }.get(module, ())
         ldflags = " ".join(("-s -w", *flags))
         partial = target / f".{binary}.partial"
         one = time.monotonic()
@@ -298,7 +305,7 @@ class ControlPlane:
             network.create()
             self.address = network.host_ip
             self.real_node = real_node.RealNode(self.folder / "node", self.bin, network,
-                                                sandbox_image=pause[0])
+                                                sandbox_image=pause)
         make_pki(self.folder / "pki", self.address)
         pki = self.folder / "pki"
         self.ports = {k: free_port() for k in
@@ -384,7 +391,7 @@ class ControlPlane:
                 component: self.kubeconfig_for(user, tokens[component])
                 for component, (user, _) in real_node.NODE_USERS.items()})
             self.real_node.start(credentials, self.kubectl_run,
-                                 lambda: images.load(self.real_node, *pause, _say), timeout)
+                                 lambda: images.load(self.real_node, pause, _say), timeout)
             # the real node is the cluster's CPU node: KWOK's stays out
             nodes["items"] = [n for n in nodes["items"] if n["metadata"]["name"] != "aks-cpu-0"]
         self.kubectl_run("apply", "-f", "-", input=json.dumps(nodes))
@@ -521,6 +528,9 @@ class ControlPlane:
                  "etcd"]
         for pid in [pids[n] for n in order if n in pids]:
             terminate(pid)
+        # whatever a lost pid file left running (a test session killed while it started one)
+        for pid in processes_naming(self.folder, self.bin):
+            terminate(pid, grace=2)
         for process in self.processes.values():
             with contextlib.suppress(Exception):
                 process.wait(timeout=5)
@@ -555,7 +565,8 @@ class ControlPlane:
 # --- the command line -----------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("action", choices=["build", "up", "install", "down", "bin"])
+    parser.add_argument("action", choices=["build", "build-images", "up", "install", "images",
+                                           "down", "bin"])
     parser.add_argument("--folder", type=Path, default=REPO / ".cluster",
                         help="state folder (default: .cluster in the repository)")
     parser.add_argument("--no-kueue", dest="kueue", action="store_false",
@@ -569,6 +580,15 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.action == "build":
             build()
+            return 0
+        if args.action == "build-images":
+            if reason := real_node.unavailable() or images.available():
+                print(f"images not built: {reason}; the tests that need them are skipped")
+                return 0
+            started = time.monotonic()
+            images.pause_image(build() / "pause", _say)
+            images.build_product_images(_say)
+            print(f"images ready in {time.monotonic() - started:.0f} s")
             return 0
         node = args.node and args.action == "up"
         if node and (reason := real_node.unavailable()):
@@ -589,6 +609,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"  KUBECONFIG={installed.operator_kubeconfig} {settings} "
                   f".venv/bin/finetune operator")
             return 0
+        if args.action == "images":
+            return _images(plane, args.folder)
         if args.action == "down":
             plane.stop()
             print(f"control plane in {args.folder} stopped")
@@ -619,6 +641,25 @@ def main(argv: list[str] | None = None) -> int:
     except (ControlPlaneError, kueue_manager.KueueError) as error:
         print(f"control plane: {error}", file=sys.stderr)
         return 1
+
+
+def _images(plane: ControlPlane, folder: Path) -> int:
+    """Build our two images, load them into the running cluster's real node, and write the
+    chart's values that run them."""
+    state = json.loads((folder / "state.json").read_text()) if plane.running() else {}
+    if state.get("node") is None:
+        raise ControlPlaneError(f"no real node runs from {folder}: images are loaded into it "
+                                "(`make cluster` as root, with the packages `make tools` "
+                                "installs)")
+    node = real_node.RealNode(folder / "node", plane.bin, real_node.NodeNetwork(state["node"]))
+    started = time.monotonic()
+    values = images.helm_values(images.product_images(node, _say))
+    (folder / "images.yaml").write_text(yaml.safe_dump(values, sort_keys=False))
+    print(f"images built and loaded into the node in {time.monotonic() - started:.0f} s; "
+          f"their chart values: {folder / 'images.yaml'}\n"
+          f"  helm install finetune charts/finetune-operator -n {OPERATOR_NAMESPACE} "
+          f"--create-namespace -f {folder / 'images.yaml'} --wait")
+    return 0
 
 
 def stop_command(folder: Path) -> str:

@@ -9,8 +9,9 @@ IfNotPresent).
 - our Dockerfiles (`operator/Dockerfile`, `trainer/Dockerfile`) built as users build them,
   with `--build-arg BASE=` the base above.
 
-Each is named by a hash of what goes into it and kept as an archive in the cache, so a
-rebuild happens only when an input changes; loading skips what containerd already holds.
+Each is named by a hash of what goes into it and kept in buildah's storage in the cache, so a
+rebuild happens only when an input changes (and reuses the unchanged layers: the trainer's
+dependencies); loading skips what the node's containerd already holds.
 """
 
 from __future__ import annotations
@@ -80,61 +81,49 @@ def digest_of(*parts: bytes | str | Path) -> str:
     return digest.hexdigest()[:12]
 
 
-def archive_of(reference: str) -> Path:
-    return cache() / "archives" / (reference.replace("/", "_").replace(":", "-") + ".tar")
+def exists(reference: str) -> bool:
+    """Whether buildah's storage (the cache) holds `reference`."""
+    return subprocess.run(["buildah", *_storage(), "inspect", "--type", "image", reference],
+                          capture_output=True).returncode == 0
 
 
-def _commit(container: str, reference: str, started: float, log) -> Path:
+def _commit(container: str, reference: str, started: float, log) -> str:
     buildah("commit", "--quiet", container, reference)
     buildah("rm", container)
-    return _export(reference, started, log, keep=True)
+    return _built(reference, started, log)
 
 
-def _in_storage(reference: str) -> None:
-    """`reference` in buildah's storage (a `FROM` of a build), from its archive if need be."""
-    if subprocess.run(["buildah", *_storage(), "inspect", "--type", "image", reference],
-                      capture_output=True).returncode != 0:
-        buildah("pull", "--quiet", f"docker-archive:{archive_of(reference)}")
+def _built(reference: str, started: float, log) -> str:
+    """Say how long `reference` took; untag the earlier builds of the same name (their
+    layers stay while a newer build shares them)."""
+    name = reference.rsplit(":", 1)[0]
+    listed = buildah("images", "--format", "{{.Name}}:{{.Tag}}", "--filter",
+                     f"reference={name}")
+    for older in listed.split():
+        if older != reference:
+            subprocess.run(["buildah", *_storage(), "rmi", older], capture_output=True)
+    log(f"  image {reference}: {time.monotonic() - started:.0f} s")
+    return reference
 
 
-def _export(reference: str, started: float, log, keep: bool = False) -> Path:
-    """The image as a docker-archive (layers uncompressed: containerd imports it faster than
-    it would decompress them), named so that containerd keeps `reference` as its name."""
-    archive = archive_of(reference)
-    archive.parent.mkdir(parents=True, exist_ok=True)
-    partial = archive.with_suffix(".partial")
-    partial.unlink(missing_ok=True)
-    buildah("push", "--quiet", reference, f"docker-archive:{partial}:{reference}")
-    partial.rename(archive)
-    name = archive.name.rsplit("-", 1)[0]
-    for older in archive.parent.glob(f"{name}-*.tar"):  # earlier builds of the same image
-        if older != archive and older.name.rsplit("-", 1)[0] == name:
-            older.unlink()
-    if not keep:  # the archive is the cache: one copy of a large image on disk, not two
-        buildah("rmi", reference)
-    log(f"  image {reference}: {time.monotonic() - started:.0f} s "
-        f"({archive.stat().st_size / 2**20:.0f} MiB)")
-    return archive
-
-
-def pause_image(pause_binary: Path, log) -> tuple[str, Path]:
+def pause_image(pause_binary: Path, log) -> str:
     """The pod sandbox image: the pause program alone."""
     reference = f"localhost/finetune-pause:{digest_of(pause_binary)}"
-    if archive_of(reference).exists():
-        return reference, archive_of(reference)
+    if exists(reference):
+        return reference
     started = time.monotonic()
     container = buildah("from", "scratch")
     buildah("copy", container, str(pause_binary), "/pause")
     buildah("config", "--entrypoint", '["/pause"]', container)
-    return reference, _commit(container, reference, started, log)
+    return _commit(container, reference, started, log)
 
 
-def base_image(log) -> tuple[str, Path]:
+def base_image(log) -> str:
     """Debian bookworm with Python 3.11 and pip, from Debian's packages (~80 s cold)."""
     reference = (f"localhost/finetune-base:{DEBIAN_SUITE}-"
                  f"{digest_of(DEBIAN_SUITE, *BASE_PACKAGES, 'no-externally-managed')}")
-    if archive_of(reference).exists():
-        return reference, archive_of(reference)
+    if exists(reference):
+        return reference
     started = time.monotonic()
     log(f"building the base image {reference} from Debian's packages (debootstrap)")
     with tempfile.TemporaryDirectory(dir=cache().parent, prefix="rootfs-") as scratch:
@@ -156,7 +145,7 @@ def base_image(log) -> tuple[str, Path]:
     buildah("config", "--env", "LANG=C.UTF-8", "--env",
             "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
             "--cmd", "python3", container)
-    return reference, _commit(container, reference, started, log)
+    return _commit(container, reference, started, log)
 
 
 def copied(dockerfile: Path) -> list[Path]:
@@ -168,7 +157,7 @@ def copied(dockerfile: Path) -> list[Path]:
 
 
 def dockerfile_image(dockerfile: Path, name: str, base: str, build_args: dict[str, str],
-                     log) -> tuple[str, Path]:
+                     log) -> str:
     """`dockerfile` built from the repository as a user builds it (`buildah bud`, which reads
     the same Dockerfile as `docker build`), from `base`; named by a hash of the Dockerfile,
     the base, the build arguments and what its COPY lines take."""
@@ -176,23 +165,24 @@ def dockerfile_image(dockerfile: Path, name: str, base: str, build_args: dict[st
     reference = f"localhost/{name}:" + digest_of(
         dockerfile, REPO / ".dockerignore", *copied(dockerfile),
         *(f"{k}={v}" for k, v in sorted(args.items())))
-    if archive_of(reference).exists():
-        return reference, archive_of(reference)
+    if exists(reference):
+        return reference
     started = time.monotonic()
     log(f"building {reference} from {dockerfile.relative_to(REPO)}")
     volumes = [arg for path in HOST_TRUST if path.exists()
                for arg in ("--volume", f"{path}:{path}:ro")]
-    _in_storage(base)
     build_log = cache() / "logs" / f"{name}.log"
     build_log.parent.mkdir(parents=True, exist_ok=True)
     try:
-        buildah("bud", "--isolation", "chroot", "--pull=never", "-f", str(dockerfile), "-t",
+        # --layers: a build whose dependencies' layer is unchanged reuses it
+        buildah("bud", "--isolation", "chroot", "--pull=never", "--layers", "-f",
+                str(dockerfile), "-t",
                 reference, *(a for k, v in args.items() for a in ("--build-arg", f"{k}={v}")),
                 *volumes, str(REPO), log_to=build_log)
     except ImageError:
         _remove_working_containers()
         raise
-    return reference, _export(reference, started, log)
+    return _built(reference, started, log)
 
 
 def _remove_working_containers() -> None:
@@ -200,14 +190,40 @@ def _remove_working_containers() -> None:
     subprocess.run(["buildah", *_storage(), "rm", "--all"], capture_output=True)
 
 
-def load(node, reference: str, archive: Path, log) -> None:
-    """Into the node's containerd, unless it holds `reference` already."""
-    listed = node.ctr("images", "ls", "-q", f"name=={reference}", check=False).stdout
+def load(node, reference: str, log) -> None:
+    """Into the node's containerd, unless it holds `reference` already: through a
+    docker-archive (layers uncompressed, faster to import than to decompress), removed after."""
+    listed = node.ctr("images", "ls", "-q", check=False).stdout
     if reference in listed.split():
         return
     started = time.monotonic()
-    node.ctr("images", "import", str(archive))
+    archive = cache() / "archives" / (reference.replace("/", "_").replace(":", "-") + ".tar")
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    archive.unlink(missing_ok=True)
+    try:
+        buildah("push", "--quiet", reference, f"docker-archive:{archive}:{reference}")
+        node.ctr("images", "import", str(archive))
+    finally:
+        archive.unlink(missing_ok=True)
+    _drop_earlier_builds(node, reference)
     log(f"  loaded {reference} into the node: {time.monotonic() - started:.0f} s")
+
+
+def _drop_earlier_builds(node, reference: str) -> None:
+    """Remove the node's earlier builds of `reference`'s image, and the `sha256:` names the
+    kubelet's CRI gave them (same digest), so that containerd frees their layers: a trainer
+    image is 6 GB."""
+    rows = [line.split()[:3] for line in node.ctr("images", "ls").stdout.splitlines()[1:]
+            if line.strip()]
+    name = reference.rsplit(":", 1)[0]
+    named = {ref: digest for ref, _, digest in rows if not ref.startswith("sha256:")}
+    earlier = {digest for ref, digest in named.items()  # an unchanged rebuild: same digest
+               if ref.rsplit(":", 1)[0] == name and digest != named.get(reference)}
+    kept = {digest for ref, digest in named.items() if digest not in earlier}
+    unused = [ref for ref, _, digest in rows if digest in earlier or (
+        ref.startswith("sha256:") and digest not in kept)]
+    if unused:
+        node.ctr("images", "rm", *unused, check=False)
 
 
 def available() -> str | None:
@@ -216,3 +232,34 @@ def available() -> str | None:
     if missing:
         return f"building images needs Debian's {' and '.join(missing)} (`make tools`)"
     return None
+
+
+TRAINER_BUILD_ARGS = {"TORCH": "torch==2.13.0", "DEMO": "1"}
+"""PyPI's torch (the CUDA build: no other index is reachable here; it runs on CPU) and the demo
+model baked in, as `make kind-e2e` builds its CPU image."""
+
+
+def build_product_images(log) -> dict[str, str]:
+    """The operator's and the trainer's images built from our Dockerfiles (cached by their
+    inputs): {"operator": reference, "trainer": reference}."""
+    base = base_image(log)
+    return {
+        "operator": dockerfile_image(REPO / "operator" / "Dockerfile", "finetune-operator",
+                                     base, {}, log),
+        "trainer": dockerfile_image(REPO / "trainer" / "Dockerfile", "finetune-trainer",
+                                    base, TRAINER_BUILD_ARGS, log)}
+
+
+def product_images(node, log) -> dict[str, str]:
+    """Our two images, built if need be and loaded into `node`."""
+    built = build_product_images(log)
+    for reference in built.values():
+        load(node, reference, log)
+    return built
+
+
+def helm_values(built: dict[str, str]) -> dict:
+    """The chart's values that run these images (`helm install -f`): loaded, never pulled."""
+    repository, tag = built["operator"].rsplit(":", 1)
+    return {"image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
+            "trainer": {"image": built["trainer"]}}

@@ -31,3 +31,18 @@ def alive(pid: int) -> bool:
         stat = Path(f"/proc/{pid}/stat").read_text()
         return stat.split(") ", 1)[1][0] != "Z"
     return True
+
+
+def processes_naming(folder: Path, binaries: Path) -> list[int]:
+    """Processes of a program in `binaries` whose command line names `folder` (their state,
+    config or data in it): a user's `tail -f` of a log there is not one of them."""
+    needle, programs = str(folder.resolve()).encode(), str(binaries).encode() + b"/"
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                command = (entry / "cmdline").read_bytes()
+                if (command.startswith(programs) and needle in command
+                        and alive(int(entry.name))):
+                    found.append(int(entry.name))
+    return found

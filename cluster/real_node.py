@@ -276,6 +276,9 @@ class RealNode:
         self.network = network
         self.cgroup = network.namespace
         self.run_dir = Path("/run") / network.namespace
+        self.kubelet_dir = Path("/var/lib") / network.namespace
+        """The kubelet's root: pods' volumes (on disk, not in /run's memory) and its unix
+        sockets, whose paths must stay under 108 bytes (a test's folder is longer)."""
         self.processes: dict[str, subprocess.Popen] = {}
 
     # paths
@@ -298,9 +301,10 @@ class RealNode:
         """Configure and start the node's processes: containerd, then `load_images()` (the
         pod sandbox at least), then CoreDNS, kube-proxy and the kubelet. Returns once they
         run; the node's readiness is the control plane's to wait for."""
-        for sub in ("logs", "pids", "config", "cni", "kubelet", "pod-logs"):
+        for sub in ("logs", "pids", "config", "cni", "pod-logs"):
             (self.folder / sub).mkdir(parents=True, exist_ok=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.kubelet_dir.mkdir(parents=True, exist_ok=True)
         _make_cgroups(self.cgroup)
         _save_sysctls()
         lock = _slot_lock(self.network.index)
@@ -324,7 +328,7 @@ class RealNode:
             str(self.bin / "kubelet"), "--config", str(config / "kubelet.yaml"),
             "--kubeconfig", str(config / "kubelet.kubeconfig"),
             "--hostname-override", NODE_NAME, "--node-ip", self.network.node_ip,
-            "--root-dir", str(self.folder / "kubelet"),
+            "--root-dir", str(self.kubelet_dir),
             "--node-labels", "finetune.dev/node=real,kubernetes.io/os=linux", "-v=1"])
 
     def _spawn(self, name: str, command: list[str], pass_fds: tuple[int, ...] = ()) -> None:
@@ -386,10 +390,11 @@ class RealNode:
             with contextlib.suppress(Exception):
                 process.wait(timeout=5)
         self.processes.clear()
-        _unmount_under(self.folder, self.run_dir, self.containerd_root)
+        _unmount_under(self.folder, self.run_dir, self.kubelet_dir, self.containerd_root)
         _remove_cgroups(self.cgroup)
         self.network.remove()
         shutil.rmtree(self.run_dir, ignore_errors=True)
+        shutil.rmtree(self.kubelet_dir, ignore_errors=True)
         _restore_sysctls()
 
     # configuration

@@ -32,12 +32,29 @@ helm install finetune charts/finetune-operator -n finetune-system --create-names
   --set image.repository=finetune-operator --set image.tag=e2e --set image.pullPolicy=Never \
   --set trainer.image=finetune-trainer:e2e --set gpu.taint=null --wait --timeout 5m
 
+# Example 06 is a 2-node job: the operator launches it on a ReadWriteMany claim only. kind's
+# storage class makes ReadWriteOnce volumes, so the claim is bound to a hostPath volume of the
+# (one) kind node, writable by the workers' uid 1000. (`make e2e` does the same on this
+# machine's real node.)
+docker exec "$CLUSTER-control-plane" mkdir -m 0777 -p /var/finetune-e2e
 kubectl apply -f - <<'YAML'
+apiVersion: v1
+kind: PersistentVolume
+metadata: {name: finetune-e2e}
+spec:
+  capacity: {storage: 1Gi}
+  accessModes: [ReadWriteMany]
+  storageClassName: ""
+  hostPath: {path: /var/finetune-e2e}
+  claimRef: {namespace: default, name: finetune-e2e}
+---
 apiVersion: v1
 kind: PersistentVolumeClaim
 metadata: {name: finetune-e2e}
 spec:
-  accessModes: [ReadWriteOnce]
+  accessModes: [ReadWriteMany]
+  storageClassName: ""
+  volumeName: finetune-e2e
   resources: {requests: {storage: 1Gi}}
 YAML
 kubectl apply -f examples/06-kind-e2e.yaml

@@ -129,6 +129,10 @@ def test_non_root_read_only_root_and_shared_memory():
     dshm = next(v for v in spec["volumes"] if v["name"] == "dshm")
     assert dshm["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    # a read-only root leaves Python's tempfile no folder: /tmp is an emptyDir (seen on the
+    # real node: "No usable temporary directory found in ['/tmp', '/var/tmp', ...]")
+    tmp = next(m for m in container["volumeMounts"] if m["mountPath"] == "/tmp")
+    assert next(v for v in spec["volumes"] if v["name"] == tmp["name"])["emptyDir"] == {}
 
 
 def test_claims_are_mounted_where_the_trainer_config_points():

@@ -68,8 +68,9 @@ class PodHere:
         self.pod = objects["Job"]["spec"]["template"]["spec"]
         self.policy = objects["Job"]["spec"]["podFailurePolicy"]["rules"]
         trainer = self.pod["containers"][0]
+        # /dev/shm and /tmp as this machine has them (the tests' own files are under /tmp)
         self.folders = {m["mountPath"]: where / m["name"] for m in trainer["volumeMounts"]
-                        if m["mountPath"] != "/dev/shm"}
+                        if m["mountPath"] not in ("/dev/shm", "/tmp")}
         for folder in self.folders.values():
             folder.mkdir(parents=True, exist_ok=True)
         config_mount = next(m["mountPath"] for m in trainer["volumeMounts"]

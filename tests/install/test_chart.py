@@ -44,6 +44,26 @@ def test_lint_is_clean():
     assert [m for m in report["messages"] if m["severity"] >= 2] == []
 
 
+@pytest.mark.process
+def test_the_helm_cli_lints_it_strict():
+    """What a user's CI runs: `helm lint --strict` with the helm CLI (v3.22, built from its Go
+    module beside the control plane, cluster/helm)."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("go") is None:
+        pytest.skip("the helm CLI is built from its Go module: no Go")
+    sys.path.insert(0, str(REPO / "cluster"))
+    import controlplane
+
+    helm_cli = controlplane.build() / "helm"
+    done = subprocess.run([str(helm_cli), "lint", "--strict", str(CHART)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 chart(s) linted, 0 chart(s) failed" in done.stdout
+
+
 # Kinds of other projects' CRDs, which kubernetes-validate has no schema for: the Prometheus
 # Operator's (the monitoring objects are checked in tests/metrics) and kopf's peering.
 CRD_KINDS = {

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.cluster_fixtures import missing_tools
+from tests.support.cluster_fixtures import missing_tools, running
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "cluster"))
@@ -38,23 +38,16 @@ def base_image() -> str:
     if reason := node_unavailable():
         pytest.skip(reason)
     controlplane.build()
-    reference, _ = images.base_image(print)
-    return reference
+    return images.base_image(print)
 
 
 @pytest.fixture(scope="module")
 def plane(tmp_path_factory, base_image):
     """A control plane with the real node (no Kueue: not what these tests are about)."""
-    plane = controlplane.ControlPlane(tmp_path_factory.mktemp("node-plane"), kueue=False,
-                                      node=True)
-    try:
-        plane.start()
-        images.load(plane.real_node, base_image, images.archive_of(base_image), print)
-    except BaseException:
-        plane.stop()
-        raise
-    yield plane
-    plane.stop()
+    with running(controlplane.ControlPlane(tmp_path_factory.mktemp("node-plane"), kueue=False,
+                                           node=True)) as plane:
+        images.load(plane.real_node, base_image, print)
+        yield plane
 
 
 def pod(name: str, base_image: str, script: str, **spec) -> dict:
@@ -87,7 +80,7 @@ def test_stopping_leaves_nothing_behind(tmp_path, base_image):
     plane = controlplane.ControlPlane(tmp_path / "plane", kueue=False, node=True)
     try:
         plane.start()
-        images.load(plane.real_node, base_image, images.archive_of(base_image), print)
+        images.load(plane.real_node, base_image, print)
         apply(plane, pod("sleeper", base_image, "import time; time.sleep(600)"))
         wait_for(plane, "pod/sleeper", "condition=Ready")
         network, cgroup = plane.real_node.network, plane.real_node.cgroup
@@ -98,6 +91,7 @@ def test_stopping_leaves_nothing_behind(tmp_path, base_image):
         plane.stop()
     assert not network.exists()
     assert not Path(f"/run/{network.namespace}").exists()
+    assert not Path(f"/var/lib/{network.namespace}").exists()
     assert not [h for h in Path("/sys/fs/cgroup").iterdir() if (h / cgroup).exists()]
     mounts = Path("/proc/self/mountinfo").read_text()
     assert str(tmp_path) not in mounts and network.namespace not in mounts
@@ -207,9 +201,9 @@ def test_pods_reach_the_api_server_and_the_host_reaches_pods(plane, base_image):
 def test_the_operator_image_builds_from_its_dockerfile_and_runs_as_its_user(plane, base_image):
     """operator/Dockerfile built as users build it (from the repository, `--build-arg BASE`),
     loaded into the node, run as a pod: the image's own user, the `finetune` entrypoint."""
-    reference, archive = images.dockerfile_image(REPO / "operator" / "Dockerfile",
-                                                 "finetune-operator", base_image, {}, print)
-    images.load(plane.real_node, reference, archive, print)
+    reference = images.dockerfile_image(REPO / "operator" / "Dockerfile", "finetune-operator",
+                                        base_image, {}, print)
+    images.load(plane.real_node, reference, print)
     manifest = pod("operator-image", reference, "")
     manifest["spec"]["containers"][0].pop("command")
     manifest["spec"]["containers"][0]["args"] = ["--version"]

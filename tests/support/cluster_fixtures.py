@@ -50,14 +50,22 @@ def control_plane(tmp_path_factory):
     if reason:
         pytest.skip(reason)
     controlplane.build()  # cached: `make test` builds it first, outside any test's timeout
-    plane = controlplane.ControlPlane(tmp_path_factory.mktemp("control-plane"))
+    with running(controlplane.ControlPlane(tmp_path_factory.mktemp("control-plane"))) as plane:
+        yield plane
+
+
+@contextlib.contextmanager
+def running(plane: controlplane.ControlPlane):
+    """`plane` started, and stopped after (also when it fails to start: nothing is left)."""
     try:
         plane.start()
     except BaseException:
         plane.stop()
         raise
-    yield plane
-    plane.stop()
+    try:
+        yield plane
+    finally:
+        plane.stop()
 
 
 @pytest.fixture(scope="session")

@@ -269,8 +269,10 @@ def _container_resources(job: FineTuneJob, settings: OperatorSettings
 
 
 def _worker_volumes(job: FineTuneJob) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The trainer config, /dev/shm in memory, a writable scratch folder, the claims the
-    locations name and the user's own volumes; and where each is mounted."""
+    """The trainer config, /dev/shm in memory, a writable /tmp (the root filesystem is
+    read-only: Python's tempfile, which torch uses, finds no usable folder otherwise) holding
+    the scratch folder of caches, the claims the locations name and the user's own volumes;
+    and where each is mounted."""
     k8s = job.spec.kubernetes
     shm: dict[str, Any] = {"medium": "Memory"}
     if k8s and k8s.shm_size is not None:
@@ -281,12 +283,14 @@ def _worker_volumes(job: FineTuneJob) -> tuple[list[dict[str, Any]], list[dict[s
         {"name": "trainer-config",
          "configMap": {"name": naming.trainer_config_map(job.name)}},
         {"name": "dshm", "emptyDir": shm},
+        {"name": "tmp", "emptyDir": {}},
         {"name": "cache", "emptyDir": {}},
         *pvc_volumes, *user_volumes,
     ]
     mounts = [
         {"name": "trainer-config", "mountPath": naming.TRAINER_CONFIG_MOUNT, "readOnly": True},
         {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "tmp", "mountPath": "/tmp"},
         {"name": "cache", "mountPath": CACHE_DIR},
         *pvc_mounts, *user_mounts,
     ]

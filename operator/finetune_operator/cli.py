@@ -804,8 +804,12 @@ def logs_command(target: str, namespace: str | None, kubeconfig: str | None, ran
             while True:
                 pods = await client.pods(namespace, f"{naming.LABEL_JOB}={target}")
                 pod = follow.newest_pod(pods, rank, COMPLETION_INDEX_KEY)
+                phase = (obj.get("status") or {}).get("phase") or "Pending"
+                if pod is None and keep_following and phase not in follow.FINISHED:
+                    await asyncio.sleep(1)  # applied a moment ago: its workers are coming
+                    obj = await client.get(KIND, namespace, target) or obj
+                    continue
                 if pod is None:
-                    phase = (obj.get("status") or {}).get("phase") or "Pending"
                     nodes = ((obj["spec"].get("resources") or {}).get("nodes")) or 1
                     ranks = f"0 to {nodes - 1}" if nodes > 1 else "0"
                     click.echo(f"finetune logs: {target} has no pod of node rank {rank} "
@@ -815,7 +819,7 @@ def logs_command(target: str, namespace: str | None, kubeconfig: str | None, ran
                 name = pod["metadata"]["name"]
                 container, waiting = follow.log_to_read(
                     pod, TRAINER_CONTAINER, [c for p, c in read if p == name])
-                if container is None and read and keep_following and waiting in (
+                if container is None and keep_following and waiting in (
                         "waiting: PodInitializing", "waiting: ContainerCreating") and (
                         pod.get("status") or {}).get("phase") == "Pending":
                     await asyncio.sleep(1)  # the next container is on its way

@@ -50,6 +50,29 @@ def test_a_worker_error_counts_and_carries_the_last_log_line():
                                     "out of memory")
 
 
+def test_of_two_failed_workers_the_first_to_end_is_the_cause():
+    """Seen on the real node: rank 1's trainer killed, rank 0 failed a moment later when its
+    collective lost the peer; listed first, rank 0's was the reason the status gave."""
+    lost_peer = terminated(1, message="rank 0 exited 1: Connection closed by peer")
+    lost_peer["containerStatuses"][0]["state"]["terminated"]["finishedAt"] = (
+        "2026-11-27T10:40:03Z")
+    killed = terminated(1, message="rank 1 exited 1: torch.OutOfMemoryError: CUDA out of memory")
+    killed["containerStatuses"][0]["state"]["terminated"]["finishedAt"] = "2026-11-27T10:40:01Z"
+    seen = observe(job_object(), [pod("demo-0-a", "Failed", **lost_peer),
+                                  pod("demo-1-b", "Failed", **killed)], nodes=2)
+    assert seen.failure.message.startswith("demo-1-b exited 1 (Error): rank 1 exited 1: torch")
+
+
+def test_an_oomkilled_worker_is_said_plainly_with_the_field_to_raise():
+    """Seen on the real node (a 200Mi limit): the kernel's OOMKilled, and nothing else said."""
+    killed = pod("demo-0-a", "Failed", **terminated(137, reason="OOMKilled"))
+    failure = pod_failure(killed)
+    assert failure.kind == "worker"
+    assert failure.message.startswith("demo-0-a exited 137 (OOMKilled): its processes needed "
+                                      "more memory than the container's limit, "
+                                      "spec.resources.memory; raise it")
+
+
 def test_preemption_and_eviction_do_not_count():
     preempted = pod("demo-0-a", "Failed", conditions=[{
         "type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler",
@@ -235,6 +258,18 @@ def test_an_image_the_nodes_cannot_pull_is_traced_to_where_it_is_set():
     assert named_by_field(own, pulling.replace("ErrImagePull", "ImagePullBackOff")).endswith(
         "— spec.kubernetes.image names the image: check its name and tag, and that the nodes "
         "may pull from its registry (on AKS: az aks update --attach-acr)")
+
+
+def test_an_image_not_on_the_node_under_pull_policy_never_names_both_fields():
+    """Seen on the real node: `spec.kubernetes.image` with a typo and imagePullPolicy Never
+    (images loaded into the node, none pulled): the kubelet's ErrImageNeverPull."""
+    doc = minimal_job(kubernetes={"image": "localhost/finetune-trainer:typo",
+                                  "imagePullPolicy": "Never"})
+    waiting = ('demo-0-a: ErrImageNeverPull: Container image "localhost/finetune-trainer:typo" '
+               "is not present with pull policy of Never (init container resume-check)")
+    said = named_by_field(FineTuneJob.model_validate(doc), waiting)
+    assert said.startswith(waiting + " — spec.kubernetes.image names it, and "
+                           "spec.kubernetes.imagePullPolicy Never"), said
 
 
 def test_a_missing_secret_or_key_is_named_by_the_field_that_names_it():

@@ -33,3 +33,16 @@ def test_a_killed_worker_names_the_signal_and_the_likely_sender():
     assert failure_line(1, -6, "") == "rank 1 was ended by SIGABRT"
     assert failure_line(1, -9, "ValueError: bad batch") == (
         "rank 1 was ended by SIGKILL: ValueError: bad batch")
+
+
+def test_a_collective_error_is_said_by_its_first_line_not_its_last_frame():
+    """Seen on the real node: rank 0's gloo error, after its peer was killed, runs on for
+    frames, and the status quoted the last one (`collectives.py(140): <lambda>`)."""
+    message = ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+               "[10.244.1.5]:37121\nException raised from recvHook at pair.cc:534 (most recent "
+               "call first):\nframe #0: c10::Error::Error() + 0x98\n"
+               "  /usr/local/lib/python3.11/dist-packages/finetune_trainer/collectives.py(140)"
+               ": <lambda>")
+    assert failure_line(0, 1, message) == (
+        "rank 0 exited 1: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection "
+        "closed by peer [10.244.1.5]:37121")

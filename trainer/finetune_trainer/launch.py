@@ -31,7 +31,7 @@ def failure_line(rank: int, exitcode: int, message: object) -> str:
     name the input, else the rank, how it ended and its message."""
     if isinstance(message, dict):  # torch's ErrorHandler nests it with the traceback
         message = message.get("message", "")
-    text = str(message or "").strip()
+    text = _summary(str(message or ""))
     if text.startswith(("To enable traceback", "Signal ")):  # torch's, where the worker said
         text = ""                                             # nothing (no error file)
     if exitcode < 0:
@@ -46,6 +46,16 @@ def failure_line(rank: int, exitcode: int, message: object) -> str:
     if not text:
         return f"rank {rank} exited {exitcode} (its log above says why)"
     return f"rank {rank} exited {exitcode}: {text}"
+
+
+def _summary(message: str) -> str:
+    """The line of a worker's message that says what happened: torch's collective errors
+    run on for lines of C++ and Python frames (`collectives.py(140): <lambda>`), and the
+    operator quotes the termination message's last line."""
+    lines = [line.strip() for line in message.strip().splitlines()]
+    said = [line for line in lines if line and line != "Traceback (most recent call last):"
+            and not line.startswith(("File \"", "frame #", "Exception raised from"))]
+    return said[0] if said else ""
 
 
 def exit_code(exitcode: int) -> int:

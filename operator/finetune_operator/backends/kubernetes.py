@@ -530,6 +530,11 @@ def _terminated(pod: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
     return None, {}
 
 
+def _ended_at(pod: dict[str, Any]) -> str:
+    """When the container that ended the pod terminated (RFC 3339, so it sorts as text)."""
+    return _terminated(pod)[1].get("finishedAt") or "~"
+
+
 def _made_by(pod: dict[str, Any], workload: dict[str, Any]) -> bool:
     """The pod belongs to this Job, not to an earlier one of the same name (a gang restart
     recreates the Job; a pod of the old one still seen must not fail the new one)."""
@@ -565,6 +570,10 @@ def pod_failure(pod: dict[str, Any]) -> Failure | None:
         return Failure("refused", tail[0].removeprefix("finetune-train: ")[:1000]
                        or f"{name}: the hub refused spec.model (its name, revision or token)",
                        reason=MODEL_REFUSED)
+    if reason == "OOMKilled":  # the kernel's word, and what to change
+        return Failure("worker", f"{name} exited {code} (OOMKilled): its processes needed more "
+                       "memory than the container's limit, spec.resources.memory; raise it, "
+                       "or lower hyperparameters.batchSizePerDevice or dataset.maxSeqLength")
     detail = f": {tail[0][:300]}" if tail[0] else ""
     return Failure("worker", f"{name} exited {code} ({reason}){detail}")
 
@@ -619,7 +628,8 @@ def _said(waiting: dict[str, Any]) -> str:
     return f"{waiting['reason']}: {waiting.get('message', '')}".rstrip(": ")
 
 
-_UNPULLABLE = re.compile(r"^[^:]+: (ErrImagePull|ImagePullBackOff|InvalidImageName):")
+_UNPULLABLE = re.compile(
+    r"^[^:]+: (ErrImagePull|ImagePullBackOff|InvalidImageName|ErrImageNeverPull):")
 _MISSING_CLAIM = re.compile(r'persistentvolumeclaim "([^"]+)" not found')
 _MISSING_OBJECT = re.compile(r'(secret|configmap)s? "([^"]+)" not found')
 _MISSING_KEY = re.compile(r"couldn't find key (\S+) in (Secret|ConfigMap) [^/\s]+/([^\s:]+)")
@@ -654,7 +664,13 @@ def named_by_field(job: FineTuneJob, waiting: str | None) -> str | None:
         return (f"{waiting} — spec.kubernetes.nodeSelector ({labels}) is what those nodes "
                 f"lack: check it against their labels (kubectl get nodes -L "
                 f"{','.join(k8s.node_selector)})")
-    if _UNPULLABLE.search(waiting):
+    if match := _UNPULLABLE.search(waiting):
+        if match[1] == "ErrImageNeverPull":  # imagePullPolicy Never: only what nodes hold
+            where = ("spec.kubernetes.image names it" if k8s and k8s.image else
+                     "it is the operator's trainer image (Helm value trainer.image)")
+            return (f"{waiting} — {where}, and spec.kubernetes.imagePullPolicy Never lets "
+                    "the kubelet use only images already on the node: load it there, or name "
+                    "one the nodes hold")
         if job.spec.kubernetes is not None and job.spec.kubernetes.image:
             return (f"{waiting} — spec.kubernetes.image names the image: check its name and "
                     "tag, and that the nodes may pull from its registry (on AKS: az aks "
@@ -839,14 +855,16 @@ def _observe_job(workload: dict[str, Any], pods: list[dict[str, Any]], nodes: in
         return Observation(exists=True, deleting=True)
     pods = [p for p in pods if _made_by(p, workload)]  # not a previous gang's leftovers
     current = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
-    failures = [f for f in map(pod_failure, current) if f is not None]
+    seen = [(f, _ended_at(p)) for p in current if (f := pod_failure(p)) is not None]
     # an evicted pod fails and goes: seen while it goes, it says it was preempted (other
     # pods being deleted were stopped by the Job controller, on suspend or a restart)
-    failures += [f for f in map(pod_failure, (p for p in pods if p not in current))
-                 if f is not None and f.kind == "preempted"]
-    # a worker failure outranks a preemption seen at the same time: it must be counted
-    failures.sort(key=lambda f: {"refused": 0, "worker": 1, "preempted": 2,
-                                 "stopped": 3}[f.kind])
+    seen += [(f, _ended_at(p)) for p in pods if p not in current
+             if (f := pod_failure(p)) is not None and f.kind == "preempted"]
+    # a worker failure outranks a preemption seen at the same time: it must be counted; of
+    # two failed workers the first to end is the cause (the other lost its peer)
+    seen.sort(key=lambda pair: ({"refused": 0, "worker": 1, "preempted": 2,
+                                 "stopped": 3}[pair[0].kind], pair[1]))
+    failures = [f for f, _ in seen]
     # The Job controller (1.31+) says its verdict at once (SuccessCriteriaMet, FailureTarget)
     # and its final word (Complete, Failed) only once every pod has terminated: the verdict
     # is the answer, else a job that ran past its startup deadline reads as not started.

@@ -266,8 +266,6 @@ class RealNode:
     """Node N of a control plane whose state lives in `folder` (configs, logs, the kubelet's
     root); containerd's images live in the cache, one store per N, so images load once."""
 
-    COMPONENTS = ("containerd", "kubelet", "coredns", "kube-proxy")
-
     def __init__(self, folder: Path, bin: Path, network: NodeNetwork,
                  sandbox_image: str | None = None):
         self.folder = folder

@@ -321,3 +321,68 @@ def test_a_memory_limit_too_small_is_said_plainly_with_the_fix(cluster, release,
     message = job_status(cluster, "small")["message"]
     assert "OOMKilled" in message and "spec.resources.memory" in message, message
     remove(cluster, "small")
+
+
+def test_suspend_checkpoints_on_sigterm_and_resume_continues_from_that_step(
+        cluster, release, claim):
+    """`runPolicy.suspend`: the workers get SIGTERM, checkpoint the step they are at within
+    the grace period (no periodic checkpoint is due) and exit; unsuspended, the new workers
+    resume from that step."""
+    cluster.kubectl_run("apply", "-f", "-", input=json.dumps(long_job(
+        "paused", output={"checkpointEverySteps": 100000})))
+    until(lambda: trained_past(cluster, "paused", 40), "past step 40", cluster=cluster,
+          name="paused")
+    first = {p["metadata"]["name"] for p in worker_pods(cluster, "paused")}
+    cluster.kubectl_run("patch", "ftj", "paused", "--type", "merge", "-p",
+                        '{"spec": {"runPolicy": {"suspend": true}}}')
+    until(lambda: job_status(cluster, "paused").get("phase") == "Suspended"
+          and not worker_pods(cluster, "paused"), "Suspended, its pods gone", cluster=cluster,
+          name="paused")
+    saved = sorted((claim / "paused" / "checkpoints").glob("step-*"))
+    assert saved, "no checkpoint written on SIGTERM"
+    at = int(saved[-1].name.removeprefix("step-"))
+    assert at >= 40, saved
+    cluster.kubectl_run("patch", "ftj", "paused", "--type", "merge", "-p",
+                        '{"spec": {"runPolicy": {"suspend": false}}}')
+    rank0 = until(lambda: running_worker(cluster, "paused", 0, not_in=first),
+                  "a new rank-0 pod running", cluster=cluster, name="paused")
+    assert until(lambda: resumed_from(cluster, "paused", rank0), "the new rank 0 resuming",
+                 cluster=cluster, name="paused") == at
+    assert job_status(cluster, "paused").get("restarts", 0) == 0
+    remove(cluster, "paused")
+
+
+def test_the_operators_pod_deleted_mid_job_creates_nothing_twice(cluster, release, claim):
+    """The Deployment's new operator pod adopts the running job: the same worker Job (its
+    uid), training on."""
+    cluster.kubectl_run("apply", "-f", "-", input=json.dumps(long_job("adopted")))
+    until(lambda: trained_past(cluster, "adopted", 20), "past step 20", cluster=cluster,
+          name="adopted")
+    before = cluster.kubectl_run("get", "job", "adopted", "-o",
+                                 "jsonpath={.metadata.uid}").stdout
+    step = job_status(cluster, "adopted")["progress"]["step"]
+    cluster.kubectl_run("delete", "pod", "-n", "finetune-system", "-l",
+                        "app.kubernetes.io/name=finetune-operator", "--grace-period=0",
+                        "--force")
+    cluster.kubectl_run("rollout", "status", "-n", "finetune-system",
+                        f"deploy/{release}-finetune-operator", "--timeout=120s")
+    until(lambda: trained_past(cluster, "adopted", step + 30), "progress read by the new pod",
+          cluster=cluster, name="adopted")
+    assert cluster.kubectl_run("get", "job", "adopted", "-o",
+                               "jsonpath={.metadata.uid}").stdout == before
+    assert job_status(cluster, "adopted").get("restarts", 0) == 0
+    remove(cluster, "adopted")
+
+
+def test_a_missing_secret_is_named_by_the_field_that_names_it(cluster, release, claim):
+    """The kubelet's CreateContainerConfigError for a Secret the namespace lacks, traced to
+    `spec.kubernetes.env[0]` with the command that makes it."""
+    cluster.kubectl_run("apply", "-f", "-", input=json.dumps(long_job(
+        "nosecret", kubernetes={"env": [{"name": "WANDB_API_KEY", "valueFrom": {
+            "secretKeyRef": {"name": "wandb", "key": "token"}}}]})))
+    message = until(lambda: "has no Secret 'wandb'" in (m := job_status(
+        cluster, "nosecret").get("message", "")) and m, "the missing Secret in the status",
+        cluster=cluster, name="nosecret")
+    assert "spec.kubernetes.env[0] (WANDB_API_KEY)" in message, message
+    assert "kubectl create secret generic wandb -n default" in message, message
+    remove(cluster, "nosecret")

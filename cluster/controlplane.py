@@ -582,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
             build()
             return 0
         if args.action == "build-images":
-            if reason := real_node.unavailable() or images.available():
+            if reason := real_node.unavailable():  # buildah and debootstrap included
                 print(f"images not built: {reason}; the tests that need them are skipped")
                 return 0
             started = time.monotonic()

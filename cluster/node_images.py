@@ -17,7 +17,6 @@ dependencies); loading skips what the node's containerd already holds.
 from __future__ import annotations
 
 import hashlib
-import shutil
 import subprocess
 import tempfile
 import time
@@ -224,14 +223,6 @@ def _drop_earlier_builds(node, reference: str) -> None:
         ref.startswith("sha256:") and digest not in kept)]
     if unused:
         node.ctr("images", "rm", *unused, check=False)
-
-
-def available() -> str | None:
-    """Why images cannot be built here, or None."""
-    missing = [tool for tool in ("buildah", "debootstrap") if shutil.which(tool) is None]
-    if missing:
-        return f"building images needs Debian's {' and '.join(missing)} (`make tools`)"
-    return None
 
 
 TRAINER_BUILD_ARGS = {"TORCH": "torch==2.13.0", "DEMO": "1"}

@@ -50,7 +50,6 @@ KUBELET_SYSCTLS = ("vm/overcommit_memory", "kernel/panic", "kernel/panic_on_oops
 the last one stops."""
 SAVED_SYSCTLS = Path("/run/finetune-node-sysctls.json")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-SERVICE_CIDR = "10.96.0.0/16"
 
 
 class NodeError(RuntimeError):

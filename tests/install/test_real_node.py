@@ -29,13 +29,9 @@ import real_node as node  # noqa: E402
 pytestmark = pytest.mark.cluster
 
 
-def node_unavailable() -> str | None:
-    return missing_tools() or node.unavailable() or images.available()
-
-
 @pytest.fixture(scope="module")
 def base_image() -> str:
-    if reason := node_unavailable():
+    if reason := missing_tools() or node.unavailable():
         pytest.skip(reason)
     controlplane.build()
     return images.base_image(print)

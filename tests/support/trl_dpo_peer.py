@@ -61,6 +61,10 @@ def main() -> None:
     trainer = DPOTrainer(model=model, args=config, train_dataset=pairs,
                          processing_class=tokenizer, callbacks=[Steps(args.out)])
     trainer.train()
+    if torch.distributed.is_initialized():
+        # gloo's threads still alive at interpreter exit can abort the process after the
+        # last step was written ("terminate called without an active exception", SIGABRT)
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from typing import Any
 
 import kopf
 
-from finetune_operator.backends.kubernetes import render
+from finetune_operator.backends.kubernetes.workers import render
 from finetune_operator.kube import Kube
 from finetune_operator.settings import OperatorSettings
 from finetune_operator.validation import parse_job

@@ -224,6 +224,12 @@ class KubernetesSpec(ApiModel):
     is a cluster-admin choice (the image runs with the job's service account)."""
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
     """When the kubelet pulls the image; Kubernetes' default when left out."""
+    image_pull_secrets: list[Annotated[str, Field(min_length=1, max_length=253,
+                                                  description="A Secret's name.")]] | None = (
+        Field(default=None, max_length=16))
+    """Names of the Secrets (type kubernetes.io/dockerconfigjson, in the job's namespace)
+    the kubelet pulls the image with, for a private registry. Defaults to the operator's
+    setting (the chart's `trainer.imagePullSecrets`); `[]` pulls with none."""
     node_selector: StringMap = Field(default_factory=dict)
     """Node labels the workers must run on (e.g. `agentpool: gpunp`)."""
     tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
@@ -324,7 +330,8 @@ class Condition(StatusModel):
 
     type: str
     """Validated, Feasible, Admitted, Running, CollectivePreflight, Stalled, Degraded,
-    Suspended, Complete or Failed."""
+    Suspended, SpecChangeRefused, Complete or Failed (docs/troubleshooting.md: each reason
+    and its fix)."""
     status: Literal["True", "False", "Unknown"]
     """Whether the condition holds."""
     reason: str = ""

@@ -7,6 +7,7 @@ operator creates.
 
 from __future__ import annotations
 
+import json
 import os
 
 from pydantic import BaseModel, Field
@@ -21,8 +22,13 @@ class Taint(BaseModel):
 
 
 class OperatorSettings(BaseModel):
-    trainer_image: str = "ghcr.io/finetune-operator/trainer:0.1.0"
-    """Image of the worker pods, unless a job sets spec.kubernetes.image."""
+    trainer_image: str = "finetune-trainer:0.1.0"
+    """Image of the worker pods, unless a job sets spec.kubernetes.image. The chart sets the
+    one installed (required: none is published); this placeholder is what `finetune render`
+    shows."""
+    trainer_pull_secrets: list[str] = Field(default_factory=list)
+    """Secrets the worker pods pull their image with, unless a job sets
+    spec.kubernetes.imagePullSecrets (the chart's trainer.imagePullSecrets)."""
     gpu_resource: str = "nvidia.com/gpu"
     gpu_taint: Taint | None = Field(default_factory=lambda: Taint(key="sku", value="gpu"))
     """AKS GPU node pools are commonly tainted sku=gpu:NoSchedule; GPU workers tolerate it."""
@@ -38,7 +44,8 @@ class OperatorSettings(BaseModel):
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> OperatorSettings:
-        """FINETUNE_TRAINER_IMAGE, FINETUNE_GPU_RESOURCE, ... (JSON for the taints)."""
+        """FINETUNE_TRAINER_IMAGE, FINETUNE_GPU_RESOURCE, ... (JSON for the taints and the
+        pull secrets)."""
         environ = os.environ if environ is None else environ
         values = {}
         for name in cls.model_fields:
@@ -47,6 +54,8 @@ class OperatorSettings(BaseModel):
                 continue
             if name.endswith("_taint"):
                 values[name] = None if raw in ("", "null") else Taint.model_validate_json(raw)
+            elif name.endswith("_secrets"):  # a JSON list of names
+                values[name] = json.loads(raw) if raw.strip() else []
             else:
                 values[name] = raw
         return cls.model_validate(values)

@@ -315,7 +315,7 @@ def test_a_multi_node_jobs_output_claim_must_be_read_write_many():
     """#19, item 3: every rank writes checkpoints into the output claim; one that attaches
     to a single node would leave the other nodes' pods waiting forever."""
     from finetune_operator.api import FineTuneJob
-    from finetune_operator.backends.kubernetes import output_claim_problem
+    from finetune_operator.backends.kubernetes.states import output_claim_problem
 
     job = FineTuneJob.model_validate(minimal_job(resources={"nodes": 2, "gpusPerNode": 8}))
 
@@ -477,3 +477,18 @@ def test_an_earlier_jobs_children_are_not_taken_for_this_ones_before_the_watches
                                    "stop and go (Job demo, Service demo, ConfigMap demo-trainer)")
     manifest["metadata"]["uid"] = "deleted-uid"  # its own children: observed as usual
     assert asyncio.run(k8s.observe(parse_job(manifest))).deleting is False
+
+
+def test_workers_pull_with_the_jobs_secrets_else_the_operators():
+    """#51, item 8: a private registry's pull secrets on the worker pods: the job's
+    `spec.kubernetes.imagePullSecrets`, else the operator's setting (the chart's
+    trainer.imagePullSecrets); an empty list pulls with none."""
+    private = OperatorSettings(trainer_pull_secrets=["acr-pull"])
+    assert "imagePullSecrets" not in pod(minimal_job())
+    assert pod(minimal_job(), private)["imagePullSecrets"] == [{"name": "acr-pull"}]
+    own = minimal_job(kubernetes={"imagePullSecrets": ["team-registry"]})
+    assert pod(own, private)["imagePullSecrets"] == [{"name": "team-registry"}]
+    assert "imagePullSecrets" not in pod(minimal_job(kubernetes={"imagePullSecrets": []}),
+                                         private)
+    assert OperatorSettings.from_env({"FINETUNE_TRAINER_PULL_SECRETS": '["a", "b"]'}
+                                     ).trainer_pull_secrets == ["a", "b"]

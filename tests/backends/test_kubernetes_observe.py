@@ -3,10 +3,13 @@ restart budget, waiting reasons in the pod's own words."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
+
 import pytest
 
 from finetune_operator.api import FineTuneJob, Progress
-from finetune_operator.backends.kubernetes import (
+from finetune_operator.backends.kubernetes.states import (
+    PEER_LOSS_GRACE_SECONDS,
     creation_failure,
     mount_failure,
     mounting,
@@ -50,17 +53,64 @@ def test_a_worker_error_counts_and_carries_the_last_log_line():
                                     "out of memory")
 
 
+def ended(code: int, at: str, message: str) -> dict:
+    status = terminated(code, message=message)
+    status["containerStatuses"][0]["state"]["terminated"]["finishedAt"] = at
+    return status
+
+
+LOST_PEER = ("rank 0 exited 1: RuntimeError: [pair.cc:534] Connection closed by peer "
+             "[10.244.0.6]:41234. This is typically caused by a remote worker crashing.")
+KILLED = "rank 1 was ended by SIGKILL"
+
+
 def test_of_two_failed_workers_the_first_to_end_is_the_cause():
-    """Seen on the real node: rank 1's trainer killed, rank 0 failed a moment later when its
-    collective lost the peer; listed first, rank 0's was the reason the status gave."""
-    lost_peer = terminated(1, message="rank 0 exited 1: Connection closed by peer")
-    lost_peer["containerStatuses"][0]["state"]["terminated"]["finishedAt"] = (
-        "2026-11-27T10:40:03Z")
-    killed = terminated(1, message="rank 1 exited 1: torch.OutOfMemoryError: CUDA out of memory")
-    killed["containerStatuses"][0]["state"]["terminated"]["finishedAt"] = "2026-11-27T10:40:01Z"
-    seen = observe(job_object(), [pod("demo-0-a", "Failed", **lost_peer),
-                                  pod("demo-1-b", "Failed", **killed)], nodes=2)
-    assert seen.failure.message.startswith("demo-1-b exited 1 (Error): rank 1 exited 1: torch")
+    oom = "rank 1 exited 1: torch.OutOfMemoryError: CUDA out of memory"
+    seen = observe(job_object(), [
+        pod("demo-0-a", "Failed", **ended(1, "2026-11-27T10:40:03Z", "rank 0 exited 1: boom")),
+        pod("demo-1-b", "Failed", **ended(1, "2026-11-27T10:40:01Z", oom))], nodes=2)
+    assert seen.failure.message == f"demo-1-b exited 1 (Error): {oom}"
+
+
+def test_a_ranks_own_failure_outranks_its_peers_lost_connection_ended_before_it():
+    """Seen on the real node: rank 1's trainer killed, rank 0's collective lost the peer and
+    its pod ended first; the status gave rank 0's lost connection, not the kill."""
+    seen = observe(job_object("FailureTarget"), [
+        pod("demo-0-a", "Failed", **ended(1, "2026-11-27T10:40:01Z", LOST_PEER)),
+        pod("demo-1-b", "Failed", **ended(1, "2026-11-27T10:40:02Z", KILLED))], nodes=2)
+    assert seen.failure.message == f"demo-1-b exited 1 (Error): {KILLED}"
+
+
+def test_a_lost_peer_waits_for_the_peers_own_word_while_its_pod_still_runs():
+    """Rank 0 failed on its lost connection; rank 1's pod, which the Job controller is
+    taking away, has not ended yet: no cause is given (and the job is looked at again), for
+    at most PEER_LOSS_GRACE_SECONDS, then the lost connection is the cause."""
+    lost = pod("demo-0-a", "Failed", **ended(1, "2026-11-27T10:40:01Z", LOST_PEER))
+    peer = pod("demo-1-b", "Running")
+    peer["metadata"]["deletionTimestamp"] = "2026-11-27T10:40:01Z"
+    pods = [lost, peer]
+    soon = datetime(2026, 11, 27, 10, 40, 5, tzinfo=UTC)
+    waiting = observe(job_object("FailureTarget"), pods, nodes=2, now=soon)
+    assert waiting.failure is None and waiting.polled and waiting.exists
+    late = soon + timedelta(seconds=PEER_LOSS_GRACE_SECONDS)
+    assert LOST_PEER in observe(job_object("FailureTarget"), pods, nodes=2,
+                                now=late).failure.message
+    # the peer's own failure, once its pod ended (still being deleted): that is the cause
+    peer["status"] = {"phase": "Failed", **ended(1, "2026-11-27T10:40:06Z", KILLED)}
+    assert observe(job_object("FailureTarget"), pods, nodes=2,
+                   now=soon).failure.message == f"demo-1-b exited 1 (Error): {KILLED}"
+    # a worker's own failure, ended or not: no wait
+    own = pod("demo-0-a", "Failed", **ended(1, "2026-11-27T10:40:01Z", "rank 0 exited 1: boom"))
+    assert observe(job_object("FailureTarget"), [own, pod("demo-1-b", "Running")], nodes=2,
+                   now=soon).failure.message == "demo-0-a exited 1 (Error): rank 0 exited 1: boom"
+
+
+def test_a_worker_stopped_on_suspend_is_no_cause():
+    """Pods being deleted on a suspension exit on SIGTERM: not failures of the gang."""
+    going = pod("demo-0-a", "Failed", **ended(1, "2026-11-27T10:40:01Z", "rank 0 exited 1: x"))
+    going["metadata"]["deletionTimestamp"] = "2026-11-27T10:40:00Z"
+    seen = observe(job_object(suspend=True), [going], nodes=1)
+    assert seen.failure is None and seen.suspended
 
 
 def test_an_oomkilled_worker_is_said_plainly_with_the_field_to_raise():
@@ -247,17 +297,20 @@ def test_an_init_container_that_cannot_start_is_the_reason_not_pod_initializing(
 
 def test_an_image_the_nodes_cannot_pull_is_traced_to_where_it_is_set():
     """The kubelet names the image, not where it comes from: the job's spec.kubernetes.image,
-    else the operator's trainer image (the chart's trainer.image)."""
+    else the operator's trainer image (the chart's trainer.image), and how nodes may pull."""
     pulling = ('demo-0-a: ErrImagePull: failed to pull image "trainer:typo" (init container '
                'resume-check)')
+    may_pull = ("on AKS: az aks update --attach-acr; else a pull Secret in "
+                "spec.kubernetes.imagePullSecrets or the chart's trainer.imagePullSecrets")
     default = FineTuneJob.model_validate(minimal_job())
     assert named_by_field(default, pulling) == (
-        f"{pulling} — the operator's trainer image (Helm value trainer.image): set "
-        "spec.kubernetes.image to one the nodes can pull, or fix the chart's value")
+        f"{pulling} — the operator's trainer image (Helm values trainer.image.repository and "
+        ".tag): set spec.kubernetes.image to one the nodes can pull, or fix the chart's value "
+        f"({may_pull})")
     own = FineTuneJob.model_validate(minimal_job(kubernetes={"image": "trainer:typo"}))
     assert named_by_field(own, pulling.replace("ErrImagePull", "ImagePullBackOff")).endswith(
         "— spec.kubernetes.image names the image: check its name and tag, and that the nodes "
-        "may pull from its registry (on AKS: az aks update --attach-acr)")
+        f"may pull from its registry ({may_pull})")
 
 
 def test_an_image_not_on_the_node_under_pull_policy_never_names_both_fields():

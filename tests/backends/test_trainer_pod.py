@@ -22,6 +22,7 @@ import yaml
 
 from finetune_operator import naming
 from finetune_operator.backends import kubernetes as backend
+from finetune_operator.reconcile import INPUT_REFUSED
 from finetune_operator.settings import OperatorSettings
 from finetune_operator.validation import parse_job
 from finetune_trainer import errors
@@ -187,7 +188,7 @@ def test_bad_data_ends_the_pod_once_with_the_line_that_names_it(tiny_model_dir, 
     assert last.startswith(f"finetune-train: {data}:2: is not valid JSON"), said[-3000:]
     assert pod.rule_for(code) == "FailJob"
     failure = backend.pod_failure(pod.terminated(code))
-    assert failure.kind == "refused" and failure.reason == backend.INPUT_REFUSED
+    assert failure.kind == "refused" and failure.reason == INPUT_REFUSED
     assert failure.message.startswith(f"{data}:2: is not valid JSON")
 
 

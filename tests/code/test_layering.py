@@ -54,8 +54,8 @@ PLANTS = [
     ("finetune_trainer/flops.py", "import torch", TORCH_BAN),
     ("finetune_operator/reconcile.py", "import finetune_operator.controller", LAYERS),
     ("finetune_operator/validation.py", "import finetune_operator.backends", LAYERS),
-    ("finetune_operator/backends/kubernetes.py", "import finetune_operator.backends.azureml",
-     BACKENDS),
+    ("finetune_operator/backends/kubernetes/backend.py",
+     "import finetune_operator.backends.azureml", BACKENDS),
 ]
 
 

@@ -69,7 +69,14 @@ def release(cluster, built_images):
          "-n", "finetune-system", "--create-namespace", "-f", str(values), "--wait",
          "--timeout", "3m")
     yield "finetune"
-    helm(cluster, "uninstall", "finetune", "-n", "finetune-system", "--wait")
+    if installed(cluster, "finetune"):  # the last test uninstalls it, as a user would
+        helm(cluster, "uninstall", "finetune", "-n", "finetune-system", "--wait")
+
+
+def installed(cluster, release: str) -> bool:
+    return subprocess.run([str(cluster.bin / "helm"), "--kubeconfig",
+                           str(cluster.admin_kubeconfig), "status", release, "-n",
+                           "finetune-system"], capture_output=True).returncode == 0
 
 
 @pytest.fixture(scope="module")
@@ -123,9 +130,12 @@ def test_example_06_trains_on_two_real_pods_to_succeeded(cluster, release, claim
     job = spec["metadata"]["name"]
     began = time.monotonic()
     cluster.kubectl_run("apply", "-f", str(EXAMPLE))
+    user = {**os.environ, "KUBECONFIG": str(cluster.admin_kubeconfig)}
     follow = subprocess.Popen([str(FINETUNE), "logs", job, "-f"], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True,
-                              env={**os.environ, "KUBECONFIG": str(cluster.admin_kubeconfig)})
+                              stderr=subprocess.STDOUT, text=True, env=user)
+    watch = subprocess.Popen([str(FINETUNE), "status", job, "--watch", "--interval", "1"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=user)
     try:
         metrics = scrape_a_worker(cluster, job, time.monotonic() + 600)
         wait = cluster.kubectl_run("wait", f"ftj/{job}", "--for=jsonpath={.status.phase}="
@@ -133,8 +143,10 @@ def test_example_06_trains_on_two_real_pods_to_succeeded(cluster, release, claim
         status = json.loads(cluster.kubectl_run("get", "ftj", job, "-o", "json").stdout)
         assert wait.returncode == 0, json.dumps(status.get("status"), indent=1)[-4000:]
         followed, _ = follow.communicate(timeout=120)
+        watched, _ = watch.communicate(timeout=60)  # --watch ends with the job: exit 0
     finally:
         follow.kill()
+        watch.kill()
     print(f"example 06 on real pods: Succeeded in {time.monotonic() - began:.0f} s")
     assert "finetune_loss" in metrics, metrics[:2000]
     pods = worker_pods(cluster, job)
@@ -146,6 +158,10 @@ def test_example_06_trains_on_two_real_pods_to_succeeded(cluster, release, claim
     assert progress["step"] == steps, progress  # read by the operator, in its pod
     assert status["status"].get("restarts", 0) == 0
     assert f"step {steps}/{steps}" in followed, followed[-3000:]  # `finetune logs -f`
+    # `finetune status --watch`: printed again as the phase and the step moved, then exit 0
+    assert watch.returncode == 0, watched[-3000:]
+    assert "Running" in watched and "Succeeded" in watched, watched[-3000:]
+    assert f"{steps}/{steps}" in watched, watched[-3000:]
 
     said = finetune(cluster, "status", job)
     assert said.returncode == 0 and "Succeeded" in said.stdout, said.stdout + said.stderr
@@ -268,11 +284,10 @@ def test_a_killed_trainer_restarts_the_gang_which_resumes_from_its_last_checkpoi
                                  "involvedObject.name=killed", "-o", "json").stdout
     restarting = [e["message"] for e in json.loads(events)["items"]
                   if e["reason"] == "Restarting"]
-    # a rank's own error line, not a frame of its traceback. Which rank: the first pod to
-    # fail, often rank 0 losing its peer ("... typically caused by a remote worker ..."),
-    # before rank 1's torchrun has reported the kill (see the #50 note)
-    assert restarting and re.search(r"rank \d (exited \d|was ended by)", restarting[0]), \
-        restarting
+    # the killed rank's own error line (its error file's), not rank 0's lost connection to
+    # it, though rank 0's pod often ends first, nor a frame of a traceback
+    assert restarting and re.search(r"rank 1 was ended by SIGKILL: torch.OutOfMemoryError",
+                                    restarting[0]), restarting
     assert ".py(" not in restarting[0], restarting
     remove(cluster, "killed")
 
@@ -386,3 +401,152 @@ def test_a_missing_secret_is_named_by_the_field_that_names_it(cluster, release, 
     assert "spec.kubernetes.env[0] (WANDB_API_KEY)" in message, message
     assert "kubectl create secret generic wandb -n default" in message, message
     remove(cluster, "nosecret")
+
+
+# --- the release's life: upgrade and uninstall ----------------------------------------------
+CHART = REPO / "charts" / "finetune-operator"
+CRD_UPGRADE = ["apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds")]
+"""The chart README's command that upgrades the CRDs, which Helm never does."""
+
+
+def operator_pods(cluster, release: str) -> list[dict]:
+    listed = cluster.kubectl_run("get", "pods", "-n", "finetune-system", "-l",
+                                 f"app.kubernetes.io/instance={release}", "-o", "json")
+    return [p for p in json.loads(listed.stdout)["items"]
+            if not p["metadata"].get("deletionTimestamp")]
+
+
+def next_operator_image(reference: str) -> str:
+    """A new operator image, as a new release publishes one: the built image with a layer
+    of metadata more (its own digest), under a name of its own so that the first stays
+    loaded for the next run."""
+    container = images.buildah("from", "--pull=never", reference).strip()
+    try:
+        images.buildah("config", "--label", "finetune.dev/release=next", container)
+        name = f"localhost/finetune-operator-next:{reference.rsplit(':', 1)[1]}"
+        images.buildah("commit", "--quiet", container, name)
+    finally:
+        images.buildah("rm", container)
+    return name
+
+
+def test_helm_upgrade_mid_job_rolls_a_new_operator_and_the_job_trains_on(
+        cluster, release, claim, built_images):
+    """`helm upgrade --reuse-values` with a new operator image and a values change while a
+    job trains: the Deployment rolls to the new image with the new setting, and the new
+    operator adopts the job (the same worker Job, no restart) and reads its progress on."""
+    cluster.kubectl_run("apply", "-f", "-", input=json.dumps(long_job("upgraded")))
+    until(lambda: trained_past(cluster, "upgraded", 20), "past step 20", cluster=cluster,
+          name="upgraded")
+    before = cluster.kubectl_run("get", "job", "upgraded", "-o",
+                                 "jsonpath={.metadata.uid}").stdout
+    new = next_operator_image(built_images["operator"])
+    images.load(cluster.real_node, new, print)
+    repository, tag = new.rsplit(":", 1)
+    helm(cluster, "upgrade", release, str(CHART), "-n", "finetune-system", "--reuse-values",
+         "--set", f"image.repository={repository},image.tag={tag},logLevel=debug", "--wait",
+         "--timeout", "3m")
+    pods = until(lambda: (p := operator_pods(cluster, release)) and all(
+        x["spec"]["containers"][0]["image"] == new for x in p) and p, "only the new operator")
+    container = pods[0]["spec"]["containers"][0]
+    assert "--log-level=debug" in container.get("args", []) + container.get("command", []), \
+        container
+    step = job_status(cluster, "upgraded")["progress"]["step"]
+    until(lambda: trained_past(cluster, "upgraded", step + 30), "progress read by the new "
+          "operator", cluster=cluster, name="upgraded")
+    assert cluster.kubectl_run("get", "job", "upgraded", "-o",
+                               "jsonpath={.metadata.uid}").stdout == before
+    assert job_status(cluster, "upgraded").get("restarts", 0) == 0
+    remove(cluster, "upgraded")
+
+
+def older_crd() -> dict:
+    """The FineTuneJob CRD as a cluster installed before DPO holds it: no spec.objective,
+    nor the rules that read it."""
+    crd = yaml.safe_load((CHART / "crds" / "finetunejobs.finetune.dev.yaml").read_text())
+
+    def without_objective(node):
+        if isinstance(node, dict):
+            node.get("properties", {}).pop("objective", None)
+            if "x-kubernetes-validations" in node:
+                node["x-kubernetes-validations"] = [
+                    r for r in node["x-kubernetes-validations"] if "objective" not in r["rule"]]
+            for value in node.values():
+                without_objective(value)
+        elif isinstance(node, list):
+            for value in node:
+                without_objective(value)
+
+    without_objective(crd["spec"]["versions"][0]["schema"])
+    return crd
+
+
+def test_helm_upgrade_leaves_the_crd_and_the_readmes_command_upgrades_it(
+        cluster, release, built_images):
+    """Helm never upgrades crds/: after `helm upgrade` an older CRD stays, refuses the new
+    fields (a DPO job), and the new operator says so with the command; the chart README's
+    command upgrades it, and the job is accepted."""
+    dpo = yaml.safe_load((REPO / "examples" / "08-dpo-lora.yaml").read_text())
+    dpo["spec"].update(model={"uri": "pvc://finetune-e2e/models/tiny"},
+                       dataset={**dpo["spec"]["dataset"], "uri": "pvc://finetune-e2e/pairs.jsonl"},
+                       output={"uri": "pvc://finetune-e2e/dpo"})
+    cluster.kubectl_run("apply", "--server-side", "--force-conflicts", "-f", "-",
+                        input=json.dumps(older_crd()))
+    cluster.kubectl_run("wait", "--for=condition=Established",
+                        "crd/finetunejobs.finetune.dev", "--timeout=60s")
+    repository, tag = built_images["operator"].rsplit(":", 1)
+    helm(cluster, "upgrade", release, str(CHART), "-n", "finetune-system", "--reuse-values",
+         "--set", f"image.repository={repository},image.tag={tag},reconcilers=12", "--wait",
+         "--timeout", "3m")
+    served = json.loads(cluster.kubectl_run("get", "crd", "finetunejobs.finetune.dev", "-o",
+                                            "json").stdout)
+    spec = served["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    assert "objective" not in spec["properties"], "helm upgrade changed crds/"
+    refused = cluster.kubectl_run("apply", "--dry-run=server", "-f", "-",
+                                  input=json.dumps(dpo), check=False)
+    assert refused.returncode != 0 and "objective" in refused.stderr, refused
+    pod = until(lambda: next((p["metadata"]["name"] for p in operator_pods(cluster, release)
+                              if "--reconcilers=12" in p["spec"]["containers"][0]["args"]),
+                             None), "the upgraded operator's pod")
+    said = until(lambda: "lacks spec.objective" in (log := cluster.kubectl_run(
+        "logs", "-n", "finetune-system", pod, check=False).stdout) and log,
+        "the operator's warning of the older CRD")
+    assert " ".join(CRD_UPGRADE[:3]) in said, said[-2000:]
+
+    cluster.kubectl_run(*CRD_UPGRADE)
+    cluster.kubectl_run("wait", "--for=condition=Established",
+                        "crd/finetunejobs.finetune.dev", "--timeout=60s")
+    accepted = cluster.kubectl_run("apply", "--dry-run=server", "-f", "-",
+                                   input=json.dumps(dpo), check=False)
+    assert accepted.returncode == 0, accepted.stderr
+
+
+def test_helm_uninstall_removes_the_operator_and_keeps_the_crds(cluster, release):
+    """`helm uninstall`: the Deployment, its pods, ServiceAccount, RBAC and Service go; the
+    CRDs stay (Helm keeps crds/), as the chart README says."""
+    selector = f"app.kubernetes.io/instance={release}"
+
+    def left() -> list[str]:
+        return cluster.kubectl_run("get", "deploy,pods,serviceaccounts,services", "-n",
+                                   "finetune-system", "-l", selector, "-o", "name").stdout.split(
+            ) + cluster.kubectl_run("get", "clusterroles,clusterrolebindings", "-l", selector,
+                                    "-o", "name").stdout.split()
+
+    kinds = {name.split("/")[0] for name in left()}
+    assert {"deployment.apps", "pod", "serviceaccount", "service", "clusterrole.rbac."
+            "authorization.k8s.io"} <= kinds, kinds
+    helm(cluster, "uninstall", release, "-n", "finetune-system", "--wait")
+    until(lambda: not left(), "the release's objects gone (the operator's pod terminating)",
+          timeout=120)
+    # a job applied with no operator left: `finetune status` and `logs` say none acts on it
+    job = long_job("orphan")
+    cluster.kubectl_run("apply", "-f", "-", input=json.dumps(job))
+    said = finetune(cluster, "status", "orphan")
+    assert said.returncode == 0 and "no operator has acted on it yet" in said.stdout, said
+    logs = finetune(cluster, "logs", "orphan")
+    assert logs.returncode == 1 and "no operator has acted on it yet" in logs.stderr, logs
+    cluster.kubectl_run("delete", "ftj", "orphan")
+    crds = cluster.kubectl_run("get", "crd", "-o", "name").stdout.split()
+    assert {"customresourcedefinition.apiextensions.k8s.io/finetunejobs.finetune.dev",
+            "customresourcedefinition.apiextensions.k8s.io/finetunesweeps.finetune.dev"} <= set(
+                crds), crds

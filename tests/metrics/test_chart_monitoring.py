@@ -10,7 +10,7 @@ import re
 import helm_python as helm
 import pytest
 
-from finetune_operator.backends.kubernetes import render as render_workers
+from finetune_operator.backends.kubernetes.workers import render as render_workers
 from finetune_operator.settings import OperatorSettings
 from finetune_operator.validation import parse_job
 from tests.conftest import minimal_job

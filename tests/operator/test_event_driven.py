@@ -93,7 +93,7 @@ def test_children_orphaned_by_a_deleted_job_are_named_with_the_command_that_remo
     """`kubectl delete --cascade=orphan` (Argo CD's PrunePropagationPolicy=orphan) strips
     the owner: adopted, they ran the old config, and were orphaned again when this job was
     deleted; nothing else ever removes them."""
-    from finetune_operator.backends.kubernetes import waiting_for_leftovers
+    from finetune_operator.backends.kubernetes.states import waiting_for_leftovers
     from finetune_operator.validation import parse_job
     from tests.conftest import minimal_job
 

@@ -51,7 +51,7 @@ def test_every_backend_reads_the_record_the_trainer_writes(tmp_path):
     whichever way they travel."""
     from finetune_operator.api import Progress
     from finetune_operator.backends.azureml.states import progress_from_metrics
-    from finetune_operator.backends.kubernetes import progress_from_record
+    from finetune_operator.backends.kubernetes.states import progress_from_record
     from finetune_trainer.record import ProgressRecord
 
     reporter = Reporter(tmp_path, total_steps=40, start_step=0, enabled=True)
@@ -77,7 +77,7 @@ def test_dpo_rewards_reach_the_status_whichever_way_the_record_travels(tmp_path,
     pod's /progress JSON and Azure ML's MLflow metrics to status.progress.rewards."""
     from finetune_operator.api import Progress
     from finetune_operator.backends.azureml.states import progress_from_metrics
-    from finetune_operator.backends.kubernetes import progress_from_record
+    from finetune_operator.backends.kubernetes.states import progress_from_record
     from finetune_trainer.record import REWARDS, ProgressRecord
 
     rewards = {"chosen": 0.1234567891, "rejected": -0.25, "margins": 0.3734567891,

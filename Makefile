@@ -8,7 +8,7 @@ PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 
 .PHONY: venv tools test test-quick lint crds demo clean kind-e2e e2e bench bench-gpu bench-metrics \
 	cluster-bin node-images cluster cluster-install cluster-images cluster-down bench-operator bench-checkpoint \
-	bench-loading
+	bench-loading docs docs-serve
 
 venv: $(VENV)/.installed
 
@@ -136,9 +136,18 @@ bench-loading: venv
 
 crds: venv
 	$(BIN)/python -m finetune_operator.crd --write
+	$(BIN)/python -m finetune_operator.clidoc --write
 
 demo: venv
 	bash scripts/demo.sh $(BIN)
+
+# The docs site (mkdocs, Material theme) into build/site, refusing a broken link or a page
+# left out of the nav; docs-serve serves it on 127.0.0.1:8000 and rebuilds on each edit.
+docs: venv
+	$(BIN)/mkdocs build --strict
+
+docs-serve: venv
+	$(BIN)/mkdocs serve --dev-addr 127.0.0.1:8000
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -247,10 +247,14 @@ class Installation:
 
 def render_chart(namespace: str = OPERATOR_NAMESPACE, values: dict | None = None) -> list[dict]:
     """The chart's objects, rendered by the real Helm engine (helm-python-sdk, in the dev
-    extra) as `helm install` would."""
+    extra) as `helm install` would; `values` default to the chart's ci/images-values.yaml
+    (the two images every install names: KWOK's pods pull nothing)."""
     import helm_python as helm
 
-    chart = helm.Chart.load(str(REPO / "charts" / "finetune-operator"))
+    chart_dir = REPO / "charts" / "finetune-operator"
+    if values is None:
+        values = yaml.safe_load((chart_dir / "ci" / "images-values.yaml").read_text())
+    chart = helm.Chart.load(str(chart_dir))
     out = chart.render(values, name=RELEASE, namespace=namespace, is_install=True)
     return [d for path, text in out.items() if path.endswith(".yaml")
             for d in yaml.safe_load_all(text) if d]

@@ -252,5 +252,6 @@ def product_images(node, log) -> dict[str, str]:
 def helm_values(built: dict[str, str]) -> dict:
     """The chart's values that run these images (`helm install -f`): loaded, never pulled."""
     repository, tag = built["operator"].rsplit(":", 1)
+    trainer_repository, trainer_tag = built["trainer"].rsplit(":", 1)
     return {"image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
-            "trainer": {"image": built["trainer"]}}
+            "trainer": {"image": {"repository": trainer_repository, "tag": trainer_tag}}}

@@ -30,7 +30,8 @@ kind load docker-image --name "$CLUSTER" finetune-operator:e2e finetune-trainer:
 
 helm install finetune charts/finetune-operator -n finetune-system --create-namespace \
   --set image.repository=finetune-operator --set image.tag=e2e --set image.pullPolicy=Never \
-  --set trainer.image=finetune-trainer:e2e --set gpu.taint=null --wait --timeout 5m
+  --set trainer.image.repository=finetune-trainer --set trainer.image.tag=e2e \
+  --set gpu.taint=null --wait --timeout 5m
 
 # Example 06 is a 2-node job: the operator launches it on a ReadWriteMany claim only. kind's
 # storage class makes ReadWriteOnce volumes, so the claim is bound to a hostPath volume of the

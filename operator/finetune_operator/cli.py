@@ -23,6 +23,7 @@ from finetune_trainer import layout
 
 if TYPE_CHECKING:
     from finetune_operator.kube import Kube
+    from finetune_operator.planner import ModelConfigs
     from finetune_trainer.config import TrainerConfig
 
 EXIT_INVALID = 2
@@ -313,26 +314,117 @@ def render_command(file: str, output: str, backend: str | None) -> None:
 
 
 @main.command(name="plan")
-@click.argument("file", metavar="FILE")
+@click.argument("file", required=False)
 @click.option("--gpu-type", default=None, metavar="T",
-              help="Plan for this GPU or Azure VM size instead of spec.resources.gpuType.")
+              help="Plan for this GPU or Azure VM size instead of spec.resources.gpuType "
+                   "(`--list-gpus` lists them).")
 @click.option("-o", "--output", type=click.Choice(["table", "json"]), default="table",
               show_default=True, help="Output format.")
 @click.option("--offline", is_flag=True,
               help="Do not fetch config.json from the hub; use local paths and the "
                    "built-in table only.")
-def plan_command(file: str, gpu_type: str | None, output: str, offline: bool) -> None:
+@click.option("--model", "model_name", default=None, metavar="NAME",
+              help="Plan this model without a manifest: a name of the built-in table "
+                   "(`--list-models`), a hub repo (org/name) or a local folder holding "
+                   "config.json; the job is a manifest's defaults plus the options below.")
+@click.option("--method", type=click.Choice(["lora", "qlora", "full"]), default=None,
+              help="With --model: spec.method.type.  [default: lora]")
+@click.option("--seq-len", type=click.IntRange(min=16), default=None, metavar="N",
+              help="With --model: spec.dataset.maxSeqLength.  [default: 2048]")
+@click.option("--gpus-per-node", type=click.IntRange(0, 16), default=None, metavar="N",
+              help="With --model: spec.resources.gpusPerNode.  [default: 1]")
+@click.option("--nodes", type=click.IntRange(min=1), default=None, metavar="N",
+              help="With --model: spec.resources.nodes.  [default: 1]")
+@click.option("--list-gpus", is_flag=True,
+              help="List the GPUs and Azure VM sizes the planner knows, and exit.")
+@click.option("--list-models", is_flag=True,
+              help="List the models of the planner's built-in table, and exit.")
+def plan_command(file: str | None, gpu_type: str | None, output: str, offline: bool,
+                 model_name: str | None, method: str | None, seq_len: int | None,
+                 gpus_per_node: int | None, nodes: int | None, list_gpus: bool,
+                 list_models: bool) -> None:
     """Predict per-GPU memory and step time of a FineTuneJob, and the cheapest fit.
 
     Reads only the model's config.json (a local folder, the hub, or a built-in table of
     well-known models). Exits 0 when the job fits or the planner cannot tell, 1 when it
     is predicted not to fit, 2 when the manifest is invalid.
+
+    \b
+      finetune plan job.yaml --gpu-type A100-80GB      a manifest, on another GPU
+      finetune plan --model meta-llama/Llama-3.1-8B --method full --gpus-per-node 8
+      finetune plan --list-gpus                        what --gpu-type takes
+      finetune plan --list-models                      what --model takes offline
     """
     from finetune_operator import planner
     from finetune_operator.planner import render as plan_render
+    from finetune_operator.planner.sources import hub_offline
 
-    valid, invalid = _jobs_in((file,), "here")
+    with_model = {"--method": method, "--seq-len": seq_len, "--gpus-per-node": gpus_per_node,
+                  "--nodes": nodes}
+    if list_gpus or list_models:
+        _usage_unless(not (file or model_name or gpu_type) and all(
+            v is None for v in with_model.values()),
+            "--list-gpus and --list-models take no FILE, --model, --gpu-type or --model's "
+            "options (-o json lists as JSON)")
+        _print_lists(list_gpus, list_models, output)
+        return
+    configs = planner.ModelConfigs(fetch=None if offline else planner.fetch_from_hub)
+    why_offline = "--offline" if offline else (
+        "HF_HUB_OFFLINE=1" if hub_offline() else None)
+    if model_name is not None:
+        _usage_unless(file is None, "give FILE or --model, not both")
+        job = _job_of_model(model_name, configs, why_offline, gpu_type, with_model)
+    else:
+        _usage_unless(file is not None, None)
+        given = [name for name, value in with_model.items() if value is not None]
+        _usage_unless(not given, f"{', '.join(given)}: only with --model (with FILE, the "
+                                 "manifest's spec says it)")
+        doc, job = _the_job_to_plan(file, gpu_type)
+        configs.base_dir = doc.folder
+    model = configs.resolve(job.spec.model.uri, job.spec.model.revision)
+    result = plan_render.plan_with_notes(job, model, offline=why_offline)
+    if output == "json":
+        click.echo(json.dumps(result.to_dict(), indent=2))
+    else:
+        click.echo(printable(plan_render.table(job, result)))
+    sys.exit(1 if result.fits is False else 0)
+
+
+def _usage_unless(ok: bool, message: str | None) -> None:
+    """click's usage error (exit 2) unless `ok`; `message` None: FILE is missing."""
+    if ok:
+        return
+    context = click.get_current_context()
+    if message is None:
+        file = next(p for p in context.command.params if p.name == "file")
+        raise click.MissingParameter(ctx=context, param=file, param_hint="'FILE'")
+    raise click.UsageError(message, context)
+
+
+def _print_lists(list_gpus: bool, list_models: bool, output: str) -> None:
+    """`plan --list-gpus` / `--list-models`: what the planner knows."""
+    from finetune_operator.planner import listing
+
+    if output == "json":
+        data = {"gpus": listing.gpus(), "vmSizes": listing.vm_sizes()} if list_gpus else {}
+        click.echo(json.dumps({**data, **({"models": listing.models()} if list_models
+                                          else {})}, indent=2))
+        return
+    tables = [listing.gpus_table()] if list_gpus else []
+    click.echo("\n\n".join([*tables, *([listing.models_table()] if list_models else [])]))
+
+
+def _the_job_to_plan(file: str, gpu_type: str | None) -> tuple[Document, FineTuneJob]:
+    """The one FineTuneJob in `file`, its problems said (exit 2 when invalid); with
+    `--gpu-type T`, as planned for T: the warnings about the spec's own gpuType are left
+    out and those about T said instead."""
+    from finetune_operator.validation import gpu_type_is_known
+
+    said: list[tuple[str, Problem]] = []
+    valid, invalid = _jobs_in((file,), "here", say=lambda where, p: said.append((where, p)))
     if invalid or len(valid) != 1:
+        for where, problem in said:
+            _say_problem(where, problem)
         if not invalid:
             click.echo(f"{file}: holds {len(valid)} FineTuneJobs — `finetune plan` takes one",
                        err=True)
@@ -340,17 +432,73 @@ def plan_command(file: str, gpu_type: str | None, output: str, offline: bool) ->
     doc, job = valid[0]
     if gpu_type:
         _check_gpu_type_option(gpu_type, job)
+        own = set(gpu_type_is_known(job))
         job = job.model_copy(deep=True)
         job.spec.resources.gpu_type = gpu_type
-    configs = planner.ModelConfigs(fetch=None if offline else planner.fetch_from_hub,
-                                   base_dir=doc.folder)
-    model = configs.resolve(job.spec.model.uri, job.spec.model.revision)
-    result = plan_render.plan_with_notes(job, model)
-    if output == "json":
-        click.echo(json.dumps(result.to_dict(), indent=2))
-    else:
-        click.echo(printable(plan_render.table(job, result)))
-    sys.exit(1 if result.fits is False else 0)
+        said = [(w, p) for w, p in said if p not in own] + [
+            (f"--gpu-type {gpu_type}", p) for p in gpu_type_is_known(job)]
+    for where, problem in said:
+        _say_problem(where, problem)
+    return doc, job
+
+
+def _job_of_model(name: str, configs: ModelConfigs, why_offline: str | None,
+                  gpu_type: str | None, with_model: dict[str, int | str | None]
+                  ) -> FineTuneJob:
+    """`plan --model NAME`: the smallest FineTuneJob of that model (a manifest's defaults,
+    one epoch, placeholder data and output), with the options given; exit 2 for a model
+    whose config cannot be found, naming the table's closest names."""
+    import re
+
+    from finetune_operator.admission import admit
+    from finetune_operator.api import API_VERSION, MAX_NAME_LENGTH
+
+    local = Path(name).expanduser()
+    uri = str(local.resolve()) if name.startswith((".", "/", "~")) or local.exists() else (
+        "hf://" + name.removeprefix("hf://").strip("/"))
+    if configs.resolve(uri) is None:
+        _no_such_model(name, uri, why_offline)
+    named = local.resolve().parent if local.name == "config.json" else Path(uri)
+    label = re.sub(r"[^a-z0-9]+", "-", named.name.lower())
+
+    def given(**fields: int | str | None) -> dict[str, int | str]:
+        return {key: value for key, value in fields.items() if value is not None}
+
+    spec = {"model": {"uri": uri}, "hyperparameters": {"epochs": 1},
+            "dataset": given(uri="pvc://data/train.jsonl", maxSeqLength=with_model["--seq-len"]),
+            "method": given(type=with_model["--method"]), "output": {"uri": "pvc://output/plan"},
+            "resources": given(gpusPerNode=with_model["--gpus-per-node"],
+                               nodes=with_model["--nodes"], gpuType=gpu_type)}
+    doc = {"apiVersion": API_VERSION, "kind": KIND, "spec": spec,
+           "metadata": {"name": label[:MAX_NAME_LENGTH].strip("-") or "plan"}}
+    admission = admit(doc, {}, "here")
+    if admission.job is not None and gpu_type:
+        _check_gpu_type_option(gpu_type, admission.job)
+    for problem in admission.problems:
+        _say_problem(f"--model {name}", problem)
+    if admission.job is None or admission.errors:
+        sys.exit(EXIT_INVALID)
+    return admission.job
+
+
+def _no_such_model(name: str, uri: str, why_offline: str | None) -> None:
+    """`plan --model NAME` of a model whose config.json is nowhere to be had: exit 2."""
+    from finetune_operator.planner import known_models
+
+    if not uri.startswith("hf://"):
+        what = "holds no config.json that reads as JSON" if Path(uri).exists() else (
+            "is no file or folder here (a hub model is org/name)")
+        click.echo(f"--model {name}: {uri} {what}", err=True)
+        sys.exit(EXIT_INVALID)
+    close = known_models.close_names(name)
+    hub = (f"the hub was not asked (offline: {why_offline})" if why_offline else
+           "the hub gave no config.json for it (not reached, no such repo, or a gated "
+           "one: set HF_TOKEN)")
+    click.echo(f"--model {name}: not in the planner's built-in table, and {hub} — "
+               + (f"did you mean {' or '.join(close)}? " if close else "")
+               + "(`finetune plan --list-models` lists the table; a local folder holding "
+               "config.json works too)", err=True)
+    sys.exit(EXIT_INVALID)
 
 
 def _check_gpu_type_option(gpu_type: str, job: FineTuneJob) -> None:
@@ -679,7 +827,8 @@ def status_command(target: str, namespace: str | None, kubeconfig: str | None, w
     """A FineTuneJob's phase, progress bar (step / total, loss, tokens/s, ETA), restarts,
     conditions and last events; a FineTuneSweep's trials (phase, step, objective, values)
     and best trial. NAME may also be the output folder of `finetune run`, or the manifest
-    it ran: then no cluster is asked."""
+    it ran: then no cluster is asked. Exits 1 for a job that failed or stopped, 0 otherwise
+    (a job no operator has acted on yet is said so)."""
     import asyncio
 
     from finetune_operator import follow
@@ -708,8 +857,8 @@ def status_command(target: str, namespace: str | None, kubeconfig: str | None, w
                                f"{namespace}` lists them", err=True)
                     return 1
                 screen.show(follow.render(view))
-                if not watch:
-                    return 0
+                if not watch:  # a script's check: 1 for a job that failed or stopped
+                    return follow.FINISHED.get(view.phase or "", 0)
                 if view.finished:
                     return follow.FINISHED[view.phase]
                 await asyncio.sleep(interval)
@@ -763,6 +912,11 @@ def _cluster_error(command: str, error: Exception) -> str:
     return line
 
 
+UNSEEN_SAID_AFTER = 10
+"""Seconds `finetune logs -f` waits for an operator to take up a job with no status before it
+says none has (and goes on waiting: one may be starting)."""
+
+
 @main.command(name="logs")
 @click.argument("target", metavar="NAME")
 @click.option("-n", "--namespace", help=NAMESPACE_HELP)
@@ -801,20 +955,20 @@ def logs_command(target: str, namespace: str | None, kubeconfig: str | None, ran
                 click.echo(follow.azureml_logs_hint(obj))
                 return 0
             read: list[tuple[str, str]] = []  # (pod, init container) whose logs were read
+            waited = 0
             while True:
                 pods = await client.pods(namespace, f"{naming.LABEL_JOB}={target}")
                 pod = follow.newest_pod(pods, rank, COMPLETION_INDEX_KEY)
                 phase = (obj.get("status") or {}).get("phase") or "Pending"
                 if pod is None and keep_following and phase not in follow.FINISHED:
+                    if waited == UNSEEN_SAID_AFTER and not follow.seen_by_an_operator(obj):
+                        click.echo(f"finetune logs: {_no_pod(target, obj, rank)}", err=True)
                     await asyncio.sleep(1)  # applied a moment ago: its workers are coming
+                    waited += 1
                     obj = await client.get(KIND, namespace, target) or obj
                     continue
                 if pod is None:
-                    nodes = ((obj["spec"].get("resources") or {}).get("nodes")) or 1
-                    ranks = f"0 to {nodes - 1}" if nodes > 1 else "0"
-                    click.echo(f"finetune logs: {target} has no pod of node rank {rank} "
-                               f"(phase {phase}; its node ranks are {ranks}: "
-                               "spec.resources.nodes)", err=True)
+                    click.echo(f"finetune logs: {_no_pod(target, obj, rank)}", err=True)
                     return 1
                 name = pod["metadata"]["name"]
                 container, waiting = follow.log_to_read(
@@ -849,6 +1003,18 @@ def logs_command(target: str, namespace: str | None, kubeconfig: str | None, ran
         sys.exit(asyncio.run(read()))
     except KeyboardInterrupt:
         sys.exit(130)
+
+
+def _no_pod(target: str, obj: dict, rank: int) -> str:
+    """Why a FineTuneJob has no pod of node `rank` to read a log from."""
+    from finetune_operator import follow
+
+    if not follow.seen_by_an_operator(obj):
+        return f"{target} has no pods: {follow.NOT_SEEN}"
+    nodes = ((obj["spec"].get("resources") or {}).get("nodes")) or 1
+    ranks = f"0 to {nodes - 1}" if nodes > 1 else "0"
+    return (f"{target} has no pod of node rank {rank} (phase {obj['status']['phase']}; its "
+            f"node ranks are {ranks}: spec.resources.nodes)")
 
 
 async def _print_log(client: Kube, namespace: str, pod: str, container: str,

@@ -64,6 +64,7 @@ from finetune_operator.kube import (
 from finetune_operator.metrics import RESTART_CAUSES, OperatorMetrics
 from finetune_operator.pacing import LAUNCH_BURST, LAUNCH_RATE, LaunchPacer
 from finetune_operator.planner import ModelConfigs, plan_job
+from finetune_operator.planner.sources import hub_offline
 from finetune_operator.reconcile import (
     Action,
     Decision,
@@ -158,7 +159,7 @@ async def feasibility(runtime: Runtime, job: FineTuneJob, problems: list[str]
         model = runtime.model_configs.resolve(job.spec.model.uri, job.spec.model.revision)
         decided, as_run = launch_plan(job, model)
         verdict = plan_job(as_run, model, decided.strategy, search_catalog=False,
-                           as_written=job)
+                           as_written=job, offline="HF_HUB_OFFLINE=1" if hub_offline() else None)
         return Feasibility(fits=verdict.fits, message=verdict.reason, plan=decided,
                            warnings=tuple(verdict.warnings))
 

@@ -59,8 +59,22 @@ class JobView:
         return self.phase in FINISHED
 
 
+NOT_SEEN = ("no operator has acted on it yet — is one running, and watching this namespace? "
+            "`kubectl get pods -A -l app.kubernetes.io/name=finetune-operator` lists them; "
+            "`helm install` installs one (charts/finetune-operator)")
+"""Said of a FineTuneJob with no status at all: an operator sets phase Pending within a
+second of seeing one, so none has (none installed, stopped, or watching other namespaces)."""
+
+
+def seen_by_an_operator(obj: dict[str, Any]) -> bool:
+    return bool((obj.get("status") or {}).get("phase"))
+
+
 def view_of_job(obj: dict[str, Any], events: list[dict[str, Any]]) -> JobView:
     """A FineTuneJob as read from the API server, with the events about it."""
+    if not seen_by_an_operator(obj):
+        return JobView(name=obj["metadata"]["name"], phase=None, message=NOT_SEEN,
+                       details=[], events=_last_events(events))  # details: no progress bar
     status = FineTuneJobStatus.model_validate(obj.get("status") or {})
     ref = status.backend_ref
     where = None if ref is None else f"{ref.kind} {ref.name}" + (f" ({ref.url})" if ref.url

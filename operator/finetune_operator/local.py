@@ -502,11 +502,22 @@ def worker_env(processes: int, verbose: bool, on_gpus: bool = True) -> dict[str,
     env = {**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(SHUTDOWN_TIMEOUT_SECONDS)}
     if not on_gpus:
         env["CUDA_VISIBLE_DEVICES"] = ""
+    if loopback := loopback_interface():  # the workers' collectives on this machine only
+        env.setdefault("GLOO_SOCKET_IFNAME", loopback)
+        env.setdefault("NCCL_SOCKET_IFNAME", loopback)
     if not verbose:
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
         env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
         env.setdefault("PYTHONUNBUFFERED", "1")
     return env
+
+
+def loopback_interface() -> str | None:
+    """This machine's loopback interface (`lo` on Linux, `lo0` on macOS): gloo's and NCCL's
+    sockets between the workers of one machine bind there, not to the address the host
+    name resolves to, which the network reaches."""
+    names = [name for _, name in socket.if_nameindex()]
+    return next((name for name in ("lo", "lo0") if name in names), None)
 
 
 SHUTDOWN_TIMEOUT_SECONDS = 120

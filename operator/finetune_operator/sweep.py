@@ -392,7 +392,7 @@ def check_sweep(doc: Any) -> tuple[FineTuneSweep | None, list[Problem]]:
     if not isinstance(doc, dict) or doc.get("kind") != SWEEP_KIND:
         return None, [Problem("kind", "is not FineTuneSweep", f"use `kind: {SWEEP_KIND}`")]
     try:
-        sweep = FineTuneSweep.model_validate(doc)
+        sweep = FineTuneSweep.model_validate(doc, by_alias=True, by_name=False)  # as decoded
     except ValidationError as error:
         return None, [structural_problem(e, FineTuneSweep) for e in error.errors()]
     problems: list[Problem] = []

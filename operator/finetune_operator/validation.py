@@ -609,7 +609,7 @@ def structural_problem(error: Any, root: type[BaseModel]) -> Problem:
     short = {"FineTuneSweep": "ftsweep"}.get(root.__name__, "ftj")
     # kubectl explain takes field names only: a map's key (searchSpace["..."]) is cut off
     explain = f"see `kubectl explain {short}.{path.split('[')[0]}`" if path.startswith(
-        "spec") else f"see the {root.__name__} reference in the README"
+        "spec") else f"see the {root.__name__} reference, docs/api-reference.md"
     if kind == "missing":
         return Problem(path, "is required", f"add `{loc[-1]}`; {explain}")
     if kind == "extra_forbidden":
@@ -649,7 +649,7 @@ def _mistyped(spec: dict) -> list[Problem]:
     (`maxSteps: "4"`, `gradientCheckpointing: 0`) and the CRD's schema, so `kubectl
     apply`, refuses. A whole number written as a float (4.0) passes, as there."""
     try:
-        FineTuneJobSpec.model_validate(spec, strict=True)
+        FineTuneJobSpec.model_validate(spec, strict=True, by_alias=True, by_name=False)
     except ValidationError as error:
         return [structural_problem({**e, "loc": ("spec", *e["loc"])}, FineTuneJob)
                 for e in error.errors() if e["type"].endswith("_type") and not (
@@ -685,7 +685,9 @@ def check_document(doc: Any) -> tuple[FineTuneJob | None, list[Problem]]:
     if problems:
         return None, problems
     try:
-        job = FineTuneJob.model_validate(doc)
+        # field names as the API server decodes them, strictly: camelCase only (the models
+        # also take Python's names, for code; a manifest's `max_seq_length` is unknown there)
+        job = FineTuneJob.model_validate(doc, by_alias=True, by_name=False)
     except ValidationError as error:
         return None, [structural_problem(e, FineTuneJob) for e in error.errors()]
     if mistyped := _mistyped(doc["spec"]):

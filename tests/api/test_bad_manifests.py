@@ -84,6 +84,12 @@ CASES = [
          "use one of 'lora', 'qlora' or 'full'", "schema"),
     Case("field-typo", {"spec.methd": {"type": "lora"}}, "spec.methd",
          "did you mean `method`?", "schema"),
+    # #51, item 1: Python's name of a field; the API server's strict decoding knows only the
+    # camelCase one (validate said "valid", and the run used 64)
+    Case("snake-case-field", {"spec.dataset.max_seq_length": 64},
+         "spec.dataset.max_seq_length", "did you mean `maxSeqLength`?", "schema"),
+    Case("snake-case-section", {"spec.run_policy": {"backoffLimit": 1}}, "spec.run_policy",
+         "did you mean `runPolicy`?", "schema"),
     Case("qlora-on-cpu", {"spec.method": {"type": "qlora"}, "spec.resources.gpusPerNode": 0},
          "spec.method.type", "qlora needs GPUs", "cel"),
     Case("deepspeed-fp16-on-cpu", {"spec.resources.gpusPerNode": 0,

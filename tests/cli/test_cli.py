@@ -284,3 +284,13 @@ def test_a_sweeps_bad_range_reads_as_its_own_words_with_an_explain_that_works(tm
     assert line.startswith(f'{path}: spec.searchSpace["hyperparameters.learningRate"]: '
                            "logUniform needs min < max"), line
     assert line.endswith("see `kubectl explain ftsweep.spec.searchSpace`"), line
+
+
+def test_the_cli_reference_is_the_commands_own_help():
+    """docs/cli-reference.md is generated from each command's --help (`make crds`): an option
+    added or reworded without regenerating it fails here."""
+    from finetune_operator import clidoc
+    from finetune_operator.cli import main as finetune
+
+    assert clidoc.CLI_REFERENCE.read_text() == clidoc.render_markdown(finetune), (
+        "docs/cli-reference.md is stale: run `make crds`")

@@ -1,5 +1,6 @@
-"""Every `finetune` command the README and the examples' headers show, run as typed where
-it can run here (#19, item 7): a documented command that stops working fails this test.
+"""Every `finetune` command the README, the docs site's pages and the examples' headers show,
+run as typed where it can run here (#19, item 7; #51: the getting-started pages too): a
+documented command that stops working fails this test.
 Also the documented outputs that are copied from the code: `finetune plan`'s sample and
 `kubectl get ftj`'s columns. `finetune operator` runs in the scenario tests; commands with
 placeholders (FILE, T, N) are the synopsis, not examples."""
@@ -18,6 +19,9 @@ import yaml
 from tests.conftest import EXAMPLES, REPO
 
 README = REPO / "README.md"
+PAGES = sorted((REPO / "docs").rglob("*.md"))
+"""The docs site's pages (mkdocs.yml): getting started, guides, references, design."""
+PLAN_SAMPLE = REPO / "docs" / "guides" / "planning.md"
 GENERIC_MANIFEST = "examples/02-aks-fsdp-full-8b.yaml"
 """What the README's `job.yaml` stands for: a cluster manifest (an Azure ML one for
 `--backend azureml`, which needs an azureml: section)."""
@@ -40,7 +44,9 @@ def fenced_lines(text: str) -> list[str]:
 
 def documented() -> list[tuple[str, str]]:
     """(where, command) for every `finetune ...` line shown to users."""
-    found = [("README.md", line) for line in fenced_lines(README.read_text())]
+    # the CLI reference is `--help` itself: its synopsis lines are not commands to type
+    found = [(str(doc.relative_to(REPO)), line) for doc in [README, *PAGES]
+             if doc.name != "cli-reference.md" for line in fenced_lines(doc.read_text())]
     for example in EXAMPLES:
         found += [(example.name, line.lstrip("# ")) for line in example.read_text().splitlines()
                   if line.startswith("#   ")]
@@ -91,7 +97,7 @@ def test_a_documented_command_works(where, command):
 
 @pytest.mark.process
 def test_the_plan_sample_is_what_finetune_plan_prints():
-    text = README.read_text()
+    text = PLAN_SAMPLE.read_text()
     start = text.index("ml-team/llama-8b-full: full, fsdp")
     sample = text[start:text.index("```", start)].splitlines()
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -106,15 +112,15 @@ def test_the_plan_sample_is_what_finetune_plan_prints():
 def test_the_documented_columns_are_the_crds():
     crd = yaml.safe_load((REPO / "crds/finetunejobs.finetune.dev.yaml").read_text())
     columns = crd["spec"]["versions"][0]["additionalPrinterColumns"]
-    line = next(line for line in README.read_text().splitlines()
-                if line.startswith("kubectl get ftj "))
+    line = next(line for doc in [README, *PAGES] for line in doc.read_text().splitlines()
+                if line.startswith("kubectl get ftj ") and "(-o wide: +" in line)
     default, wide = line.split("#", 1)[1].removesuffix(")").split("(-o wide: +")
     assert default.split() == [c["name"].upper() for c in columns if not c.get("priority")]
     assert wide.split() == [c["name"].upper() for c in columns if c.get("priority")]
 
 
 def test_docs_link_only_to_files_in_the_repository():
-    for doc in [README, *sorted((REPO / "docs").glob("*.md"))]:
+    for doc in [README, *PAGES]:
         for target in re.findall(r"\]\(([^)#]+)", doc.read_text()):
             if target.startswith(("http://", "https://", "mailto:")):
                 continue

@@ -77,6 +77,15 @@ def test_a_job_from_the_api_server_with_its_last_events():
             if line.split()[0] in ("Normal", "Warning")] == ["S2", "S3", "S11", "S12"]
 
 
+def test_a_job_no_operator_has_seen_is_said_so():
+    """#51, item 3: a FineTuneJob without any status (no operator installed, stopped, or
+    watching other namespaces) said so, not "Unknown ... no step yet"."""
+    lines = render(view_of_job({"metadata": {"name": "demo"}}, []))
+    assert lines[0].startswith("demo  Unknown  no operator has acted on it yet — is one "
+                               "running, and watching this namespace?"), lines
+    assert "no step yet" not in "\n".join(lines)
+
+
 def test_a_sweep_shows_a_line_per_trial_and_the_best():
     trial = {"number": 0, "name": "lr-0", "params": {"hyperparameters.learningRate": 3e-4,
                                                       "method.lora.r": 8},
@@ -321,6 +330,7 @@ def test_a_second_run_on_the_folder_is_refused_and_a_killed_one_reads_stopped(
         time.sleep(0.5)
     assert json.loads(progress.read_text())["phase"] == "Running"  # as the kill left it
     assert "no `finetune run` is writing here" in status.stdout
+    assert status.returncode == 1  # #51, item 3: a script's check sees the run did not end
     newest = max(int(p.name.removeprefix("step-")) for p in
                  (tmp_path / "out" / "checkpoints").glob("step-????????"))
     job["spec"]["hyperparameters"]["maxSteps"] = newest + 2  # resumed, then soon done

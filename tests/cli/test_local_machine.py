@@ -101,6 +101,19 @@ def test_a_cpu_jobs_workers_see_no_gpu(monkeypatch):
     assert worker_env(1, verbose=False)["CUDA_VISIBLE_DEVICES"] == "0"
 
 
+def test_a_runs_collectives_bind_the_loopback_interface(monkeypatch):
+    """#51, item 2: gloo (and NCCL) bind the address the host name resolves to, which the
+    network reaches on a laptop whose name resolves to its LAN address; `finetune run`'s
+    workers keep their sockets on the loopback interface (one a user set is kept)."""
+    from finetune_operator.local import worker_env
+
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    env = worker_env(2, verbose=False, on_gpus=False)
+    assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == "lo"  # Linux's name
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth1")
+    assert worker_env(2, verbose=False, on_gpus=False)["GLOO_SOCKET_IFNAME"] == "eth1"
+
+
 @pytest.mark.process
 def test_finetune_run_refuses_it_before_anything_starts(tmp_path):
     manifest = minimal_job(model={"uri": "./model"}, dataset={"uri": "./data.jsonl"},

@@ -12,21 +12,35 @@ from finetune_operator.settings import OperatorSettings, Taint
 from tests.conftest import REPO
 
 CHART = REPO / "charts/finetune-operator"
+IMAGES_VALUES = CHART / "ci" / "images-values.yaml"
+IMAGES = yaml.safe_load(IMAGES_VALUES.read_text())
+"""The two images every install sets (the chart requires them)."""
 NON_DEFAULT = {
     "watchNamespaces": ["ml-team", "research"],
     "azureWorkloadIdentity": {"clientId": "11111111-2222-3333-4444-555555555555"},
     "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
     "gpu": {"taint": None},
-    "trainer": {"image": "acr.example.com/trainer:2"},
+    "trainer": {"image": {"repository": "acr.example.com/trainer", "tag": "2"},
+                "imagePullSecrets": [{"name": "acr-pull"}]},
     "tolerations": [{"key": "system", "operator": "Exists", "effect": "NoSchedule"}],
 }
 
 
-def render(values=None) -> list[dict]:
+def render(values=None, images=True) -> list[dict]:
+    """The chart rendered with `values` over the images every install sets (`images`)."""
     chart = helm.Chart.load(str(CHART))
-    out = chart.render(values, name="ft", namespace="finetune-system", is_install=True)
+    merged = _merged(IMAGES, values or {}) if images else values
+    out = chart.render(merged, name="ft", namespace="finetune-system", is_install=True)
     return [d for path, text in out.items() if path.endswith(".yaml")
             for d in yaml.safe_load_all(text) if d]
+
+
+def _merged(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = (_merged(base[key], value) if isinstance(value, dict)
+                    and isinstance(base.get(key), dict) else value)
+    return out
 
 
 def by_kind(objects, kind):
@@ -39,7 +53,7 @@ def operator_env(objects) -> dict[str, str]:
 
 
 def test_lint_is_clean():
-    report = helm.lint(str(CHART), strict=True)
+    report = helm.lint(str(CHART), IMAGES, strict=True)
     assert report["errors"] == []
     assert [m for m in report["messages"] if m["severity"] >= 2] == []
 
@@ -58,7 +72,8 @@ def test_the_helm_cli_lints_it_strict():
     import controlplane
 
     helm_cli = controlplane.build() / "helm"
-    done = subprocess.run([str(helm_cli), "lint", "--strict", str(CHART)],
+    done = subprocess.run([str(helm_cli), "lint", "--strict", str(CHART), "-f",
+                           str(IMAGES_VALUES)],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "1 chart(s) linted, 0 chart(s) failed" in done.stdout
@@ -148,16 +163,37 @@ def test_workload_identity_annotation_and_label():
     assert by_kind(objects, "ServiceMonitor")[0]["metadata"]["labels"]["release"] == "prom"
 
 
+TRAINER = "myacr.azurecr.io/finetune-trainer:0.1.0"  # ci/images-values.yaml's
+
+
 @pytest.mark.parametrize(("values", "expected"), [
-    (None, OperatorSettings()),
-    (NON_DEFAULT, OperatorSettings(trainer_image="acr.example.com/trainer:2", gpu_taint=None)),
+    (None, OperatorSettings(trainer_image=TRAINER)),
+    (NON_DEFAULT, OperatorSettings(trainer_image="acr.example.com/trainer:2", gpu_taint=None,
+                                   trainer_pull_secrets=["acr-pull"])),
     # Helm merges maps with the defaults: `value: null` removes the default value
     ({"gpu": {"taint": {"key": "nvidia.com/gpu", "value": None}}},
-     OperatorSettings(gpu_taint=Taint(key="nvidia.com/gpu"))),
-], ids=["defaults", "non-default", "other-taint"])
+     OperatorSettings(trainer_image=TRAINER, gpu_taint=Taint(key="nvidia.com/gpu"))),
+    # the workers pull with the operator pod's Secrets unless told otherwise
+    ({"imagePullSecrets": [{"name": "registry"}]},
+     OperatorSettings(trainer_image=TRAINER, trainer_pull_secrets=["registry"])),
+], ids=["defaults", "non-default", "other-taint", "operators-pull-secrets"])
 def test_values_reach_the_operator_as_its_settings(values, expected):
     """The chart and OperatorSettings.from_env agree on every FINETUNE_* variable."""
     assert OperatorSettings.from_env(operator_env(render(values))) == expected
+
+
+@pytest.mark.parametrize("unset", ["image", "trainer"])
+def test_an_install_without_our_images_is_refused_saying_how_to_build_them(unset):
+    """#51, item 8: the chart defaulted to ghcr.io images that are not published, and the
+    first `helm install` ended in ImagePullBackOff: now it refuses to render, saying what to
+    build and set."""
+    values = _merged(IMAGES, {"image": {"repository": ""}} if unset == "image" else
+                     {"trainer": {"image": {"repository": ""}}})
+    field = "image.repository" if unset == "image" else "trainer.image.repository"
+    dockerfile = "operator/Dockerfile" if unset == "image" else "trainer/Dockerfile"
+    with pytest.raises(helm.HelmError, match=rf"{field} is not set: build the \w+ image "
+                                             rf"from {dockerfile}.*make cluster-images"):
+        render(values, images=False)
 
 
 @pytest.mark.parametrize(("values", "message"), [

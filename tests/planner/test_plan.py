@@ -214,6 +214,34 @@ def test_the_recommendation_is_the_cheapest_fit_per_token():
     assert best.vm_size in rec.why and "cheapest" in rec.why
 
 
+def test_an_option_names_each_setting_it_sets_otherwise_than_the_plan():
+    """#51 item 7: options are sized from the spec as written, so they may differ from the
+    plan in more than the VM size; `changes` names each field, and only those."""
+    settled = job(model={"uri": "hf://meta-llama/Llama-3.1-8B"},
+                  strategy={"type": "ddp", "gradientCheckpointing": False,
+                            "gradientCheckpointingPolicy": "selective"},
+                  hyperparameters={"maxSteps": 10, "microBatchSize": 2},
+                  resources={"gpusPerNode": 1, "gpuType": "Standard_NC40ads_H100_v5"})
+    same = plan_job(settled, LLAMA_8B, "ddp").recommendation.best
+    assert (same.vm_size, same.strategy, same.nodes) == ("Standard_NC40ads_H100_v5", "ddp", 1)
+    assert same.changes == []  # nor the policy of a checkpointing that stays off
+    unset = job(model={"uri": "hf://meta-llama/Llama-3.1-8B"}, strategy={"type": "ddp"},
+                resources={"gpusPerNode": 8, "gpuType": "H100-80GB"})
+    planned = unset.model_copy(deep=True)
+    planned.spec.strategy.gradient_checkpointing = True
+    planned.spec.strategy.gradient_checkpointing_policy = "selective"
+    result = plan_job(planned, LLAMA_8B, "ddp", as_written=unset)
+    best = result.recommendation.best
+    assert best.vm_size != result.gpu_type
+    assert [(c.field, c.from_, c.to) for c in best.changes] == [
+        ("spec.resources.gpuType", "Standard_ND96isr_H100_v5", best.vm_size),
+        ("spec.resources.gpusPerNode", 8, best.gpus_per_node),
+        ("spec.strategy.gradientCheckpointingPolicy", "selective", "full")]
+    assert best.to_dict()["changes"][0] == {"field": "spec.resources.gpuType",
+                                            "from": "Standard_ND96isr_H100_v5",
+                                            "to": best.vm_size}
+
+
 def test_nothing_fits_is_said_plainly():
     shape = from_hf_config({**KNOWN_MODELS["meta-llama/Llama-3.1-70B"], "vocab_size": 10**8})
     j = job(method={"type": "full"}, resources={"gpusPerNode": 8, "gpuType": "H100"},

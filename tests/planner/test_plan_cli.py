@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -97,3 +98,130 @@ def test_a_gpu_type_typed_on_the_command_line_is_one_the_planner_knows():
                                   "(spec.resources.gpusPerNode: 0) — set gpusPerNode to plan "
                                   "it on GPUs")
     assert finetune("plan", "--offline", example, "--gpu-type", "h100").returncode == 0
+
+
+# --- #51 item 7 -------------------------------------------------------------------------
+
+def test_a_gpu_type_option_plans_for_that_gpu_not_the_specs():
+    """`--gpu-type A100` on a job of `gpuType: H100` warned that 'H100' could be two GPUs:
+    the plan is made for A100, so the warnings are A100's (it could be three) and the
+    spec's own are left out; A100-80GB, one memory size, has none."""
+    job = manifest(model={"uri": "hf://meta-llama/Llama-3.1-8B"},
+                   resources={"gpusPerNode": 4, "gpuType": "H100"})
+    own = finetune("plan", "-", "--offline", stdin=job)
+    assert "'H100' could be" in own.stderr
+    other = finetune("plan", "-", "--offline", "--gpu-type", "A100", stdin=job)
+    assert other.returncode == 0, other.stderr
+    assert "H100" not in other.stderr
+    assert other.stderr.startswith("--gpu-type A100: warning: spec.resources.gpuType: 'A100' "
+                                   "could be A100-40GB, A100-80GB, A100-80GB-PCIe: planned as "
+                                   "Standard_NC96ads_A100_v4"), other.stderr
+    one_size = finetune("plan", "-", "--offline", "--gpu-type", "A100-80GB", stdin=job)
+    assert one_size.returncode == 0 and one_size.stderr == ""
+
+
+def test_the_recommendation_says_which_settings_differ_from_the_plan():
+    """The plan (66.6 GiB, ~10,383 tokens/s) and its cheapest option on the same VM size
+    and strategy (22.0 GiB, ~6,922 tokens/s) differed without a word: the option is sized
+    from the spec as written (checkpointing on, micro-batch batchSizePerDevice), the plan
+    with the settings chosen for the GPU. Each differing field is named, in the table and
+    in the JSON."""
+    job = manifest(model={"uri": "hf://meta-llama/Llama-3.1-8B"},
+                   resources={"gpusPerNode": 1, "gpuType": "Standard_NC40ads_H100_v5"})
+    data = json.loads(finetune("plan", "-", "--offline", "-o", "json", stdin=job).stdout)
+    best = data["recommendation"]["best"]
+    assert (best["vmSize"], best["strategy"]) == (data["gpuType"], data["strategy"])
+    assert best["changes"] == [
+        {"field": "spec.strategy.gradientCheckpointing", "from": False, "to": True},
+        {"field": "spec.hyperparameters.microBatchSize", "from": 2, "to": 4}]
+    table = finetune("plan", "-", "--offline", stdin=job).stdout.splitlines()
+    at = next(i for i, line in enumerate(table) if line.startswith("recommendation: "))
+    assert table[at + 1] == ("  differs from this plan in: spec.strategy.gradientCheckpointing"
+                             ": false → true, spec.hyperparameters.microBatchSize: 2 → 4")
+
+
+def test_offline_says_the_hub_was_not_asked_and_what_the_plan_used_instead():
+    unknown = manifest(model={"uri": "hf://acme/unknown-7b"},
+                       resources={"gpusPerNode": 1, "gpuType": "H100"})
+    for args, why in ((["--offline"], "--offline"), ([], "HF_HUB_OFFLINE=1")):
+        out = finetune("plan", "-", *args, stdin=unknown).stdout
+        assert "could not be reached" not in out
+        assert (f"verdict: unknown — no config.json for hf://acme/unknown-7b: the hub was not "
+                f"asked (offline: {why}), and the planner's built-in table does not know it"
+                ) in out, out
+    known = finetune("plan", "--offline", str(REPO / "examples/03-aks-qlora-spot.yaml")).stdout
+    assert ("note: offline (--offline): the hub was not asked for hf://mistralai/Mistral-7B-v0.3;"
+            " its config.json came from the built-in table: mistralai/Mistral-7B-v0.3") in known
+
+
+def test_the_known_gpus_and_models_are_listed():
+    from finetune_operator.planner import catalog
+    from finetune_operator.planner.known_models import KNOWN_MODELS
+
+    gpus = finetune("plan", "--list-gpus")
+    assert gpus.returncode == 0, gpus.stderr
+    for name in [gpu.name for gpu in catalog.GPUS] + [vm.name for vm in catalog.VM_SIZES]:
+        assert f"\n{name} " in gpus.stdout, name
+    assert "H100-NVL-94GB   H100-NVL, H100    93.6 GiB  yes" in gpus.stdout
+    models = finetune("plan", "--list-models")
+    assert models.returncode == 0, models.stderr
+    assert all(f"\n{name} " in models.stdout for name in KNOWN_MODELS)
+    assert any(line.startswith("meta-llama/Llama-3.1-8B ") and " 8.03B " in line
+               for line in models.stdout.splitlines())
+    data = json.loads(finetune("plan", "--list-gpus", "--list-models", "-o", "json").stdout)
+    assert [g["name"] for g in data["gpus"]] == [gpu.name for gpu in catalog.GPUS]
+    assert [v["name"] for v in data["vmSizes"]] == [vm.name for vm in catalog.VM_SIZES]
+    eight = next(m for m in data["models"] if m["name"] == "meta-llama/Llama-3.1-8B")
+    assert eight["totalParams"] == 8_030_261_248
+    with_file = finetune("plan", "--list-gpus", str(REPO / "examples/03-aks-qlora-spot.yaml"))
+    assert with_file.returncode == 2 and "take no FILE" in with_file.stderr
+
+
+def test_a_model_is_planned_by_name_without_a_manifest(tmp_path):
+    result = finetune("plan", "--model", "meta-llama/Llama-3.1-8B", "--method", "full",
+                      "--gpus-per-node", "8", "--gpu-type", "H100-80GB", "--seq-len", "4096",
+                      "--offline", "-o", "json")
+    assert result.returncode in (0, 1) and result.stderr == "", result.stderr
+    data = json.loads(result.stdout)
+    assert data["totalParams"] == data["trainableParams"] == 8_030_261_248  # full
+    assert (data["worldSize"], data["gpuType"]) == (8, "Standard_ND96isr_H100_v5")
+    table = finetune("plan", "--model", "Qwen/Qwen2.5-0.5B", "--offline").stdout
+    assert table.startswith("default/qwen2-5-0-5b: lora, ddp, bf16, 1 node x 1 GPU process, "
+                            "micro-batch 4 x 2048 tokens"), table  # a manifest's defaults
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 32000, "hidden_size": 2048,
+        "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
+        "num_key_value_heads": 4}))
+    local = finetune("plan", "--model", str(tmp_path), "--gpu-type", "T4", "-o", "json")
+    assert json.loads(local.stdout)["modelSource"] == f"path:{tmp_path / 'config.json'}"
+
+
+def test_a_model_name_found_nowhere_and_a_plan_of_nothing_are_refused():
+    typo = finetune("plan", "--model", "meta-llama/Llama-3.1-8b-instruc", "--offline")
+    assert typo.returncode == 2 and typo.stdout == ""
+    assert typo.stderr.startswith("--model meta-llama/Llama-3.1-8b-instruc: not in the "
+                                  "planner's built-in table, and the hub was not asked "
+                                  "(offline: --offline) — did you mean "
+                                  "meta-llama/Llama-3.1-8B-Instruct or "), typo.stderr
+    nothing = finetune("plan")
+    assert nothing.returncode == 2 and "Error: Missing argument 'FILE'." in nothing.stderr
+    both = finetune("plan", str(REPO / "examples/03-aks-qlora-spot.yaml"), "--method", "full")
+    assert both.returncode == 2 and "--method: only with --model" in both.stderr
+    helped = finetune("plan", "--help").stdout
+    assert all(option in helped for option in ("--model NAME", "--method", "--seq-len",
+                                               "--gpus-per-node", "--list-gpus",
+                                               "--list-models", "[FILE]"))
+
+
+def test_every_key_of_the_plan_json_is_camel_case():
+    """The `throughput` block's keys were snake_case (`step_seconds`) among camelCase."""
+    data = json.loads(finetune("plan", "--offline", "-o", "json",
+                               str(REPO / "examples/02-aks-fsdp-full-8b.yaml")).stdout)
+    assert data["throughput"]["stepSeconds"] > 0 and data["recommendation"]["best"]["changes"]
+
+    def keys(value) -> list[str]:
+        if isinstance(value, dict):
+            return [*value, *(k for v in value.values() for k in keys(v))]
+        return [k for v in value for k in keys(v)] if isinstance(value, list) else []
+
+    assert [k for k in keys(data) if not re.fullmatch(r"[a-z][a-zA-Z0-9]*", k)] == []

@@ -11,10 +11,12 @@ import pytest
 
 from finetune_trainer.config import DatasetSource
 from finetune_trainer.data import (
+    COMPLETION_FIX,
     IGNORE,
     DataError,
     GlobalBatches,
     batch_larger_than_data,
+    check_records,
     collate,
     label_tokens,
     one_per_sequence,
@@ -22,6 +24,7 @@ from finetune_trainer.data import (
     pack_in_order,
     read_records,
     read_split,
+    record_problem,
     resolve_format,
     tokenize_record,
     tokenize_records,
@@ -63,7 +66,8 @@ def test_reads_the_shipped_preference_data():
     (["messages"], "chat"), (["prompt", "response"], "instruction"),
     (["instruction", "input", "output"], "instruction"), (["text", "id"], "text"),
     (["prompt", "chosen", "rejected"], "preference"),
-    (["rejected", "chosen", "prompt", "response"], "preference")])
+    (["rejected", "chosen", "prompt", "response"], "preference"),
+    (["prompt", "completion"], "instruction")])  # TRL's prompt-completion (#51, item 5)
 def test_auto_detects_the_format(columns, expected):
     assert resolve_format("auto", columns) == expected
 
@@ -245,6 +249,26 @@ def test_instruction_trains_only_on_the_response(tiny_tokenizer):
     prompt_response = tokenize_record({"prompt": "Q: why? A:", "response": " because"},
                                       "instruction", tiny_tokenizer, 512)
     assert trained_text(prompt_response, tiny_tokenizer) == " because<|end|>"
+
+
+def test_trls_prompt_completion_trains_only_on_the_completion(tiny_tokenizer, tmp_path):
+    """#51, item 5: TRL's prompt-completion layout, as text and as conversations (the
+    completion's assistant turns trained on, not an assistant turn of the prompt), read
+    from a JSON Lines file through the same path as a run."""
+    text = {"prompt": "Q: why? A:", "completion": " because"}
+    conversation = {"prompt": CHAT["messages"][:4],
+                    "completion": [{"role": "assistant", "content": "Sharded data parallel."}]}
+    for rows, trained in (([text], " because<|end|>"),
+                          ([conversation], "Sharded data parallel.<|end|>\n")):
+        write_jsonl(tmp_path / "data.jsonl", rows)
+        records = read_records(DatasetSource(uri=str(tmp_path / "data.jsonl")))
+        fmt = resolve_format("auto", records.column_names)
+        check_records(records, fmt, lambda index: f"record {index + 1}")
+        (sample,) = tokenize_records(records, fmt, tiny_tokenizer, 512)
+        assert trained_text(sample, tiny_tokenizer) == trained
+    half = {"prompt": CHAT["messages"][:2], "completion": "Sharded data parallel."}
+    assert record_problem(half, "instruction") == (
+        "`completion` is text \"Sharded data parallel.\", not a list of messages", COMPLETION_FIX)
 
 
 def test_text_trains_on_everything_but_the_first_token(tiny_tokenizer):

@@ -69,6 +69,13 @@ def finetune_run(job: dict, where: Path, *extra: str, wait: bool = True):
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
 
 
+def new_file_mode() -> int:
+    """The mode a file created here gets (0o644 under the usual umask 022)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def losses(output: Path) -> list[float]:
     records = [json.loads(line) for line in (output / "progress.jsonl").read_text().splitlines()]
     by_step = {r["step"]: r["loss"] for r in records}
@@ -91,6 +98,7 @@ def runs(tiny_model_dir, shared):
                                   method=method, **options), sort_keys=True)
         return shared.get(key, make, name=f"{strategy}-{method}") / "out"
 
+    get.model = tiny_model_dir
     return get
 
 
@@ -159,6 +167,8 @@ def test_gradient_checkpointing_and_merged_export(runs):
 
     output = runs("ddp", checkpointing=True, merge=True)
     assert losses(output) == pytest.approx(losses(runs("ddp")), rel=1e-4)
+    assert {p.stat().st_mode & 0o777 for p in (output / "merged").iterdir()} == {
+        new_file_mode()}
     adapter = AutoPeftModelForCausalLM.from_pretrained(output / "final").eval()
     merged = AutoModelForCausalLM.from_pretrained(output / "merged").eval()
     ids = torch.tensor([[2, 40, 41, 42, 43, 44]])
@@ -234,6 +244,15 @@ def test_lora_run_leaves_checkpoints_progress_and_an_adapter_that_generates(runs
     final = output / "final"
     assert (final / "adapter_config.json").is_file()
     assert not (final / "model.safetensors").exists()  # an adapter, not a full copy
+    # #51, item 6: a card that says what this is and how to load it, not peft's template;
+    # every file readable by a serving pod of another user (safetensors wrote 0600)
+    card = (final / "README.md").read_text()
+    assert "More Information Needed" not in card, card[:2000]
+    assert f"base_model: {runs.model}" in card and str(DATA) in card, card
+    assert "| steps | 6 of 6 |" in card and "| final training loss | " in card, card
+    assert "AutoPeftModelForCausalLM.from_pretrained" in card, card
+    assert {p.stat().st_mode & 0o777 for p in final.iterdir()} == {new_file_mode()}, {
+        p.name: oct(p.stat().st_mode & 0o777) for p in final.iterdir()}
     model = AutoPeftModelForCausalLM.from_pretrained(final)
     tokenizer = AutoTokenizer.from_pretrained(final)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is DDP?"}],
@@ -526,6 +545,24 @@ def test_sigterm_while_starting_stops_at_once_without_a_checkpoint(tiny_model_di
         output)
     assert time.monotonic() - signalled < 25  # torchrun would wait 30 s before killing
     assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+def test_a_changed_learning_rate_resumes_and_takes_effect(tiny_model_dir, tmp_path):
+    """trained_with leaves the learning rate out, as a setting a rerun may change: it
+    resumed, but the schedule's state brought the checkpoint's peak rate back (steps 5-6 of
+    a rerun at 5e-2 logged 1e-3). Now the new rate applies from the first resumed step."""
+    job = manifest(tiny_model_dir, tmp_path / "out", steps=4, processes=1, batch=2,
+                   checkpoint_every=4)
+    job["spec"]["hyperparameters"].update(learningRate=1e-3, scheduler="constant")
+    first = finetune_run(job, tmp_path)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    job["spec"]["hyperparameters"].update(learningRate=5e-2, maxSteps=6)
+    again = finetune_run(job, tmp_path)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "resuming from" in again.stdout
+    rates = {r["step"]: r["learningRate"] for r in map(
+        json.loads, (tmp_path / "out" / "progress.jsonl").read_text().splitlines())}
+    assert [rates[s] for s in (1, 4, 5, 6)] == pytest.approx([1e-3, 1e-3, 5e-2, 5e-2]), rates
 
 
 def test_a_changed_job_is_refused_before_it_starts_and_fresh_starts_over(

@@ -207,7 +207,7 @@ def _main(argv: list[str] | None) -> int:
     if args.fetch_model:  # before torch is imported: the init container stays light
         return _fetch(config, output)
 
-    from finetune_trainer import trained_with
+    from finetune_trainer import model_card, trained_with
     from finetune_trainer.checkpoint import CheckpointError
     from finetune_trainer.data import DataError
     from finetune_trainer.layout import FINAL_DIR
@@ -240,6 +240,7 @@ def _main(argv: list[str] | None) -> int:
             return 0
         code = run(config, base_dir)
         if code == 0 and os.environ.get("RANK", "0") == "0":
+            model_card.write(output, config)
             name_hub_model(output / FINAL_DIR, config)
         return code
     except (DataError, ModelError) as error:

@@ -418,11 +418,29 @@ def load(strategy, scheduler, checkpoint: Path) -> TrainerState:
     import torch.distributed as dist
 
     strategy.load(checkpoint / MODEL_DIR)
+    configured = list(scheduler.base_lrs)
     scheduler.load_state_dict(torch.load(checkpoint / SCHEDULER_FILE, weights_only=True))
+    keep_learning_rate(scheduler, configured)
     rng = checkpoint / f"rng-{dist.get_rank()}.pt"
     if rng.exists():  # absent when the world size changed: dropout then differs, nothing else
         set_rng_state(torch.load(rng, weights_only=False))
     return read_state(checkpoint)
+
+
+def keep_learning_rate(scheduler, configured: list[float]) -> None:
+    """This run's peak learning rate (`hyperparameters.learningRate`), not the checkpoint's:
+    a changed learning rate resumes (trained_with leaves it out), and takes effect from the
+    first step resumed, at the point of the schedule the run has reached. The schedule's
+    state holds its peak rates; loaded as they were, the old rate came back."""
+    if list(scheduler.base_lrs) == configured:
+        return
+    scheduler.base_lrs = configured
+    rates = [base * factor(scheduler.last_epoch)
+             for base, factor in zip(configured, scheduler.lr_lambdas, strict=True)]
+    for group, base, rate in zip(scheduler.optimizer.param_groups, configured, rates,
+                                 strict=True):
+        group["initial_lr"], group["lr"] = base, rate
+    scheduler._last_lr = rates  # what get_last_lr() reports (the progress records' rate)
 
 
 def rng_state() -> dict:

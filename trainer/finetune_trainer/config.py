@@ -116,8 +116,10 @@ class DatasetSource(ApiModel):
     `https://`, an absolute or `./relative` path), or a hub dataset (`hf://org/name`)."""
     format: DatasetFormat = "auto"
     """How samples are laid out. `chat`: a `messages` list with roles, rendered through
-    the tokenizer's chat template. `instruction`: `prompt`/`response` or
-    `instruction`/`input`/`output` columns. `text`: a `text` column. `preference` (for
+    the tokenizer's chat template. `instruction`: `prompt`/`response`,
+    `instruction`/`input`/`output`, or TRL's `prompt`/`completion` columns (as text, or
+    both as chat messages: the completion's assistant turns are trained on). `text`: a
+    `text` column. `preference` (for
     `objective.type: dpo`): `prompt`, `chosen` and `rejected`, as text or as chat messages
     (the answers' assistant turns after the prompt's conversation). `auto` detects from the
     columns. Loss counts only response tokens where the format has a prompt."""

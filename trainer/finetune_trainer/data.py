@@ -310,7 +310,8 @@ def _locator(where: str, lines: list[tuple[Path, list[int]]], count: int):
 FORMAT_COLUMNS: dict[str, list[set[str]]] = {
     "preference": [{"prompt", "chosen", "rejected"}],
     "chat": [{"messages"}],
-    "instruction": [{"prompt", "response"}, {"instruction", "output"}],
+    "instruction": [{"prompt", "response"}, {"instruction", "output"},
+                    {"prompt", "completion"}],
     "text": [{"text"}],
 }
 
@@ -323,8 +324,9 @@ def resolve_format(requested: DatasetFormat, columns: Sequence[str]) -> str:
             if any(needed <= present for needed in alternatives):
                 return fmt
         raise DataError("dataset", f"has columns {sorted(present)}, which match no format",
-                        "provide `messages` (chat), `prompt`+`response` or "
-                        "`instruction`+`output` (instruction), `text`, or "
+                        "provide `messages` (chat), `prompt`+`response`, "
+                        "`prompt`+`completion` or `instruction`+`output` (instruction), "
+                        "`text`, or "
                         "`prompt`+`chosen`+`rejected` (preference, for objective dpo)")
     if not any(needed <= present for needed in FORMAT_COLUMNS[requested]):
         wanted = " or ".join("+".join(sorted(n)) for n in FORMAT_COLUMNS[requested])
@@ -397,34 +399,59 @@ def record_problem(record: dict[str, Any], fmt: str) -> tuple[str, str] | None:
                     "write the sample as a string, or remove that record")
         return None
     if fmt == "instruction":
-        pairs = [p for p in (("prompt", "response"), ("instruction", "output"))
-                 if all(_is_text(record.get(field)) for field in p)]
+        if isinstance(record.get("prompt"), list) or isinstance(record.get("completion"), list):
+            return _conversational_completion_problem(record)
+        pairs = [p for p in INSTRUCTION_PAIRS if all(_is_text(record.get(field)) for field in p)]
         if not pairs:
             found = ", ".join(f"{k}: {_describe(v)}" for k, v in record.items())
-            return ("has neither `prompt`+`response` nor `instruction`+`output` as text "
-                    f"({found})", "fill in both fields of one pair, or remove that record")
+            return ("has none of `prompt`+`response`, `prompt`+`completion` or "
+                    f"`instruction`+`output` as text ({found})",
+                    "fill in both fields of one pair, or remove that record")
         extra = record.get("input")
         if pairs[0][0] == "instruction" and extra is not None and not _is_text(extra):
             return (f"`input` is {_describe(extra)}, not text",
                     "write `input` as a string (or leave it out), or remove that record")
         return None
-    messages = record.get("messages")
+    return _messages_problem(record.get("messages"), "messages", CHAT_FIX)
+
+
+INSTRUCTION_PAIRS = (("prompt", "response"), ("instruction", "output"), ("prompt", "completion"))
+"""The instruction format's (prompt, answer) columns; `prompt`+`completion` is TRL's
+prompt-completion layout."""
+
+COMPLETION_FIX = ('write "prompt" and "completion" both as text, or both as chat messages '
+                  '("prompt": [{"role": "user", ...}], "completion": [{"role": "assistant", '
+                  '...}]), or remove that record')
+
+
+def _conversational_completion_problem(record: dict[str, Any]) -> tuple[str, str] | None:
+    """TRL's conversational prompt-completion: the prompt's turns, then the completion's
+    assistant turns (the ones trained on)."""
+    for side in ("prompt", "completion"):
+        if (problem := _messages_problem(record.get(side), side, COMPLETION_FIX)) is not None:
+            return problem
+    if not any(m.get("role") == "assistant" for m in record["completion"]):
+        return "`completion` has no assistant turn to train on", COMPLETION_FIX
+    return None
+
+
+def _messages_problem(messages: Any, column: str, fix: str) -> tuple[str, str] | None:
     if not isinstance(messages, list):
-        return f"`messages` is {_describe(messages)}, not a list of messages", CHAT_FIX
+        return f"`{column}` is {_describe(messages)}, not a list of messages", fix
     if not messages:
-        return "`messages` is an empty conversation", CHAT_FIX
+        return f"`{column}` is an empty conversation", fix
     for number, message in enumerate(messages, start=1):
         if not isinstance(message, dict):
             return f"message {number} is {_describe(message)}, not a {{role, content}} object", \
-                CHAT_FIX
+                fix
         if not isinstance(message.get("role"), str):
-            return f"message {number} has role {_describe(message.get('role'))}", CHAT_FIX
+            return f"message {number} has role {_describe(message.get('role'))}", fix
         content = message.get("content")
         if not isinstance(content, str):
             parts = (" (content parts, as multimodal chats have, are not supported)"
                      if isinstance(content, list) else "")
             return (f"message {number} ({message['role']}) has content "
-                    f"{_describe(content)}, not text{parts}", CHAT_FIX)
+                    f"{_describe(content)}, not text{parts}", fix)
     return None
 
 
@@ -432,15 +459,18 @@ def check_records(records, fmt: str, locate) -> None:
     """Refuse the first record `fmt` cannot use; `locate(index)` says where it is."""
     wanted = {"chat": ["messages"], "text": ["text"],
               "preference": ["prompt", "chosen", "rejected"],
-              "instruction": ["prompt", "response", "instruction", "input", "output"]}[fmt]
+              "instruction": ["prompt", "response", "instruction", "input", "output",
+                              "completion"]}[fmt]
     columns = [c for c in wanted if c in records.column_names]
     for index, record in enumerate(records.select_columns(columns)):
         if (problem := record_problem(record, fmt)) is not None:
             raise DataError(locate(index), *problem)
 
 
-def _chat_tokens(messages: list[dict[str, Any]], tokenizer) -> tuple[list[int], list[int]]:
-    """Token ids of a conversation, labelled only on the assistant turns.
+def _chat_tokens(messages: list[dict[str, Any]], tokenizer, first_trained: int = 0
+                 ) -> tuple[list[int], list[int]]:
+    """Token ids of a conversation, labelled only on the assistant turns (from turn
+    `first_trained` on: a prompt-completion record's completion).
 
     Each assistant turn's tokens are those the template adds when the turn is appended
     to the conversation so far (rendered with the generation prompt), so the role header
@@ -455,7 +485,7 @@ def _chat_tokens(messages: list[dict[str, Any]], tokenizer) -> tuple[list[int], 
     ids = render(messages, prompt=False)
     labels = [IGNORE] * len(ids)
     for i, message in enumerate(messages):
-        if message.get("role") != "assistant" or i == 0:
+        if message.get("role") != "assistant" or i == 0 or i < first_trained:
             continue
         before, through = render(messages[:i], prompt=True), render(messages[: i + 1], False)
         start, end = len(before), len(through)
@@ -468,8 +498,9 @@ def _chat_tokens(messages: list[dict[str, Any]], tokenizer) -> tuple[list[int], 
 
 
 def _instruction_text(record: dict[str, Any]) -> tuple[str, str]:
-    if record.get("prompt") is not None and record.get("response") is not None:
-        return str(record["prompt"]), str(record["response"])
+    for answer in ("response", "completion"):
+        if record.get("prompt") is not None and record.get(answer) is not None:
+            return str(record["prompt"]), str(record[answer])
     extra = record.get("input") or ""
     prompt = ALPACA_PROMPT.format(instruction=record["instruction"],
                                   input_block=f"### Input:\n{extra}\n\n" if extra else "")
@@ -483,6 +514,9 @@ def tokenize_record(record: dict[str, Any], fmt: str, tokenizer, max_length: int
     eos = [tokenizer.eos_token_id]
     if fmt == "chat":
         ids, labels = _chat_tokens(record["messages"], tokenizer)
+    elif fmt == "instruction" and isinstance(record.get("prompt"), list):
+        ids, labels = _chat_tokens(record["prompt"] + record["completion"], tokenizer,
+                                   first_trained=len(record["prompt"]))
     elif fmt == "instruction":
         prompt, response = _instruction_text(record)
         prompt_ids = bos + tokenizer.encode(prompt, add_special_tokens=False)

@@ -21,6 +21,26 @@ app.kubernetes.io/name: finetune-operator
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
+{{/* The images: required, as none is published (values.yaml says how to build them). */}}
+{{- define "finetune-operator.operatorImage" -}}
+{{- $repository := required "image.repository is not set: build the operator image from operator/Dockerfile, push it where your nodes pull from, and set image.repository and image.tag (on this machine, `make cluster-images` writes them to .cluster/images.yaml: helm install -f .cluster/images.yaml)" .Values.image.repository -}}
+{{- printf "%s:%s" $repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- end -}}
+
+{{- define "finetune-operator.trainerImage" -}}
+{{- $repository := required "trainer.image.repository is not set: build the trainer image from trainer/Dockerfile, push it where your nodes pull from, and set trainer.image.repository and trainer.image.tag (on this machine, `make cluster-images` writes them to .cluster/images.yaml: helm install -f .cluster/images.yaml)" .Values.trainer.image.repository -}}
+{{- printf "%s:%s" $repository (.Values.trainer.image.tag | default .Chart.AppVersion) -}}
+{{- end -}}
+
+{{/* The names of the Secrets the worker pods pull with, as JSON (FINETUNE_TRAINER_PULL_SECRETS). */}}
+{{- define "finetune-operator.trainerPullSecrets" -}}
+{{- $names := list -}}
+{{- range (.Values.trainer.imagePullSecrets | default .Values.imagePullSecrets) -}}
+{{- $names = append $names .name -}}
+{{- end -}}
+{{- toJson $names -}}
+{{- end -}}
+
 {{- define "finetune-operator.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create -}}
 {{- default (include "finetune-operator.fullname" .) .Values.serviceAccount.name -}}

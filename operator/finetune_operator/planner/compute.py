@@ -12,6 +12,7 @@ overlapped with compute by DDP buckets, FSDP prefetch and ZeRO's buckets).
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
+from pydantic.alias_generators import to_camel
 
 from finetune_operator.planner.architecture import ModelShape
 from finetune_operator.planner.catalog import VmSize
@@ -33,7 +34,9 @@ engines and 4-bit layers are not compiled, which makes it a reason to prefer DDP
 
 
 class Throughput(BaseModel):
-    model_config = ConfigDict(frozen=True)
+    """The estimated speed; camelCase in `finetune plan -o json`, like the rest of the plan."""
+
+    model_config = ConfigDict(frozen=True, alias_generator=to_camel, populate_by_name=True)
     model_flops_per_token: float
     """6·N + 12·L·H·Q·T: what MFU is measured against."""
     hardware_flops_per_token: float

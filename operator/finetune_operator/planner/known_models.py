@@ -8,6 +8,7 @@ so (`source`), so a stale entry never passes silently for the real file.
 
 from __future__ import annotations
 
+import difflib
 import re
 from typing import Any
 
@@ -103,3 +104,13 @@ def lookup(name: str) -> tuple[str, dict[str, Any]] | None:
     punctuation (`mistralai-Mistral-7B-v01` in Azure ML's registry); None when absent."""
     found = _BY_KEY.get(_key(name))
     return (found, dict(KNOWN_MODELS[found])) if found else None
+
+
+def close_names(name: str, n: int = 3) -> list[str]:
+    """The table's names nearest to `name` (a typo, another case, no `org/`), best first."""
+    wanted = name.lower().removeprefix("hf://").strip("/")
+    lowered = {known.lower(): known for known in KNOWN_MODELS}
+    bare = {known.lower().split("/", 1)[1]: known for known in KNOWN_MODELS}
+    close = difflib.get_close_matches(wanted, [*lowered, *bare], n=n * 2, cutoff=0.6)
+    names = [lowered.get(match) or bare[match] for match in close]
+    return list(dict.fromkeys(names))[:n]

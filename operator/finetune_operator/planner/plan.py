@@ -55,6 +55,26 @@ class PlanModel(BaseModel):
         return self.model_dump(by_alias=True, mode="json")
 
 
+class Change(PlanModel):
+    """One setting an option sets otherwise than the plan it is offered with: the spec's
+    field, the plan's value (an unset field: what the plan chose) and the option's."""
+
+    field: str
+    """The spec's field, e.g. `spec.strategy.gradientCheckpointing`."""
+    from_: bool | int | str | None = Field(alias="from")
+    to: bool | int | str | None
+
+    def label(self) -> str:
+        return f"{self.field}: {_value(self.from_)} → {_value(self.to)}"
+
+
+def _value(value: bool | int | str | None) -> str:
+    """A setting as YAML writes it: `true`, `4`, `fsdp`; `unset` for None."""
+    if value is None:
+        return "unset"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 class Option(PlanModel):
     """One configuration that fits with headroom."""
 
@@ -69,6 +89,11 @@ class Option(PlanModel):
     tokens_per_second: float
     price_per_hour: float
     cost_per_million_tokens: float
+    changes: list[Change] = Field(default_factory=list)
+    """What the option sets otherwise than the plan it comes with, field by field (filled
+    in by `plan_job`): the VM size, nodes, strategy and precision it names, and the
+    checkpointing and micro-batch it is sized with (the spec's as written; an unset
+    gradientCheckpointing as on, an unset microBatchSize as batchSizePerDevice)."""
 
 
 class Recommendation(PlanModel):
@@ -231,6 +256,46 @@ def as_recommended(job: FineTuneJob, vm: VmSize, nodes: int, strategy: Strategy,
         "strategy": spec.strategy.model_copy(update={"type": strategy, "precision": precision}),
         "resources": spec.resources.model_copy(update={
             "gpu_type": vm.name, "gpus_per_node": vm.gpus, "nodes": nodes})})})
+
+
+def sized_settings(job: FineTuneJob, strategy: Strategy | None, precision: Precision | None,
+                   gpu_type: str | None) -> dict[str, bool | int | str | None]:
+    """The settings a plan or an option is sized with, by the spec's field names: unset
+    checkpointing and micro-batch as `setup_for` plans them (on; batchSizePerDevice)."""
+    spec, chosen = job.spec, job.spec.strategy
+    checkpointing = chosen.gradient_checkpointing is not False
+    return {"spec.resources.gpuType": gpu_type,
+            "spec.resources.nodes": spec.resources.nodes,
+            "spec.resources.gpusPerNode": spec.resources.gpus_per_node,
+            "spec.strategy.type": strategy,
+            "spec.strategy.precision": precision,
+            "spec.strategy.offload": chosen.offload,
+            "spec.strategy.gradientCheckpointing": checkpointing,
+            "spec.strategy.gradientCheckpointingPolicy": chosen.gradient_checkpointing_policy,
+            "spec.hyperparameters.microBatchSize": spec.hyperparameters.micro_steps()[0]}
+
+
+def with_changes(recommendation: Recommendation, planned: dict[str, bool | int | str | None],
+                 written: FineTuneJob) -> Recommendation:
+    """`recommendation` with each option's `changes` from the plan's settings (`planned`,
+    `sized_settings`); the options were sized from `written`, the spec as written."""
+
+    def explained(option: Option | None) -> Option | None:
+        if option is None or (vm := catalog.find(option.vm_size)) is None:
+            return option
+        mine = sized_settings(as_recommended(written, vm, option.nodes, option.strategy,
+                                             option.precision),
+                              option.strategy, option.precision, option.vm_size)
+        checkpointing = mine["spec.strategy.gradientCheckpointing"]
+        changes = [Change(field=field, from_=planned.get(field), to=value)
+                   for field, value in mine.items() if value != planned.get(field) and (
+                       checkpointing or not field.endswith("Policy"))]
+        return option.model_copy(update={"changes": changes})
+
+    return recommendation.model_copy(update={
+        "best": explained(recommendation.best),
+        "on_requested_gpu": explained(recommendation.on_requested_gpu),
+        "alternatives": [explained(o) for o in recommendation.alternatives]})
 
 
 def refused(job: FineTuneJob) -> str | None:
@@ -611,23 +676,37 @@ def _compile_by_length(job: FineTuneJob, strategy: Strategy, setup: TrainingSetu
 
 def plan_job(job: FineTuneJob, model: ModelConfig | None, strategy: Strategy,
              gpu_type: str | None = None, search_catalog: bool = True,
-             as_written: FineTuneJob | None = None, machine: VmSize | None = None
-             ) -> JobPlan:
+             as_written: FineTuneJob | None = None, machine: VmSize | None = None,
+             offline: str | None = None) -> JobPlan:
     """The plan for `job` run with `strategy` (already resolved) on `gpu_type` (default:
     the spec's), given the model's config (None: unknown). `search_catalog=False` (the
     operator's admission) only looks for alternatives on the requested VM size, and only
     when the job does not fit: ~1 ms instead of ~100. `as_written`: the spec before its
     step settings were chosen for `gpu_type`, which the alternatives are sized from (a
-    micro-batch chosen for one GPU says nothing of another). `machine`: this machine's
-    GPUs in place of `gpu_type` (`finetune run`)."""
-    options_for = as_written or job
+    micro-batch chosen for one GPU says nothing of another); each alternative says which
+    settings it changes (`Option.changes`). `machine`: this machine's GPUs in place of
+    `gpu_type` (`finetune run`). `offline`: why the hub was not asked (`--offline`), said
+    where a hub model's config is missing; None: it was asked."""
+    written = as_written or job
+    plan = _plan_on(job, model, strategy, gpu_type, search_catalog, written, machine, offline)
+    if plan.recommendation is None:
+        return plan
+    planned = sized_settings(job, plan.strategy, plan.precision, plan.gpu_type)
+    return plan.model_copy(update={
+        "recommendation": with_changes(plan.recommendation, planned, written)})
+
+
+def _plan_on(job: FineTuneJob, model: ModelConfig | None, strategy: Strategy,
+             gpu_type: str | None, search_catalog: bool, options_for: FineTuneJob,
+             machine: VmSize | None, offline: str | None) -> JobPlan:
+    """`plan_job` but for the options' changes."""
     spec, resources = job.spec, job.spec.resources
     gpu_type = machine.name if machine else gpu_type or resources.gpu_type
     shape, config_error = shape_of(model)
     world = resources.nodes * resources.processes()
     if shape is None:
         why = config_error or (f"no config.json for {spec.model.uri}: "
-                               + _where_configs_come_from(spec.model.uri))
+                               + _where_configs_come_from(spec.model.uri, offline))
         return JobPlan(fits=None, verdict="unknown", reason=why, strategy=strategy,
                        world_size=world, gpu_type=gpu_type,
                        model_source=model.source if model else None)
@@ -638,10 +717,7 @@ def plan_job(job: FineTuneJob, model: ModelConfig | None, strategy: Strategy,
     estimate = estimate_memory(shape, setup)
     notes = list(estimate.notes)
     if precision != spec.strategy.precision:
-        why_not = refused(as_recommended(job, vm, resources.nodes, strategy, precision))
-        notes.append(f"{vm.gpu.name} has no bf16: planned in fp16; set "
-                     "spec.strategy.precision: fp16" if why_not is None else
-                     f"{vm.gpu.name} has no bf16, and fp16 is refused here: {why_not}")
+        notes.append(_no_bf16(job, vm, strategy, precision))
     output = spec.output
     disk = estimate_disk(shape, setup, fetched=spec.model.location.scheme == "hf",
                          stored_bytes=stored_bytes_per_param(model.config),
@@ -689,6 +765,14 @@ def plan_job(job: FineTuneJob, model: ModelConfig | None, strategy: Strategy,
                    host_memory_bytes=vm.memory_bytes, host_breakdown=host.breakdown,
                    host_peak_phase=host.peak_phase, **{
                        **common, "notes": [*common["notes"], *host.notes]})
+
+
+def _no_bf16(job: FineTuneJob, vm: VmSize, strategy: Strategy, precision: Precision) -> str:
+    """The note of a bf16 job planned in fp16 on a GPU without bf16."""
+    why_not = refused(as_recommended(job, vm, job.spec.resources.nodes, strategy, precision))
+    if why_not is None:
+        return f"{vm.gpu.name} has no bf16: planned in fp16; set spec.strategy.precision: fp16"
+    return f"{vm.gpu.name} has no bf16, and fp16 is refused here: {why_not}"
 
 
 def _gpu_verdict(estimate: MemoryEstimate, vm: VmSize, strategy: Strategy, world: int,
@@ -776,10 +860,15 @@ _HOST_LABELS = {"weightsWhileLoading": "the weights read once",
                 "processes": "the processes"}
 
 
-def _where_configs_come_from(uri: str) -> str:
+def _where_configs_come_from(uri: str, offline: str | None = None) -> str:
+    """Why no config was found for `uri`; `offline`: why the hub was not asked."""
     if uri.startswith("pvc://"):
         return ("the operator cannot read inside a claim; run `finetune plan` where the "
                 "model is, or use a model the built-in table knows")
+    if uri.startswith("hf://") and offline:
+        return (f"the hub was not asked (offline: {offline}), and the planner's built-in "
+                "table does not know it (`finetune plan --list-models` lists it) — give a "
+                "local folder holding its config.json, or plan with the hub")
     if uri.startswith("hf://"):
         return ("the hub could not be reached (or the repo is gated) and the built-in "
                 "table does not know it")

@@ -8,6 +8,7 @@ from finetune_operator.api import FineTuneJob
 from finetune_operator.planner.catalog import VmSize
 from finetune_operator.planner.plan import (
     JobPlan,
+    Option,
     choose_step_settings,
     explain_strategy,
     gib,
@@ -27,15 +28,19 @@ VERDICTS = {"fits": "fits", "tight": "fits, with less than 10% headroom",
 
 
 def plan_with_notes(job: FineTuneJob, model: ModelConfig | None,
-                    machine: VmSize | None = None) -> JobPlan:
+                    machine: VmSize | None = None, offline: str | None = None) -> JobPlan:
     """The plan with the notes of every choice made for the job (on `machine`: this
-    machine's GPUs, else the job's gpuType)."""
+    machine's GPUs, else the job's gpuType); `offline`: why the hub was not asked
+    (`--offline`, HF_HUB_OFFLINE=1), said where the job's model is on the hub."""
     strategy, why = explain_strategy(job, model, machine)
     settings = choose_step_settings(job, model, strategy, machine)
     plan = plan_job(with_step_settings(job, settings), model, strategy, as_written=job,
-                    machine=machine)
-    plan = plan.model_copy(update={"step_settings": settings,
-                                   "notes": [*settings.notes, *plan.notes]})
+                    machine=machine, offline=offline)
+    notes = [*settings.notes, *plan.notes]
+    if offline and model is not None and job.spec.model.location.scheme == "hf":
+        notes.insert(0, f"offline ({offline}): the hub was not asked for "
+                        f"{job.spec.model.uri}; its config.json came from the {model.source}")
+    plan = plan.model_copy(update={"step_settings": settings, "notes": notes})
     if job.spec.strategy.type == "auto":
         operator_choice = resolve_strategy(job)
         note = f"strategy auto → {strategy}: {why}"
@@ -60,7 +65,17 @@ def _micro_batch(job: FineTuneJob, plan: JobPlan) -> int:
     return job.spec.hyperparameters.micro_steps()[0]
 
 
-def _count(n: int | None) -> str:
+def changes_lines(option: Option | None) -> list[str]:
+    """What an option of the recommendation sets otherwise than the plan above it, field by
+    field (`Option.changes`); nothing when it sets nothing else."""
+    if option is None or not option.changes:
+        return []
+    return ["  differs from this plan in: "
+            + ", ".join(change.label() for change in option.changes)]
+
+
+def count(n: int | None) -> str:
+    """A parameter count for people: 8.03B, 41.9M."""
     if n is None:
         return "?"
     if n >= 1e9:
@@ -96,8 +111,8 @@ def table(job: FineTuneJob, plan: JobPlan) -> str:
              f"{_micro_batch(job, plan)} x {spec.dataset.max_seq_length} "
              f"tokens, {_step_settings(job, plan)}"]
     if plan.model_source:
-        lines.append(f"model: {plan.model_source}: {_count(plan.total_params)} parameters, "
-                     f"{_count(plan.trainable_params)} trainable")
+        lines.append(f"model: {plan.model_source}: {count(plan.total_params)} parameters, "
+                     f"{count(plan.trainable_params)} trainable")
     if plan.breakdown:
         lines.append("")
         moment = ("forward/backward" if plan.peak_phase == "forwardBackward"
@@ -126,10 +141,12 @@ def table(job: FineTuneJob, plan: JobPlan) -> str:
     rec = plan.recommendation
     if rec is not None:
         lines.append(f"recommendation: {rec.why}")
+        lines += changes_lines(rec.best)
         if rec.on_requested_gpu and plan.verdict == "does-not-fit":
             o = rec.on_requested_gpu
             lines.append(f"on {o.vm_size}: strategy {o.strategy}, {o.nodes} node"
                          f"{'s' if o.nodes > 1 else ''} ({gib(o.per_gpu_bytes)} per GPU)")
+            lines += changes_lines(o)
     for note in plan.notes:
         lines.append(f"note: {note}")
     lines += [f"warning: {warning}" for warning in plan.warnings]

@@ -47,12 +47,17 @@ def read_local(path: Path) -> ModelConfig | None:
         return None
 
 
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE=1 (the hub's own switch) is set: the hub is not asked."""
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+
+
 def fetch_from_hub(repo: str, revision: str | None,
                    timeout: float = HUB_TIMEOUT_SECONDS) -> dict[str, Any] | None:
     """GET config.json from huggingface.co (only that file); HF_TOKEN is sent when set,
     for gated models, and HF_HUB_OFFLINE=1 (the hub's own switch) skips the request.
     None on any failure: the caller falls back, and never waits longer than `timeout`."""
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+    if hub_offline():
         return None
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
     url = f"{endpoint}/{repo}/resolve/{revision or 'main'}/config.json"

@@ -289,8 +289,19 @@ def test_a_sweeps_bad_range_reads_as_its_own_words_with_an_explain_that_works(tm
 def test_the_cli_reference_is_the_commands_own_help():
     """docs/cli-reference.md is generated from each command's --help (`make crds`): an option
     added or reworded without regenerating it fails here."""
+    import subprocess
+    import sys
+
+    from click.testing import CliRunner
+
     from finetune_operator import clidoc
     from finetune_operator.cli import main as finetune
 
+    # the same whether or not a command ran before in this process (click remembers the
+    # help option on the command: CI once saw `-h, --help` where `make crds` wrote `--help`)
+    fresh = subprocess.run([sys.executable, "-m", "finetune_operator.clidoc", "--check"],
+                           capture_output=True, text=True, timeout=120)
+    assert fresh.returncode == 0, fresh.stderr
+    CliRunner().invoke(finetune, ["validate", "--help"])
     assert clidoc.CLI_REFERENCE.read_text() == clidoc.render_markdown(finetune), (
         "docs/cli-reference.md is stale: run `make crds`")

@@ -301,6 +301,10 @@ async def test_a_stop_mid_reconcile_lets_that_reconcile_finish(
     """SIGTERM (kopf's stop flag) while a reconcile waits on the API server: the operator
     stops taking jobs, lets that reconcile land its status patch, then exits."""
     testbed = emulated_testbed
+    # the delay well inside the API timeout, on a loaded machine too: with quick()'s 1 s, a
+    # CI run on 2 busy cores timed the 0.7 s patch out, and the stop then (rightly) cut its
+    # retry
+    testbed.operator.runtime.kube.timeout = 3.0
     slow = cluster.inject(Fault("PATCH", rf"{FTJ}/demo/status", delay=0.7))  # < timeout
     await testbed.apply(testbed.manifest())
     await testbed.until(lambda: slow.hits, "the launch's status patch on its way")

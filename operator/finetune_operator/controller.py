@@ -62,6 +62,7 @@ from finetune_operator.kube import (
     webhook_hint,
 )
 from finetune_operator.metrics import RESTART_CAUSES, OperatorMetrics
+from finetune_operator.output_folders import OutputUser, holder
 from finetune_operator.pacing import LAUNCH_BURST, LAUNCH_RATE, LaunchPacer
 from finetune_operator.planner import ModelConfigs, plan_job
 from finetune_operator.planner.sources import hub_offline
@@ -82,6 +83,8 @@ from finetune_operator.trainer_config import launch_plan
 from finetune_operator.workqueue import WorkQueue
 
 FINALIZER = f"{API_GROUP}/finalizer"
+OUTPUTS_INDEX = "output_folders"
+"""kopf's index of the FineTuneJobs by output folder (`Controller.output_user`)."""
 logger = logging.getLogger("finetune_operator")
 
 
@@ -177,8 +180,9 @@ class Look:
     events: list[Event] = field(default_factory=list)
 
 
-async def look(runtime: Runtime, body: Any) -> Look:
-    """Observe, decide and act for one FineTuneJob; the caller applies the status changes."""
+async def look(runtime: Runtime, body: Any, output_holder: str | None = None) -> Look:
+    """Observe, decide and act for one FineTuneJob; the caller applies the status changes.
+    `output_holder`: the other live job that holds its output folder, if one does."""
     job, backend, problems = _problems(runtime, dict(body))
     now = datetime.now(UTC)
     if job is None:  # the CRD's schema should have stopped this; say why and do nothing
@@ -195,8 +199,8 @@ async def look(runtime: Runtime, body: Any) -> Look:
         seen = (Observation() if (problems and not launched) or backend is None
                 else await backend.observe(running))
         verdict = await feasibility(runtime, job, problems)
-        decision = reconcile(job, seen, now, problems, verdict)
-        decision = _paced(runtime, job, seen, now, problems, verdict, decision)
+        decision = reconcile(job, seen, now, problems, verdict, output_holder=output_holder)
+        decision = _paced(runtime, job, seen, now, problems, verdict, decision, output_holder)
         # the backend renders from the status as decided (status.plan, recorded at launch)
         job = running.model_copy(update={"status": decision.status})
         for action in decision.actions:
@@ -234,7 +238,8 @@ def _blocked(body: Any, blocked: LaunchBlocked) -> Look:
 
 
 def _paced(runtime: Runtime, job: FineTuneJob, seen: Observation, now: datetime,
-           problems: list[str], verdict: Feasibility | None, decision: Decision) -> Decision:
+           problems: list[str], verdict: Feasibility | None, decision: Decision,
+           output_holder: str | None = None) -> Decision:
     """The decision again, waiting for the job's turn, when it launches workers (not when it
     puts back a part deleted by hand) and its turn has not come."""
     key = (job.namespace, job.name)
@@ -244,7 +249,8 @@ def _paced(runtime: Runtime, job: FineTuneJob, seen: Observation, now: datetime,
     wait = runtime.launches.reserve(key)
     if wait <= 0:
         return decision
-    return reconcile(job, seen, now, problems, verdict, launch_wait=wait)
+    return reconcile(job, seen, now, problems, verdict, launch_wait=wait,
+                     output_holder=output_holder)
 
 
 def _wake_after(runtime: Runtime, backend: Backend | None, job: FineTuneJob,
@@ -304,6 +310,12 @@ class Controller:
         self._reconcilers: list[asyncio.Task] = []
         self.sweeps = Sweeps(runtime.kube, self.queue, self.jobs, runtime.backoff)
         """The FineTuneSweeps: their keys share the queue and the reconcilers."""
+        self.outputs: Any = {}
+        """kopf's index of every FineTuneJob by its output folder (`output_user`), attached
+        by the watch; complete before any job is looked at (kopf lists first)."""
+        self._folders: dict[Key, tuple[tuple[Any, Any], str | None]] = {}
+        """Each job's output folder by its (uid, generation): a job is parsed once per spec,
+        not at each of its events."""
         runtime.metrics.watch_queue(self.queue, runtime.launches)
 
     # --- fed by the watches
@@ -335,8 +347,46 @@ class Controller:
         if key in self.jobs:
             self.queue.add_after(key, SETTLE_SECONDS)
 
+    def output_user(self, body: dict[str, Any]) -> dict[str, OutputUser] | None:
+        """kopf's index function: the job under its output folder, launched or not, with its
+        phase (None: no folder another job could share, or a spec no backend takes)."""
+        folder = self._folder(body)
+        if folder is None:
+            return None
+        meta, status = body.get("metadata") or {}, body.get("status") or {}
+        return {folder: OutputUser(meta.get("namespace", ""), meta.get("name", ""),
+                                   str(meta.get("creationTimestamp") or ""),
+                                   bool(status.get("launchedSpec")), status.get("phase"))}
+
+    def _folder(self, body: dict[str, Any]) -> str | None:
+        key, meta = _key(body), body.get("metadata") or {}
+        stamp = (meta.get("uid"), meta.get("generation"))
+        if (known := self._folders.get(key)) is not None and known[0] == stamp:
+            return known[1]
+        job, _backend, problems = _problems(self.runtime, dict(body))
+        launched = bool((body.get("status") or {}).get("launchedSpec"))
+        folder = None
+        if job is not None and (launched or not problems):  # launched: its workers write it
+            running = as_launched(job)
+            backend = self.runtime.backends.get(running.spec.backend)
+            find = getattr(backend, "output_folder", None)
+            folder = find(running) if find is not None else None
+        self._folders[key] = (stamp, folder)
+        return folder
+
+    def output_holder(self, body: dict[str, Any]) -> str | None:
+        """The other live job that holds this one's output folder (`output_folders.holder`),
+        said as `namespace/name (phase)`; None when it may go on."""
+        folder = self._folder(body)
+        if folder is None:
+            return None
+        (me,) = self.output_user(body).values()  # type: ignore[union-attr]
+        found = holder(me, self.outputs.get(folder, ()))
+        return None if found is None else str(found)
+
     def gone(self, key: Key) -> None:
         self.jobs.pop(key, None)
+        self._folders.pop(key, None)
         self.failures.pop(key, None)
         self.runtime.launches.release(key)
         self.queue.forget(key)
@@ -433,7 +483,7 @@ class Controller:
         if body is None or body["metadata"].get("deletionTimestamp"):
             return
         try:
-            look_, patched = await self._look(body)
+            look_, patched = await self._look(body, self.output_holder(body))
         except _Retry as error:
             wait = self._retry_delay(key, error)
             logger.error("%s/%s: %s", *key, error.message(wait))
@@ -473,13 +523,14 @@ class Controller:
         if patched is not None and key in self.jobs and newer(slim(patched), self.jobs[key]):
             self.jobs[key] = slim(patched)
 
-    async def _look(self, body: dict[str, Any]) -> tuple[Look, dict[str, Any] | None]:
+    async def _look(self, body: dict[str, Any], output_holder: str | None = None
+                    ) -> tuple[Look, dict[str, Any] | None]:
         """`look` and the status patch; a failure that may pass is a _Retry."""
         runtime = self.runtime
         backend = (body.get("spec") or {}).get("backend", "kubernetes")
         try:
             with runtime.metrics.reconcile_seconds.labels(backend).time():
-                result = await look(runtime, body)
+                result = await look(runtime, body, output_holder)
         except KubeError as error:
             if error.namespace_terminating:  # its children went first; the job goes next
                 logger.info("%s/%s: not relaunched: its namespace is being deleted (%s)",
@@ -731,9 +782,10 @@ def register(registry: kopf.OperatorRegistry, runtime: Runtime) -> Controller:
         await warn_of_crd_drift(runtime.kube)
 
     async def job_event(type: str | None, body: kopf.Body, **indexes: Any) -> None:
-        # kopf calls this once every child index is listed in full, and passes the indexes
+        # kopf calls this once every index is listed in full, and passes the indexes
         for backend in runtime.backends.values():
             _attach(backend, indexes)
+        controller.outputs = indexes[OUTPUTS_INDEX]
         controller.seen(type, body)
 
     def needs_cleanup(spec: kopf.Spec, **_: Any) -> bool:
@@ -750,6 +802,7 @@ def register(registry: kopf.OperatorRegistry, runtime: Runtime) -> Controller:
         if (key := owner_key(body)) is not None:
             controller.changed(key)
 
+    kopf.index(**on, id=OUTPUTS_INDEX)(lambda body, **_: controller.output_user(dict(body)))
     kopf.on.event(**on, id="watch")(job_event)
 
     def sweep_event(type: str | None, body: kopf.Body, **_: Any) -> None:

@@ -209,7 +209,12 @@ def output_folder(target: str) -> tuple[str, Path] | None:
                 raise NotARun(f"{target}: not a valid FineTuneJob manifest — `finetune "
                               f"validate {target}` says why") from None
             return None  # not a manifest: NAME is a FineTuneJob's name after all
-        return job.name, resolve_output(job.spec.output.uri, path.resolve().parent)
+        output = job.spec.output.location
+        if output.scheme not in ("path", "relative"):  # a cluster's job: its folder is there
+            raise NotARun(f"{target}: FineTuneJob {job.namespace}/{job.name} writes "
+                          f"{output.raw}, which is not on this machine — `finetune status "
+                          f"{job.name} -n {job.namespace}` asks its cluster")
+        return job.name, resolve_output(output.raw, path.resolve().parent)
     if looks_local:
         raise NotARun(f"{target}: no such file or folder (a `finetune run` output folder "
                       "or its manifest; or a FineTuneJob's name, which has no / or suffix)")

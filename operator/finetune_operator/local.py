@@ -51,6 +51,7 @@ from finetune_trainer.layout import (
     LOCAL_CONFIG,
     MERGED_DIR,
     PROGRESS_FILE,
+    REFERENCE_FILE,
     TENSORBOARD_DIR,
     latest_checkpoint,
     step_of,
@@ -62,9 +63,11 @@ START_OVER = ("point spec.output.uri at a new folder, or start over with `finetu
               "deleted)")
 
 
-EARLIER_RUN = (CHECKPOINTS, FINAL_DIR, MERGED_DIR, TENSORBOARD_DIR, PROGRESS_FILE, HISTORY_FILE)
-"""What `--fresh` moves aside: the earlier run's checkpoints, exports and history (the
-model cache, the logs and the lock stay: a fresh run reuses or appends to them)."""
+EARLIER_RUN = (CHECKPOINTS, FINAL_DIR, MERGED_DIR, TENSORBOARD_DIR, PROGRESS_FILE, HISTORY_FILE,
+               REFERENCE_FILE)
+"""What `--fresh` moves aside: the earlier run's checkpoints, exports, history and DPO
+reference (the model cache, the logs and the lock stay: a fresh run reuses or appends to
+them)."""
 
 
 def set_earlier_run_aside(output_dir: Path) -> tuple[Path, list[str]] | None:
@@ -126,15 +129,21 @@ def plan_warnings(job: FineTuneJob, model: ModelConfig | None,
 
 
 def local_config(job: FineTuneJob, base_dir: Path, model: ModelConfig | None = None,
-                 machine: VmSize | None = None) -> tuple[TrainerConfig, StepSettings]:
+                 machine: VmSize | None = None, manifest: str | None = None
+                 ) -> tuple[TrainerConfig, StepSettings]:
     """The trainer config with every location usable here (relative paths resolved), and
     the step settings it holds with why unset checkpointing and compile became what they
     are (`notes`); `model` (its config.json) lets `strategy: auto` go through the planner,
-    which sizes the step for `machine` (this machine's GPUs) where given."""
+    which sizes the step for `machine` (this machine's GPUs) where given. `manifest`: the
+    file the job came from, which its checkpoints name as the job that wrote them."""
     mount = local_mount(base_dir)
     if problems := unreachable_locations(job, mount):
         raise InvalidJobError(problems)
-    return trainer_config_and_step_settings(job, mount, model, machine)
+    config, settings = trainer_config_and_step_settings(job, mount, model, machine)
+    if manifest is not None:
+        config = config.model_copy(update={
+            "job": config.job.model_copy(update={"manifest": manifest})})
+    return config, settings
 
 
 def local_mount(base_dir: Path) -> Mount:

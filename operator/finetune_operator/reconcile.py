@@ -38,10 +38,13 @@ FailureKind = Literal["worker", "preempted", "stopped", "refused"]
 pod was taken away (eviction, spot reclaim, node loss) — restarted for free. stopped: the
 trainer exited 143 after a checkpoint because it was told to stop — restarted for free.
 refused: the trainer refused to start, for a reason no restart changes (the output folder
-holds checkpoints trained with other settings; the hub refused the model) — the job fails,
+holds another training's checkpoints or model; the hub refused the model) — the job fails,
 no budget used."""
 
 
+OUTPUT_IN_USE = "OutputInUse"
+"""The Failed condition's reason for a job refused before launch because another live job
+holds its output folder (`output_folders`); an edit of its spec admits it again."""
 INPUT_REFUSED = "InputRefused"
 """The Failed condition's reason when the trainer refused the model or the data (its exit
 2): no attempt would differ."""
@@ -236,7 +239,7 @@ class _Builder:
 
     def __init__(self, job: FineTuneJob, now: datetime, seen: Observation | None = None,
                  problems: list[str] | None = None, feasibility: Feasibility | None = None,
-                 launch_wait: float | None = None):
+                 launch_wait: float | None = None, output_holder: str | None = None):
         self.asked = job
         """The spec as now written; `job` is as launched (`as_launched`)."""
         self.job, self.now = as_launched(job), now
@@ -244,6 +247,7 @@ class _Builder:
         self.problems = problems or []
         self.feasibility = feasibility
         self.launch_wait = launch_wait
+        self.output_holder = output_holder
         self.generation = job.metadata.generation
         self.status = (job.status or FineTuneJobStatus()).model_copy(deep=True)
         self.decision = Decision(status=self.status)
@@ -315,16 +319,18 @@ def _preflight_condition(b: _Builder, record: dict) -> None:
 def reconcile(job: FineTuneJob, seen: Observation, now: datetime,
               problems: list[str] | None = None,
               feasibility: Feasibility | None = None,
-              launch_wait: float | None = None) -> Decision:
+              launch_wait: float | None = None,
+              output_holder: str | None = None) -> Decision:
     """Decide what to do about `job`. `problems` are validation errors found by the caller
     (the API's rules and the backend's own), each `path: what — fix`. `feasibility` is the
     planner's verdict, computed by the caller before the first launch. `launch_wait`: the
     job's turn to launch comes in that many seconds (launches are paced, `pacing.py`), so a
-    launch due now waits for it.
+    launch due now waits for it. `output_holder`: the other live job that holds this one's
+    output folder (`output_folders.holder`), as `namespace/name (phase)`.
 
     A chain of guards, in the order a job's life asks them: each adds to the decision and
     either ends it (True) or lets the next one look."""
-    b = _Builder(job, now, seen, problems or [], feasibility, launch_wait)
+    b = _Builder(job, now, seen, problems or [], feasibility, launch_wait, output_holder)
     b.status.observed_generation = b.generation
     for guard in GUARDS:
         if guard(b):
@@ -338,7 +344,8 @@ def _finished(b: _Builder) -> bool:
     if b.status.phase not in TERMINAL_PHASES:
         return False
     refused = condition(b.status, "Failed")
-    if (not b.status.launched_spec and refused is not None and refused.reason == "InvalidSpec"
+    if (not b.status.launched_spec and refused is not None
+            and refused.reason in ("InvalidSpec", OUTPUT_IN_USE)
             and refused.observed_generation not in (None, b.generation)):
         b.cond("Failed", False, "SpecEdited", "")
         b.status.phase, b.status.message, b.status.completion_time = None, None, None
@@ -388,6 +395,18 @@ def _admitted(b: _Builder) -> bool:
             # the same spec, hashed by this version (a field it added shows in the hash)
             status.launched_spec = spec_fingerprint(b.asked)
     return False
+
+
+def _output_in_use(b: _Builder) -> bool:
+    """Another live job holds the output folder of this one, not launched yet: two jobs in
+    one folder would resume each other's checkpoints or replace each other's model."""
+    if b.output_holder is None or b.status.launched_spec:
+        return False
+    b.fail(OUTPUT_IN_USE, f"spec.output.uri {b.job.spec.output.uri} is the output folder of "
+           f"FineTuneJob {b.output_holder} — give this job a folder of its own (another "
+           "spec.output.uri); to train on from that job's checkpoints, apply this one again "
+           "once it has ended", stop_workload=False)
+    return True
 
 
 def _never_ran(status: FineTuneJobStatus) -> bool:
@@ -724,8 +743,8 @@ def _starting(b: _Builder) -> bool:
 
 
 GUARDS: tuple[Callable[[_Builder], bool], ...] = (
-    _finished, _admitted, _backend_health, _active_deadline, _suspended, _resumed,
-    _progress, _restarting, _launch, _adopted, _succeeded, _admitted_by_kueue, _failed,
+    _finished, _admitted, _output_in_use, _backend_health, _active_deadline, _suspended,
+    _resumed, _progress, _restarting, _launch, _adopted, _succeeded, _admitted_by_kueue, _failed,
     _parts_missing, _in_backend_queue, _held_suspended, _running, _starting)
 """`reconcile`'s questions, in order."""
 

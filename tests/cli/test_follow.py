@@ -36,6 +36,7 @@ from finetune_operator.follow import (
 from finetune_operator.kube import default_namespace
 from finetune_trainer.layout import LOCAL_CONFIG, RUN_LOCK
 from finetune_trainer.record import ProgressRecord
+from tests.conftest import REPO
 from tests.trainer.test_training import manifest
 
 FINETUNE = [sys.executable, "-m", "finetune_operator.cli"]
@@ -425,3 +426,14 @@ def test_a_path_that_names_no_run_is_said_so_and_no_cluster_is_asked(tmp_path):
     (model / "config.json").write_text("{}")
     with pytest.raises(NotARun, match="not a `finetune run` output folder"):
         view_of_output("model", model)
+
+
+def test_a_cluster_jobs_manifest_names_the_cluster_command_not_a_local_folder():
+    """Example 02's `finetune status`: its pvc:// output was read as a local path
+    (`where: .../examples/pvc:/checkpoints/...`, Pending for ever). Its folder is on a cluster:
+    said so, with the command that asks it."""
+    with pytest.raises(NotARun, match=(
+            r"FineTuneJob ml-team/llama-8b-full writes pvc://checkpoints/llama-8b-full, which "
+            r"is not on this machine — `finetune status llama-8b-full -n ml-team` asks its "
+            r"cluster")):
+        output_folder(str(REPO / "examples/02-aks-fsdp-full-8b.yaml"))

@@ -273,6 +273,28 @@ async def test_an_operator_restart_adopts_and_creates_nothing_twice(testbed: Tes
     assert_launched_once(testbed)
 
 
+async def test_a_second_job_on_one_output_folder_is_refused_naming_the_first(
+        testbed: Testbed):
+    """#58: two FineTuneJobs writing one folder resume each other's checkpoints or replace
+    each other's model. The second is refused before it launches, naming the first; given a
+    folder of its own, it is admitted and launched."""
+    await testbed.apply(testbed.manifest())
+    await testbed.until_phase("Running")
+    await testbed.apply(testbed.manifest("second"))
+    await testbed.until_phase("Failed", name="second")
+    failed = testbed.condition("Failed", name="second")
+    assert failed["reason"] == "OutputInUse"
+    assert (f"spec.output.uri pvc://ckpt/demo is the output folder of FineTuneJob "
+            f"{testbed.namespace}/demo (Running)") in failed["message"]
+    assert testbed.get("batch/v1/jobs", "second") is None
+    assert testbed.status()["phase"] == "Running"  # the first is left alone
+    await testbed.patch_spec("second", {"output": {"uri": "pvc://ckpt/second"}})
+    await testbed.until(lambda: testbed.status("second").get("launchedSpec"),
+                        "the second launched in its own folder", timeout=40)
+    assert testbed.get("batch/v1/jobs", "second") is not None
+    assert testbed.condition("Failed", name="second")["status"] == "False"
+
+
 async def test_invalid_spec_is_refused_with_a_condition(testbed: Testbed):
     await testbed.apply(testbed.manifest(dataset={"uri": "./local/train.jsonl"}))
     await testbed.until_phase("Failed")
@@ -303,7 +325,8 @@ async def test_many_jobs_at_once_all_run(testbed: Testbed):
     await operator.start()
     names = [f"job-{i:02d}" for i in range(50)]
     for name in names:
-        await testbed.apply(testbed.manifest(name, resources={"nodes": 1, "gpusPerNode": 1}))
+        await testbed.apply(testbed.manifest(name, resources={"nodes": 1, "gpusPerNode": 1},
+                                             output={"uri": f"pvc://ckpt/{name}"}))
     await testbed.until(lambda: all(testbed.status(n).get("phase") == "Running" for n in names),
                         "all 50 Running", timeout=90)
     assert sorted(n for n in names if testbed.jobs_created(n) == 1) == names

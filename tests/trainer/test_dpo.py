@@ -16,10 +16,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from finetune_trainer.layout import REFERENCE_FILE
 from tests.conftest import REPO
-from tests.trainer.test_training import finetune_run
+from tests.trainer.test_training import DATA, finetune_run, manifest
 
 pytestmark = pytest.mark.process
 PAIRS = REPO / "examples/data/tiny-preferences.jsonl"
@@ -220,3 +221,57 @@ def test_a_full_weight_run_without_its_reference_is_refused_not_retaken(
     assert f"{output / REFERENCE_FILE}: is missing" in said, said[-3000:]
     assert "start the run afresh" in said
     assert sorted(p.name for p in (output / "checkpoints").iterdir()) == ["step-00000003"]
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    """What a run leaves in `folder` (its model, checkpoints, progress), not the lock and
+    the cached data digests every command's check touches."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.relative_to(folder).parts[0] not in ("logs", ".finetune")}
+
+
+def test_an_sft_job_in_a_dpo_runs_folder_is_refused_and_its_model_kept(
+        dpo_runs, tiny_model_dir, tmp_path):
+    """#58 as a new user met it: a 6-step DPO run's folder (a copy of it), then an SFT
+    manifest on other data and maxSteps 7 pointed there. It resumed the DPO checkpoint,
+    trained one SFT step and replaced final/. Now `finetune run` refuses before anything
+    starts, naming the objective and the data; the pods' own check says the same; final/
+    and the checkpoints are byte for byte what they were."""
+    output = tmp_path / "out"
+    shutil.copytree(dpo_runs("ddp", "lora") / "out", output)
+    before = _files(output)
+    sft = manifest(tiny_model_dir, output, steps=7)
+    refused = finetune_run(sft, tmp_path / "sft")
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "trainer config:" not in refused.stdout and "starting" not in refused.stdout
+    (line,) = [line for line in refused.stderr.splitlines() if line.strip()]
+    assert "objective.type: dpo → sft" in line, line
+    assert f"dataset content: {PAIRS} (1 file, " in line and f"→ {DATA} (1 file, " in line
+    assert "dataset.format: auto → chat" in line
+    assert "written by FineTuneJob default/dpo-ddp-lora from " in line
+    assert "point spec.output.uri at a new folder, or start over with `finetune run --fresh`" in (
+        line)
+    assert "resumeWithChangedData" not in line  # another objective: no data knob helps
+    assert _files(output) == before
+
+    # the trainer's own check (the pods' init container): the same words, exit 4
+    config = yaml.safe_load((output / ".finetune" / "trainer.yaml").read_text())
+    config["objective"] = {"type": "sft"}
+    config["dataset"] = {"uri": str(DATA), "format": "chat", "maxSeqLength": MAX_LENGTH}
+    (tmp_path / "trainer.yaml").write_text(yaml.safe_dump(config))
+    check = subprocess.run([sys.executable, "-m", "finetune_trainer", "--check-resume",
+                            "--config", str(tmp_path / "trainer.yaml")],
+                           capture_output=True, text=True, timeout=120)
+    assert check.returncode == 4, check.stdout + check.stderr
+    assert "objective.type: dpo → sft" in check.stderr and "move its checkpoints/, final/" in (
+        check.stderr)
+
+    # its checkpoints moved away by hand, the model kept: a run from step 0 would replace it
+    shutil.move(output / "checkpoints", tmp_path / "kept-checkpoints")
+    again = finetune_run(dpo_manifest(tiny_model_dir, PAIRS, output), tmp_path / "dpo")
+    assert again.returncode == 2, again.stdout + again.stderr
+    assert "holds an exported model (final/) and no checkpoint it could resume from" in (
+        again.stderr)
+    assert _files(output / "final") == {
+        name.removeprefix("final/"): data for name, data in before.items()
+        if name.startswith("final/")}

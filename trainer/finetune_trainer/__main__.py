@@ -6,8 +6,9 @@ MASTER_PORT environment. Each failure is said in one line, also left in torchrun
 file for the launcher (finetune_trainer.errors).
 Exit codes: 0 done, 2 bad input (the model or the data; no restart can help), 3 the
 network failed the collective preflight (below spec.preflight.minBusBandwidthGBps, or no
-InfiniBand where it was required), 4 the output folder holds checkpoints trained with other
-settings (nothing was started; no restart can help), 143 stopped by SIGTERM after a
+InfiniBand where it was required), 4 the output folder holds checkpoints of another training,
+or an exported model and no checkpoint (`trained_with`: nothing was started; no restart can
+help), 143 stopped by SIGTERM after a
 checkpoint, 1 anything else (a full output volume among them: said in one line naming the
 folder, not a traceback).
 
@@ -56,16 +57,19 @@ def bind_locations(config, pairs: list[str]):
         if not sep or not path:
             raise ValueError(f"--location {pair!r} is not KEY=PATH (e.g. inputs.model=/mnt/m)")
         bindings[key] = path
-    update = {}
+    update: dict = {}
+    given = {}  # what checkpoints record: the placeholders, not this job's mount paths
     for section in ("model", "dataset", "output"):
         part = getattr(config, section)
         try:
-            update[section] = part.model_copy(
-                update={"uri": bind_placeholders(part.uri, bindings)})
+            bound = bind_placeholders(part.uri, bindings)
         except KeyError as missing:
             raise ValueError(f"{section}.uri {part.uri!r} needs --location "
                              f"{missing.args[0]}=PATH") from None
-    return config.model_copy(update=update)
+        update[section] = part.model_copy(update={"uri": bound})
+        if bound != part.uri:
+            given[section] = part.uri
+    return config.model_copy(update={**update, "placeholders": given or None})
 
 
 def _fetch(config: TrainerConfig, output_dir: Path) -> int:
@@ -218,8 +222,8 @@ def _main(argv: list[str] | None) -> int:
     # before any download or process group: a job changed after its first run must not
     # resume from (and fail on, at every restart) the checkpoints of the old settings
     refused = not args.preflight and trained_with.refusal(
-        output, config,
-        "set spec.output.uri to a new folder, or move its checkpoints/ away to start over")
+        output, config, "set spec.output.uri to a new folder, or move its checkpoints/, "
+        "final/ and merged/ away to start over", base_dir)
     if refused:
         return failed(refused, EXIT_OTHER_CHECKPOINTS, termination=True)
     if args.check_resume:

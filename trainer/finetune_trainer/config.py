@@ -347,6 +347,12 @@ class OutputConfig(ApiModel):
     host has memory for the staged copy of the state, `on` always, `off` never. The last
     step's checkpoint and the one taken on SIGTERM are always written at once, with no
     staged copy, and are complete before the run goes on or the process exits."""
+    resume_with_changed_data: bool = False
+    """Resume from this folder's checkpoints although the dataset changed since they were
+    written (its files' content, `uri`, `split`, `evalSplit`, `evalFraction` or `format`):
+    for training on from a checkpoint with records added or edited, on purpose. The run goes
+    on at its step, in the new data's order. Off (the default): such a run is refused before
+    any step, naming what changed. A changed objective, method or model is always refused."""
     tensorboard: bool = True
     """Rank 0 writes TensorBoard event files (loss, learning rate, grad norm, tokens/s, eval
     loss) under `tensorboard/` in this folder: `tensorboard --logdir <folder>` locally or on
@@ -364,6 +370,8 @@ class JobIdentity(ApiModel):
     name: str
     namespace: str = "default"
     uid: str | None = None
+    manifest: str | None = None
+    """`finetune run`: the manifest's path (a cluster's job is known by its uid)."""
 
 
 class MetricsConfig(ApiModel):
@@ -436,6 +444,10 @@ class TrainerConfig(ApiModel):
     """Set by the trainer itself, never by the operator: the spec's hub model when `model`
     points at its copy in the output folder (`finetune_trainer.fetch`). Checkpoints record
     this one, so a run that read the copy and one that read the hub resume each other."""
+    placeholders: dict[str, str] | None = None
+    """Set by the trainer itself, never by the operator: the Azure ML placeholders
+    (`${{inputs.model}}`) it bound to mount paths, by section. Checkpoints record these: the
+    mount paths differ from one Azure ML job to the next, a restart's included."""
 
     @model_validator(mode="after")
     def _strategy_is_resolved(self) -> TrainerConfig:

@@ -17,8 +17,8 @@ EXIT_NETWORK = 3
 EXIT_OTHER_CHECKPOINTS = 4
 STOPPED = 143  # 128 + SIGTERM: what Kubernetes and torchrun expect after SIGTERM
 NOT_RESTARTED = (EXIT_BAD_INPUT, EXIT_OTHER_CHECKPOINTS)
-"""Refusals no attempt would change: the model or the data, checkpoints of other
-settings in the output folder. Every launcher ends the job on them at once."""
+"""Refusals no attempt would change: the model or the data, another training's
+checkpoints or model in the output folder. Every launcher ends the job on them at once."""
 
 TERMINATION_LOG = "/dev/termination-log"
 TERMINATION_LOG_ENV = "FINETUNE_TERMINATION_LOG"

@@ -21,7 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune_trainer import checkpoint, flops, network_preflight, tracking, trained_with
+from finetune_trainer import (
+    checkpoint,
+    fingerprints,
+    flops,
+    network_preflight,
+    tracking,
+    trained_with,
+)
 from finetune_trainer.collectives import CollectiveLog, merge
 from finetune_trainer.config import Hyperparameters, TrainerConfig
 from finetune_trainer.data import (
@@ -558,6 +565,10 @@ class StepLogger:
         self.window = LogWindow()
 
 
+REFERENCE_OF = ("model.uri", "model.revision", "method.type", "strategy.precision")
+"""What a full-weight DPO reference table is of, besides its pairs (`Trainer._reference_table`)."""
+
+
 class Trainer:
     """One training run, in torchtitan's shape: the constructor builds the components (the
     checked data, the process group, the model under its strategy, the optimizer and its
@@ -672,6 +683,10 @@ class Trainer:
         path = self.output_dir / REFERENCE_FILE
         sequences = self.prepared.train + self.prepared.eval
         digest = hashlib.sha256()
+        # of these pairs, through this model at this precision: another model's table, left
+        # by an earlier run in the folder, is never read as this one's
+        settings = trained_with.record(self.config)
+        digest.update(repr([settings[key] for key in REFERENCE_OF]).encode())
         for sequence in sequences:
             digest.update(repr((sequence["input_ids"], sequence["pairs"])).encode())
         fingerprint = digest.hexdigest()
@@ -720,9 +735,12 @@ class Trainer:
         config, output_dir = self.config, self.output_dir
         self.state = checkpoint.TrainerState(step=0, epoch=0, step_in_epoch=0, tokens_seen=0,
                                              total_steps=self.steps)
+        # the dataset's digest on rank 0 only, which alone writes the record
+        content = (fingerprints.dataset(config.dataset, self.base_dir, output_dir)
+                   if self.rank == 0 else None)
         self.checkpoints = checkpoint.Checkpointer(
             self.strategy, self.scheduler, output_dir, config.output.keep_last,
-            trained_with.record(config), say=_say,
+            trained_with.record(config, content), say=_say,
             observe=self.metrics.checkpoint_save.observe,
             behind=config.output.async_checkpoints, every=config.output.checkpoint_every_steps)
         self.metrics.total_steps.set(self.steps)
@@ -731,6 +749,11 @@ class Trainer:
             self.state = checkpoint.load(self.strategy, self.scheduler, latest)
             self.metrics.resumed(time.perf_counter() - started)
             _say(f"resuming from {latest} (step {self.state.step}/{self.steps})")
+            if self.rank == 0 and (changed := trained_with.changed_data(output_dir, config,
+                                                                        content)):
+                _say(f"the data changed since that checkpoint ({'; '.join(changed)}): "
+                     "training on with the new data, as spec.output.resumeWithChangedData "
+                     "allows")
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # one port per process on a node
         server = (ProgressServer(config.metrics.port + local_rank, host=config.metrics.host,
                                  registry=self.metrics.registry)

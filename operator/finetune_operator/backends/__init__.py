@@ -85,6 +85,12 @@ class Backend(Protocol):
     def render(self, job: FineTuneJob) -> list[dict[str, Any]]:
         """The objects `launch` creates, for `finetune render`."""
 
+    def output_folder(self, job: FineTuneJob) -> str | None:
+        """The folder the job's output lands in, as a key two jobs share exactly when they
+        write one folder (`output_folders.folder_key`: a claim and its path in the
+        namespace; a workspace's datastore and path); None where no other job can write it
+        (a path on the worker's own disk). The operator launches one live job per folder."""
+
     async def launch(self, job: FineTuneJob) -> None:
         """Start the workers (or find them started)."""
 

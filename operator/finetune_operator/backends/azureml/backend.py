@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -28,6 +29,7 @@ from finetune_operator.backends.azureml.client import (
     Workspace,
 )
 from finetune_operator.backends.azureml.states import AzureJob
+from finetune_operator.output_folders import folder_key
 from finetune_operator.reconcile import Failure, Observation
 from finetune_operator.validation import Problem
 from finetune_trainer.uris import Location
@@ -61,6 +63,29 @@ def workspace_of(job: FineTuneJob) -> Workspace:
     return Workspace(aml.subscription_id, aml.resource_group, aml.workspace)
 
 
+_DATASTORE_FOLDER = re.compile(
+    r"azureml://(?:subscriptions/(?P<subscription>[^/]+)/resourcegroups/(?P<group>[^/]+)/"
+    r"workspaces/(?P<workspace>[^/]+)/)?datastores/(?P<store>[^/]+)/paths/(?P<path>\S+)",
+    re.IGNORECASE)
+
+
+def output_folder(job: FineTuneJob) -> str | None:
+    """The workspace, datastore and path the output is written to (the workspace the URI
+    names, else the job's `spec.azureml` one). Azure's names are not case-sensitive; the
+    path in the store is."""
+    found = _DATASTORE_FOLDER.fullmatch(job.spec.output.uri)
+    if found is None:
+        return None
+    azure = job.spec.azureml
+    where = (found["subscription"], found["group"], found["workspace"]) if found[
+        "subscription"] else (azure.subscription_id, azure.resource_group, azure.workspace
+                              ) if azure else None
+    if where is None:
+        return None
+    return folder_key("azureml", *(part.lower() for part in (*where, found["store"])),
+                      found["path"])
+
+
 class AzureMLBackend:
     """Jobs as Azure ML command jobs (compute clusters, or attached AKS compute)."""
 
@@ -84,7 +109,10 @@ class AzureMLBackend:
         return jobspec.mount(location)
 
     def validate(self, job: FineTuneJob) -> list[Problem]:
-        return jobspec.validate(job)
+        return jobspec.validate(job, self.settings)
+
+    def output_folder(self, job: FineTuneJob) -> str | None:
+        return output_folder(job)
 
     def render(self, job: FineTuneJob) -> list[dict[str, Any]]:
         return [jobspec.render(job, self.settings)]

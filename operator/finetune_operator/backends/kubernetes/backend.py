@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import posixpath
 import time
 from dataclasses import replace
 from datetime import UTC, datetime
@@ -34,6 +35,7 @@ from finetune_operator.backends.kubernetes.workers import (
     validate,
 )
 from finetune_operator.kube import KUEUE_JOB_UID_LABEL, KubeError, timestamp
+from finetune_operator.output_folders import folder_key
 from finetune_operator.reconcile import Observation, queued
 from finetune_operator.validation import Problem
 from finetune_trainer.uris import Location
@@ -55,6 +57,24 @@ QUEUE_LOOK_SECONDS = 120.0
 """How often a queued Job's Kueue Workload is read once the Job is older than that: its
 message (why Kueue waits) changes seldom, admission itself arrives through the Job's watch,
 and a read every look would cost 1,000 queued jobs 100 requests/s at the default interval."""
+
+
+def output_folder(job: FineTuneJob) -> str | None:
+    """The claim and path the workers write: a pvc:// output, or an absolute path on a claim
+    of `spec.kubernetes.volumes`; None for a path on the pod's own disk (no other job's)."""
+    location = job.spec.output.location
+    if location.scheme == "pvc":
+        return folder_key("pvc", job.namespace, location.uri.pvc_claim, location.uri.pvc_subpath)
+    if location.scheme != "path" or job.spec.kubernetes is None:
+        return None
+    path = posixpath.normpath(location.raw)
+    for volume in job.spec.kubernetes.volumes:
+        mounted = posixpath.normpath(volume.mount_path)
+        if volume.persistent_volume_claim is not None and (
+                path == mounted or path.startswith(mounted.rstrip("/") + "/")):
+            return folder_key("pvc", job.namespace, volume.persistent_volume_claim.claim_name,
+                              posixpath.relpath(path, mounted))
+    return None
 
 
 # --- the backend: the pure parts of `workers` and `states`, plus the API calls ----------
@@ -83,7 +103,10 @@ class KubernetesBackend:
         return mount(location)
 
     def validate(self, job: FineTuneJob) -> list[Problem]:
-        return validate(job)
+        return validate(job, self.settings)
+
+    def output_folder(self, job: FineTuneJob) -> str | None:
+        return output_folder(job)
 
     def render(self, job: FineTuneJob) -> list[dict[str, Any]]:
         return render(job, self.settings)

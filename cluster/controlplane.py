@@ -13,7 +13,8 @@ kube-controller-manager, kube-scheduler, KWOK playing the kubelets of fake nodes
 `make cluster` / `make cluster-down` call this; the tests' `real_cluster` fixture uses the
 same `ControlPlane` in a folder of its own. Binaries are built from the Go modules beside this
 file (go.mod / go.sum pin every version) into a cache outside the repository keyed by those
-files, so only the first build on a machine pays (~8 minutes on 2 cores, Kueue included).
+files, so only the first build on a machine pays (measured in docs/design/development.md,
+"Build times").
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ def _built(target: Path) -> bool:
 
 def _build(target: Path, missing: list[str], log) -> None:
     log(f"building the control plane ({', '.join(missing)}) into {target}; "
-        "cold, this takes ~8 minutes on 2 cores")
+        "cold, this takes minutes (docs/design/development.md, \"Build times\")")
     version_flags = []
     major, minor = KUBERNETES_VERSION.lstrip("v").split(".")[:2]
     for package in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version"):

@@ -18,7 +18,7 @@ from finetune_operator.manifests import Document, ManifestError, read_documents
 from finetune_operator.pacing import LAUNCH_BURST, LAUNCH_RATE
 from finetune_operator.render import render
 from finetune_operator.sweep import check_sweep
-from finetune_operator.validation import Problem, short_repr
+from finetune_operator.validation import PUSH_THE_TRAINER_IMAGE, Problem, short_repr
 from finetune_trainer import layout
 
 if TYPE_CHECKING:
@@ -102,9 +102,11 @@ def _jobs_in(paths: tuple[str, ...], use: Use, backend: str | None = None,
                 doc.data["spec"]["backend"] = backend
             admission = admit(doc.data, installed, "here" if use == "here" else "cluster")
             job, problems = admission.job, admission.problems
-            if use == "validate":  # said once, by validation's warning
+            if use == "validate":  # said once, by validation's warning; the image the
+                # operator's own settings name is the cluster's, not this machine's: render's
                 problems = [p for p in problems
-                            if not (p.cluster_only and p.severity == "error")]
+                            if not (p.cluster_only and p.severity == "error")
+                            and PUSH_THE_TRAINER_IMAGE not in p.fix]
             errors = [p for p in problems if p.severity == "error"]
             for problem in problems:
                 say(doc.source, problem)
@@ -171,9 +173,10 @@ def validate(files: tuple[str, ...], output: str) -> None:
 
     Prints one line per problem, `FILE: path.to.field: what is wrong — how to fix`, and
     exits 2 when any manifest is invalid. It checks what the operator checks, the
-    backend's own refusals included (what `finetune render` refuses). Warnings (a local
-    path that does not exist on this machine, relative paths that only `finetune run`
-    can use) do not change the exit code.
+    backend's own refusals included (what `finetune render` refuses). Warnings (an
+    absolute local path that does not exist on this machine, relative paths that only
+    `finetune run` can use, two jobs writing one output folder) do not change the exit
+    code; a relative model or data path that is not on this machine is an error.
     """
     found: list[dict] = []
 
@@ -183,9 +186,18 @@ def validate(files: tuple[str, ...], output: str) -> None:
 
     say = collect if output == "json" else _say_problem
     valid, invalid = _jobs_in(files, "validate", say=say)
+    usable = []
     for doc, job in valid:
-        for problem in local_path_problems(job, doc.folder):
+        here = local_path_problems(job, doc.folder)
+        for problem in here:
             say(doc.source, problem)
+        if any(p.severity == "error" for p in here):  # a relative path not on this machine
+            invalid += 1
+        else:
+            usable.append((doc, job))
+    valid = usable
+    for source, problem in _shared_outputs(valid):
+        say(source, problem)
     if output == "json":
         click.echo(json.dumps({
             "valid": invalid == 0,
@@ -199,14 +211,49 @@ def validate(files: tuple[str, ...], output: str) -> None:
         sys.exit(EXIT_INVALID)
 
 
+def _shared_outputs(valid: list[tuple[Document, FineTuneJob]]) -> list[tuple[str, Problem]]:
+    """A warning for each job whose output folder an earlier job of the files writes too: on
+    a cluster the operator launches one live job per folder and refuses the other
+    (OutputInUse); run one after the other, the second resumes or refuses the first's."""
+    backends = offline_backends()
+    first: dict[str, tuple[Document, FineTuneJob]] = {}
+    warnings = []
+    for doc, job in valid:
+        if (folder := _output_folder(job, doc, backends)) is None:
+            continue
+        if folder not in first:
+            first[folder] = (doc, job)
+            continue
+        other_doc, other = first[folder]
+        warnings.append((doc.source, Problem(
+            "spec.output.uri", f"{job.spec.output.uri} is also the output folder of "
+            f"FineTuneJob {other.namespace}/{other.name} ({other_doc.source}): one folder "
+            "holds one job's checkpoints and model, so the operator launches only one of "
+            "them and refuses the other (OutputInUse)", "give each job a folder of its own",
+            severity="warning")))
+    return warnings
+
+
+def _output_folder(job: FineTuneJob, doc: Document, backends) -> str | None:
+    """Where the job's output lands, as its backend names the folder (`output_folder`); a
+    relative path (`finetune run`) by where it is on this machine."""
+    location = job.spec.output.location
+    if location.scheme == "relative":
+        return f"here|{(doc.folder / location.raw).resolve()}"
+    find = getattr(backends.get(job.spec.backend), "output_folder", None)
+    return find(job) if find is not None else None
+
+
 def local_path_problems(job: FineTuneJob, base_dir: Path, runs_here: bool = False
                         ) -> list[Problem]:
-    """Warnings for model and dataset paths this machine can look at and does not have
-    (or has as a folder that is no saved model, an empty data file): relative ones (they
-    mean this machine) and absolute ones (they may exist only in the job's image, so a
-    warning, not an error). Errors where the job `runs_here` (`finetune run`): found before
-    anything starts or is written."""
+    """The model and dataset paths this machine can look at and does not have (or has as a
+    folder that is no saved model, an empty data file). Errors for relative ones: they mean
+    this machine (only `finetune run` reads them), so one not here is wrong wherever it is
+    checked; warnings for absolute ones (they may exist only in the job's image), errors
+    too where the job `runs_here` (`finetune run`): found before anything starts or is
+    written."""
     problems = []
+    demo = Path(layout.DEMO_MODEL).parts
     for is_model, location in (True, job.spec.model.location), (False,
                                                                 job.spec.dataset.location):
         scheme = location.scheme
@@ -219,14 +266,18 @@ def local_path_problems(job: FineTuneJob, base_dir: Path, runs_here: bool = Fals
             why, fix = f"cannot be looked at on this machine ({error.strerror})", None
         if why is None:
             continue
+        if fix is None and is_model and Path(os.path.normpath(where)).parts[
+                -len(demo):] == demo:  # examples 01 and 08, before `make demo` built it
+            fix = ("run `make demo` first: it builds the tiny model these examples use "
+                   f"({layout.DEMO_MODEL})")
         if fix is None:
             fix = "fix the path (relative paths start at the manifest's folder)"
             if runs_here:
                 fix += ": `finetune run` reads it on this machine"
         if not runs_here and scheme == "path":
             fix += "; ignore this if it is right where the job runs (inside its image)"
-        problems.append(Problem(location.field, f"{_path(where)} {why}", fix,
-                                severity="error" if runs_here else "warning"))
+        problems.append(Problem(location.field, f"{_path(where)} {why}", fix, severity=(
+            "error" if runs_here or scheme == "relative" else "warning")))
     output = job.spec.output.location
     if runs_here and output.scheme in ("path", "relative"):
         where = base_dir / output.raw if output.scheme == "relative" else Path(output.raw)
@@ -249,6 +300,8 @@ def _unusable(where: Path, is_model: bool) -> tuple[str | None, str | None]:
     if is_model and not where.is_dir():
         return "is a file, not a model folder", saved_model
     if is_model and not (where / "config.json").is_file():
+        if (where / "adapter_config.json").is_file():  # a LoRA job's export: SFT before DPO
+            return layout.LORA_ADAPTER
         return "holds no config.json, so it is not a saved model", saved_model
     if is_model and not layout.holds_any(where, layout.SAVED_WEIGHTS):
         return (f"holds config.json but no weights ({', '.join(layout.SAVED_WEIGHTS)})",
@@ -357,7 +410,7 @@ def plan_command(file: str | None, gpu_type: str | None, output: str, offline: b
     """
     from finetune_operator import planner
     from finetune_operator.planner import render as plan_render
-    from finetune_operator.planner.sources import hub_offline
+    from finetune_operator.planner.sources import ask_hub, hub_offline
 
     with_model = {"--method": method, "--seq-len": seq_len, "--gpus-per-node": gpus_per_node,
                   "--nodes": nodes}
@@ -368,9 +421,10 @@ def plan_command(file: str | None, gpu_type: str | None, output: str, offline: b
             "options (-o json lists as JSON)")
         _print_lists(list_gpus, list_models, output)
         return
-    configs = planner.ModelConfigs(fetch=None if offline else planner.fetch_from_hub)
     why_offline = "--offline" if offline else (
         "HF_HUB_OFFLINE=1" if hub_offline() else None)
+    # asked, the hub's silence is said with its reason, as --offline is
+    configs = planner.ModelConfigs(fetch=None if why_offline else ask_hub)
     if model_name is not None:
         _usage_unless(file is None, "give FILE or --model, not both")
         job = _job_of_model(model_name, configs, why_offline, gpu_type, with_model)
@@ -382,7 +436,8 @@ def plan_command(file: str | None, gpu_type: str | None, output: str, offline: b
         doc, job = _the_job_to_plan(file, gpu_type)
         configs.base_dir = doc.folder
     model = configs.resolve(job.spec.model.uri, job.spec.model.revision)
-    result = plan_render.plan_with_notes(job, model, offline=why_offline)
+    result = plan_render.plan_with_notes(job, model, offline=why_offline, unanswered=(
+        configs.unanswered(job.spec.model.uri, job.spec.model.revision)))
     if output == "json":
         click.echo(json.dumps(result.to_dict(), indent=2))
     else:
@@ -457,7 +512,7 @@ def _job_of_model(name: str, configs: ModelConfigs, why_offline: str | None,
     uri = str(local.resolve()) if name.startswith((".", "/", "~")) or local.exists() else (
         "hf://" + name.removeprefix("hf://").strip("/"))
     if configs.resolve(uri) is None:
-        _no_such_model(name, uri, why_offline)
+        _no_such_model(name, uri, why_offline, configs.unanswered(uri))
     named = local.resolve().parent if local.name == "config.json" else Path(uri)
     label = re.sub(r"[^a-z0-9]+", "-", named.name.lower())
 
@@ -481,8 +536,10 @@ def _job_of_model(name: str, configs: ModelConfigs, why_offline: str | None,
     return admission.job
 
 
-def _no_such_model(name: str, uri: str, why_offline: str | None) -> None:
-    """`plan --model NAME` of a model whose config.json is nowhere to be had: exit 2."""
+def _no_such_model(name: str, uri: str, why_offline: str | None,
+                   unanswered: str | None = None) -> None:
+    """`plan --model NAME` of a model whose config.json is nowhere to be had: exit 2;
+    `unanswered`: why the hub, asked, gave none."""
     from finetune_operator.planner import known_models
 
     if not uri.startswith("hf://"):
@@ -492,6 +549,7 @@ def _no_such_model(name: str, uri: str, why_offline: str | None) -> None:
         sys.exit(EXIT_INVALID)
     close = known_models.close_names(name)
     hub = (f"the hub was not asked (offline: {why_offline})" if why_offline else
+           f"the hub did not answer ({unanswered})" if unanswered else
            "the hub gave no config.json for it (not reached, no such repo, or a gated "
            "one: set HF_TOKEN)")
     click.echo(f"--model {name}: not in the planner's built-in table, and {hub} — "
@@ -505,8 +563,6 @@ def _check_gpu_type_option(gpu_type: str, job: FineTuneJob) -> None:
     """`plan --gpu-type`, typed on the command line: a name the catalog does not know
     (a typo planned as `verdict: unknown`, exit 0) or a job of CPU workers (the option was
     ignored without a word) is refused, exit 2."""
-    import difflib
-
     from finetune_operator.planner import catalog
 
     if not job.spec.resources.gpus_per_node:
@@ -515,8 +571,7 @@ def _check_gpu_type_option(gpu_type: str, job: FineTuneJob) -> None:
                    err=True)
         sys.exit(EXIT_INVALID)
     if catalog.find(gpu_type) is None:
-        known = catalog.known_names()
-        close = difflib.get_close_matches(gpu_type, known, n=3, cutoff=0.6)
+        known, close = catalog.known_names(), catalog.close_names(gpu_type)
         click.echo(f"--gpu-type {gpu_type}: not in the planner's catalog — "
                    + (f"did you mean {' or '.join(close)}? " if close else "")
                    + f"(known: {', '.join(known)})", err=True)
@@ -557,9 +612,10 @@ def run_command(file: str, nproc: int | None, fresh: bool, metrics_port: int | N
     where; running the same command again resumes from that checkpoint. A worker that
     fails (an exception, an OOM kill, kill -9) restarts all of them from the newest
     complete checkpoint, up to spec.runPolicy.backoffLimit times; a model or data the
-    trainer refuses is said once and not restarted. Checkpoints trained with other settings
-    (another LoRA rank, model, strategy, ...) are never resumed: the run is refused, naming
-    them.
+    trainer refuses is said once and not restarted. An output folder belongs to one
+    training: checkpoints of another (another objective, model, dataset, LoRA rank,
+    strategy, ...) are never resumed, and a model exported there is never replaced by a run
+    from step 0; the run is refused, naming what differs (--fresh sets them aside).
     """
     from finetune_operator import local
     from finetune_trainer import trained_with
@@ -582,7 +638,7 @@ def run_command(file: str, nproc: int | None, fresh: bool, metrics_port: int | N
         aside, names = moved
         click.echo(f"--fresh: the earlier run's {', '.join(names)} are kept in {aside}; "
                    "starting over")
-    if refused := trained_with.refusal(output_dir, config, local.START_OVER):
+    if refused := trained_with.refusal(output_dir, config, local.START_OVER, doc.folder):
         click.echo(f"{doc.source}: {refused}", err=True)
         sys.exit(EXIT_INVALID)
     if not fresh and (done := local.already_done(output_dir, config)):
@@ -631,7 +687,8 @@ def _config_here(doc: Document, here: FineTuneJob, model, machine, metrics_port:
     from finetune_operator.validation import InvalidJobError
 
     try:
-        config, step_settings = local.local_config(here, doc.folder, model, machine)
+        manifest = None if doc.path == "-" else str(Path(doc.path).resolve())
+        config, step_settings = local.local_config(here, doc.folder, model, machine, manifest)
         config, serving = local.serving_here(config, here.spec.resources.processes(),
                                              metrics_port)
     except InvalidJobError as error:

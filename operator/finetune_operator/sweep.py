@@ -449,7 +449,10 @@ def _extremes(parameter: SearchParameter) -> list[Scalar]:
 def _job_problems(sweep: FineTuneSweep, spec: dict[str, Any], number: int) -> list[Problem]:
     _job, problems = check_document({
         "apiVersion": sweep.api_version, "kind": KIND, "spec": spec,
-        "metadata": {"name": f"{sweep.name}-{number}", "namespace": sweep.namespace}})
+        "metadata": {"name": f"{sweep.name}-{number}", "namespace": sweep.namespace,
+                     # Kueue's label on the sweep queues its trials no more than on a job
+                     "labels": sweep.metadata.labels,
+                     "annotations": sweep.metadata.annotations}})
     return problems
 
 

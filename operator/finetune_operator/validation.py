@@ -31,6 +31,7 @@ from finetune_operator.api import (
     FineTuneJobSpec,
 )
 from finetune_operator.planner import catalog
+from finetune_operator.settings import OperatorSettings
 from finetune_trainer.uris import ONE_DATA_FILE, Location, UriError
 
 # torchrun / torch.distributed rendezvous and the names Kubeflow users know: set by the
@@ -407,6 +408,42 @@ def backend_section_present(job: FineTuneJob) -> Iterator[Problem]:
                       "remove it, or set `backend: azureml`", "warning")
 
 
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+"""Kueue's queue label: the operator puts it on the worker Job from spec.kubernetes.queueName."""
+
+
+def queue_is_in_the_spec(job: FineTuneJob) -> Iterator[Problem]:
+    """Kueue's queue label on the FineTuneJob itself (the habit of Kubeflow's TrainJob and
+    JobSet, which Kueue knows): Kueue reads it only on the workloads it integrates, so the
+    job ran unqueued. An error: a job meant to wait for its quota must not start at once.
+    No CEL rule: the API server's rules cannot see metadata.labels."""
+    meta, spec = job.metadata, job.spec
+    for where, values in ("metadata.labels", meta.labels), ("metadata.annotations",
+                                                            meta.annotations):
+        if KUEUE_QUEUE_LABEL not in values:
+            continue
+        queue = values[KUEUE_QUEUE_LABEL]
+        shown = queue if queue.isprintable() and len(queue) <= 63 else short_repr(queue)
+        spec_queue = spec.kubernetes.queue_name if spec.kubernetes else None
+        if spec.backend == "azureml":
+            yield Problem(where, f"{KUEUE_QUEUE_LABEL} is for Kueue, which queues only "
+                          "backend kubernetes jobs", "remove it: Azure ML queues the job on "
+                          "its compute (spec.azureml.compute)")
+        elif spec_queue is None:
+            yield Problem(where, f"{KUEUE_QUEUE_LABEL}: Kueue reads it only on the kinds it "
+                          "integrates (Job, JobSet, TrainJob, ...), not here: the workers would "
+                          f"start without waiting in queue {shown}",
+                          f"did you mean `spec.kubernetes.queueName: {shown}`?")
+        elif spec_queue != queue:
+            yield Problem(where, f"{KUEUE_QUEUE_LABEL} says {shown}, and "
+                          f"spec.kubernetes.queueName is {spec_queue}: the worker Job waits in "
+                          f"{spec_queue}", "remove the label (spec.kubernetes.queueName is "
+                          "the job's queue), or set queueName to the queue meant")
+
+
+RULES.append(Rule("queue_is_in_the_spec", queue_is_in_the_spec))
+
+
 def gpu_type_is_known(job: FineTuneJob) -> Iterator[Problem]:
     """A gpuType the planner knows, with the GPUs per node it has: a warning otherwise (the
     job may still run on nodes the catalog does not list)."""
@@ -416,10 +453,13 @@ def gpu_type_is_known(job: FineTuneJob) -> Iterator[Problem]:
         return
     vm = catalog.find(gpu_type, wanted)
     if vm is None:
+        close = catalog.close_names(gpu_type)
         yield Problem("spec.resources.gpuType", f"{gpu_type!r} is not in the planner's GPU "
                       "catalog, so the memory check before launch is skipped",
-                      "use an Azure VM size (e.g. Standard_ND96amsr_A100_v4) or a GPU model "
-                      "(T4, V100-32GB, A100-80GB, H100, H200)", "warning")
+                      f"did you mean {' or '.join(close)}? (`finetune plan --list-gpus` lists "
+                      "the catalog)" if close else "use an Azure VM size (e.g. "
+                      "Standard_ND96amsr_A100_v4) or a GPU model (T4, V100-32GB, A100-80GB, "
+                      "H100, H200)", "warning")
         return
     if vm.gpus < wanted:
         family = vm.gpu.name.split("-")[0]
@@ -520,6 +560,23 @@ def kubernetes_pod_settings(job: FineTuneJob) -> Iterator[Problem]:
         if volume.name in names:
             yield Problem(f"{path}.name", f"{volume.name} is used twice", "give it another name")
         names.add(volume.name)
+
+
+# --- shared by the backends' own rules --------------------------------------------------
+
+PUSH_THE_TRAINER_IMAGE = (
+    "set FINETUNE_TRAINER_IMAGE to the image you pushed, built from trainer/Dockerfile (the "
+    "chart sets it for the operator from trainer.image.repository and trainer.image.tag)")
+
+
+def placeholder_image(job: FineTuneJob, settings: OperatorSettings | None = None
+                      ) -> str | None:
+    """The trainer image of `settings` (None: from the environment) when it is the default,
+    a placeholder no registry serves (the chart requires a real one); None otherwise, and
+    for a job of relative paths (for `finetune run`, which runs no image)."""
+    image = (settings or OperatorSettings.from_env()).trainer_image
+    default = OperatorSettings.model_fields["trainer_image"].default
+    return image if image == default and not relative_locations(job) else None
 
 
 # --- structure: pydantic errors as problems --------------------------------------------

@@ -208,6 +208,10 @@ CASES = [
          "spec.objective.dpo.labelSmoothing", "must be at most 0.49", "schema"),
     Case("beta-zero", {**PREFERENCE, "spec.objective": {"type": "dpo", "dpo": {"beta": 0}}},
          "spec.objective.dpo.beta", "must be greater than 0", "schema"),
+    # Kubeflow's TrainJob and JobSet are queued by this label on the object itself; Kueue
+    # knows no FineTuneJob, so the job ran unqueued (the operator queues its worker Job)
+    Case("kueue-label-on-the-job", {"metadata.labels": {"kueue.x-k8s.io/queue-name": "team-a"}},
+         "metadata.labels", "did you mean `spec.kubernetes.queueName: team-a`?", None),
 ]
 
 
@@ -285,3 +289,44 @@ def test_warnings_do_not_fail_a_manifest():
     assert job is not None
     assert {p.severity for p in problems} == {"warning"}
     assert {p.path for p in problems} == {"spec.dataset.uri", "spec.azureml"}
+
+
+def test_a_kueue_label_naming_the_jobs_own_queue_is_harmless():
+    doc = edit(minimal_job(), {"metadata.labels": {"kueue.x-k8s.io/queue-name": "team-a"},
+                               "spec.kubernetes": {"queueName": "team-a"}})
+    assert admit(doc, INSTALLED).errors == []
+
+
+def test_a_kueue_label_on_a_job_of_another_queue_or_backend_says_what_queues_it():
+    other = edit(minimal_job(), {"metadata.labels": {"kueue.x-k8s.io/queue-name": "team-a"},
+                                 "spec.kubernetes": {"queueName": "team-b"}})
+    (problem,) = admit(other, INSTALLED).errors
+    assert problem.path == "metadata.labels"
+    assert "spec.kubernetes.queueName is team-b" in problem.message
+    azureml = edit(minimal_job(), {"metadata.labels": {"kueue.x-k8s.io/queue-name": "team-a"},
+                                   "spec.backend": "azureml", "spec.azureml": AML})
+    problem = next(p for p in check_document(azureml)[1] if p.path == "metadata.labels")
+    assert problem.severity == "error" and "Azure ML" in problem.fix
+    # Kueue's older spelling, an annotation: the same
+    annotated = edit(minimal_job(), {"metadata.annotations": {
+        "kueue.x-k8s.io/queue-name": "team-a"}})
+    (problem,) = check_document(annotated)[1]
+    assert problem.path == "metadata.annotations"
+    assert problem.fix == "did you mean `spec.kubernetes.queueName: team-a`?"
+
+
+@pytest.mark.parametrize(("gpu_type", "meant"), [
+    ("Standard_ND96asr_v5", "Standard_ND96asr_v4"),
+    ("standard_nd96sr_v4", "Standard_ND96asr_v4"),
+    ("STANDARD_NC24ADS_A100_V5", "Standard_NC24ads_A100_v4"),
+    ("A100-80G", "A100-80GB"),
+])
+def test_a_near_miss_gpu_type_gets_the_name_it_likely_meant(gpu_type, meant):
+    doc = edit(minimal_job(), {"spec.resources": {"gpusPerNode": 1, "gpuType": gpu_type}})
+    (problem,) = [p for p in admit(doc, INSTALLED).problems if p.path.startswith("spec.res")]
+    assert (problem.path, problem.severity) == ("spec.resources.gpuType", "warning")
+    assert problem.fix.startswith(f"did you mean {meant}")
+    assert problem.fix.endswith("(`finetune plan --list-gpus` lists the catalog)")
+    far = edit(minimal_job(), {"spec.resources": {"gpusPerNode": 1, "gpuType": "MI300X"}})
+    (problem,) = [p for p in admit(far, INSTALLED).problems if p.path.startswith("spec.res")]
+    assert problem.fix.startswith("use an Azure VM size")

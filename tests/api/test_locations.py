@@ -57,7 +57,7 @@ def test_azure_ml_binds_its_own_inputs_and_output_and_refuses_claims():
     model, dataset, output = (jobspec.mount(loc) for loc in job.spec.locations)
     assert (model, dataset, output) == (
         "${{inputs.model}}", job.spec.dataset.uri, "${{outputs.output}}")
-    assert jobspec.data_inputs(job) == {"model": ("uri_folder", job.spec.model.uri)}
+    assert jobspec.data_inputs(job) == {"model": ("custom_model", job.spec.model.uri)}
     claim = FineTuneJob.model_validate(minimal_job()).spec.output.location
     with pytest.raises(Unreachable, match="must be an Azure ML datastore folder"):
         jobspec.mount(claim)

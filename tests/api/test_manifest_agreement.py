@@ -19,6 +19,7 @@ from finetune_operator.admission import admit, offline_backends
 from finetune_operator.cli import local_path_problems, main
 from finetune_operator.manifests import read_documents
 from finetune_operator.validation import parse_job
+from tests.cli.demo_tree import examples_in
 from tests.conftest import REPO, minimal_job
 from tests.support.fuzz_manifests import check
 from tests.support.manifest_generator import AZUREML, example_jobs, manifests
@@ -80,12 +81,12 @@ def test_validate_refuses_what_the_backend_refuses(tmp_path, spec, line):
         assert f"{path}: {line}" in stderr, (command, stderr)
 
 
-def test_relative_paths_are_one_warning_for_validate_and_refused_by_render():
-    example = str(REPO / "examples/01-tiny-cpu-lora.yaml")
+def test_relative_paths_are_one_warning_for_validate_and_refused_by_render(tmp_path):
+    # the example as `make demo` left it: its model built (before, that path is an error)
+    example = str(next(p for p in examples_in(tmp_path) if p.name == "01-tiny-cpu-lora.yaml"))
     code, _, stderr = finetune("validate", example)
     assert code == 0, stderr
-    # one warning for all three relative locations (and, before `make demo` built the
-    # model, another saying the model's folder is not there yet)
+    # one warning for all three relative locations
     assert stderr.count("only work with `finetune run`") == 1, stderr
     assert "warning: spec.model.uri: relative paths" in stderr
     code, _, stderr = finetune("render", example)
@@ -109,9 +110,11 @@ def test_validate_and_render_agree_on_every_example_on_either_backend(tmp_path, 
     assert not checked.findings, checked.findings
 
 
-def test_the_check_is_the_operators_for_a_job_the_api_accepts():
+def test_the_check_is_the_operators_for_a_job_the_api_accepts(monkeypatch):
     """What admission adds to `check_document`: the backend's refusals, and whether the
     backend is there at all, beside the API's own problems."""
+    # the operator's trainer image, as the chart sets it (the default one is a warning)
+    monkeypatch.setenv("FINETUNE_TRAINER_IMAGE", "registry.example/finetune-trainer:1.2.3")
     doc = minimal_job(model={"uri": "azureml://registries/azureml/models/m/versions/1"})
     admission = admit(doc, offline_backends())
     assert admission.job is not None and admission.backend is not None

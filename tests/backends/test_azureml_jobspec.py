@@ -61,7 +61,7 @@ def test_the_example_passes_the_sdks_validation():
     built = jobspec.build_command_job(example(shmSize="64Gi"), SETTINGS)
     result = built._validate()
     assert result.passed, result.error_messages
-    assert jobspec.validate(example()) == []
+    assert jobspec.validate(example(), SETTINGS) == []
 
 
 def test_example_round_trips_through_load_job_field_by_field(tmp_path):
@@ -81,7 +81,7 @@ def test_example_round_trips_through_load_job_field_by_field(tmp_path):
     assert loaded.environment.image == SETTINGS.trainer_image
     model, dataset = loaded.inputs["model"], loaded.inputs["dataset"]
     assert (model.type, model.mode, model.path) == (
-        "uri_folder", "ro_mount",
+        "custom_model", "ro_mount",
         "azureml://registries/azureml/models/mistralai-Mistral-7B-v01/versions/19")
     assert (dataset.type, dataset.mode, dataset.path) == (
         "uri_file", "ro_mount",
@@ -151,6 +151,37 @@ def test_a_dataset_folder_is_a_uri_folder_input():
     assert built.inputs["dataset"].type == "uri_folder"
 
 
+@pytest.mark.parametrize(("uri", "kind"), [
+    ("azureml://registries/azureml/models/mistralai-Mistral-7B-v01/versions/19",
+     "custom_model"),
+    ("azureml://subscriptions/00000000-0000-0000-0000-000000000000/resourcegroups/rg/"
+     "workspaces/ws/models/llama/versions/3", "custom_model"),
+    ("azureml://registries/azureml/models/llama/labels/latest", "custom_model"),
+    (f"{DATASTORE}/models/llama/", "uri_folder"),
+    (f"{DATASTORE}/models/llama", "uri_folder"),
+], ids=["registry-model", "workspace-model", "registry-model-label", "datastore-folder",
+        "datastore-folder-no-slash"])
+def test_a_model_asset_is_a_model_input_and_a_datastore_folder_a_folder_input(
+        uri, kind, tmp_path):
+    """Azure ML delivers a registered model through a model input: the SDK's YAML schema
+    reads `uri_file` / `uri_folder` inputs as data (DataInputSchema) and only the `*_model`
+    types as models (ModelInputSchema), and resolves an asset name as a model only for
+    those. `custom_model` (a folder delivered as it is) rather than `mlflow_model`: the
+    trainer reads a save_pretrained folder and an MLflow-packaged one alike, and the type
+    of a registered model is not known offline."""
+    from azure.ai.ml._schema.job.input_output_entry import DataInputSchema, ModelInputSchema
+
+    built = jobspec.build_command_job(aml_job(model={"uri": uri}), SETTINGS)
+    result = built._validate()
+    assert result.passed, result.error_messages
+    sent = built._to_job()._to_rest_object().as_dict()["properties"]["inputs"]["model"]
+    assert sent == {"uri": uri, "mode": "ReadOnlyMount", "jobInputType": kind}
+    loaded = round_trip(aml_job(model={"uri": uri}), tmp_path).inputs["model"]
+    assert (loaded.type, loaded.mode, loaded.path) == (kind, "ro_mount", uri)
+    schema = ModelInputSchema if kind == "custom_model" else DataInputSchema
+    assert kind in schema._declared_fields["type"].allowed_values
+
+
 @pytest.mark.parametrize(("spec", "path", "words"), [
     ({"dataset": {"uri": "pvc://data/train.jsonl"}}, "spec.dataset.uri",
      "pvc locations cannot be reached from Azure ML"),
@@ -168,7 +199,7 @@ def test_a_dataset_folder_is_a_uri_folder_input():
 ], ids=["pvc-dataset", "relative-model", "pvc-output", "asset-output", "hf-token",
         "fractional-shm", "unversioned-environment"])
 def test_what_azure_ml_cannot_run_is_refused_with_a_fix(spec, path, words):
-    problems = jobspec.validate(aml_job(**spec))
+    problems = jobspec.validate(aml_job(**spec), SETTINGS)
     assert [p.path for p in problems] == [path]
     assert words in problems[0].message and problems[0].fix
 
@@ -176,7 +207,8 @@ def test_what_azure_ml_cannot_run_is_refused_with_a_fix(spec, path, words):
 def test_a_value_with_a_line_break_is_quoted_on_one_line():
     """The value is quoted escaped in the message and in the fix alike: one problem, one
     line (#49)."""
-    problems = jobspec.validate(aml_job(azureml={**AML, "environment": "/a\nb\x1b[2J"}))
+    problems = jobspec.validate(aml_job(azureml={**AML, "environment": "/a\nb\x1b[2J"}),
+                                SETTINGS)
     [problem] = problems
     assert str(problem) == ("spec.azureml.environment: '/a\\nb\\x1b[2J' names no version — "
                             "write /a\\nb\\x1b[2J@latest, or /a\\nb\\x1b[2J:<version>")
@@ -205,7 +237,7 @@ def test_without_the_sdk_the_backend_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "azure.ai.ml", None)  # as if the extra were missing
     with pytest.raises(jobspec.AzureSdkMissing, match=r"pip install 'finetune-operator\[azure\]'"):
         jobspec.require_sdk()
-    problems = jobspec.validate(aml_job())
+    problems = jobspec.validate(aml_job(), SETTINGS)
     assert [(p.path, p.fix) for p in problems] == [
         ("spec.backend", "pip install 'finetune-operator[azure]'")]
 
@@ -283,3 +315,19 @@ def test_a_dataset_is_mounted_as_a_file_where_it_names_one(uri, kind):
     from finetune_trainer.uris import parse_location
 
     assert jobspec.input_type(parse_location("dataset", uri)) == kind
+
+
+def test_the_placeholder_trainer_image_is_a_warning_where_no_environment_is_named(
+        monkeypatch):
+    """The anonymous environment is built on the trainer image: the placeholder default
+    would be rendered, and Azure ML could not pull it."""
+    monkeypatch.delenv("FINETUNE_TRAINER_IMAGE", raising=False)
+    (warning,) = jobspec.validate(example(), OperatorSettings())
+    assert (warning.path, warning.severity) == ("spec.azureml.environment", "warning")
+    assert "here finetune-trainer:0.1.0: a placeholder that no registry" in warning.message
+    assert "FINETUNE_TRAINER_IMAGE" in warning.fix and "trainer.image.repository" in (
+        warning.fix)
+    assert jobspec.validate(example(), SETTINGS) == []
+    assert jobspec.validate(example(environment="trainer-env@latest"), OperatorSettings()) == []
+    assert jobspec.validate(example()) == [warning]  # the environment's settings
+

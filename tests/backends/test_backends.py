@@ -20,7 +20,9 @@ from finetune_operator.validation import parse_job
 from tests.conftest import minimal_job
 
 ASYNC_METHODS = ("launch", "observe", "suspend", "resume", "restart", "cancel")
-CONTEXT = BackendContext(settings=OperatorSettings(), kube=Kube())
+PUSHED = "registry.example/finetune-trainer:1.2.3"
+"""The trainer image the operator is given (its default is a placeholder: a warning)."""
+CONTEXT = BackendContext(settings=OperatorSettings(trainer_image=PUSHED), kube=Kube())
 BACKENDS = load_backends(CONTEXT)
 # What each backend needs beyond the minimal job to run it at all.
 RUNNABLE = {"azureml": {
@@ -37,7 +39,8 @@ def test_the_built_in_backends_are_registered_by_entry_point():
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
-def test_backend_conforms(name):
+def test_backend_conforms(name, monkeypatch):
+    monkeypatch.setenv("FINETUNE_TRAINER_IMAGE", PUSHED)  # a backend reading the environment
     backend = BACKENDS[name]
     assert isinstance(backend, Backend)
     assert backend.name == name

@@ -17,6 +17,8 @@ from finetune_operator.validation import parse_job
 from tests.conftest import CLUSTER_EXAMPLES, load_yaml, minimal_job
 
 SETTINGS = OperatorSettings()
+PUSHED = OperatorSettings(trainer_image="registry.example/finetune-trainer:1.2.3")
+"""An operator given the image it runs (the chart's trainer.image)."""
 K8S_EXAMPLES = [p for p in CLUSTER_EXAMPLES
                 if load_yaml(p)["spec"].get("backend", "kubernetes") == "kubernetes"]
 
@@ -202,7 +204,7 @@ def test_user_pod_settings_pass_through():
 def test_locations_pods_cannot_reach_are_refused():
     problems = backend.validate(parse_job(minimal_job(
         dataset={"uri": "./data.jsonl"},
-        output={"uri": "azureml://datastores/blob/paths/out"})))
+        output={"uri": "azureml://datastores/blob/paths/out"})), PUSHED)
     assert [p.path for p in problems] == ["spec.dataset.uri", "spec.output.uri"]
     assert all("cannot be reached from pods" in p.message for p in problems)
 
@@ -492,3 +494,38 @@ def test_workers_pull_with_the_jobs_secrets_else_the_operators():
                                          private)
     assert OperatorSettings.from_env({"FINETUNE_TRAINER_PULL_SECRETS": '["a", "b"]'}
                                      ).trainer_pull_secrets == ["a", "b"]
+
+
+def test_the_placeholder_trainer_image_is_a_warning_naming_the_setting(monkeypatch):
+    """`finetune render` printed `image: finetune-trainer:0.1.0`, an image no registry
+    serves, without a word: the workers would never start (ErrImagePull)."""
+    job = parse_job(minimal_job())
+    (warning,) = backend.validate(job, SETTINGS)
+    assert (warning.path, warning.severity) == ("spec.kubernetes.image", "warning")
+    assert warning.message == ("is not set, so the workers run the trainer image of the "
+                               "operator's settings, here finetune-trainer:0.1.0: a "
+                               "placeholder that no registry serves")
+    assert warning.fix == (
+        "set FINETUNE_TRAINER_IMAGE to the image you pushed, built from trainer/Dockerfile "
+        "(the chart sets it for the operator from trainer.image.repository and "
+        "trainer.image.tag), or set spec.kubernetes.image")
+    assert backend.validate(job, PUSHED) == []
+    own = parse_job(minimal_job(kubernetes={"image": "registry.example/mine:1"}))
+    assert backend.validate(own, SETTINGS) == []
+    here = parse_job(minimal_job(output={"uri": "./out"}))  # `finetune run`'s: no image
+    assert [p.path for p in backend.validate(here, SETTINGS)] == ["spec.output.uri"]
+    # without settings, those `finetune render` and the operator read from the environment
+    monkeypatch.setenv("FINETUNE_TRAINER_IMAGE", "registry.example/finetune-trainer:1.2.3")
+    assert backend.validate(job) == []
+    monkeypatch.delenv("FINETUNE_TRAINER_IMAGE")
+    assert backend.validate(job) == [warning]
+
+
+def test_the_operator_acts_on_errors_only_so_the_placeholder_image_is_not_its_word(
+        monkeypatch):
+    from finetune_operator.admission import admit, offline_backends
+
+    monkeypatch.delenv("FINETUNE_TRAINER_IMAGE", raising=False)
+    admission = admit(minimal_job(), offline_backends(SETTINGS))
+    assert admission.admitted and admission.errors == []
+    assert [p.path for p in admission.problems] == ["spec.kubernetes.image"]

@@ -9,11 +9,15 @@ import sys
 import pytest
 import yaml
 
+from finetune_trainer import layout
+from tests.cli.demo_tree import examples_in
 from tests.conftest import EXAMPLES, REPO, SWEEP_EXAMPLES, minimal_job
 
 pytestmark = pytest.mark.process
 
 FINETUNE = [sys.executable, "-m", "finetune_operator.cli"]
+PUSHED = "registry.example/finetune-trainer:1.2.3"
+"""A trainer image of a registry (without one, the default placeholder is a warning)."""
 
 
 def finetune(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -21,8 +25,9 @@ def finetune(*args: str, stdin: str | None = None) -> subprocess.CompletedProces
                           cwd=REPO, timeout=60)
 
 
-def test_validate_examples_exit_zero():
-    result = finetune("validate", *map(str, EXAMPLES + SWEEP_EXAMPLES))
+def test_validate_examples_exit_zero(tmp_path):
+    """As `make demo` validates them, once it built the tiny model examples 01 and 08 use."""
+    result = finetune("validate", *map(str, examples_in(tmp_path)))
     assert result.returncode == 0, result.stderr
     assert result.stdout.count(": valid FineTuneJob") == len(EXAMPLES)
     assert result.stdout.count(": valid FineTuneSweep") == len(SWEEP_EXAMPLES) >= 1
@@ -134,10 +139,30 @@ def test_a_file_without_a_job_says_why_in_json_too(tmp_path):
         f"{path}: kind: is missing — use `kind: FineTuneJob`"]
 
 
-def test_warnings_keep_exit_zero():
-    result = finetune("validate", str(REPO / "examples/01-tiny-cpu-lora.yaml"))
+def test_warnings_keep_exit_zero(tmp_path):
+    example = next(p for p in examples_in(tmp_path) if p.name == "01-tiny-cpu-lora.yaml")
+    result = finetune("validate", str(example))
     assert result.returncode == 0
     assert "warning: spec.model.uri: relative paths" in result.stderr
+
+
+def test_validate_before_make_demo_names_what_builds_the_examples_model(tmp_path):
+    example = next(p for p in examples_in(tmp_path, demo_built=False)
+                   if p.name == "01-tiny-cpu-lora.yaml")
+    result = finetune("validate", str(example))
+    model = tmp_path / "examples" / ".." / layout.DEMO_MODEL
+    assert (f"{example}: spec.model.uri: {model} does not exist on this machine — run `make "
+            "demo` first: it builds the tiny model these examples use "
+            f"({layout.DEMO_MODEL})") in result.stderr.splitlines(), result.stderr
+
+
+def test_validate_exits_2_for_a_relative_path_that_is_not_there(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(minimal_job(dataset={"uri": "./data/train.jsonl"})))
+    result = finetune("validate", str(path))
+    assert f"{path}: spec.dataset.uri: {tmp_path / 'data/train.jsonl'} does not exist" in (
+        result.stderr)
+    assert result.returncode == 2 and result.stdout == "", result.stdout
 
 
 def test_a_key_written_twice_is_refused_as_kubectl_does(tmp_path):
@@ -180,7 +205,7 @@ def test_render_json_and_invalid_input():
     result = finetune("render", "-o", "json", str(REPO / "examples/04-azureml-zero3.yaml"))
     assert result.returncode == 0, result.stderr
     model = json.loads(result.stdout)["inputs"]["model"]  # the Azure ML command job
-    assert model["path"].startswith("azureml://registries/") and model["type"] == "uri_folder"
+    assert model["path"].startswith("azureml://registries/") and model["type"] == "custom_model"
     bad = finetune("render", "-", stdin=yaml.safe_dump(minimal_job(backend="slurm")))
     assert bad.returncode == 2
     assert "spec.backend: 'slurm' is not an installed backend" in bad.stderr
@@ -212,7 +237,7 @@ def test_a_foreign_kind_is_quoted_so_it_cannot_forge_a_line(tmp_path):
     """#25, item 3: a kind with a newline read like a real `FILE: path: problem` line."""
     path = tmp_path / "two.yaml"
     path.write_text('apiVersion: v1\nkind: "Foo\\nx.yaml: spec.model: forged \\u001b[31m"\n'
-                    "---\n" + yaml.safe_dump(minimal_job()))
+                    "---\n" + yaml.safe_dump(minimal_job(kubernetes={"image": PUSHED})))
     result = finetune("validate", str(path))
     assert result.returncode == 0, result.stderr
     lines = result.stderr.splitlines()
@@ -305,3 +330,65 @@ def test_the_cli_reference_is_the_commands_own_help():
     CliRunner().invoke(finetune, ["validate", "--help"])
     assert clidoc.CLI_REFERENCE.read_text() == clidoc.render_markdown(finetune), (
         "docs/cli-reference.md is stale: run `make crds`")
+
+
+def test_a_kueue_label_on_the_job_is_refused_by_validate_and_render_alike(tmp_path):
+    """The Kubeflow habit (TrainJob, JobSet): the queue label on the object itself. Kueue
+    never saw a FineTuneJob's, and the job ran unqueued; both commands now say where the
+    queue goes, as the operator does (they all ask `admission.admit`)."""
+    manifest = minimal_job()
+    manifest["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "team-a"}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    for command in ("validate", "render"):
+        result = finetune(command, str(path))
+        assert result.returncode == 2, (command, result.stderr)
+        assert (f"{path}: metadata.labels: kueue.x-k8s.io/queue-name: Kueue reads it only "
+                "on the kinds it integrates (Job, JobSet, TrainJob, ...), not here: the "
+                "workers would start without waiting in queue team-a — did you mean "
+                "`spec.kubernetes.queueName: team-a`?") in result.stderr.splitlines(), (
+            command, result.stderr)
+
+
+def test_validate_warns_of_two_jobs_writing_one_output_folder(tmp_path):
+    """#58: the operator launches one live job per output folder and refuses the other;
+    a file that holds two such jobs is said to at once (a warning: each job is valid)."""
+    first = minimal_job(output={"uri": "pvc://ckpt/runs/a"})
+    second = minimal_job(output={"uri": "pvc://ckpt/runs/a/"})
+    second["metadata"]["name"] = "again"
+    elsewhere = minimal_job(output={"uri": "pvc://ckpt/runs/b"})
+    elsewhere["metadata"]["name"] = "other"
+    path = tmp_path / "jobs.yaml"
+    path.write_text(yaml.safe_dump_all([first, second, elsewhere]))
+    result = finetune("validate", str(path))
+    assert result.returncode == 0, result.stderr
+    assert [line for line in result.stderr.splitlines() if "spec.output.uri" in line] == [
+        f"{path}#2: warning: spec.output.uri: pvc://ckpt/runs/a/ is also the output folder of "
+        f"FineTuneJob default/demo ({path}#1): one folder holds one job's checkpoints and "
+        "model, so the operator launches only one of them and refuses the other (OutputInUse) "
+        "— give each job a folder of its own"]
+    assert result.stdout.count(": valid FineTuneJob") == 3
+
+
+@pytest.mark.parametrize(("example", "field"), [
+    ("02-aks-fsdp-full-8b.yaml", "spec.kubernetes.image"),
+    ("04-azureml-zero3.yaml", "spec.azureml.environment")])
+def test_render_warns_of_the_placeholder_trainer_image_and_names_the_setting(example, field):
+    """`finetune-trainer:0.1.0` is in no registry: rendered without a word, its workers
+    would never start."""
+    import os
+
+    path = str(REPO / "examples" / example)
+    env = {k: v for k, v in os.environ.items() if k != "FINETUNE_TRAINER_IMAGE"}
+    placeholder = subprocess.run([*FINETUNE, "render", path], capture_output=True, text=True,
+                                 cwd=REPO, timeout=60, env=env)
+    assert placeholder.returncode == 0, placeholder.stderr
+    (line,) = [line for line in placeholder.stderr.splitlines() if "FINETUNE_TRAINER_IMAGE" in line]
+    assert line.startswith(f"{path}: warning: {field}: ") and "finetune-trainer:0.1.0" in line
+    assert "trainer.image.repository" in line
+    assert "finetune-trainer:0.1.0" in placeholder.stdout
+    pushed = subprocess.run([*FINETUNE, "render", path], capture_output=True, text=True,
+                            cwd=REPO, timeout=60,
+                            env={**env, "FINETUNE_TRAINER_IMAGE": "acr.io/finetune-trainer:1"})
+    assert pushed.returncode == 0 and "FINETUNE_TRAINER_IMAGE" not in pushed.stderr
+    assert "acr.io/finetune-trainer:1" in pushed.stdout

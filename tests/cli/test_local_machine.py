@@ -192,9 +192,8 @@ def test_an_empty_model_folder_or_data_file_is_refused_before_anything_starts(tm
     assert not (tmp_path / "out").exists()
     validate = subprocess.run([*finetune, "validate", "job.yaml"], cwd=tmp_path,
                               capture_output=True, text=True, timeout=120)
-    assert validate.returncode == 0  # warnings: a cluster reads its own copy
-    assert validate.stderr.splitlines()[1:] == [  # after the warning of relative paths
-        f"job.yaml: warning: {line.removeprefix('job.yaml: ')}" for line in said]
+    # errors there too: a relative path means this machine, where nothing else can run it
+    assert validate.stderr.splitlines()[1:] == said  # after the warning of relative paths
 
 
 @pytest.mark.process
@@ -469,9 +468,8 @@ def test_data_the_trainer_cannot_read_is_named_before_it_starts(tmp_path):
         assert run.stderr.splitlines() == [f"job.yaml: spec.dataset.uri: {line.format(tmp_path)}"]
         assert not (tmp_path / "out").exists()
         validate = finetune_in(tmp_path, "validate", "job.yaml")
-        assert validate.returncode == 0  # a warning: the path may differ where the job runs
-        assert f"job.yaml: warning: spec.dataset.uri: {line.format(tmp_path)}" in (
-            validate.stderr)
+        # an error: a relative path means this machine, where only `finetune run` reads it
+        assert f"job.yaml: spec.dataset.uri: {line.format(tmp_path)}" in validate.stderr
 
 
 def test_a_run_serves_its_metrics_on_loopback_from_ports_no_other_process_holds():
@@ -519,3 +517,75 @@ def test_a_long_path_is_named_whole_in_the_refusal(tmp_path):
     job = FineTuneJob.model_validate(minimal_job(model={"uri": str(deep)}))
     (problem,) = local_path_problems(job, tmp_path, runs_here=True)
     assert len(str(deep)) > 120 and problem.message == f"{deep} does not exist on this machine"
+
+
+def test_a_relative_path_that_is_not_there_is_an_error_an_absolute_one_a_warning(tmp_path):
+    """A relative path means this machine (only `finetune run` reads one), so a missing one
+    is wrong wherever it is checked; an absolute one may exist only inside the image."""
+    from finetune_operator.cli import local_path_problems
+
+    job = FineTuneJob.model_validate(minimal_job(model={"uri": "/models/llama"},
+                                                 dataset={"uri": "./data/train.jsonl"}))
+    model, data = local_path_problems(job, tmp_path)
+    assert (model.path, model.severity) == ("spec.model.uri", "warning")
+    assert (data.path, data.severity) == ("spec.dataset.uri", "error")
+    assert data.message == f"{tmp_path / 'data/train.jsonl'} does not exist on this machine"
+    assert data.fix == "fix the path (relative paths start at the manifest's folder)"
+    relative_model = FineTuneJob.model_validate(minimal_job(model={"uri": "./model"}))
+    (problem,) = local_path_problems(relative_model, tmp_path)
+    assert problem.severity == "error" and problem.path == "spec.model.uri"
+
+
+def test_the_demo_model_not_built_yet_says_make_demo_builds_it(tmp_path):
+    """Examples 01 and 08 train the tiny model `make demo` builds: before it ran, their
+    model path is missing, and the fix says what makes it (not "fix the path")."""
+    from finetune_operator.cli import local_path_problems
+    from finetune_trainer import layout
+
+    examples = tmp_path / "examples"
+    examples.mkdir()
+    for name in ("01-tiny-cpu-lora.yaml", "08-dpo-lora.yaml"):
+        manifest = yaml.safe_load((REPO / "examples" / name).read_text())
+        job = FineTuneJob.model_validate(manifest)
+        for runs_here in (False, True):
+            model = next(p for p in local_path_problems(job, examples, runs_here=runs_here)
+                         if p.path == "spec.model.uri")
+            assert model.severity == "error"
+            assert "does not exist on this machine" in model.message
+            assert model.fix == ("run `make demo` first: it builds the tiny model these "
+                                 f"examples use ({layout.DEMO_MODEL})")
+    built = tmp_path / layout.DEMO_MODEL
+    built.mkdir(parents=True)
+    for file in ("config.json", "model.safetensors", "tokenizer.json"):
+        (built / file).write_text("{}")
+    job = FineTuneJob.model_validate(yaml.safe_load(
+        (REPO / "examples/01-tiny-cpu-lora.yaml").read_text()))
+    assert [p for p in local_path_problems(job, examples) if p.path == "spec.model.uri"] == []
+
+
+def test_a_lora_adapter_as_the_model_is_named_with_the_way_to_a_whole_model(tmp_path):
+    """SFT, then DPO from its export: final/ of a LoRA job is an adapter (no config.json),
+    which `finetune run` and the trainer refused as `not a saved model` without saying what
+    it is or how to get the model the DPO job needs (#58). Both say it in one wording."""
+    from finetune_operator.cli import _unusable, local_path_problems
+    from finetune_trainer import layout
+    from finetune_trainer.config import ModelSource
+    from finetune_trainer.model import ModelError, model_location
+
+    adapter = tmp_path / "sft-output" / layout.FINAL_DIR
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    what, fix = layout.LORA_ADAPTER
+    assert "LoRA adapter" in what
+    assert "spec.output.mergeAdapter: true" in fix and f"{layout.MERGED_DIR}/" in fix
+    assert _unusable(adapter, is_model=True) == (what, fix)
+    job = FineTuneJob.model_validate(minimal_job(model={"uri": "./sft-output/final"}))
+    (problem,) = local_path_problems(job, tmp_path, runs_here=True)
+    assert str(problem) == f"spec.model.uri: {adapter} {what} — {fix}"
+    with pytest.raises(ModelError) as refused:
+        model_location(ModelSource(uri=str(adapter)))
+    assert str(refused.value) == f"{adapter}: {what} — {fix}"
+    (tmp_path / "empty").mkdir()  # no adapter either: as before
+    assert _unusable(tmp_path / "empty", is_model=True)[0] == (
+        "holds no config.json, so it is not a saved model")

@@ -60,6 +60,16 @@ def test_catalog_covers_the_series_users_pick_from():
     assert catalog.find("MI300X") is None
 
 
+def test_a_name_the_catalog_does_not_know_gets_its_closest_names_whatever_the_case():
+    assert catalog.close_names("Standard_ND96asr_v5")[0] == "Standard_ND96asr_v4"
+    assert catalog.close_names("STANDARD_ND96ASR_V5")[0] == "Standard_ND96asr_v4"
+    assert catalog.close_names("ND96sr_v4")[0] == "Standard_ND96asr_v4"  # no Standard_
+    assert catalog.close_names("a100-80g")[0] == "A100-80GB"
+    assert "Standard_ND96asr_v4" in catalog.close_names("Standard_ND96asr_A100_v4")
+    assert len(catalog.close_names("Standard_ND96asr_A100_v4")) <= 3
+    assert catalog.close_names("MI300X") == []
+
+
 # --- where configs come from -------------------------------------------------------------
 
 def test_a_local_folder_or_file_is_read(tmp_path):
@@ -105,6 +115,63 @@ def test_a_failing_hub_answers_none_quickly(monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:1")  # refused at once, no network
     assert fetch_from_hub("org/name", "main", timeout=1.0) is None
+
+
+def test_a_hub_that_does_not_answer_says_why_and_the_lookup_remembers_it(monkeypatch):
+    """`finetune plan` without the hub planned from the built-in table (or said `unknown`)
+    without a word of the hub; `--offline` said it. The reason is kept for the plan."""
+    from finetune_operator.planner.sources import HubUnanswered, ask_hub
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:1")  # refused at once, no network
+    with pytest.raises(HubUnanswered) as refused:
+        ask_hub("org/name", "main", timeout=1.0)
+    assert str(refused.value) == "127.0.0.1:1: Connection refused"
+    configs = ModelConfigs(fetch=ask_hub)
+    known = configs.resolve("hf://meta-llama/Llama-3.1-8B")
+    assert known.source == "built-in table: meta-llama/Llama-3.1-8B"
+    assert configs.unanswered("hf://meta-llama/Llama-3.1-8B") == str(refused.value)
+    assert configs.unanswered("hf://meta-llama/Llama-3.1-8B", "v2") is None  # not asked
+    assert ModelConfigs(fetch=fetch_from_hub).unanswered("hf://org/name") is None
+
+
+def test_the_hubs_refusals_are_named(monkeypatch):
+    from finetune_operator.planner.sources import HubUnanswered, ask_hub
+    from tests.support.hub_fake import FakeHub, Repo
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    repos = {"me/gated": Repo(files={"config.json": b"{}"}, token="secret"),
+             "me/broken": Repo(files={"config.json": b"{not json"})}
+    with FakeHub(repos) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        said = {}
+        for repo in ("me/gated", "me/missing", "me/broken"):
+            with pytest.raises(HubUnanswered) as refused:
+                ask_hub(repo, None, timeout=5.0)
+            said[repo] = str(refused.value)
+    assert said == {"me/gated": "HTTP 401: no such repo, or a gated or private one (set "
+                                "HF_TOKEN)",
+                    "me/missing": "HTTP 404: no such repo, revision or file",
+                    "me/broken": "its config.json is not JSON"}
+
+
+def test_the_plan_says_the_hub_did_not_answer_and_where_the_config_came_from():
+    llama = job(model={"uri": "hf://meta-llama/Llama-3.1-8B"},
+                resources={"gpusPerNode": 1, "gpuType": "H100"})
+    plan = plan_with_notes(llama, from_table("hf://meta-llama/Llama-3.1-8B"),
+                           unanswered="huggingface.co: Name or service not known")
+    assert plan.notes[1] == (  # after the strategy's
+        "the hub did not answer (huggingface.co: Name or service not known) for "
+        "hf://meta-llama/Llama-3.1-8B; its config.json came from the built-in table: "
+        "meta-llama/Llama-3.1-8B")
+    unknown = plan_with_notes(job(model={"uri": "hf://me/custom"}), None,
+                              unanswered="huggingface.co: Name or service not known")
+    assert unknown.reason == (
+        "no config.json for hf://me/custom: the hub did not answer (huggingface.co: Name or "
+        "service not known), and the planner's built-in table does not know it (`finetune "
+        "plan --list-models` lists it) — give a local folder holding its config.json, or "
+        "plan where the hub can be reached")
 
 
 # --- strategy auto -----------------------------------------------------------------------

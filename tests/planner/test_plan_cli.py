@@ -70,6 +70,49 @@ def test_plan_reads_a_local_config(tmp_path):
     assert data["fits"] is True
 
 
+def test_plan_says_when_the_hub_did_not_answer_as_offline_does(tmp_path):
+    """Without the hub (no network: huggingface.co's name does not resolve here, and a
+    refused port stands for it anywhere) the plan had less and said nothing of it; now it
+    says so, with the reason, where `--offline` says the hub was not asked."""
+    no_hub = {**OFFLINE, "HF_ENDPOINT": "http://127.0.0.1:1"}
+    del no_hub["HF_HUB_OFFLINE"]
+
+    def plan(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run([*FINETUNE, "plan", *args], input=stdin, capture_output=True,
+                              text=True, cwd=REPO, timeout=120, env=no_hub)
+
+    known = plan(str(REPO / "examples/03-aks-qlora-spot.yaml"))
+    assert known.returncode == 0, known.stderr
+    assert ("note: the hub did not answer (127.0.0.1:1: Connection refused) for "
+            "hf://mistralai/Mistral-7B-v0.3; its config.json came from the built-in table: "
+            "mistralai/Mistral-7B-v0.3") in known.stdout, known.stdout
+    unknown = plan("-", stdin=manifest(model={"uri": "hf://me/custom"},
+                                       resources={"gpusPerNode": 1, "gpuType": "H100"}))
+    assert unknown.returncode == 0, unknown.stderr
+    assert ("verdict: unknown — no config.json for hf://me/custom: the hub did not answer "
+            "(127.0.0.1:1: Connection refused), and the planner's built-in table does not "
+            "know it") in unknown.stdout, unknown.stdout
+    model = plan("--model", "me/custom")
+    assert model.returncode == 2
+    assert model.stderr.startswith("--model me/custom: not in the planner's built-in table, "
+                                   "and the hub did not answer (127.0.0.1:1: Connection "
+                                   "refused)"), model.stderr
+
+
+def test_plan_before_make_demo_names_what_builds_the_examples_model(tmp_path):
+    from finetune_trainer import layout
+    from tests.cli.demo_tree import examples_in
+
+    example = next(p for p in examples_in(tmp_path, demo_built=False)
+                   if p.name == "01-tiny-cpu-lora.yaml")
+    result = finetune("plan", str(example))
+    assert result.returncode == 0, result.stderr
+    assert ("verdict: unknown — no config.json for ../build/demo/tiny-llama: the path holds "
+            "no config.json here that reads as JSON — run `make demo` first: it builds the "
+            f"tiny model these examples use ({layout.DEMO_MODEL})") in result.stdout, (
+        result.stdout)
+
+
 def test_plan_without_a_config_is_unknown_not_an_error():
     result = finetune("plan", "-", "--offline", stdin=manifest(
         model={"uri": "pvc://models/mine"}, resources={"gpusPerNode": 1, "gpuType": "H100"}))

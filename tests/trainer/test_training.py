@@ -248,7 +248,8 @@ def test_lora_run_leaves_checkpoints_progress_and_an_adapter_that_generates(runs
     # every file readable by a serving pod of another user (safetensors wrote 0600)
     card = (final / "README.md").read_text()
     assert "More Information Needed" not in card, card[:2000]
-    assert f"base_model: {runs.model}" in card and str(DATA) in card, card
+    assert f"adapter of `{runs.model}`" in card and str(DATA) in card, card
+    assert "base_model:" not in card, card  # a local folder is no hub repo id (#58)
     assert "| steps | 6 of 6 |" in card and "| final training loss | " in card, card
     assert "AutoPeftModelForCausalLM.from_pretrained" in card, card
     assert {p.stat().st_mode & 0o777 for p in final.iterdir()} == {new_file_mode()}, {
@@ -607,6 +608,36 @@ def test_a_changed_job_is_refused_before_it_starts_and_fresh_starts_over(
     assert (output / "final" / "adapter_model.safetensors").read_bytes() != old_adapter
     steps = [json.loads(line)["step"] for line in (output / "progress.jsonl").open()]
     assert steps == [1, 2], steps
+
+
+def test_data_changed_on_purpose_trains_on_where_the_spec_says_so(runs, tiny_model_dir,
+                                                                  tmp_path):
+    """The data of a finished 6-step run, a record added (a copy edited in place): a rerun
+    with maxSteps 7 is refused, naming the data and the field that allows it; with
+    spec.output.resumeWithChangedData it resumes at step 6, says the data changed, and
+    trains step 7."""
+    output, data = tmp_path / "out", tmp_path / "data" / "chat.jsonl"
+    shutil.copytree(runs("ddp", "lora"), output)
+    data.parent.mkdir()
+    data.write_text(DATA.read_text() + DATA.read_text().splitlines()[0] + "\n")
+    job = manifest(tiny_model_dir, output, steps=7)
+    job["spec"]["dataset"]["uri"] = str(data)
+    refused = finetune_run(job, tmp_path / "edited")
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert f"(dataset content: {DATA} (1 file, " in refused.stderr
+    assert f"→ {data} (1 file, " in refused.stderr
+    assert refused.stderr.rstrip().endswith(
+        "or, if the data changed on purpose, set spec.output.resumeWithChangedData: true to "
+        "train on from the checkpoint"), refused.stderr
+
+    job["spec"]["output"]["resumeWithChangedData"] = True
+    resumed = finetune_run(job, tmp_path / "edited")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "step-00000006 (step 6/7)" in resumed.stdout
+    assert ("the data changed since that checkpoint (dataset content: " in resumed.stdout
+            and "as spec.output.resumeWithChangedData allows" in resumed.stdout)
+    steps = [json.loads(line)["step"] for line in (output / "progress.jsonl").open()]
+    assert steps[-1] == 7, steps
 
 
 def _checkpoint_payload(checkpoint: Path) -> int:

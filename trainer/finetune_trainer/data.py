@@ -29,49 +29,15 @@ from pathlib import Path
 from typing import Any
 
 from finetune_trainer.config import DatasetFormat, DatasetSource
+from finetune_trainer.data_files import DataError, local_data_files
+from finetune_trainer.data_files import local_path as _local_path
 from finetune_trainer.uris import data_file_builder
 
 IGNORE = -100
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n{input_block}### Response:\n"
 
 
-class DataError(ValueError):
-    """Training data that cannot be used: `where` (a file, line or column), what, and the fix."""
-
-    def __init__(self, where: str, what: str, fix: str):
-        super().__init__(f"{where}: {what} — {fix}")
-        self.where, self.what, self.fix = where, what, fix
-
-
 # --- reading -----------------------------------------------------------------------------
-
-def local_data_files(uri: str, base_dir: Path | None = None) -> list[Path]:
-    """The data files a local location names (a file, or every data file in a folder but
-    hidden ones, as Hugging Face datasets skips them: `.ipynb_checkpoints/`, `.cache/`)."""
-    path = _local_path(uri, base_dir)
-    if not path.exists():
-        raise DataError(str(path), "does not exist",
-                        "check spec.dataset.uri (relative paths start at the manifest's folder)")
-    files = [path] if path.is_file() else sorted(
-        p for p in path.rglob("*") if data_file_builder(p.name) and p.is_file()
-        and not any(part.startswith((".", "__")) for part in p.relative_to(path).parts))
-    if not files:
-        raise DataError(str(path), "holds no .jsonl, .json, .parquet or .csv file",
-                        "point spec.dataset.uri at a data file or a folder of them")
-    kinds = {data_file_builder(p.name) for p in files}
-    if None in kinds:
-        raise DataError(str(files[0]), f"has an unsupported extension {files[0].suffix!r}",
-                        "use .jsonl, .json, .parquet or .csv")
-    if len(kinds) > 1:
-        raise DataError(str(path), f"mixes file types ({', '.join(sorted(kinds))})",
-                        "keep one kind of data file per dataset")
-    return files
-
-
-def _local_path(uri: str, base_dir: Path | None) -> Path:
-    path = Path(uri)
-    return path if path.is_absolute() else (base_dir or Path.cwd()) / path
-
 
 def local_splits(files: list[Path], root: Path) -> dict[str, list[Path]]:
     """A folder's data `files` (`local_data_files`) by split, named as Hugging Face
@@ -240,7 +206,7 @@ def _read_files(source: DatasetSource, files: list[Path], split: str):
                         f"check that it is a valid {files[0].suffix.lstrip('.')} file") from error
     where = source.uri if len(files) > 1 else str(files[0])
     check_records(records, _format_of(source, records, where),
-                  _locator(where, lines, len(records)))
+                  _locator(where, lines, len(records)), _written(lines, len(records)))
     return records
 
 
@@ -305,6 +271,20 @@ def _locator(where: str, lines: list[tuple[Path, list[int]]], count: int):
     return lambda index: f"{where} record {index + 1}"
 
 
+def _written(lines: list[tuple[Path, list[int]]], count: int):
+    """Record index → the record as its JSON Lines file holds it, read again (only for a
+    refused record), or None where the records are not the files' lines in order."""
+    starts = [(path, number) for path, numbers in lines for number in numbers]
+
+    def record(index: int) -> dict[str, Any] | None:
+        if len(starts) != count:
+            return None
+        path, wanted = starts[index]
+        return next((json.loads(line) for number, line in _text_lines(path)
+                     if number == wanted), None)
+    return record
+
+
 # --- formats -----------------------------------------------------------------------------
 
 FORMAT_COLUMNS: dict[str, list[set[str]]] = {
@@ -362,8 +342,13 @@ PREFERENCE_FIX = ('write "prompt", "chosen" and "rejected" as non-empty text, or
                   '"assistant", ...}]), or remove that record')
 
 
-def _preference_problem(record: dict[str, Any]) -> tuple[str, str] | None:
+def _preference_problem(record: dict[str, Any], as_written: bool) -> tuple[str, str] | None:
     sides = {side: record.get(side) for side in ("prompt", "chosen", "rejected")}
+    for side, value in sides.items():
+        if as_written and side not in record:
+            return f"has no `{side}`", PREFERENCE_FIX
+        if not as_written and value is None:  # datasets fills a key a record lacks with None
+            return f"has no `{side}` (missing or null)", PREFERENCE_FIX
     chat = [side for side, value in sides.items() if isinstance(value, list)]
     text = [side for side, value in sides.items() if _is_text(value)]
     if chat and text:
@@ -389,10 +374,13 @@ def _preference_problem(record: dict[str, Any]) -> tuple[str, str] | None:
     return None
 
 
-def record_problem(record: dict[str, Any], fmt: str) -> tuple[str, str] | None:
-    """What is wrong with one record for `fmt` (and the fix), or None."""
+def record_problem(record: dict[str, Any], fmt: str, as_written: bool = False
+                   ) -> tuple[str, str] | None:
+    """What is wrong with one record for `fmt` (and the fix), or None. `as_written`: the
+    record is as its file holds it (a JSON line), so a key it lacks is missing and a None
+    was written `null`; a record read through datasets cannot tell the two apart."""
     if fmt == "preference":
-        return _preference_problem(record)
+        return _preference_problem(record, as_written)
     if fmt == "text":
         if not _is_text(record.get("text")):
             return (f"`text` is {_describe(record.get('text'))}, not text",
@@ -455,8 +443,9 @@ def _messages_problem(messages: Any, column: str, fix: str) -> tuple[str, str] |
     return None
 
 
-def check_records(records, fmt: str, locate) -> None:
-    """Refuse the first record `fmt` cannot use; `locate(index)` says where it is."""
+def check_records(records, fmt: str, locate, as_written=None) -> None:
+    """Refuse the first record `fmt` cannot use; `locate(index)` says where it is, and
+    `as_written(index)`, where given, what its file holds (None where it cannot say)."""
     wanted = {"chat": ["messages"], "text": ["text"],
               "preference": ["prompt", "chosen", "rejected"],
               "instruction": ["prompt", "response", "instruction", "input", "output",
@@ -464,6 +453,10 @@ def check_records(records, fmt: str, locate) -> None:
     columns = [c for c in wanted if c in records.column_names]
     for index, record in enumerate(records.select_columns(columns)):
         if (problem := record_problem(record, fmt)) is not None:
+            written = as_written(index) if as_written is not None else None
+            if written is not None:  # said as the file has it: "has no `x`" or "is null"
+                problem = record_problem({c: written[c] for c in columns if c in written},
+                                         fmt, as_written=True) or problem
             raise DataError(locate(index), *problem)
 
 

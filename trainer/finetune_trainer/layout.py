@@ -35,6 +35,16 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 tokenizer.json, a SentencePiece model, BPE or WordPiece vocabularies, tiktoken ranks."""
 NO_TOKENIZER = "holds no tokenizer (tokenizer.json, tokenizer.model or vocabulary files)"
 """What `finetune run` and the trainer say of a model folder without TOKENIZER_FILES."""
+LORA_ADAPTER = (
+    "is a LoRA adapter (adapter_config.json, no config.json), not a whole model to train",
+    "train the job that made it with `spec.output.mergeAdapter: true` and point "
+    f"spec.model.uri at its {MERGED_DIR}/ folder (the base model with the adapter merged in)")
+"""What `finetune run` and the trainer say of a model folder holding only a peft adapter
+(a LoRA job's final/, e.g. SFT's before DPO), and the fix."""
+DEMO_MODEL = "build/demo/tiny-llama"
+"""Where `make demo` builds the tiny model examples 01 and 08 train, from the repository's
+root (`python -m finetune_trainer.tiny`): `finetune validate` and `run` name what builds it
+when it is missing."""
 
 
 def holds_any(folder: Path, patterns: tuple[str, ...]) -> bool:

@@ -57,6 +57,8 @@ def model_location(source: ModelSource, base_dir: Path | None = None) -> str:
                          "start at the manifest's folder; pvc:// claims are mounted at /mnt/pvc)")
     if not (path / "config.json").is_file():
         nested = _saved_model_below(path)
+        if nested is None and (path / "adapter_config.json").is_file():
+            raise ModelError(str(path), *layout.LORA_ADAPTER)
         if nested is None:
             raise ModelError(str(path), "has no config.json, so it is not a saved model",
                              "point spec.model.uri at a folder written by save_pretrained")

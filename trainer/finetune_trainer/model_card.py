@@ -29,12 +29,23 @@ def base_model(config: TrainerConfig) -> str:
         "hf://") else source.uri
 
 
+def hub_repo(config: TrainerConfig) -> str | None:
+    """The base model's hub repo id (`org/name`), where it came from the hub."""
+    source = config.model_fetched_from or config.model
+    return base_model(config) if source.uri.startswith("hf://") else None
+
+
 def render(config: TrainerConfig, record: ProgressRecord | None) -> str:
-    """The card's Markdown: YAML front matter the Hub reads, then what, how and how to load."""
+    """The card's Markdown: YAML front matter the Hub reads, then what, how and how to load.
+
+    The front matter's `base_model` is a hub repo id to the Hub (its model tree, the link
+    to the base): a base from elsewhere (a folder, a PVC, Azure ML) stays out of it, named
+    in the prose only, as neither its path nor its folder's name is such an id."""
     adapter = config.method.type != "full"
     base = base_model(config)
     tags = ["finetune-operator", config.method.type, config.objective.type]
-    front = ["---", f"base_model: {base}",
+    repo = hub_repo(config)
+    front = ["---", *([f"base_model: {repo}"] if repo else []),
              f"library_name: {'peft' if adapter else 'transformers'}",
              "pipeline_tag: text-generation", "tags:", *(f"- {tag}" for tag in tags), "---"]
     lines = [*front, "", f"# {config.job.name}", "", _what(config, base), "",
@@ -68,7 +79,8 @@ def _settings(config: TrainerConfig) -> list[tuple[str, str]]:
         rows.append(("DPO", f"beta {dpo.beta:g}, loss {dpo.loss}, label smoothing "
                             f"{dpo.label_smoothing:g}"))
     rows += [("strategy", f"{config.strategy.type}, {config.strategy.precision}"
-                          + (f", {config.workers} workers" if config.workers else "")),
+                          + (f", {config.workers} worker{'s' if config.workers != 1 else ''}"
+                             if config.workers else "")),
              ("learning rate", f"{hp.learning_rate:g}" if hp.learning_rate else "default"),
              ("batch", f"{hp.batch_size_per_device} per device x "
                        f"{hp.gradient_accumulation_steps} accumulation steps"),

@@ -18,8 +18,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(corpus: Iterable[str], vocab_size: int = 512):
-    """A byte-level BPE tokenizer trained on `corpus`, with a chat template."""
+def build_tokenizer(corpus: Iterable[str], vocab_size: int = 512, show_progress: bool = False):
+    """A byte-level BPE tokenizer trained on `corpus`, with a chat template (`show_progress`:
+    the trainer's bars, on stdout; blank lines where that is no terminal)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -27,7 +28,8 @@ def build_tokenizer(corpus: Iterable[str], vocab_size: int = 512):
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=show_progress)
     core.train_from_iterator(corpus, trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<|pad|>",
                                         eos_token="<|end|>", bos_token="<|begin|>")
@@ -56,12 +58,13 @@ def corpus_from_jsonl(path: str | Path) -> list[str]:
 
 
 def build_tiny_llama(out_dir: str | Path, corpus: Iterable[str], *, hidden_size: int = 64,
-                     layers: int = 2, heads: int = 4, kv_heads: int = 2, seed: int = 0) -> Path:
+                     layers: int = 2, heads: int = 4, kv_heads: int = 2, seed: int = 0,
+                     show_progress: bool = False) -> Path:
     """Save a randomly initialised tiny Llama and its tokenizer to `out_dir`."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tokenizer = build_tokenizer(corpus)
+    tokenizer = build_tokenizer(corpus, show_progress=show_progress)
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=hidden_size * 2,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
@@ -84,11 +87,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--corpus", type=Path, required=True,
                         help="JSONL whose strings train the tokenizer")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="show the libraries' progress bars and warnings")
     args = parser.parse_args(argv)
     if (args.out_dir / "config.json").is_file():
         print(f"{args.out_dir} already holds a model")
         return 0
-    build_tiny_llama(args.out_dir, corpus_from_jsonl(args.corpus))
+    from finetune_trainer.generate import quiet_libraries
+
+    quiet_libraries(args.verbose)
+    build_tiny_llama(args.out_dir, corpus_from_jsonl(args.corpus), show_progress=args.verbose)
     print(f"built a tiny Llama and its tokenizer in {args.out_dir}")
     return 0
 

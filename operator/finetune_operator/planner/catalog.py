@@ -11,6 +11,7 @@ check the Azure pricing calculator before budgeting.
 
 from __future__ import annotations
 
+import difflib
 import re
 
 from pydantic import BaseModel, ConfigDict
@@ -224,3 +225,14 @@ def known_names() -> list[str]:
     """Every VM size, then every GPU name (`finetune plan` prints GPUs by these)."""
     gpus = dict.fromkeys(n for gpu in GPUS for n in gpu_names(gpu))
     return [vm.name for vm in VM_SIZES] + list(gpus)
+
+
+def close_names(name: str, n: int = 3) -> list[str]:
+    """The catalog's names nearest to `name`, best first: what a name it does not know
+    likely meant (a typo, another case, `Standard_` left out)."""
+    known = known_names()
+    lowered = {k.lower(): k for k in known}
+    bare = {k.lower().removeprefix("standard_"): k for k in known
+            if k.lower().startswith("standard_")}
+    close = difflib.get_close_matches(name.lower(), [*lowered, *bare], n=n * 2, cutoff=0.6)
+    return list(dict.fromkeys(lowered.get(match) or bare[match] for match in close))[:n]

@@ -3,7 +3,9 @@ cheapest configuration that fits. Pure: the model's config is handed in."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
+from pathlib import PurePath
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -25,6 +27,7 @@ from finetune_operator.planner.memory import (
     estimate_memory,
 )
 from finetune_operator.planner.sources import ModelConfig, from_table
+from finetune_trainer import layout
 from finetune_trainer.config import Hyperparameters, LoraConfig, StrategyConfig
 
 HEADROOM = 0.10
@@ -677,7 +680,7 @@ def _compile_by_length(job: FineTuneJob, strategy: Strategy, setup: TrainingSetu
 def plan_job(job: FineTuneJob, model: ModelConfig | None, strategy: Strategy,
              gpu_type: str | None = None, search_catalog: bool = True,
              as_written: FineTuneJob | None = None, machine: VmSize | None = None,
-             offline: str | None = None) -> JobPlan:
+             offline: str | None = None, unanswered: str | None = None) -> JobPlan:
     """The plan for `job` run with `strategy` (already resolved) on `gpu_type` (default:
     the spec's), given the model's config (None: unknown). `search_catalog=False` (the
     operator's admission) only looks for alternatives on the requested VM size, and only
@@ -686,9 +689,11 @@ def plan_job(job: FineTuneJob, model: ModelConfig | None, strategy: Strategy,
     micro-batch chosen for one GPU says nothing of another); each alternative says which
     settings it changes (`Option.changes`). `machine`: this machine's GPUs in place of
     `gpu_type` (`finetune run`). `offline`: why the hub was not asked (`--offline`), said
-    where a hub model's config is missing; None: it was asked."""
+    where a hub model's config is missing; None: it was asked. `unanswered`: why the hub,
+    asked, gave none (`sources.HubUnanswered`), said there too."""
     written = as_written or job
-    plan = _plan_on(job, model, strategy, gpu_type, search_catalog, written, machine, offline)
+    plan = _plan_on(job, model, strategy, gpu_type, search_catalog, written, machine,
+                    offline, unanswered)
     if plan.recommendation is None:
         return plan
     planned = sized_settings(job, plan.strategy, plan.precision, plan.gpu_type)
@@ -698,7 +703,8 @@ def plan_job(job: FineTuneJob, model: ModelConfig | None, strategy: Strategy,
 
 def _plan_on(job: FineTuneJob, model: ModelConfig | None, strategy: Strategy,
              gpu_type: str | None, search_catalog: bool, options_for: FineTuneJob,
-             machine: VmSize | None, offline: str | None) -> JobPlan:
+             machine: VmSize | None, offline: str | None, unanswered: str | None = None
+             ) -> JobPlan:
     """`plan_job` but for the options' changes."""
     spec, resources = job.spec, job.spec.resources
     gpu_type = machine.name if machine else gpu_type or resources.gpu_type
@@ -706,7 +712,8 @@ def _plan_on(job: FineTuneJob, model: ModelConfig | None, strategy: Strategy,
     world = resources.nodes * resources.processes()
     if shape is None:
         why = config_error or (f"no config.json for {spec.model.uri}: "
-                               + _where_configs_come_from(spec.model.uri, offline))
+                               + _where_configs_come_from(spec.model.uri, offline,
+                                                          unanswered))
         return JobPlan(fits=None, verdict="unknown", reason=why, strategy=strategy,
                        world_size=world, gpu_type=gpu_type,
                        model_source=model.source if model else None)
@@ -860,8 +867,10 @@ _HOST_LABELS = {"weightsWhileLoading": "the weights read once",
                 "processes": "the processes"}
 
 
-def _where_configs_come_from(uri: str, offline: str | None = None) -> str:
-    """Why no config was found for `uri`; `offline`: why the hub was not asked."""
+def _where_configs_come_from(uri: str, offline: str | None = None,
+                             unanswered: str | None = None) -> str:
+    """Why no config was found for `uri`; `offline`: why the hub was not asked;
+    `unanswered`: why, asked, it gave none."""
     if uri.startswith("pvc://"):
         return ("the operator cannot read inside a claim; run `finetune plan` where the "
                 "model is, or use a model the built-in table knows")
@@ -869,7 +878,15 @@ def _where_configs_come_from(uri: str, offline: str | None = None) -> str:
         return (f"the hub was not asked (offline: {offline}), and the planner's built-in "
                 "table does not know it (`finetune plan --list-models` lists it) — give a "
                 "local folder holding its config.json, or plan with the hub")
+    if uri.startswith("hf://") and unanswered:
+        return (f"the hub did not answer ({unanswered}), and the planner's built-in table "
+                "does not know it (`finetune plan --list-models` lists it) — give a local "
+                "folder holding its config.json, or plan where the hub can be reached")
     if uri.startswith("hf://"):
         return ("the hub could not be reached (or the repo is gated) and the built-in "
                 "table does not know it")
+    demo = PurePath(layout.DEMO_MODEL).parts
+    if PurePath(os.path.normpath(uri)).parts[-len(demo):] == demo:  # examples 01 and 08
+        return ("the path holds no config.json here that reads as JSON — run `make demo` "
+                f"first: it builds the tiny model these examples use ({layout.DEMO_MODEL})")
     return "the path holds no config.json here that reads as JSON"

@@ -28,18 +28,25 @@ VERDICTS = {"fits": "fits", "tight": "fits, with less than 10% headroom",
 
 
 def plan_with_notes(job: FineTuneJob, model: ModelConfig | None,
-                    machine: VmSize | None = None, offline: str | None = None) -> JobPlan:
+                    machine: VmSize | None = None, offline: str | None = None,
+                    unanswered: str | None = None) -> JobPlan:
     """The plan with the notes of every choice made for the job (on `machine`: this
     machine's GPUs, else the job's gpuType); `offline`: why the hub was not asked
-    (`--offline`, HF_HUB_OFFLINE=1), said where the job's model is on the hub."""
+    (`--offline`, HF_HUB_OFFLINE=1), `unanswered`: why, asked, it gave no config.json (not
+    reached, refused), each said where the job's model is on the hub."""
     strategy, why = explain_strategy(job, model, machine)
     settings = choose_step_settings(job, model, strategy, machine)
     plan = plan_job(with_step_settings(job, settings), model, strategy, as_written=job,
-                    machine=machine, offline=offline)
+                    machine=machine, offline=offline, unanswered=unanswered)
     notes = [*settings.notes, *plan.notes]
-    if offline and model is not None and job.spec.model.location.scheme == "hf":
-        notes.insert(0, f"offline ({offline}): the hub was not asked for "
-                        f"{job.spec.model.uri}; its config.json came from the {model.source}")
+    if model is not None and job.spec.model.location.scheme == "hf":
+        uri = job.spec.model.uri
+        if offline:
+            notes.insert(0, f"offline ({offline}): the hub was not asked for {uri}; its "
+                            f"config.json came from the {model.source}")
+        elif unanswered:
+            notes.insert(0, f"the hub did not answer ({unanswered}) for {uri}; its "
+                            f"config.json came from the {model.source}")
     plan = plan.model_copy(update={"step_settings": settings, "notes": notes})
     if job.spec.strategy.type == "auto":
         operator_choice = resolve_strategy(job)

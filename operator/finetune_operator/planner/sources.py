@@ -11,6 +11,7 @@ import json
 import os
 import re
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -52,13 +53,22 @@ def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
 
 
-def fetch_from_hub(repo: str, revision: str | None,
-                   timeout: float = HUB_TIMEOUT_SECONDS) -> dict[str, Any] | None:
-    """GET config.json from huggingface.co (only that file); HF_TOKEN is sent when set,
-    for gated models, and HF_HUB_OFFLINE=1 (the hub's own switch) skips the request.
-    None on any failure: the caller falls back, and never waits longer than `timeout`."""
-    if hub_offline():
-        return None
+class HubUnanswered(Exception):
+    """The hub gave no config.json; the message says why (not reached, refused, no such
+    repo), for the plan to say where `--offline` says the hub was not asked."""
+
+
+_HTTP_REASONS = {401: "no such repo, or a gated or private one (set HF_TOKEN)",
+                 403: "a gated repo HF_TOKEN may not read (accept its terms on the hub)",
+                 404: "no such repo, revision or file"}
+"""The hub answers 401 for a repo it does not show this caller: missing or private alike."""
+
+
+def ask_hub(repo: str, revision: str | None,
+            timeout: float = HUB_TIMEOUT_SECONDS) -> dict[str, Any]:
+    """GET config.json from huggingface.co (only that file, `HF_ENDPOINT` for another hub);
+    HF_TOKEN is sent when set, for gated models. Never waits longer than `timeout`;
+    HubUnanswered, saying why, when no config comes back."""
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
     url = f"{endpoint}/{repo}/resolve/{revision or 'main'}/config.json"
     request = urllib.request.Request(url, headers={"User-Agent": "finetune-operator-planner"})
@@ -67,7 +77,30 @@ def fetch_from_hub(repo: str, revision: str | None,
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return json.loads(response.read(1_000_000))
-    except (urllib.error.URLError, OSError, ValueError):
+    except urllib.error.HTTPError as error:
+        why = _HTTP_REASONS.get(error.code, error.reason)
+        raise HubUnanswered(f"HTTP {error.code}: {why}") from error
+    except (urllib.error.URLError, OSError) as error:
+        reason = getattr(error, "reason", error)
+        if isinstance(reason, TimeoutError):
+            why = f"no answer within {timeout:g} s"
+        else:
+            why = getattr(reason, "strerror", None) or str(reason)
+        host = urllib.parse.urlsplit(endpoint).netloc
+        raise HubUnanswered(f"{host}: {why}") from error
+    except ValueError as error:
+        raise HubUnanswered("its config.json is not JSON") from error
+
+
+def fetch_from_hub(repo: str, revision: str | None,
+                   timeout: float = HUB_TIMEOUT_SECONDS) -> dict[str, Any] | None:
+    """`ask_hub`, None on any failure (the caller falls back); HF_HUB_OFFLINE=1 (the hub's
+    own switch) skips the request."""
+    if hub_offline():
+        return None
+    try:
+        return ask_hub(repo, revision, timeout)
+    except HubUnanswered:
         return None
 
 
@@ -81,13 +114,20 @@ class ModelConfigs:
     """Finds model configs; remembers hub answers (found or not) for the process's life.
 
     `fetch` is None for offline lookups (tests, and wherever the network must not be
-    touched): then hub models come from the built-in table only.
+    touched): then hub models come from the built-in table only. A `fetch` raising
+    HubUnanswered (`ask_hub`) leaves why, for `unanswered`.
     """
 
     def __init__(self, fetch: HubFetch | None = None, base_dir: Path | None = None) -> None:
         self.fetch = fetch
         self.base_dir = base_dir
         self._hub: dict[tuple[str, str | None], dict[str, Any] | None] = {}
+        self._unanswered: dict[tuple[str, str | None], str] = {}
+
+    def unanswered(self, uri: str, revision: str | None = None) -> str | None:
+        """Why the hub gave no config.json for hf:// `uri` when asked; None when it gave
+        one, was not asked, or its fetch said no reason."""
+        return self._unanswered.get((uri.removeprefix("hf://").strip("/"), revision))
 
     def resolve(self, uri: str, revision: str | None = None) -> ModelConfig | None:
         """The config for a `spec.model.uri`, or None when nothing can be found."""
@@ -96,7 +136,10 @@ class ModelConfigs:
             if self.fetch is not None:
                 key = (repo, revision)
                 if key not in self._hub:
-                    self._hub[key] = self.fetch(repo, revision)
+                    try:
+                        self._hub[key] = self.fetch(repo, revision)
+                    except HubUnanswered as error:
+                        self._hub[key], self._unanswered[key] = None, str(error)
                 if self._hub[key] is not None:
                     return ModelConfig(config=self._hub[key],
                                        source=f"hub:{repo}@{revision or 'main'}")

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from finetune_operator.api import FineTuneJob
 from finetune_operator.settings import OperatorSettings
 from finetune_operator.trainer_config import build_trainer_config, unreachable_locations
-from finetune_operator.validation import Problem
+from finetune_operator.validation import PUSH_THE_TRAINER_IMAGE, Problem, placeholder_image
 from finetune_trainer.config import TrainerConfig
 from finetune_trainer.uris import Location, Unreachable, data_file_builder, job_placeholder
 
@@ -41,6 +41,10 @@ refusal names the file and the kinds it reads, where a folder mount would fail o
 side."""
 DATASTORE_PATH = re.compile(r"azureml://(subscriptions/[^/]+/resourcegroups/[^/]+/workspaces/"
                             r"[^/]+/)?datastores/[^/]+/paths/\S+", re.IGNORECASE)
+MODEL_ASSET = re.compile(r"azureml://(registries/[^/]+|subscriptions/[^/]+/resourcegroups/[^/]+/"
+                         r"workspaces/[^/]+|locations/[^/]+/workspaces/[^/]+)/models/[^/]+/"
+                         r"(versions|labels)/[^/]+/?", re.IGNORECASE)
+"""A registered model (in a registry or a workspace), as opposed to a datastore folder."""
 COMMAND_JOB_SCHEMA = "https://azuremlschemas.azureedge.net/latest/commandJob.schema.json"
 ANONYMOUS_ENVIRONMENT = "CliV2AnonymousEnvironment"
 # Azure ML job names: letters, digits, '-' and '_', at most 255 characters.
@@ -90,9 +94,17 @@ def attempt_of(job: FineTuneJob, name: str | None) -> int | None:
 # --- where the trainer finds its model, data and output -----------------------------------
 
 def input_type(location: Location) -> str | None:
-    """The Azure ML input type of an azureml:// model or dataset (None: not an input)."""
+    """The Azure ML input type of an azureml:// model or dataset (None: not an input).
+
+    A registered model is a `custom_model` input: Azure ML delivers model assets through
+    the `*_model` types (the SDK reads `uri_*` inputs as data and resolves an asset name
+    as a model only for those), and `custom_model` delivers the folder as it is, whether
+    it holds a save_pretrained model or an MLflow-packaged one (the trainer reads both;
+    the registered type is not known offline). A datastore path is a folder or a file."""
     if location.scheme != "azureml" or location.section == "output":
         return None
+    if MODEL_ASSET.fullmatch(location.raw):
+        return "custom_model"
     raw = location.raw.rstrip("/")
     if location.section == "dataset" and (
             data_file_builder(raw) or raw.lower().endswith(REFUSED_FILES)):
@@ -273,7 +285,23 @@ def render(job: FineTuneJob, settings: OperatorSettings) -> dict[str, Any]:
 
 # --- what this backend cannot run -----------------------------------------------------------
 
-def validate(job: FineTuneJob) -> list[Problem]:
+def validate(job: FineTuneJob, settings: OperatorSettings | None = None) -> list[Problem]:
+    """What Azure ML cannot run, beyond the API's own rules (the SDK's validation last, of
+    a job with no error before it), and a warning where the job's environment would be
+    built on the placeholder trainer image. `settings`: the operator's (None: from the
+    environment, where `finetune render` and the operator read them)."""
+    aml = job.spec.azureml
+    image = None if aml is None or aml.environment else placeholder_image(job, settings)
+    return _refusals(job) + ([] if image is None else [Problem(
+        "spec.azureml.environment", "is not set, so the job's environment is built on the "
+        f"trainer image of the operator's settings, here {image}: a placeholder that no "
+        "registry serves",
+        f"{PUSH_THE_TRAINER_IMAGE}, or name a registered environment (name@latest)",
+        "warning", cluster_only=True)])
+
+
+def _refusals(job: FineTuneJob) -> list[Problem]:
+    """The errors: what this backend's rules refuse, else what the SDK's validation does."""
     spec = job.spec
     problems = unreachable_locations(job, mount)
     if spec.model.token_secret_ref is not None:

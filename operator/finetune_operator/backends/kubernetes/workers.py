@@ -11,12 +11,17 @@ from finetune_operator import naming, yamlio
 from finetune_operator.api import API_VERSION, KIND, FineTuneJob
 from finetune_operator.settings import OperatorSettings, Taint
 from finetune_operator.trainer_config import build_trainer_config, unreachable_locations
-from finetune_operator.validation import Problem
+from finetune_operator.validation import (
+    KUEUE_QUEUE_LABEL,
+    PUSH_THE_TRAINER_IMAGE,
+    Problem,
+    placeholder_image,
+)
 from finetune_trainer import errors
 from finetune_trainer.config import TrainerConfig
 from finetune_trainer.uris import SCHEME_EXAMPLES, SECTION_SCHEMES, Location, Unreachable
 
-QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+QUEUE_LABEL = KUEUE_QUEUE_LABEL
 COMPLETION_INDEX_KEY = "batch.kubernetes.io/job-completion-index"
 COMPLETION_INDEX = f"metadata.annotations['{COMPLETION_INDEX_KEY}']"
 CACHE_DIR = "/tmp/finetune"
@@ -48,9 +53,17 @@ def mount(location: Location) -> str:
     return naming.pvc_mount_path(location.uri) if location.scheme == "pvc" else location.raw
 
 
-def validate(job: FineTuneJob) -> list[Problem]:
-    """What this backend cannot run, beyond the API's own rules."""
-    return unreachable_locations(job, mount)
+def validate(job: FineTuneJob, settings: OperatorSettings | None = None) -> list[Problem]:
+    """What this backend cannot run, beyond the API's own rules, and a warning where the
+    workers' image would be the placeholder default. `settings`: the operator's (None:
+    from the environment, where `finetune render` and the operator read them)."""
+    k8s = job.spec.kubernetes
+    image = None if k8s and k8s.image else placeholder_image(job, settings)
+    return unreachable_locations(job, mount) + ([] if image is None else [Problem(
+        "spec.kubernetes.image", "is not set, so the workers run the trainer image of the "
+        f"operator's settings, here {image}: a placeholder that no registry serves",
+        f"{PUSH_THE_TRAINER_IMAGE}, or set spec.kubernetes.image", "warning",
+        cluster_only=True)])
 
 
 # --- metadata ----------------------------------------------------------------------------

@@ -1,9 +1,15 @@
-# One venv with everything the tests need. torch is installed first and pinned so pip
-# never swaps in a multi-gigabyte CUDA build; deepspeed builds against that torch.
+# One venv with everything the tests need. torch is installed first, and every later install
+# names the same torch==$(TORCH_VERSION), so neither DeepSpeed (built against it) nor an extra
+# swaps in another torch version. PyPI's torch is the CUDA build (with its nvidia-* wheels,
+# most of the venv's size: docs/design/development.md). TORCH_INDEX_URL installs torch from
+# another index instead; for a CPU-only box, into a new venv:
+#   make venv TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# which gives 2.13.0+cpu; the later pins accept it (a local label is ignored by ==2.13.0).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
+TORCH_INDEX_URL ?=
 PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 
 .PHONY: venv tools test test-quick lint crds demo clean kind-e2e e2e bench bench-gpu bench-metrics \
@@ -15,7 +21,7 @@ venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip setuptools wheel
-	$(PIP) install torch==$(TORCH_VERSION)
+	$(PIP) install torch==$(TORCH_VERSION) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 	$(PIP) install --no-build-isolation "deepspeed>=0.17" torch==$(TORCH_VERSION)
 	$(PIP) install -e ".[trainer,azure,dev]" torch==$(TORCH_VERSION)
 	touch $@
@@ -62,10 +68,11 @@ lint: venv
 # A real Kubernetes control plane (etcd, kube-apiserver with RBAC, controller-manager,
 # scheduler, KWOK for the GPU pools, Kueue with its queues) and a real node (kubelet,
 # containerd, CNI, CoreDNS, kube-proxy in a network namespace of its own: cluster/real_node.py),
-# built from the Go modules in cluster/ into ~/.cache/finetune-operator (once per version:
-# ~10 minutes cold on 2 cores). The tests start their own; `make cluster` starts one for you,
-# with an admin kubeconfig in .cluster/admin.kubeconfig (`make cluster KUEUE=0`: without
-# Kueue; NODE=0: KWOK's nodes only). Without Go, the tests that need it are skipped.
+# built from the Go modules in cluster/ into ~/.cache/finetune-operator (once per version; the
+# cold build's time: docs/design/development.md). The tests start their own; `make cluster`
+# starts one for you, with an admin kubeconfig in .cluster/admin.kubeconfig (`make cluster
+# KUEUE=0`: without Kueue; NODE=0: KWOK's nodes only). Without Go, the tests that need it are
+# skipped.
 cluster-bin: venv
 	@if command -v go >/dev/null 2>&1; then $(BIN)/python cluster/controlplane.py build; \
 	else echo "Go not installed: the real control-plane tests will be skipped"; fi

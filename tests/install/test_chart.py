@@ -1,7 +1,10 @@
 """The Helm chart, rendered by the real Helm engine (helm-python-sdk): valid objects,
-least-privilege RBAC, values the schema refuses, and the operator settings it passes."""
+least-privilege RBAC, values the schema refuses, and the operator settings it passes; and
+the chart README's RBAC tables, CRD names and helm commands, which must agree with it."""
 
 from __future__ import annotations
+
+import re
 
 import helm_python as helm
 import kubernetes_validate
@@ -123,6 +126,18 @@ def _rules(objects):
             for rule in role["rules"]]
 
 
+def operator_roles(objects) -> list[dict]:
+    """The ClusterRoles and Roles bound to the operator's ServiceAccount (not the ones for
+    people, which aggregate into the built-in roles and are bound to nobody)."""
+    account = by_kind(objects, "ServiceAccount")[0]["metadata"]["name"]
+    bound = {(b["roleRef"]["kind"], b["roleRef"]["name"], b["metadata"].get("namespace"))
+             for kind in ("ClusterRoleBinding", "RoleBinding") for b in by_kind(objects, kind)
+             if any(s["kind"] == "ServiceAccount" and s["name"] == account
+                    for s in b["subjects"])}
+    return [r for kind in ("ClusterRole", "Role") for r in by_kind(objects, kind)
+            if (kind, r["metadata"]["name"], r["metadata"].get("namespace")) in bound]
+
+
 @pytest.mark.parametrize("values", [None, NON_DEFAULT], ids=["cluster-wide", "namespaced"])
 def test_rbac_is_least_privilege(values):
     rules = _rules(render(values))
@@ -138,8 +153,8 @@ def test_namespaced_mode_grants_jobs_only_in_the_watched_namespaces():
     objects = render(NON_DEFAULT)
     roles = by_kind(objects, "Role")
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["ml-team", "research"]
-    cluster_resources = {r for role in by_kind(objects, "ClusterRole") for rule in role["rules"]
-                         for r in rule["resources"]}
+    cluster_resources = {r for role in operator_roles(objects) if role["kind"] == "ClusterRole"
+                         for rule in role["rules"] for r in rule["resources"]}
     assert cluster_resources == {"customresourcedefinitions", "namespaces"}
     args = by_kind(objects, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--namespace=ml-team" in args and "--all-namespaces" not in args
@@ -237,3 +252,100 @@ def test_one_replica_runs_standalone():
                    deployment["spec"]["template"]["spec"]["containers"][0]["args"])
     assert not by_kind(objects, "ClusterKopfPeering")
     assert not [r for r in _rules(objects) if r["apiGroups"] == ["kopf.dev"]]
+
+
+# --- the RBAC tables of the chart README (#58): they cannot drift from the chart -------------
+
+README = CHART / "README.md"
+RBAC_VALUES = {"cluster-wide": None, "namespaced": NON_DEFAULT,
+               "peering": {"replicas": 2}, "namespaced-peering": {**NON_DEFAULT, "replicas": 2}}
+"""Every mode the operator's rules differ by: together they render every rule the chart has."""
+
+
+def readme_table(heading: str) -> list[list[str]]:
+    """The rows of the first table after the paragraph starting `heading` in the README,
+    each cell as written."""
+    text = README.read_text()
+    lines = text[text.index(heading):].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    rows = []
+    for line in lines[start + 2:]:  # past the header and its rule
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    return rows
+
+
+def quoted(cell: str) -> list[str]:
+    return re.findall(r"`([^`]+)`", cell)
+
+
+def granted(roles) -> set[tuple[str, str, str]]:
+    return {(group, resource, verb) for role in roles for rule in role["rules"]
+            for group in rule["apiGroups"] for resource in rule["resources"]
+            for verb in rule["verbs"]}
+
+
+def people_roles(objects) -> list[dict]:
+    operators = operator_roles(objects)
+    return [r for r in by_kind(objects, "ClusterRole") if r not in operators]
+
+
+def test_the_readmes_table_of_the_operators_rbac_is_what_the_chart_grants():
+    """Every (API group, resource, verb) the chart grants the operator, in any mode, is a
+    row of the README's table, with a reason, and every row is granted in some mode."""
+    rendered = set().union(*(granted(operator_roles(render(v))) for v in RBAC_VALUES.values()))
+    table = set()
+    for group, resource, verbs, why in readme_table("**What the operator may do.**"):
+        assert why, f"{resource}: say why it is needed"
+        group = "" if group == "core" else quoted(group)[0]
+        table |= {(group, quoted(resource)[0], verb) for verb in quoted(verbs)}
+    assert sorted(rendered - table) == [], "granted, but not in the README's table"
+    assert sorted(table - rendered) == [], "in the README's table, but not granted"
+
+
+def test_the_readmes_table_of_the_roles_for_people_is_what_the_chart_renders():
+    """The two ClusterRoles aggregated into edit/admin/view: names, labels and rules."""
+    prefix = ("ft-finetune-operator", "<release>-finetune-operator")
+    roles = {r["metadata"]["name"].removeprefix(prefix[0]): r for r in people_roles(render())}
+    rows = readme_table("**What people may do.**")
+    assert sorted(roles) == sorted(quoted(name)[0].removeprefix(prefix[1]) for name, *_ in rows)
+    for name, into, resources, verbs in rows:
+        role = roles[quoted(name)[0].removeprefix(prefix[1])]
+        labels = {k.removeprefix("rbac.authorization.k8s.io/aggregate-to-")
+                  for k, v in role["metadata"]["labels"].items()
+                  if k.startswith("rbac.authorization.k8s.io/aggregate-to-") and v == "true"}
+        assert labels == set(quoted(into)), name
+        assert granted([role]) == {("finetune.dev", r, v) for r in quoted(resources)
+                                   for v in quoted(verbs)}, name
+
+
+@pytest.mark.parametrize("values", [None, NON_DEFAULT], ids=["cluster-wide", "namespaced"])
+def test_people_get_finetunejobs_through_the_built_in_roles_unless_turned_off(values):
+    """On by default in either mode, bound to nobody, no status writes; off, none rendered
+    and the operator's own RBAC unchanged."""
+    objects = render(values)
+    people = people_roles(objects)
+    assert sorted(r["metadata"]["name"] for r in people) == [
+        "ft-finetune-operator-edit", "ft-finetune-operator-view"]
+    for group, resource, verb in granted(people):
+        assert group == "finetune.dev", group
+        assert resource.split("/")[0] in ("finetunejobs", "finetunesweeps"), resource
+        assert not resource.endswith("/status") or verb in ("get", "list", "watch"), resource
+    off = render(_merged(values or {}, {"rbac": {"aggregateToDefaultRoles": False}}))
+    assert people_roles(off) == []
+    assert operator_roles(off) == operator_roles(objects)
+
+
+def test_the_readme_names_every_crd_the_chart_installs():
+    text = README.read_text()
+    for path in sorted((CHART / "crds").glob("*.yaml")):
+        for crd in yaml.safe_load_all(path.read_text()):
+            assert f"`{crd['metadata']['name']}`" in text, crd["metadata"]["name"]
+
+
+def test_the_readmes_helm_commands_name_the_release_namespace():
+    """A release installed with -n is found again only with the same -n (#58)."""
+    commands = re.findall(r"^(helm (?:install|upgrade|uninstall)\b.*)$", README.read_text(),
+                          re.M)
+    assert commands and all(" -n " in c for c in commands), commands

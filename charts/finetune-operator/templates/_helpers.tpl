@@ -49,20 +49,21 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- end -}}
 
-{{/* The rules the operator needs in a namespace it watches: nothing more. */}}
+{{/* The rules the operator needs in a namespace it watches: nothing more (it writes with
+     patch, never update; the chart README's RBAC table says why each is needed). */}}
 {{- define "finetune-operator.namespacedRules" -}}
 - apiGroups: ["finetune.dev"]
   resources: ["finetunejobs"]
-  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: ["finetune.dev"]
   resources: ["finetunejobs/status"]
-  verbs: ["get", "patch", "update"]
+  verbs: ["patch"]
 - apiGroups: ["finetune.dev"]
   resources: ["finetunesweeps"]
   verbs: ["get", "list", "watch"]
 - apiGroups: ["finetune.dev"]
   resources: ["finetunesweeps/status"]
-  verbs: ["get", "patch", "update"]
+  verbs: ["patch"]
 - apiGroups: ["finetune.dev"]
   resources: ["finetunejobs/finalizers"]
   verbs: ["update"]
@@ -70,17 +71,20 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   resources: ["jobs"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
-  resources: ["services", "configmaps"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+  resources: ["services"]
+  verbs: ["get", "list", "watch", "create", "delete"]
+- apiGroups: [""]
+  resources: ["configmaps"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]   # patch: a relaunch's config
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch"]
 - apiGroups: [""]
   resources: ["persistentvolumeclaims"]
   verbs: ["get"]                       # a multi-node job's output claim must be ReadWriteMany
-- apiGroups: ["", "events.k8s.io"]
+- apiGroups: [""]
   resources: ["events"]
-  verbs: ["create", "patch", "list"]   # list: the Job controller's FailedCreate events
+  verbs: ["create", "list"]            # list: the Job controller's FailedCreate events
 - apiGroups: ["kueue.x-k8s.io"]
   resources: ["workloads"]
   verbs: ["list", "patch"]             # a queued job waits and suspends through its Workload

@@ -61,7 +61,8 @@ def high_water_mark(pid: int) -> int:
 
 
 def manifest(name: str) -> dict:
-    doc = minimal_job(resources={"nodes": 1, "gpusPerNode": 1})
+    doc = minimal_job(resources={"nodes": 1, "gpusPerNode": 1},
+                      output={"uri": f"pvc://ckpt/{name}"})  # one live job a folder
     doc["metadata"] = {"name": name, "namespace": "default"}
     return doc
 

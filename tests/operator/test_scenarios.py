@@ -280,7 +280,7 @@ async def test_a_second_job_on_one_output_folder_is_refused_naming_the_first(
     folder of its own, it is admitted and launched."""
     await testbed.apply(testbed.manifest())
     await testbed.until_phase("Running")
-    await testbed.apply(testbed.manifest("second"))
+    await testbed.apply(testbed.manifest("second", output={"uri": "pvc://ckpt/demo"}))
     await testbed.until_phase("Failed", name="second")
     failed = testbed.condition("Failed", name="second")
     assert failed["reason"] == "OutputInUse"
@@ -325,8 +325,7 @@ async def test_many_jobs_at_once_all_run(testbed: Testbed):
     await operator.start()
     names = [f"job-{i:02d}" for i in range(50)]
     for name in names:
-        await testbed.apply(testbed.manifest(name, resources={"nodes": 1, "gpusPerNode": 1},
-                                             output={"uri": f"pvc://ckpt/{name}"}))
+        await testbed.apply(testbed.manifest(name, resources={"nodes": 1, "gpusPerNode": 1}))
     await testbed.until(lambda: all(testbed.status(n).get("phase") == "Running" for n in names),
                         "all 50 Running", timeout=90)
     assert sorted(n for n in names if testbed.jobs_created(n) == 1) == names

@@ -91,7 +91,8 @@ class ControlPlaneTestbed(RealTestbed):
     def manifest(self, name="demo", **spec):
         """2 nodes x 8 GPUs (the ndasrv4 pool); pods run until told otherwise."""
         doc = minimal_job(**{"resources": {"nodes": 2, "gpusPerNode": 8},
-                             "kubernetes": {"annotations": {RUN_TIME: "1h"}}})
+                             "kubernetes": {"annotations": {RUN_TIME: "1h"}},
+                             "output": {"uri": f"pvc://ckpt/{name}"}})  # one job a folder
         doc["metadata"] = {"name": name, "namespace": self.namespace}
         return merged(doc, spec)
 

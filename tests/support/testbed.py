@@ -198,7 +198,9 @@ class EmulatedTestbed(Testbed):
         await self._send("DELETE", self._url(name))
 
     def manifest(self, name="demo", **spec):
-        doc = minimal_job(**{"resources": {"nodes": 2, "gpusPerNode": 8}, **spec})
+        # a folder of its own, as the operator runs one live job per output folder
+        doc = minimal_job(**{"resources": {"nodes": 2, "gpusPerNode": 8},
+                             "output": {"uri": f"pvc://ckpt/{name}"}, **spec})
         doc["metadata"] = {"name": name, "namespace": self.namespace}
         return doc
 

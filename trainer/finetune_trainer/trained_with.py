@@ -159,11 +159,9 @@ def refusal(output_dir: Path, config: TrainerConfig, fix: str,
     recorded = read(checkpoint)
     if recorded is None:
         return None
-    if GLOBAL_BATCH not in recorded:  # recorded each worker's batch: compared as such
-        config = config.model_copy(update={"workers": None})
     content = (fingerprints.dataset(config.dataset, base_dir, output_dir)
                if recorded.get(DATA_CONTENT) else None)
-    changed = differences(recorded, record(config, content))
+    changed = _changes(recorded, config, content)
     if config.output.resume_with_changed_data:
         changed = [line for line in changed if not line.startswith(CHANGED_DATA)]
     if not changed:
@@ -187,8 +185,16 @@ def changed_data(output_dir: Path, config: TrainerConfig, content: dict[str, Any
     recorded = read(checkpoint) if checkpoint is not None else None
     if recorded is None or not config.output.resume_with_changed_data:
         return []
-    return [line for line in differences(recorded, record(config, content))
+    return [line for line in _changes(recorded, config, content)
             if line.startswith(CHANGED_DATA)]
+
+
+def _changes(recorded: dict[str, Any], config: TrainerConfig,
+             content: dict[str, Any] | None) -> list[str]:
+    """`differences` between a checkpoint's record and `config` run on data of `content`."""
+    if GLOBAL_BATCH not in recorded:  # recorded each worker's batch: compared as such
+        config = config.model_copy(update={"workers": None})
+    return differences(recorded, record(config, content))
 
 
 def _export_without_checkpoint(output_dir: Path, fix: str) -> str | None:

@@ -108,7 +108,9 @@ class RunPolicy(ApiModel):
     """Fail the job when it has been active this long."""
     startup_deadline_seconds: int = Field(default=1800, ge=0)
     """Fail the job when workers have not started training this long after launch
-    (image pulls, scheduling, model download). 0 disables."""
+    (image pulls, scheduling, model download; under Kueue, after admission). 0 disables. A
+    queued job asks Kueue (v0.20) to wait for its pods a minute longer than this (7200 s at
+    most), so that this deadline, not Kueue's eviction, acts on a slow start."""
     stall_timeout_seconds: int = Field(default=1800, ge=0)
     """Mark the job Stalled, then restart it, when no step completes this long. 0 disables."""
     ttl_seconds_after_finished: int | None = Field(default=None, ge=0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from datetime import UTC, datetime, timedelta
 
 import kubernetes_validate
@@ -164,6 +165,22 @@ def test_kueue_queue_label_and_suspended_job():
     assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
     assert job["spec"]["suspend"] is True
     assert objects(minimal_job(runPolicy={"suspend": True}))["Job"]["spec"]["suspend"] is True
+
+
+@pytest.mark.parametrize(("deadline", "timeout"), [
+    (1800, 1860), (4, 64), (7190, 7200), (86400, 7200), (0, 7200)])
+def test_a_queued_job_asks_kueue_to_wait_for_its_pods_past_its_own_startup_deadline(
+        deadline, timeout):
+    """Kueue v0.19 turned waitForPodsReady on (30 minutes, cluster-wide): a job whose model
+    download takes longer was evicted and requeued. The worker Job carries Kueue's
+    per-workload timeout (v0.20): a minute past startupDeadlineSeconds, so the operator's
+    deadline, which says the pods' reason, acts first; capped at Kueue's default most."""
+    job = objects(minimal_job(kubernetes={"queueName": "team-a"},
+                              runPolicy={"startupDeadlineSeconds": deadline}))["Job"]
+    annotation = job["metadata"]["annotations"]["kueue.x-k8s.io/wait-for-pods-ready"]
+    assert json.loads(annotation) == {"timeoutSeconds": timeout}
+    unqueued = objects(minimal_job(runPolicy={"startupDeadlineSeconds": deadline}))["Job"]
+    assert "annotations" not in unqueued["metadata"]  # not Kueue's: nothing to say to it
 
 
 def test_hub_token_comes_from_the_secret_and_user_env_follows():

@@ -76,6 +76,10 @@ async def test_queued_admitted_onto_the_flavor_then_preempted_and_admitted_again
     job = bed.get("batch/v1/jobs", "demo")
     assert job["spec"]["suspend"] is True
     assert job["metadata"]["labels"][kueue.QUEUE_LABEL] == "team-a"
+    # Kueue's per-workload pods-ready timeout (v0.20), past the startup deadline: this
+    # Kueue (v0.17) admits the Job carrying it as any other (below)
+    assert json.loads(job["metadata"]["annotations"]["kueue.x-k8s.io/wait-for-pods-ready"]) == {
+        "timeoutSeconds": 1860}
     await bed.until(lambda: "couldn't assign flavors" in bed.condition("Admitted")["message"],
                     "Kueue's reason in the Admitted condition", timeout=30)
     assert bed.condition("Admitted")["reason"] == "WaitingForQueue"

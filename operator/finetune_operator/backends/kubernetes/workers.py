@@ -5,6 +5,7 @@ the containers and exit codes the Job's pod failure policy names, which `states`
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from finetune_operator import naming, yamlio
@@ -22,6 +23,14 @@ from finetune_trainer.config import TrainerConfig
 from finetune_trainer.uris import SCHEME_EXAMPLES, SECTION_SCHEMES, Location, Unreachable
 
 QUEUE_LABEL = KUEUE_QUEUE_LABEL
+PODS_READY_ANNOTATION = "kueue.x-k8s.io/wait-for-pods-ready"
+"""Kueue's own waitForPodsReady timeout for one workload (v0.20, alpha behind its
+WorkloadLevelWaitForPodsReady gate; earlier versions ignore it): JSON, `timeoutSeconds`."""
+PODS_READY_LONGEST = 7200
+"""Kueue's default maxTimeoutOnWorkload: its webhook refuses a Job asking for longer."""
+PODS_READY_MARGIN = 60
+"""Seconds Kueue waits beyond the job's startupDeadlineSeconds: the operator's deadline
+(which says the pods' reason and fails the job) acts first, Kueue's only where it is capped."""
 COMPLETION_INDEX_KEY = "batch.kubernetes.io/job-completion-index"
 COMPLETION_INDEX = f"metadata.annotations['{COMPLETION_INDEX_KEY}']"
 CACHE_DIR = "/tmp/finetune"
@@ -423,16 +432,30 @@ def worker_pod_template(job: FineTuneJob, settings: OperatorSettings) -> dict[st
     return {"metadata": pod_meta, "spec": pod_spec}
 
 
+def pods_ready_timeout(startup_deadline_seconds: int) -> int:
+    """Kueue's waitForPodsReady timeout for a queued job (`PODS_READY_ANNOTATION`): a little
+    past its startupDeadlineSeconds (both count from admission), at most what Kueue allows;
+    that most for a job without a deadline (0), not Kueue's cluster-wide 30 minutes (on by
+    default since v0.19), which evicted slow model downloads."""
+    if startup_deadline_seconds == 0:
+        return PODS_READY_LONGEST
+    return min(startup_deadline_seconds + PODS_READY_MARGIN, PODS_READY_LONGEST)
+
+
 def worker_job(job: FineTuneJob, settings: OperatorSettings) -> dict[str, Any]:
     """The Indexed Job: one pod per node, completion index = node rank. It fails on the first
     pod failure (backoffLimit 0): gang restarts and their budget belong to the operator."""
     nodes = job.spec.resources.nodes
     k8s = job.spec.kubernetes
     queue = {QUEUE_LABEL: k8s.queue_name} if k8s and k8s.queue_name else {}
+    meta = object_meta(job, naming.worker_job(job.name), queue)
+    if queue:
+        meta["annotations"] = {PODS_READY_ANNOTATION: json.dumps(
+            {"timeoutSeconds": pods_ready_timeout(job.spec.run_policy.startup_deadline_seconds)})}
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": object_meta(job, naming.worker_job(job.name), queue),
+        "metadata": meta,
         "spec": {
             "completionMode": "Indexed",
             "completions": nodes,

@@ -80,6 +80,7 @@ from finetune_operator.settings import OperatorSettings
 from finetune_operator.sweep import LABEL as SWEEP_LABEL
 from finetune_operator.sweep_controller import Sweeps
 from finetune_operator.trainer_config import launch_plan
+from finetune_operator.validation import check_document
 from finetune_operator.workqueue import WorkQueue
 
 FINALIZER = f"{API_GROUP}/finalizer"
@@ -142,13 +143,18 @@ async def act(runtime: Runtime, backend: Backend, job: FineTuneJob, action: Acti
 
 # --- the one routine -----------------------------------------------------------------------
 
-def _problems(runtime: Runtime, body: dict[str, Any]
-              ) -> tuple[FineTuneJob | None, Backend | None, list[str]]:
+def _document(body: dict[str, Any]) -> dict[str, Any]:
+    """The job as a manifest: what admission reads of the watched object."""
     doc = {k: body.get(k) for k in ("apiVersion", "kind", "metadata", "spec", "status")}
     doc["metadata"] = {k: v for k, v in (body.get("metadata") or {}).items()
                        if k in ("name", "namespace", "uid", "generation", "labels",
                                 "annotations")}
-    admission = admit(doc, runtime.backends)
+    return doc
+
+
+def _problems(runtime: Runtime, body: dict[str, Any]
+              ) -> tuple[FineTuneJob | None, Backend | None, list[str]]:
+    admission = admit(_document(body), runtime.backends)
     return admission.job, admission.backend, [str(p) for p in admission.errors]
 
 
@@ -363,10 +369,13 @@ class Controller:
         stamp = (meta.get("uid"), meta.get("generation"))
         if (known := self._folders.get(key)) is not None and known[0] == stamp:
             return known[1]
-        job, _backend, problems = _problems(self.runtime, dict(body))
+        # the API's own rules only (kopf calls this on its event loop: no backend's checks,
+        # which may build an Azure ML job); the reconcile says the rest
+        job, problems = check_document(_document(body))
         launched = bool((body.get("status") or {}).get("launchedSpec"))
         folder = None
-        if job is not None and (launched or not problems):  # launched: its workers write it
+        errors = any(problem.severity == "error" for problem in problems)
+        if job is not None and (launched or not errors):  # launched: its workers write it
             running = as_launched(job)
             backend = self.runtime.backends.get(running.spec.backend)
             find = getattr(backend, "output_folder", None)

@@ -284,8 +284,10 @@ async def test_a_restart_renders_the_strategy_recorded_at_launch(
 async def test_a_job_waiting_for_its_turn_is_not_polled_meanwhile(cluster, aml_operator, azure):
     """Azure ML jobs are polled every --interval (0.3 s here) once submitted; one waiting for
     its turn to launch has nothing to poll: it says when its turn comes, once, and is
-    submitted then."""
+    submitted then. The second is applied once the first has taken the one turn at hand
+    (two applied together race for it: the reconcilers look at both at once)."""
     await apply(cluster, azureml_job("first"))
+    await eventually(lambda: len(azure.jobs) == 1, what="the first submitted")
     await apply(cluster, azureml_job("second"))
     messages, deadline = set(), time.monotonic() + 30
     while len(azure.jobs) < 2:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from finetune_trainer import fetch
 from finetune_trainer.config import LoraConfig, TrainerConfig
 from finetune_trainer.layout import FINAL_DIR, MERGED_DIR, PROGRESS_FILE
 from finetune_trainer.record import ProgressRecord, format_duration
@@ -21,18 +22,15 @@ from finetune_trainer.record import ProgressRecord, format_duration
 CARD = "README.md"
 
 
-def base_model(config: TrainerConfig) -> str:
-    """The base model as others find it: the hub repo of a fetched copy (`org/name`), else
-    the spec's location."""
-    source = config.model_fetched_from or config.model
-    return source.uri.removeprefix("hf://").strip("/") if source.uri.startswith(
-        "hf://") else source.uri
-
-
 def hub_repo(config: TrainerConfig) -> str | None:
-    """The base model's hub repo id (`org/name`), where it came from the hub."""
-    source = config.model_fetched_from or config.model
-    return base_model(config) if source.uri.startswith("hf://") else None
+    """The base model's hub repo id (`org/name`), where it came from the hub (a fetched copy
+    included); None for a folder, a claim or an Azure ML asset."""
+    return fetch.hub_repo(config.model_fetched_from or config.model)
+
+
+def base_model(config: TrainerConfig) -> str:
+    """The base model as others find it: its hub repo id, else the spec's location."""
+    return hub_repo(config) or (config.model_fetched_from or config.model).uri
 
 
 def render(config: TrainerConfig, record: ProgressRecord | None) -> str:

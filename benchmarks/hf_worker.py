@@ -52,6 +52,9 @@ def main() -> None:
                         default="trainer")
     parser.add_argument("--batch-per-device", type=int, default=None,
                         help="instead of the config's batchSizePerDevice")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="on, whatever the config says (a peer that would not fit "
+                        "without it)")
     args = parser.parse_args()
 
     import torch
@@ -71,6 +74,8 @@ def main() -> None:
     config = TrainerConfig.load(args.config)
     base = args.config.parent
     hp, strategy = config.hyperparameters, config.strategy
+    if args.gradient_checkpointing:
+        strategy = strategy.model_copy(update={"gradient_checkpointing": True})
     tokenizer = load_tokenizer(config.model, base)
     records = read_records(config.dataset, base)
     fmt = resolve_format(config.dataset.format, records.column_names)
@@ -149,7 +154,8 @@ def main() -> None:
     trainer.model.register_forward_pre_hook(timing.count, with_kwargs=True)
     trainer.train()
 
-    label_tokens, input_tokens = all_ranks_sum([timing.timed_tokens, timing.timed_inputs])
+    label_tokens, input_tokens, attended = all_ranks_sum(
+        [timing.timed_tokens, timing.timed_inputs, timing.timed_attended])
     world = dist.get_world_size() if dist.is_initialized() else 1
     peak = (torch.cuda.max_memory_allocated() if gpu
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
@@ -158,12 +164,14 @@ def main() -> None:
         mfu = None
         peak_flops = gpu and flops.peak_flops(torch.cuda.get_device_name())
         if peak_flops and seconds:
+            # as ours counts: the pairs each document attends, DPO's reference forward
             params, frozen, layers, width = flops.model_shape(trainer.model)
-            mean = mean_length(trainer, train, config.dataset.max_seq_length)
-            per_token = flops.model_flops_per_token(params, layers, width, mean, frozen)
-            mfu = per_token * input_tokens / seconds / (peak_flops * world)
+            reference = frozen if args.peer == "dpo" and adapters is not None else 0.0
+            work = flops.ModelWork.of(params, frozen, layers, width, reference)
+            mfu = work.flops(input_tokens, attended) / seconds / (peak_flops * world)
         args.result.write_text(json.dumps({
             "tokens_per_second": label_tokens / seconds if seconds else 0.0, "mfu": mfu,
+            "input_tokens_per_second": input_tokens / seconds if seconds else 0.0,
             "step_seconds": seconds / max(timing.timed_steps, 1),
             "tokens_per_step": label_tokens / max(timing.timed_steps, 1),
             "timed_steps": timing.timed_steps, "peak_memory_bytes": int(peak)}))
@@ -187,19 +195,6 @@ def dpo_trainer(config, model, rows: list[dict], tokenizer, adapters, timing, se
             **{**settings, "remove_unused_columns": True},  # its default: the ids alone
             max_length=config.dataset.max_seq_length, beta=dpo.beta, loss_type=[dpo.loss],
             label_smoothing=dpo.label_smoothing, precompute_ref_log_probs=False))
-
-
-def mean_length(trainer, train: list[dict], max_length: int) -> float:
-    """The mean tokens of a row the model reads: a sample, or (DPOTrainer) a prompt with one
-    answer, cut to max_length as its collator cuts them."""
-    if "input_ids" in train[0]:
-        return sum(len(s["input_ids"]) for s in train) / len(train)
-    rows = trainer.train_dataset
-    lengths = [min(len(prompt) + len(answer), max_length)
-               for prompt, chosen, rejected in zip(rows["prompt_ids"], rows["chosen_ids"],
-                                                   rows["rejected_ids"], strict=True)
-               for answer in (chosen, rejected)]
-    return sum(lengths) / len(lengths)
 
 
 def collective_device(backend: str, local_rank: int) -> str:
@@ -229,7 +224,7 @@ class StepTiming(TrainerCallback):
 
     def __init__(self, warmup: int) -> None:
         self.warmup, self.step = warmup, 0
-        self.timed_tokens = self.timed_inputs = self.timed_steps = 0
+        self.timed_tokens = self.timed_inputs = self.timed_steps = self.timed_attended = 0
         self.timed_seconds, self.started = 0.0, None
 
     def count(self, module, args, kwargs) -> None:
@@ -241,6 +236,7 @@ class StepTiming(TrainerCallback):
         if self.started is not None and labels is not None and torch.is_grad_enabled():
             self.timed_tokens += int((labels[:, 1:] != -100).sum())
             self.timed_inputs += int(mask.sum()) if mask is not None else labels.numel()
+            self.timed_attended += attended(kwargs.get("position_ids"), mask, labels)
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.step == self.warmup and self.started is None:
@@ -256,6 +252,17 @@ class StepTiming(TrainerCallback):
         _sync()
         if self.started is not None:
             self.timed_seconds = time.perf_counter() - self.started
+
+
+def attended(positions, mask, labels) -> int:
+    """Query-key pairs the forward's causal attention computes within documents: from the
+    position ids of a padding-free row, else each row's unpadded length (one document)."""
+    from finetune_trainer.flops import attended_pairs
+
+    if positions is not None:
+        return sum(attended_pairs(row) for row in positions.tolist())
+    lengths = mask.sum(1).tolist() if mask is not None else [labels.shape[1]] * len(labels)
+    return sum(n * (n + 1) // 2 for n in lengths)
 
 
 def _sync() -> None:

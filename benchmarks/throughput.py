@@ -26,10 +26,15 @@ DPOTrainer runs with its defaults (no padding-free batches, reference log-probab
 not precomputed). Its batch is `batchSizePerDevice` pairs, ours that many packed rows,
 each holding several pairs (tok/step in the table, `tokens_per_step` in the JSON, says
 how far apart the steps are); `cpu-dpo-pairs` raises its batch to the pairs of ours' step.
-Tokens/s counts label tokens only (what the loss trains on: with DPO, both answers of
-each pair), over the steps after a warm-up. Peak memory: the CUDA allocator's peak on a
+Tokens/s counts label tokens (what the loss trains on: with DPO, both answers of each
+pair), over the steps after a warm-up; `input_tokens_per_second` (the table's model/s)
+every token through the model, prompts too. Peak memory: the CUDA allocator's peak on a
 GPU, else the largest worker's resident set; the largest resident set is recorded on GPUs
-too (`peak_host_bytes`). MFU on GPUs only.
+too (`peak_host_bytes`). MFU on GPUs only, two ways: `mfu` attention over the pairs each
+document attends (finetune_trainer/flops.py), `mfu_full_rows` over whole rows as PaLM and
+torchtitan count it. Each model is built in a child process and each side starts on a GPU
+nothing else holds (`gpu_free_bytes_at_start`; a side is refused otherwise); a side that
+fails is recorded (`<side>_failed`) and the others kept.
 """
 
 from __future__ import annotations
@@ -104,6 +109,8 @@ class Bench:
 TINY = Shape(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=688)
 LLAMA_1B = Shape(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, vocab=128256,
                  bf16=True)
+LLAMA_8B = Shape(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336,
+                 vocab=128256, bf16=True)
 LLAMA_3B = Shape(hidden=3072, layers=28, heads=24, kv_heads=8, intermediate=8192, vocab=128256,
                  bf16=True)
 
@@ -136,7 +143,13 @@ SUITES = {
               samples=2000, warmup=10)
         for name, shape, method, batch in (
             ("gpu-1b-full", LLAMA_1B, "full", 4), ("gpu-1b-lora", LLAMA_1B, "lora", 4),
-            ("gpu-3b-lora", LLAMA_3B, "lora", 2), ("gpu-1b-qlora", LLAMA_1B, "qlora", 4))
+            ("gpu-3b-lora", LLAMA_3B, "lora", 2), ("gpu-1b-qlora", LLAMA_1B, "qlora", 4),
+            ("gpu-8b-lora", LLAMA_8B, "lora", 2))
+    ] + [
+        # compile off: the planner's peak is checked against both (it must hold for either)
+        Bench("gpu-8b-lora-eager", LLAMA_8B, "lora", "variable", seq_len=4096, batch=2,
+              steps=30, processes=1, precision="bf16", gpu=True, checkpointing=None,
+              compile=False, samples=2000, warmup=10),
     ], peers=("trl_sft", "trl_liger"), repeats=1),
     # DPO on LoRA (the reference: the base, adapters off, at every step on both sides);
     # each pair's prompt + answer within seqLen, so neither side truncates
@@ -154,6 +167,14 @@ SUITES = {
         Bench("gpu-1b-dpo", LLAMA_1B, "lora", "variable", seq_len=2048, batch=4, steps=30,
               processes=1, precision="bf16", gpu=True, checkpointing=None, compile=None,
               samples=2000, warmup=10, objective="dpo"),
+        # DPOTrainer given the pairs of ours' step (one packed row: ~22 pairs) and gradient
+        # checkpointing to fit them (without it, out of memory at 72 GiB on an H100); at the
+        # 88 pairs of ours' default 4 rows it failed with it too (11-27, before --keep kept a
+        # peer's log: likely its [pairs x length x vocabulary] logits); ours as users run it
+        Bench("gpu-1b-dpo-pairs", LLAMA_1B, "lora", "variable", seq_len=2048, batch=1,
+              steps=30, processes=1, precision="bf16", gpu=True, checkpointing=None,
+              compile=None, samples=2000, warmup=10, objective="dpo",
+              extra={"peerBatch": PAIRS, "peerCheckpointing": True}),
     ], peers=("trl_dpo",), repeats=1),
 }
 
@@ -210,6 +231,22 @@ def write_pairs(path: Path, bench: Bench, seed: int = 0) -> None:
 
 
 def build_model(where: Path, shape: Shape, corpus_file: Path) -> Path:
+    """The random model and its tokenizer, saved under `where` by a child process: built on
+    the GPU there (10x faster), and every byte of it gone with the child, so that no side's
+    run shares the GPU with it (the parent once held 31.5 GiB of an 8B model through every
+    run after it)."""
+    import multiprocessing
+
+    child = multiprocessing.get_context("spawn").Process(
+        target=_build_model, args=(where, shape, corpus_file))
+    child.start()
+    child.join()
+    if child.exitcode != 0:
+        raise RuntimeError(f"building {where.name} failed (exit {child.exitcode})")
+    return where
+
+
+def _build_model(where: Path, shape: Shape, corpus_file: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from finetune_trainer.tiny import build_tokenizer, corpus_from_jsonl
@@ -231,7 +268,6 @@ def build_model(where: Path, shape: Shape, corpus_file: Path) -> Path:
         model = model.to(torch.bfloat16)
     model.save_pretrained(where, safe_serialization=True)
     tokenizer.save_pretrained(where)
-    return where
 
 
 def model_name(shape: Shape) -> str:
@@ -281,7 +317,7 @@ def as_users_run_it(bench: Bench, model: Path) -> Bench:
     if bench.checkpointing is not None and bench.compile is not None:
         return bench
     from finetune_operator.api import FineTuneJob
-    from finetune_operator.planner import ModelConfig, choose_step_settings
+    from finetune_operator.planner import ModelConfig, choose_step_settings, planned_peak
 
     lora = {"lora": {"r": 16, "alpha": 32, "dropout": 0.0}} if bench.method != "full" else {}
     job = FineTuneJob.model_validate({
@@ -303,11 +339,13 @@ def as_users_run_it(bench: Bench, model: Path) -> Bench:
     config = ModelConfig(source=str(model), config=json.loads(
         (model / "config.json").read_text()))
     settings = choose_step_settings(job, config, bench.strategy)
+    peak = planned_peak(job, config, bench.strategy, settings)
     for note in settings.notes:
         print(f"  {bench.name}: {note}", flush=True)
     return replace(bench, checkpointing=settings.gradient_checkpointing,
                    compile=settings.compile, micro_batch=settings.micro_batch, extra={
-                       **bench.extra, "checkpointPolicy": settings.checkpoint_policy})
+                       **bench.extra, "checkpointPolicy": settings.checkpoint_policy,
+                       "plannedPeakBytes": peak})
 
 
 # --- running -------------------------------------------------------------------------------
@@ -338,19 +376,66 @@ def run(command: list[str], log: Path) -> int:
                     if line.startswith("MAXRSS")))
 
 
+EMPTY_GPU_USED = 2 * 2**30
+"""What an idle GPU shows in use (the driver's own reserve, about 0.5 GiB on an H100);
+more before a side starts is another process's memory, and the run would not be that
+side's alone."""
+
+
+def gpu_memory() -> dict[str, int] | None:
+    """GPU 0's free, used and total bytes, read through NVML (no CUDA context in this
+    process); None without a GPU or NVML."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return None
+    try:
+        info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0))
+        return {"free": int(info.free), "used": int(info.used), "total": int(info.total)}
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def empty_gpu(bench: Bench, side: str) -> dict[str, int]:
+    """The GPU's free memory before `side` starts (`gpu_free_bytes_at_start` in the JSON);
+    refuses to time a side on a GPU that another process holds memory of."""
+    if not bench.gpu or (memory := gpu_memory()) is None:
+        return {}
+    if memory["used"] > EMPTY_GPU_USED:
+        raise RuntimeError(
+            f"{bench.name}: {memory['used'] / 2**30:.1f} GiB of the GPU is in use before "
+            f"{side} starts (a process left over, or another tenant): its run would not have "
+            "the GPU to itself; free it (nvidia-smi names the process) and run again")
+    return {"gpu_free_bytes_at_start": memory["free"]}
+
+
 def run_ours(bench: Bench, config: Path, output: Path) -> dict:
+    at_start = empty_gpu(bench, "ours")
     maxrss = run(torchrun(bench.processes, "-m", "finetune_trainer", f"--config={config}"),
                  config.with_suffix(".ours.log"))
     records = [json.loads(line) for line in (output / "progress.jsonl").read_text().splitlines()]
     timed = [r for r in records if r["step"] > bench.warmup]  # the first window is warm-up
     seconds = sum(r["stepSeconds"] * bench.warmup for r in timed)
-    tokens = sum(r["tokensPerSecond"] * r["stepSeconds"] * bench.warmup for r in timed)
+
+    def total(rate: str) -> float:
+        return sum((r.get(rate) or 0) * r["stepSeconds"] * bench.warmup for r in timed)
+
+    def mean(key: str) -> float | None:
+        values = [r[key] for r in timed if r.get(key) is not None]
+        return sum(values) / len(values) if values else None
+
+    tokens = total("tokensPerSecond")
     peak = max(r["peakMemoryBytes"] for r in records) if bench.gpu else maxrss
-    mfu = [r["mfu"] for r in timed if r.get("mfu") is not None]
     steps = len(timed) * bench.warmup
     return {"tokens_per_second": tokens / seconds, "step_seconds": seconds / steps,
+            "input_tokens_per_second": total("inputTokensPerSecond") / seconds,
             "tokens_per_step": tokens / steps, "peak_memory_bytes": peak,
-            "peak_host_bytes": maxrss, "mfu": sum(mfu) / len(mfu) if mfu else None}
+            "peak_host_bytes": maxrss, "mfu": mean("mfu"),
+            "mfu_full_rows": mean("mfuFullRows"), **at_start}
 
 
 @dataclass(frozen=True)
@@ -371,15 +456,18 @@ PEERS = {"hf_trainer": Peer("trainer", "", "ours/HF"), "trl_sft": Peer("sft", "t
 
 
 def run_peer(bench: Bench, config: Path, side: str) -> dict:
+    at_start = empty_gpu(bench, side)
     peer = PEERS[side].worker
     result = config.with_suffix(f".{peer}.json")
     batch = bench.extra.get("peerBatch")
     maxrss = run(torchrun(bench.processes, str(REPO / "benchmarks/hf_worker.py"),
                           f"--config={config}", f"--result={result}", f"--peer={peer}",
                           f"--warmup-steps={bench.warmup}",
-                          *([f"--batch-per-device={batch}"] if batch else [])),
+                          *([f"--batch-per-device={batch}"] if batch else []),
+                          *(["--gradient-checkpointing"] if bench.extra.get(
+                              "peerCheckpointing") else [])),
                  config.with_suffix(f".{peer}.log"))
-    figures = json.loads(result.read_text())
+    figures = {**json.loads(result.read_text()), **at_start}
     figures["peak_host_bytes"] = maxrss
     if not bench.gpu:
         figures["peak_memory_bytes"] = maxrss
@@ -420,21 +508,34 @@ def compare(bench: Bench, work: Path, repeats: int, peers: tuple[str, ...]) -> d
               f"{bench.extra['peerBatch']} pairs per device", flush=True)
     sides = ("ours", *peers)
     runs: dict[str, list[dict]] = {side: [] for side in sides}
+    failed: dict[str, str] = {}
     for repeat in range(repeats):
         # rotate who goes first, so a slow spell of a shared machine hits every side alike
         for side in sides[repeat % len(sides):] + sides[:repeat % len(sides)]:
             if side == "ours":
                 shutil.rmtree(output, ignore_errors=True)
                 runs[side].append(run_ours(bench, config, output))
-            else:
-                runs[side].append(run_peer(bench, config, side))
-    if KEEP is not None:  # --keep: our last run's log and progress records
+            elif side not in failed:
+                try:
+                    runs[side].append(run_peer(bench, config, side))
+                except RuntimeError as error:  # the other sides' figures are kept
+                    failed[side] = str(error)
+                    print(f"  {bench.name}: {side} failed: {error}", flush=True)
+    if KEEP is not None:  # --keep: our last run's log and progress records, peers' logs
         KEEP.mkdir(parents=True, exist_ok=True)
         shutil.copy(config.with_suffix(".ours.log"), KEEP / f"{bench.name}.log")
         shutil.copy(output / "progress.jsonl", KEEP / f"{bench.name}.progress.jsonl")
+        for side in peers:
+            log = config.with_suffix(f".{PEERS[side].worker}.log")
+            if log.exists():
+                shutil.copy(log, KEEP / f"{bench.name}.{side}.log")
     ours = median_run(runs["ours"])
     row = {"config": asdict(bench), "ours": ours}
-    for side in peers:
+    if planned := bench.extra.get("plannedPeakBytes"):  # the planner's +10%, never under
+        row["planned_over_measured_peak"] = planned / ours["peak_memory_bytes"]
+    for side, error in failed.items():
+        row[f"{side}_failed"] = error.splitlines()[0]
+    for side in (side for side in peers if side not in failed):
         peer, prefix = median_run(runs[side]), PEERS[side].prefix
         # each repeat ran every side back to back: the median of those pairs' ratios is
         # what a noisy shared machine (another tenant, a frequency change) disturbs least
@@ -452,35 +553,52 @@ def compare(bench: Bench, work: Path, repeats: int, peers: tuple[str, ...]) -> d
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'config':<14} {'side':<11} {'tokens/s':>10} {'step s':>8} {'peak MiB':>9} "
-             f"{'MFU':>6} {'host MiB':>9} {'tok/step':>9}"]
+    """trained tok/s: the label tokens the loss trains on; model tok/s: every token through
+    the model (prompts too); MFU: attention over the pairs attended (ours), MFU rows: over
+    whole rows (PaLM's and torchtitan's convention)."""
+    lines = [f"{'config':<17} {'side':<11} {'trained/s':>10} {'model/s':>10} {'step s':>8} "
+             f"{'peak MiB':>9} {'MFU':>6} {'MFU rows':>8} {'host MiB':>9} {'tok/step':>9}"]
     for row in rows:
         peers = [side for side in PEERS if side in row]
         for side in ("ours", *peers):
             f = row[side]
             mfu = f"{f['mfu']:.1%}" if f.get("mfu") else "-"
-            lines.append(f"{row['config']['name']:<14} {side:<11} "
-                         f"{f['tokens_per_second']:>10,.0f} {f['step_seconds']:>8.3f} "
-                         f"{f['peak_memory_bytes'] / 2**20:>9,.0f} {mfu:>6} "
+            rows_mfu = f"{f['mfu_full_rows']:.1%}" if f.get("mfu_full_rows") else "-"
+            lines.append(f"{row['config']['name']:<17} {side:<11} "
+                         f"{f['tokens_per_second']:>10,.0f} "
+                         f"{f.get('input_tokens_per_second', 0):>10,.0f} "
+                         f"{f['step_seconds']:>8.3f} "
+                         f"{f['peak_memory_bytes'] / 2**20:>9,.0f} {mfu:>6} {rows_mfu:>8} "
                          f"{f.get('peak_host_bytes', 0) / 2**20:>9,.0f} "
                          f"{f.get('tokens_per_step', 0):>9,.0f}")
+        if "planned_over_measured_peak" in row:
+            lines.append(f"{'':<17} {'plan/peak':<11} "
+                         f"{row['planned_over_measured_peak']:>9.2f}x")
         for side in peers:
             prefix = PEERS[side].prefix
-            lines.append(f"{'':<14} {PEERS[side].label:<11} "
-                         f"{row[prefix + 'tokens_per_second_ratio']:>9.2f}x "
+            lines.append(f"{'':<17} {PEERS[side].label:<11} "
+                         f"{row[prefix + 'tokens_per_second_ratio']:>9.2f}x {'':>10} "
                          f"{row[prefix + 'step_time_ratio']:>7.2f}x "
                          f"{row[prefix + 'peak_memory_ratio']:>8.2f}x")
     return "\n".join(lines)
 
 
 def machine() -> str:
+    """Through NVML, not torch.cuda: this process keeps no CUDA context beside the runs."""
     import platform
 
-    import torch
+    try:
+        import pynvml
 
-    if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}"
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, CPU only"
+        pynvml.nvmlInit()
+        try:
+            count = pynvml.nvmlDeviceGetCount()
+            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+            return f"{name.decode() if isinstance(name, bytes) else name} x{count}"
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no NVML library, no driver, no GPU: a CPU machine
+        return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, CPU only"
 
 
 def libraries() -> dict[str, str]:

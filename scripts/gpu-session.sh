@@ -57,7 +57,9 @@ case "$step" in
     ;;
   profile)
     "$PY" benchmarks/throughput.py --only "${2:?profile NAME}" --peers "" \
-      --profile "$out/profile" --out "$out/profiled.json" 2>&1 | tee "$out/profile.txt"
+      --profile "$out/profile" --out "$out/profiled.json" --keep "$out/logs" 2>&1 \
+      | tee "$out/profile.txt"
+    rm -f "$out"/profile/*/*trace.json.gz  # too large to bring back; the top tables stay
     ;;
   *)
     echo "unknown step $step: tests, bench, changes or profile" >&2

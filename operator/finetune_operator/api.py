@@ -370,7 +370,9 @@ class Progress(StatusModel):
     of each side), `margins` (their mean difference), `accuracies` (the fraction of pairs
     whose chosen answer has the higher reward)."""
     mfu: float | None = None
-    """Model FLOPs utilisation, 0 to 1 (GPU only)."""
+    """Model FLOPs utilisation, 0 to 1 (GPU only): attention counted over the token pairs
+    each document actually attends, DPO's reference forward included (docs/performance.md
+    has the convention, and torchtitan's beside it)."""
     eta_seconds: int | None = None
     """Estimated seconds until the last step, from the recent step rate."""
     last_step_time: datetime | None = None

@@ -125,7 +125,8 @@ def trainer_config_and_step_settings(job: FineTuneJob, mount: Mount = keep_locat
         preflight=TrainerPreflight(
             **spec.preflight.model_dump(),
             require_infiniband=bool(spec.kubernetes and spec.kubernetes.infiniband
-                                    and spec.backend == "kubernetes")),
+                                    and spec.backend == "kubernetes"),
+            planned_peak_bytes=planner.planned_peak(job, model, chosen, settings, machine)),
     )
     return config, settings
 

@@ -118,3 +118,29 @@ def test_the_trainer_is_told_the_objective_with_its_dpo_defaults_spelled_out(tmp
         beta=0.1, loss="robust", label_smoothing=0.1)
     sft = build_trainer_config(parse_job(minimal_job()))
     assert sft.objective.type == "sft" and sft.objective.dpo is None
+
+
+def test_workers_are_told_the_plans_peak_for_their_gpu_check():
+    """#63: each rank holds the planner's peak against its GPU's free memory before the
+    model loads; the peak is of the step settings the workers run (a recorded plan's too),
+    and there is none for CPU workers or a model the planner does not know."""
+    from finetune_operator import planner
+    from finetune_operator.trainer_config import launch_decisions
+
+    gpu = {"model": {"uri": "hf://meta-llama/Llama-3.2-1B"},
+           "resources": {"gpusPerNode": 1, "gpuType": "Standard_NC40ads_H100_v5"}}
+    job = parse_job(minimal_job(**gpu))
+    strategy, settings = launch_decisions(job)
+    peak = build_trainer_config(job).preflight.planned_peak_bytes
+    assert peak == planner.planned_peak(job, None, strategy, settings) and peak > 2**30
+    job.status = FineTuneJobStatus(plan=LaunchPlan(
+        strategy=strategy, gradient_checkpointing=True, gradient_checkpointing_policy="full",
+        compile=False, micro_batch_size=settings.micro_batch))
+    recorded = build_trainer_config(job).preflight.planned_peak_bytes
+    assert recorded is not None and recorded <= peak  # checkpointing: less held
+    cpu = parse_job(minimal_job(model=gpu["model"], resources={"gpusPerNode": 0,
+                                                              "processesPerNode": 2}))
+    assert build_trainer_config(cpu).preflight.planned_peak_bytes is None
+    unknown = parse_job(minimal_job(resources=gpu["resources"],
+                                    model={"uri": "pvc://models/mine"}))
+    assert build_trainer_config(unknown).preflight.planned_peak_bytes is None

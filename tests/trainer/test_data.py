@@ -435,6 +435,20 @@ def test_collate_of_pairs_pads_their_answers_and_fills_empty_micro_batches():
     assert empty["pairs"].tolist() == [] and empty["pairs"].dtype == torch.long
 
 
+def test_collate_fills_a_short_micro_batch_to_its_rows_with_padding():
+    """Compiled layers on packed rows see one shape: an epoch's last, short micro-batch
+    gets padding rows (no label, no answer, no pair) instead of a recompile."""
+    pair = {"input_ids": [5, 6, 5, 7], "labels": [IGNORE, 6, IGNORE, 7],
+            "position_ids": [0, 1, 0, 1], "answers": [-1, 0, -1, 1], "pairs": [3]}
+    batch = collate([pair], pad_id=0, width=6, paired=True, rows=3)
+    assert batch["input_ids"].shape == (3, 6)
+    assert batch["labels"][1:].eq(IGNORE).all() and batch["answers"][1:].eq(-1).all()
+    assert batch["position_ids"][1:].tolist() == [[0, 0, 1, 2, 3, 4]] * 2  # segments of their own
+    assert batch["pairs"].tolist() == [3]
+    full = collate([pair] * 3, pad_id=0, width=6, paired=True, rows=2)  # never cut
+    assert full["input_ids"].shape == (3, 6)
+
+
 def test_prefetched_keeps_order_and_raises_errors_where_read():
     from finetune_trainer.data import Prefetched
 

@@ -1,10 +1,13 @@
 """GPU-only runs: QLoRA (bitsandbytes 4-bit), a CPU job beside the GPUs, bf16 over nccl, the
-step sized for this GPU, MFU and NVML series, a step that never waits for the GPU. Skipped
-without CUDA."""
+step sized for this GPU, MFU and NVML series, a step that never waits for the GPU, memory
+another process holds, ZeRO with no op to build. Skipped without CUDA."""
 
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 
 import pytest
 
@@ -189,3 +192,46 @@ def test_dpo_on_a_gpu_starts_at_ln2_and_learns_the_preference(tiny_model_dir, tm
     assert steps[0]["loss"] == pytest.approx(math.log(2), abs=5e-3)
     assert steps[-1]["loss"] < steps[0]["loss"]
     assert steps[-1]["rewards"]["margins"] > 0.05
+
+
+HOLD_GPU_MEMORY = ("import time, torch; held = torch.ones(6 * 2**30, dtype=torch.uint8, "
+                   "device='cuda'); print('holding', flush=True); time.sleep(900)")
+
+
+def test_memory_another_process_holds_is_said_before_the_model_loads(tiny_model_dir,
+                                                                     tmp_path):
+    """#63: a benchmark's leftover model took a third of an H100 and the plan said "fits";
+    now each rank reads its GPU's free memory before allocating and says what another
+    process holds, with the plan's peak beside it."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_GPU_MEMORY], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        job = manifest(tiny_model_dir, tmp_path / "out", precision="bf16", processes=1)
+        job["spec"]["resources"] = {"gpusPerNode": 1}
+        result = finetune_run(job, tmp_path, "--nproc", "1")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert result.returncode == 0, result.stdout + result.stderr
+    said = re.search(r"warning: rank 0's GPU 0: ([\d.]+) GiB of its [\d.]+ GiB is in use before "
+                     r"this job allocated anything \(another process: nvidia-smi names it\); "
+                     r"the plan's peak, [\d.]+ (GiB|MiB) per process, fits", result.stdout)
+    assert said is not None, result.stdout
+    assert float(said.group(1)) >= 6.0
+
+
+@pytest.mark.parametrize(("strategy", "method"), [("zero2", "full"), ("zero3", "lora")])
+def test_zero_on_a_gpu_builds_no_op_at_start(tiny_model_dir, tmp_path, strategy, method):
+    """#59: on CPU workers DeepSpeed JIT-builds its shared-memory comm op (a compiler in the
+    image, or the op built into it); on a GPU, ZeRO goes over NCCL with torch's AdamW and
+    builds nothing, so the CUDA image starts it with no compiler at hand: here none can be
+    found (CC and CXX are `false`, CUDA_HOME is nowhere) and the job trains."""
+    job = manifest(tiny_model_dir, tmp_path / "out", strategy=strategy, method=method,
+                   precision="bf16", processes=1)
+    job["spec"]["resources"] = {"gpusPerNode": 1}
+    result = finetune_run(job, tmp_path, "--nproc", "1", env={
+        "CC": "false", "CXX": "false", "CUDA_HOME": str(tmp_path / "no-cuda-toolkit")})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Error building extension" not in result.stdout + result.stderr
+    assert losses(tmp_path / "out")

@@ -98,13 +98,17 @@ def test_a_whole_model_gives_the_same_loss_fused_and_plain():
                                                                          rel=1e-5)
 
 
+@pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_answer_logps_and_gradients_match_the_plain_path(dtype):
+def test_fused_answer_logps_and_gradients_match_the_plain_path(monkeypatch, bias, dtype):
     """Preference pairs (`computing_logps`): each trained row's target log-probability,
-    computed on those rows only, through autograd."""
+    computed on those rows only, a chunk of rows at a time (here 3: four chunks, the last
+    short), with the gradients of the plain log-softmax."""
+    monkeypatch.setattr(loss, "MIN_CHUNK_ROWS", 3)
+    monkeypatch.setattr(loss, "CHUNK_BYTES", 3 * 4 * 50)
     torch.manual_seed(0)
-    plain = torch.nn.Linear(32, 50)
-    fused = torch.nn.Linear(32, 50)
+    plain = torch.nn.Linear(32, 50, bias=bias)
+    fused = torch.nn.Linear(32, 50, bias=bias)
     fused.load_state_dict(plain.state_dict())
     fused.__class__ = loss.FusedLossHead
     labels = torch.randint(0, 50, (2, 9))
@@ -130,5 +134,7 @@ def test_fused_answer_logps_and_gradients_match_the_plain_path(dtype):
     assert targets["loss_answers"].tolist() == [0] * 5 + [2] * 5
     assert torch.allclose(hidden.grad, hidden_plain.grad, **close)
     assert torch.allclose(fused.weight.grad, plain.weight.grad, **close)
+    if bias:
+        assert torch.allclose(fused.bias.grad, plain.bias.grad, **close)
     assert fused.targets is None and not fused.per_row  # back to an ordinary Linear
     assert fused(hidden).shape == (2, 9, 50)

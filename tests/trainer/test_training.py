@@ -57,12 +57,15 @@ def manifest(model_dir: Path, output: Path, *, strategy: str = "ddp", method: st
             "metadata": {"name": f"t-{strategy}-{method}"}, "spec": spec}
 
 
-def finetune_run(job: dict, where: Path, *extra: str, wait: bool = True):
+def finetune_run(job: dict, where: Path, *extra: str, wait: bool = True,
+                 env: dict[str, str] | None = None):
+    """`finetune run` of `job` as a user runs it; `env`: variables of the user's shell."""
     where.mkdir(parents=True, exist_ok=True)
     path = where / "job.yaml"
     path.write_text(yaml.safe_dump(job))
     command = [sys.executable, "-m", "finetune_operator.cli", "run", str(path), *extra]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+           **(env or {})}
     if not wait:
         return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, env=env)

@@ -403,6 +403,10 @@ class TrainerPreflight(PreflightConfig):
     require_infiniband: bool = False
     """Fail unless NCCL picked the InfiniBand transport between nodes
     (`spec.kubernetes.infiniband`)."""
+    planned_peak_bytes: int | None = Field(default=None, ge=0)
+    """The planner's peak GPU memory per process at the job's step settings (None: not
+    known); each rank holds it against its GPU's free memory before loading the model
+    (gpu_memory.py)."""
 
 
 class BenchmarkSwitches(ApiModel):

@@ -910,9 +910,9 @@ class Prefetched:
 
 
 def collate(sequences: list[dict[str, list[int]]], pad_id: int, width: int | None = None,
-            paired: bool = False):
+            paired: bool = False, rows: int | None = None):
     """Tensors for one micro-batch, right-padded to its longest sequence (or to `width`
-    when that is longer).
+    when that is longer), and to `rows` rows with padding rows where it holds fewer.
 
     Padding restarts position_ids at 0, so it forms its own segment and never attends to
     or from real tokens. An empty micro-batch becomes one padding row with no loss: the
@@ -920,9 +920,9 @@ def collate(sequences: list[dict[str, list[int]]], pad_id: int, width: int | Non
     """
     import torch
 
-    if not sequences:
-        sequences = [{"input_ids": [pad_id], "labels": [IGNORE], "position_ids": [0],
-                      **({"answers": [-1], "pairs": []} if paired else {})}]
+    empty = {"input_ids": [pad_id], "labels": [IGNORE], "position_ids": [0],
+             **({"answers": [-1], "pairs": []} if paired else {})}
+    sequences = list(sequences) + [empty] * max((rows or 1) - len(sequences), 0)
     width = max(width or 0, *(len(s["input_ids"]) for s in sequences))
 
     def padded(key: str, fill: int, continue_positions: bool = False) -> torch.Tensor:

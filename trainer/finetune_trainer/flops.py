@@ -1,17 +1,28 @@
-"""Model FLOPs per token and the GPU peaks MFU is measured against.
+"""Model FLOPs: the work a step does, and the GPU peaks MFU is measured against.
 
-The PaLM / torchtitan convention: a trained token costs 6 FLOPs per matmul parameter
-(forward 2, backward 4) plus 12·L·W·T for attention scores (L layers, W = heads x head
-size, T sequence length). Embedding lookups are free; the output head is a matmul and
-counts. LoRA-aware: a frozen weight still costs its forward and its input gradient (4),
-but no weight gradient, so MFU does not flatter adapter runs with work never done.
-Recomputation under gradient checkpointing is not model work and is left out, as MFU
-(unlike hardware utilisation) defines.
+A token costs 6 FLOPs per matmul parameter it passes (forward 2, backward 4); a frozen
+weight (a LoRA base) 4, its input gradient but no weight gradient, so MFU does not flatter
+adapter runs with work never done. Embedding lookups are free; the output head is a matmul
+and counts. Attention costs 12·L·W FLOPs (forward 4, backward 8; L layers, W = heads x
+head size) per query-key pair actually attended: causal, within each document of a packed
+row, so a row of ten short documents costs what they cost, not what one row-long document
+would (`attended_pairs`). DPO with a reference taken at every batch adds that forward
+(2 per base parameter, 4·L·W per pair): work the objective needs. Recomputation under
+gradient checkpointing is not model work and is left out, as MFU (unlike hardware
+utilisation) defines.
 
-Importable without torch: the planner shares the formula.
+PaLM's and torchtitan's convention counts attention as 12·L·W·T per token (T the row's
+length: every token attending to the whole row, causal masking ignored); it is kept as
+`full_row_pairs` beside ours, for comparing with figures published that way, and by the
+planner, whose figures are compared with them (docs/performance.md).
+
+Importable without torch: the planner shares the formulas.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 PEAK_FLOPS_16BIT = (
     # (substring of torch.cuda.get_device_name(), dense bf16/fp16 tensor FLOP/s) — most
@@ -29,6 +40,50 @@ def model_flops_per_token(params: float, layers: int, attention_width: int, seq_
     included; LoRA adapters included); `frozen_params`: those of them not trained."""
     trained = params - frozen_params
     return 6.0 * trained + 4.0 * frozen_params + 12.0 * layers * attention_width * seq_len
+
+
+def attended_pairs(position_ids: Sequence[int]) -> int:
+    """Query-key pairs causal attention computes within each document of a row: a document
+    starts wherever the positions do not continue the previous one (packed rows restart
+    them at 0), and its k-th token attends to k keys (d(d+1)/2 for a document of d)."""
+    total = run = 0
+    previous = None
+    for position in position_ids:
+        run = run + 1 if previous is not None and position == previous + 1 else 1
+        total += run
+        previous = position
+    return total
+
+
+def full_row_pairs(length: int) -> int:
+    """PaLM's and torchtitan's count for a row of `length` tokens: every token attending
+    to all of them (T per token)."""
+    return length * length
+
+
+@dataclass(frozen=True)
+class ModelWork:
+    """FLOPs of a model's step from what the step holds: tokens through it and the
+    query-key pairs they attend."""
+
+    dense_per_token: float
+    """Matmul FLOPs of a trained token (6 per trained parameter, 4 per frozen one), plus a
+    reference's forward where one is taken at every batch."""
+    attention_per_pair: float
+    """12·L·W, plus the reference's forward 4·L·W."""
+
+    @classmethod
+    def of(cls, params: float, frozen_params: float, layers: int, attention_width: int,
+           reference_params: float = 0.0) -> ModelWork:
+        """`reference_params`: matmul parameters of a reference model run forward (no
+        grad) on every batch, 0 where there is none."""
+        trained = params - frozen_params
+        dense = 6.0 * trained + 4.0 * frozen_params + 2.0 * reference_params
+        attention = (12.0 + (4.0 if reference_params else 0.0)) * layers * attention_width
+        return cls(dense_per_token=dense, attention_per_pair=attention)
+
+    def flops(self, tokens: float, pairs: float) -> float:
+        return self.dense_per_token * tokens + self.attention_per_pair * pairs
 
 
 def peak_flops(device_name: str) -> float | None:

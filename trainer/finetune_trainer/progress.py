@@ -43,6 +43,7 @@ class Reporter:
         self.enabled = enabled
         self.window_start = time.perf_counter()
         self.window_tokens = 0
+        self.window_inputs = 0
         self.window_steps = 0
         self.bar = None
         self.last: ProgressRecord | None = None
@@ -53,14 +54,17 @@ class Reporter:
 
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", file=sys.stderr)
 
-    def step_done(self, label_tokens: int) -> None:
+    def step_done(self, label_tokens: int, input_tokens: int | None = None) -> None:
+        """`input_tokens`: tokens through the model (prompts too), where known."""
         self.window_tokens += label_tokens
+        self.window_inputs += input_tokens or 0
         self.window_steps += 1
         if self.bar is not None:
             self.bar.update(1)
 
     def report(self, step: int, epoch: float, loss: float | None, lr: float,
-               mfu: float | None = None, peak_memory: int | None = None,
+               mfu: float | None = None, mfu_full_rows: float | None = None,
+               peak_memory: int | None = None,
                grad_norm: float | None = None,
                rewards: dict[str, float] | None = None) -> ProgressRecord:
         """Close the current window and publish it (`step` counts completed steps)."""
@@ -73,7 +77,10 @@ class Reporter:
             learning_rate=lr, grad_norm=grad_norm, eval_loss=self.eval_loss,
             rewards=None if rewards is None else {k: round(v, 6) for k, v in rewards.items()},
             tokens_per_second=round(tokens_per_second, 1), eta_seconds=eta,
+            input_tokens_per_second=(round(self.window_inputs / elapsed, 1)
+                                     if self.window_inputs else None),
             mfu=None if mfu is None else round(mfu, 4),
+            mfu_full_rows=None if mfu_full_rows is None else round(mfu_full_rows, 4),
             step_seconds=None if step_seconds is None else round(step_seconds, 6),
             peak_memory_bytes=peak_memory, preflight=self.preflight,
             update_time=datetime.now(timezone.utc).isoformat(timespec="seconds"))
@@ -94,6 +101,7 @@ class Reporter:
             for tracker in self.trackers:
                 tracker.log(record)
         self.window_start, self.window_tokens, self.window_steps = time.perf_counter(), 0, 0
+        self.window_inputs = 0
         self.last = record
         return record
 

@@ -63,9 +63,17 @@ class ProgressRecord(BaseModel):
     rewards: dict[str, float] | None = None
     """DPO: the window's REWARDS by name (TRL's `rewards/chosen`, ...); None for SFT."""
     tokens_per_second: float | None = None
-    """Label tokens per second, all ranks together."""
+    """Label tokens per second, all ranks together (the tokens the loss trains on)."""
+    input_tokens_per_second: float | None = None
+    """Tokens through the model per second, all ranks together (prompts too, each token
+    once, padding not): what MFU counts."""
     eta_seconds: int | None = None
     mfu: float | None = None
+    """Model FLOPs utilisation on GPUs, attention counted over the query-key pairs
+    actually attended (flops.py; docs/performance.md)."""
+    mfu_full_rows: float | None = None
+    """MFU as PaLM and torchtitan count it (attention over whole rows, causal masking
+    ignored), for comparing with figures published that way."""
     step_seconds: float | None = None
     """Mean wall time of the window's steps."""
     peak_memory_bytes: int | None = None

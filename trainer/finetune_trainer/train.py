@@ -19,7 +19,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from finetune_trainer import (
     checkpoint,
@@ -47,6 +47,7 @@ from finetune_trainer.data import (
     tokenize_pairs,
     tokenize_records,
 )
+from finetune_trainer.gpu_memory import check_room
 from finetune_trainer.layout import (
     FINAL_DIR,
     MERGED_DIR,
@@ -222,15 +223,30 @@ class _Agreement:
         return stop > 0
 
 
+class StepWork(NamedTuple):
+    """What a step's global batch holds, all ranks together."""
+
+    labels: int
+    """Label tokens (what the loss trains on)."""
+    inputs: int
+    """Tokens through the model (prompts included, padding not)."""
+    sequences: int
+    attended: int
+    """Query-key pairs causal attention computes within the documents (flops.attended_pairs)."""
+    full_rows: int
+    """The same as PaLM and torchtitan count them (flops.full_row_pairs)."""
+
+
 class StepCounts:
-    """Label tokens, input tokens and sequences of any step's global batch, from per-
-    sequence counts taken once: identical on every rank without communicating."""
+    """What any step's global batch holds (`StepWork`), from per-sequence counts taken
+    once: identical on every rank without communicating."""
 
     def __init__(self, sequences, batches: GlobalBatches) -> None:
         self.batches = batches
         # as the loss counts them: the label of each row's first token is never predicted
         self.labels = [sum(label != IGNORE for label in s["labels"][1:]) for s in sequences]
         self.inputs = [len(s["input_ids"]) for s in sequences]
+        self.attended = [flops.attended_pairs(s["position_ids"]) for s in sequences]
         self.pairs = [len(s.get("pairs", ())) for s in sequences]
 
     def pairs_of_step(self, epoch: int, step: int) -> int:
@@ -240,10 +256,12 @@ class StepCounts:
     def of_indices(self, micro_batches: list[list[int]]) -> int:
         return sum(self.labels[i] for indices in micro_batches for i in indices)
 
-    def of_step(self, epoch: int, step: int) -> tuple[int, int, int]:
+    def of_step(self, epoch: int, step: int) -> StepWork:
         window = self.batches.step_indices(epoch, step)
-        return (sum(self.labels[i] for i in window), sum(self.inputs[i] for i in window),
-                len(window))
+        return StepWork(labels=sum(self.labels[i] for i in window),
+                        inputs=sum(self.inputs[i] for i in window), sequences=len(window),
+                        attended=sum(self.attended[i] for i in window),
+                        full_rows=sum(flops.full_row_pairs(self.inputs[i]) for i in window))
 
 
 def _label_tokens(batch) -> int:
@@ -269,22 +287,26 @@ class LogWindow:
         self.steps = 0
         self.inputs = 0.0  # tokens through the model (prompts included), for MFU
         self.sequences = 0.0
+        self.attended = 0.0
+        self.full_rows = 0.0
 
-    def add(self, inputs: float, sequences: float) -> None:
+    def add(self, work: StepWork) -> None:
         self.steps += 1
-        self.inputs += inputs
-        self.sequences += sequences
+        self.inputs += work.inputs
+        self.sequences += work.sequences
+        self.attended += work.attended
+        self.full_rows += work.full_rows
 
     def seconds(self) -> float:
         return time.perf_counter() - self.started
 
 
-def _model_flops_per_token(model, sequences) -> float:
-    """Model FLOPs per token at this data's mean sequence length (packed sequences count
-    whole: attention within a packed sequence is slightly over-counted)."""
+def model_work(model, reference_each_batch: bool) -> flops.ModelWork:
+    """The model's FLOPs per token and per attended pair (`reference_each_batch`: DPO's
+    reference, the base with its adapters off, runs forward on every batch too)."""
     params, frozen, layers, width = flops.model_shape(model)
-    mean_length = sum(len(s["input_ids"]) for s in sequences) / max(len(sequences), 1)
-    return flops.model_flops_per_token(params, layers, width, mean_length, frozen_params=frozen)
+    return flops.ModelWork.of(params, frozen, layers, width,
+                              reference_params=frozen if reference_each_batch else 0.0)
 
 
 def _as_float(value) -> float | None:
@@ -447,12 +469,19 @@ class Collation:
     recompile when a batch comes out a little shorter); else to the longest row."""
     paired: bool = False
     """Preference pairs: each trained position's answer goes with the batch."""
+    rows: int | None = None
+    """With `width`: pad every micro-batch to this many rows. An epoch's last step holds
+    fewer rows where the data does not divide into steps, and a compiled layer met with
+    another batch size recompiled every layer for it and each grad mode, inside the timed
+    steps (16 s of a 1B DPO run's 30 steps on an H100, 11-27); a padding row costs its
+    width in compute once an epoch."""
 
     def tensors(self, sequences) -> dict:
         from finetune_trainer import loss
         from finetune_trainer.attention import sequence_bounds
 
-        batch = collate(sequences, self.pad_id, self.width, paired=self.paired)
+        batch = collate(sequences, self.pad_id, self.width, paired=self.paired,
+                        rows=self.rows)
         if self.paired:
             batch.update(loss.answer_targets(batch["labels"], batch["answers"]))
         elif self.head is not None:
@@ -484,11 +513,11 @@ class StepLogger:
     optimizer) and the collectives' exposed time. Every rank logs; rank 0's reporter
     writes the progress record."""
 
-    def __init__(self, trainer: Trainer, flops_per_token: float, peak: float | None) -> None:
+    def __init__(self, trainer: Trainer, work: flops.ModelWork, peak: float | None) -> None:
         import torch
 
         device, world = trainer.device, trainer.world
-        self.trainer, self.flops_per_token, self.peak = trainer, flops_per_token, peak
+        self.trainer, self.work, self.peak = trainer, work, peak
         instrumented = trainer.config.metrics.enabled
         self.phases = StepPhases(device) if instrumented else None
         self.collectives = CollectiveLog(device, world) if instrumented else None
@@ -513,18 +542,17 @@ class StepLogger:
             return True
         return False
 
-    def step_done(self, sampled: bool, counts: tuple[int, int, int], local_tokens: int,
+    def step_done(self, sampled: bool, work: StepWork, local_tokens: int,
                   local_samples: int, pairs: int | None = None) -> None:
         if sampled:
             self.sampled.append(self.sampler.end())
         if self.collectives is not None:
             self.collectives.step_boundary()
-        step_tokens, step_inputs, step_sequences = counts
-        self.tokens += int(step_tokens)
+        self.tokens += work.labels
         if pairs is not None:
             self.pairs += pairs
-        self.window.add(step_inputs, step_sequences)
-        self.trainer.reporter.step_done(int(step_tokens))
+        self.window.add(work)
+        self.trainer.reporter.step_done(work.labels, work.inputs)
         self.trainer.metrics.tokens.inc(local_tokens)
         self.trainer.metrics.samples.inc(local_samples)
 
@@ -537,13 +565,17 @@ class StepLogger:
         rewards = (None if self.pairs is None else
                    {name: value / max(self.pairs, 1)
                     for name, value in zip(REWARDS, reward_sums, strict=True)})
-        seconds = self.window.seconds()
-        mfu = (self.flops_per_token * self.window.inputs / seconds / (self.peak * t.world)
-               if self.peak and seconds > 0 else None)
+        seconds, window = self.window.seconds(), self.window
+        mfu = full_rows_mfu = None
+        if self.peak and seconds > 0:
+            per_second = seconds * self.peak * t.world
+            mfu = self.work.flops(window.inputs, window.attended) / per_second
+            full_rows_mfu = self.work.flops(window.inputs, window.full_rows) / per_second
         with t.checkpoints.writing_beside():  # a full volume: the checkpoint's doing
             record = t.reporter.report(state.step, state.step / t.batches.steps_per_epoch,
                                        window_loss / max(per, 1),
                                        t.scheduler.get_last_lr()[0], mfu=mfu,
+                                       mfu_full_rows=full_rows_mfu,
                                        peak_memory=peak_memory_bytes(t.device),
                                        grad_norm=_as_float(grad_norm), rewards=rewards)
         split = self.phases.drain() if self.phases is not None else {}
@@ -592,6 +624,7 @@ class Trainer:
         if self.rank != 0:
             transformers.logging.set_verbosity_error()
         self.control = dist.new_group(backend="gloo")  # CPU-side agreement, no device sync
+        check_room(self.device, self.rank, config.preflight.planned_peak_bytes)
         self.metrics = TrainerMetrics(config.job.name, config.job.namespace or "", self.rank,
                                       device=self.device)
         self.network = None
@@ -650,7 +683,6 @@ class Trainer:
         width = (2 if self.dpo else 1) * config.dataset.max_seq_length
         self.collation = Collation(self.prepared.tokenizer.pad_token_id, self.head, bounds,
                                    width=width if fixed else None, paired=self.dpo is not None)
-        flops_per_token = _model_flops_per_token(model, self.prepared.train)
         peak = (flops.peak_flops(torch.cuda.get_device_name(device))
                 if device.type == "cuda" else None)
         learning_rate = hp.resolved_learning_rate(config.method.type)
@@ -658,7 +690,8 @@ class Trainer:
                                                         fused=strategy.fused_optimizer),
                        weights)
         self.strategy = strategy
-        self.log = StepLogger(self, flops_per_token, peak)
+        reference_each_batch = self.dpo is not None and config.method.type != "full"
+        self.log = StepLogger(self, model_work(model, reference_each_batch), peak)
 
     def _objective(self):
         """DPO's pair loss and its reference (None: SFT's token loss). The reference of an
@@ -726,6 +759,8 @@ class Trainer:
                 f"({hp.batch_size_per_device} x {hp.gradient_accumulation_steps})")
         self.batches = GlobalBatches(len(self.prepared.train), micro_batch, passes,
                                      self.world, hp.seed)
+        if self.collation.width is not None:  # compiled on packed rows: one shape
+            self.collation = dataclasses.replace(self.collation, rows=micro_batch)
         self.steps = total_steps(self.config, self.batches)
         self.scheduler = build_scheduler(self.strategy.base_optimizer, hp, self.steps)
 
@@ -805,7 +840,7 @@ class Trainer:
         counts = self.counts.of_step(epoch, step_in_epoch)
         # the loss is the mean over the step's label tokens, or over its preference pairs
         pairs = self.counts.pairs_of_step(epoch, step_in_epoch) if self.objective else None
-        scale = self.world / max(counts[0] if pairs is None else pairs, 1)
+        scale = self.world / max(counts.labels if pairs is None else pairs, 1)
         log.mark()
         sampled = log.sampling(self.state.step + 1)
         for index, batch in enumerate(micro_batches):
@@ -826,7 +861,7 @@ class Trainer:
             self.profiler.step()
         stopping = agreement.wait()
         self.checkpoint_written = agreement.written
-        self.state = self._advanced(epoch, step_in_epoch, counts[0])
+        self.state = self._advanced(epoch, step_in_epoch, counts.labels)
         log.step_done(sampled, counts, self.counts.of_indices(mine),
                       sum(len(indices) for indices in mine), pairs)
         return stopping

@@ -191,6 +191,7 @@ def setup_for(job: FineTuneJob, strategy: Strategy, world_size: int | None = Non
         # unset: planned with checkpointing until `choose_step_settings` relaxes it
         gradient_checkpointing=spec.strategy.gradient_checkpointing is not False,
         checkpoint_policy=spec.strategy.gradient_checkpointing_policy,
+        compile=spec.strategy.compile is True,  # unset: planned eager (the larger)
         fused_loss=spec.strategy.fused_loss,
         gradient_accumulation=passes,
         world_size=world, device="cuda" if resources.gpus_per_node else "cpu")
@@ -551,6 +552,12 @@ def choose_step_settings(job: FineTuneJob, model: ModelConfig | None,
         precision = _precision_on(vm.gpu.bf16, chosen.precision)
         setup = setup_for(job, strategy, world, precision).model_copy(update={"device": "cuda"})
 
+    # compile first: a compiled layer saves less, which the step is sized by
+    compile_, compile_why = chosen.compile, None
+    if compile_ is None:
+        compile_, compile_why = _compile_by_length(job, strategy, setup, shape, vm, unknown)
+    if setup is not None:
+        setup = setup.model_copy(update={"compile": compile_})
     checkpointing, policy = chosen.gradient_checkpointing, chosen.gradient_checkpointing_policy
     micro = hp.micro_steps()[0]
     if setup is None or shape is None or vm is None:
@@ -572,12 +579,29 @@ def choose_step_settings(job: FineTuneJob, model: ModelConfig | None,
             notes.append(f"microBatchSize unset → {micro}: {sized.why}"
                          + ("" if chosen.gradient_checkpointing is None else f"; {total}"))
 
-    compile_ = chosen.compile
-    if compile_ is None:
-        compile_, why = _compile_by_length(job, strategy, setup, shape, vm, unknown)
-        notes.append(f"compile unset → {'on' if compile_ else 'off'}: {why}")
+    if compile_why is not None:
+        notes.append(f"compile unset → {'on' if compile_ else 'off'}: {compile_why}")
     return StepSettings(gradient_checkpointing=checkpointing, checkpoint_policy=policy,
                         micro_batch=micro, compile=compile_, notes=notes)
+
+
+def planned_peak(job: FineTuneJob, model: ModelConfig | None, strategy: Strategy,
+                 settings: StepSettings, machine: VmSize | None = None) -> int | None:
+    """The planner's peak GPU memory per process with these step settings (the estimate
+    `choose_step_settings` sized them by); None for a CPU job, or where the model or the
+    GPU is not known."""
+    shape, vm, _ = _gpu_and_shape(job, model, machine)
+    if shape is None or vm is None or not job.spec.resources.gpus_per_node:
+        return None
+    resources, hp = job.spec.resources, job.spec.hyperparameters
+    precision = _precision_on(vm.gpu.bf16, job.spec.strategy.precision)
+    per_device = hp.batch_size_per_device * hp.gradient_accumulation_steps
+    setup = setup_for(job, strategy, resources.nodes * resources.processes(), precision)
+    return estimate_memory(shape, setup.model_copy(update={
+        "device": "cuda", "gradient_checkpointing": settings.gradient_checkpointing,
+        "checkpoint_policy": settings.checkpoint_policy, "micro_batch": settings.micro_batch,
+        "gradient_accumulation": per_device // settings.micro_batch,
+        "compile": settings.compile})).total
 
 
 def _levels(chosen: StrategyConfig) -> tuple[tuple[bool, CheckpointPolicy, str], ...]:

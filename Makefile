@@ -12,15 +12,23 @@ TORCH_VERSION ?= 2.13.0
 TORCH_INDEX_URL ?=
 PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: venv tools test test-quick lint crds demo clean kind-e2e e2e bench bench-gpu bench-metrics \
-	cluster-bin node-images cluster cluster-install cluster-images cluster-down bench-operator bench-checkpoint \
+.PHONY: venv venv-base tools test test-quick lint crds demo clean kind-e2e e2e bench bench-gpu bench-metrics \
+	cluster-bin node-images product-images cluster cluster-install cluster-images cluster-down bench-operator bench-checkpoint \
 	bench-loading docs docs-serve
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# The venv's first seconds: pip and PyYAML, all that cluster/controlplane.py needs to build the
+# control plane and the images. .ci/run makes it first, then the rest of the venv (downloads)
+# beside the Go build (CPU).
+venv-base: $(VENV)/.base
+
+$(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install --upgrade pip setuptools wheel
+	$(PIP) install --upgrade pip setuptools wheel pyyaml
+	touch $@
+
+$(VENV)/.installed: pyproject.toml | $(VENV)/.base
 	$(PIP) install torch==$(TORCH_VERSION) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 	$(PIP) install --no-build-isolation "deepspeed>=0.17" torch==$(TORCH_VERSION)
 	$(PIP) install -e ".[trainer,azure,dev]" torch==$(TORCH_VERSION)
@@ -73,15 +81,23 @@ lint: venv
 # starts one for you, with an admin kubeconfig in .cluster/admin.kubeconfig (`make cluster
 # KUEUE=0`: without Kueue; NODE=0: KWOK's nodes only). Without Go, the tests that need it are
 # skipped.
-cluster-bin: venv
+cluster-bin: venv-base
 	@if command -v go >/dev/null 2>&1; then $(BIN)/python cluster/controlplane.py build; \
 	else echo "Go not installed: the real control-plane tests will be skipped"; fi
 
 # The real node's images (the pod sandbox, a Debian base, operator/Dockerfile and
 # trainer/Dockerfile, built by buildah), cached by their inputs: ~6 minutes the first time.
 # Skipped, saying why, where the machine cannot host the real node.
-node-images: venv cluster-bin
+node-images: venv-base cluster-bin
 	@if command -v go >/dev/null 2>&1; then $(BIN)/python cluster/controlplane.py build-images; \
+	else echo "Go not installed: no real node, no images"; fi
+
+# The same images but the pause image, which alone needs the Go build: the Debian base
+# (debootstrap) and our two Dockerfiles (the trainer's pip layer), mostly downloads, which
+# .ci/run builds beside the Go build. node-images then finds them cached.
+product-images: venv-base tools
+	@if command -v go >/dev/null 2>&1; then \
+	  $(BIN)/python cluster/controlplane.py build-product-images; \
 	else echo "Go not installed: no real node, no images"; fi
 
 cluster: venv

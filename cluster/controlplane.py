@@ -4,6 +4,8 @@ kube-controller-manager, kube-scheduler, KWOK playing the kubelets of fake nodes
 
     python cluster/controlplane.py build     # the binaries, once per version (cached)
     python cluster/controlplane.py build-images   # the node's images (cached by inputs)
+    python cluster/controlplane.py build-product-images   # the same but the pause image:
+                                             # no Go needed (.ci/run: beside the Go build)
     python cluster/controlplane.py up        # start in the background: .cluster/
     python cluster/controlplane.py up --no-kueue   # the same without Kueue
     python cluster/controlplane.py install   # CRD, chart, the operator's kubeconfig
@@ -570,8 +572,8 @@ class ControlPlane:
 # --- the command line -----------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("action", choices=["build", "build-images", "up", "install", "images",
-                                           "down", "bin"])
+    parser.add_argument("action", choices=["build", "build-images", "build-product-images",
+                                           "up", "install", "images", "down", "bin"])
     parser.add_argument("--folder", type=Path, default=REPO / ".cluster",
                         help="state folder (default: .cluster in the repository)")
     parser.add_argument("--no-kueue", dest="kueue", action="store_false",
@@ -586,13 +588,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.action == "build":
             build()
             return 0
-        if args.action == "build-images":
+        if args.action in ("build-images", "build-product-images"):
             if reason := real_node.unavailable():  # buildah and debootstrap included
                 print(f"images not built: {reason}; the tests that need them are skipped")
                 return 0
             started = time.monotonic()
-            images.pause_image(build() / "pause", _say)
-            images.build_product_images(_say)
+            if args.action == "build-images":  # the pause image needs the Go build
+                images.pause_image(build() / "pause", _say)
+            images.build_product_images(_say)  # no Go: beside the Go build, in .ci/run
             print(f"images ready in {time.monotonic() - started:.0f} s")
             return 0
         node = args.node and args.action == "up"

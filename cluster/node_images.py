@@ -17,6 +17,8 @@ dependencies); loading skips what the node's containerd already holds.
 from __future__ import annotations
 
 import hashlib
+import json
+import re
 import subprocess
 import tempfile
 import time
@@ -166,8 +168,10 @@ def dockerfile_image(dockerfile: Path, name: str, base: str, build_args: dict[st
         *(f"{k}={v}" for k, v in sorted(args.items())))
     if exists(reference):
         return reference
+    drop_stale_steps()
     started = time.monotonic()
-    log(f"building {reference} from {dockerfile.relative_to(REPO)}")
+    shown = dockerfile.relative_to(REPO) if dockerfile.is_relative_to(REPO) else dockerfile
+    log(f"building {reference} from {shown}")
     volumes = [arg for path in HOST_TRUST if path.exists()
                for arg in ("--volume", f"{path}:{path}:ro")]
     build_log = cache() / "logs" / f"{name}.log"
@@ -181,7 +185,29 @@ def dockerfile_image(dockerfile: Path, name: str, base: str, build_args: dict[st
     except ImageError:
         _remove_working_containers()
         raise
-    return _built(reference, started, log)
+    built = _built(reference, started, log)
+    drop_stale_steps()
+    return built
+
+
+STEP = re.compile(r"^--> (?:Using cache )?([0-9a-f]{11,})", re.MULTILINE)
+
+
+def drop_stale_steps() -> None:
+    """Remove the step images (`--layers`' cache) that no build in the logs made or reused.
+
+    Each build whose inputs changed leaves its predecessor's steps behind, untagged, and a
+    trainer step is 6 GB: a few changes to the dependencies filled the disk (CI failed with
+    `no space left on device` committing the pip layer). The tagged images and the steps of
+    the last build of each image (its log in the cache: the layers the next build reuses)
+    stay."""
+    used = {step[:11] for path in (cache() / "logs").glob("*.log")
+            for step in STEP.findall(path.read_text(errors="replace"))}
+    listed = json.loads(buildah("images", "--all", "--no-trunc", "--json") or "[]")
+    stale = [row["id"] for row in listed if not row.get("names")
+             and row["id"].removeprefix("sha256:")[:11] not in used]
+    for image in stale:  # one at a time: an image a container still uses stays, quietly
+        subprocess.run(["buildah", *_storage(), "rmi", image], capture_output=True)
 
 
 def _remove_working_containers() -> None:
@@ -196,6 +222,9 @@ def load(node, reference: str, log) -> None:
     if reference in listed.split():
         return
     started = time.monotonic()
+    # first: the archive, containerd's copy of it and the unpacked layers are each as large
+    # as the image (6 GB for the trainer's), and the earlier build's are on the disk besides
+    _drop_earlier_builds(node, reference)
     archive = cache() / "archives" / (reference.replace("/", "_").replace(":", "-") + ".tar")
     archive.parent.mkdir(parents=True, exist_ok=True)
     archive.unlink(missing_ok=True)
@@ -204,14 +233,14 @@ def load(node, reference: str, log) -> None:
         node.ctr("images", "import", str(archive))
     finally:
         archive.unlink(missing_ok=True)
-    _drop_earlier_builds(node, reference)
     log(f"  loaded {reference} into the node: {time.monotonic() - started:.0f} s")
 
 
 def _drop_earlier_builds(node, reference: str) -> None:
     """Remove the node's earlier builds of `reference`'s image, and the `sha256:` names the
-    kubelet's CRI gave them (same digest), so that containerd frees their layers: a trainer
-    image is 6 GB."""
+    kubelet's CRI gave them (same digest), so that containerd frees their layers (now:
+    `--sync`) before `reference` comes in: a trainer image is 6 GB. A pod still running one
+    keeps its layers until it ends."""
     rows = [line.split()[:3] for line in node.ctr("images", "ls").stdout.splitlines()[1:]
             if line.strip()]
     name = reference.rsplit(":", 1)[0]
@@ -222,7 +251,7 @@ def _drop_earlier_builds(node, reference: str) -> None:
     unused = [ref for ref, _, digest in rows if digest in earlier or (
         ref.startswith("sha256:") and digest not in kept)]
     if unused:
-        node.ctr("images", "rm", *unused, check=False)
+        node.ctr("images", "rm", "--sync", *unused, check=False)
 
 
 TRAINER_BUILD_ARGS = {"TORCH": "torch==2.13.0", "DEMO": "1"}

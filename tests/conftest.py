@@ -17,12 +17,19 @@ markers stay true. `make test` runs every level this machine can."""
 from __future__ import annotations
 
 import copy
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+
+# Three pytest-xdist workers share two cores (the Makefile's PYTEST_WORKERS): a process that
+# takes every core for its OpenMP threads (torch's default, and `finetune run`'s for a job of
+# one process) spins against the others' threads, and a 10-second run of one process took
+# 200 s beside two others. One thread each, unless set already (before torch is imported).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # the real control plane's fixtures (control_plane, installation, operator_process, ...) and
 # the emulated cluster's (cluster, kubelet, operator, rank0, testbed). They need the
@@ -145,8 +152,6 @@ def pytest_collection_modifyitems(config, items):
     """Each test gets its level marker; GPU tests skip cleanly where no CUDA device is
     visible, kind tests without a cluster. Under pytest-xdist each test gets its worker
     group, and the workers' queue is ordered longest first."""
-    import os
-
     gpu, mislabelled = None, []
     for item in items:
         needed = level(item)
@@ -181,6 +186,22 @@ def pytest_xdist_node_collection_finished(node, ids):
         pytest.exit(f"pytest-xdist's --dist loadgroup does not group on pytest "
                     f"{pytest.__version__} (pytest-xdist#1386): install the pytest that "
                     "pyproject.toml names", returncode=pytest.ExitCode.USAGE_ERROR)
+
+
+# --- each wait bounded by its test's own timeout (tests/support/waits.py) ----------------
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_timeout_set_timer(item, settings):
+    from tests.support import waits
+
+    waits.started(settings.timeout)  # and returns None: pytest-timeout sets its timer too
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_timeout_cancel_timer(item):
+    from tests.support import waits
+
+    waits.ended()
 
 
 # --- a unit test starts no process -------------------------------------------------------

@@ -706,6 +706,10 @@ def _failure_hint(code: int) -> str:
 
     if code in local.NOT_RESTARTED:
         return "the line above names the setting; no restart would change it, so none was made"
+    if code == local.EXIT_SETUP:
+        return ("the line above says what the workers could not set up in this environment "
+                "(an import, an op that cannot be built); restarts meet it again, so at most "
+                "one was made")
     return "the line above names the rank and the cause; the log above has the rest"
 
 

@@ -41,7 +41,7 @@ from finetune_operator.trainer_config import (
 )
 from finetune_operator.validation import InvalidJobError
 from finetune_trainer.config import TrainerConfig
-from finetune_trainer.errors import NOT_RESTARTED
+from finetune_trainer.errors import EXIT_SETUP, NOT_RESTARTED
 from finetune_trainer.errors import STOPPED as EXIT_STOPPED
 from finetune_trainer.fetch import complete_copy, hub_repo
 from finetune_trainer.layout import (
@@ -538,7 +538,8 @@ def run_trainer(config_path: Path, processes: int, log_path: Path, max_restarts:
                 verbose: bool = True, lock: int | None = None, on_gpus: bool = True) -> int:
     """The workers, started again from the newest complete checkpoint after a failure (an
     exception, an OOM kill, `kill -9`), up to `max_restarts` times (the job's
-    runPolicy.backoffLimit), except for the failures in NOT_RESTARTED; each rank's
+    runPolicy.backoffLimit), except for the failures in NOT_RESTARTED, and once at most
+    for what the image cannot set up (EXIT_SETUP: the same on every attempt); each rank's
     finetune_restarts metric counts the attempts (FINETUNE_RESTARTS). Ctrl-C or SIGTERM
     ends it (EXIT_STOPPED) and is never restarted. Every line goes to `log_path` (RunLog);
     without `verbose`, the terminal gets them through `QuietLog`. `lock`: the output
@@ -549,7 +550,8 @@ def run_trainer(config_path: Path, processes: int, log_path: Path, max_restarts:
         env = {**worker_env(processes, verbose, on_gpus), "FINETUNE_RESTARTS": str(restarts)}
         code = _run_attempt(trainer_command(config_path, processes), env, log_path, lock,
                             verbose)
-        if code in (0, EXIT_STOPPED, *NOT_RESTARTED) or restarts == max_restarts:
+        if code in (0, EXIT_STOPPED, *NOT_RESTARTED) or restarts == max_restarts or (
+                code == EXIT_SETUP and restarts):
             return code
         restarts += 1
         line = (f"finetune run: a worker failed (exit {code}); restarting every worker from "

@@ -48,6 +48,9 @@ holds its output folder (`output_folders`); an edit of its spec admits it again.
 INPUT_REFUSED = "InputRefused"
 """The Failed condition's reason when the trainer refused the model or the data (its exit
 2): no attempt would differ."""
+SETUP_FAILED = "WorkerSetupFailed"
+"""The Failed condition's reason when the workers could not set themselves up in their image
+(`Failure.setup`) again after a restart, and the job never trained."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,11 @@ class Failure:
     """Which pod, and why, as the user should read it."""
     reason: str = "OtherSettingsCheckpoints"
     """The Failed condition's reason, for a refusal."""
+    setup: bool = False
+    """A worker failure the image causes before any training (the trainer's exit 5: an import
+    that fails, an op that cannot be built): the same on every rank and every attempt. The
+    gang restarts once, in case it was not (a node's fault); a job that still has not
+    trained when it fails so again fails: SETUP_FAILED."""
 
 
 @dataclass(frozen=True)
@@ -800,6 +808,11 @@ def _restart_or_fail(b: _Builder, failure: Failure) -> Decision:
     if failure.kind == "refused":
         return b.fail(failure.reason, failure.message, stop_workload=True)
     counted = failure.kind == "worker"
+    if failure.setup and _never_trained(status) and status.restarts >= min(limit, 1):
+        tries = f"after {status.restarts} restart{'s' * (status.restarts != 1)}"
+        return b.fail(SETUP_FAILED, f"{failure.message} ({tries}, never having trained: "
+                      "every attempt would fail the same way until the workers' image "
+                      "changes)", stop_workload=True)
     if counted and status.restarts >= limit:
         return b.fail("BackoffLimitExceeded", f"{failure.message} (restart budget of {limit} "
                       "used up)", stop_workload=True)
@@ -810,9 +823,16 @@ def _restart_or_fail(b: _Builder, failure: Failure) -> Decision:
     b.cond("Running", False, "Restarting", failure.message)
     b.act("delete-workload", failure.kind)
     budget = f"restart {status.restarts} of {limit}" if counted else "not counted"
+    if failure.setup and _never_trained(status):
+        budget += "; the same failure again before any step fails the job"
     b.phase("Restarting", f"{cause}: {failure.message}; restarting the gang ({budget})")
     b.requeue(2)
     return b.decision
+
+
+def _never_trained(status: FineTuneJobStatus) -> bool:
+    """No attempt of the job has completed a step or a checkpoint."""
+    return not (status.progress and status.progress.step) and status.last_checkpoint is None
 
 
 def _watch_for_stall(b: _Builder) -> Decision:

@@ -21,6 +21,7 @@ from finetune_operator.manifests import read_documents
 from finetune_operator.validation import parse_job
 from tests.cli.demo_tree import examples_in
 from tests.conftest import REPO, minimal_job
+from tests.support import waits
 from tests.support.fuzz_manifests import check
 from tests.support.manifest_generator import AZUREML, example_jobs, manifests
 
@@ -149,7 +150,8 @@ def test_the_console_script_answers_as_the_command_in_this_process(tmp_path):
         for command, args in (("validate", ["validate"]), ("render", ["render"]),
                               ("plan", ["plan", "--offline"])):
             result = subprocess.run([str(CONSOLE_SCRIPT), *args, str(path)], env=env,
-                                    capture_output=True, text=True, timeout=120, cwd=REPO)
+                                    capture_output=True, text=True,
+                                    timeout=waits.seconds_left(), cwd=REPO)
             assert "Traceback" not in result.stderr, result.stderr
             assert result.returncode == here[command].code, (generated.mutations, command,
                                                              result.stderr)

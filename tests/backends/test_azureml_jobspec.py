@@ -17,6 +17,7 @@ from finetune_operator.validation import parse_job
 from finetune_trainer.__main__ import bind_locations
 from finetune_trainer.config import TrainerConfig
 from tests.conftest import REPO, load_yaml, minimal_job
+from tests.support import waits
 
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning:azure"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning:marshmallow")]
@@ -295,7 +296,7 @@ def test_a_job_the_sdk_refuses_is_refused_in_one_line_per_problem(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(manifest))
     result = subprocess.run([sys.executable, "-m", "finetune_operator.cli", "render", str(path)],
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=waits.seconds_left())
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert f"{path}: spec.azureml (environment): " in result.stderr

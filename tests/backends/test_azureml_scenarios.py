@@ -15,11 +15,12 @@ import pytest_asyncio
 
 from finetune_operator import controller, planner
 from finetune_operator.backends import BackendContext, load_backends
-from finetune_operator.backends.azureml.jobspec import CONFIG_INPUT
+from finetune_operator.backends.azureml.jobspec import CONFIG_INPUT, require_sdk
 from finetune_operator.kube import Kube
 from finetune_operator.pacing import LaunchPacer
 from finetune_operator.settings import OperatorSettings
 from tests.conftest import minimal_job
+from tests.support import waits
 from tests.support.azureml_fake import (
     RESOURCE_GROUP,
     SUBSCRIPTION,
@@ -29,9 +30,9 @@ from tests.support.azureml_fake import (
 )
 from tests.support.emulator import ApiServer
 from tests.support.operator_fixtures import Operator
-from tests.support.testbed import eventually
+from tests.support.testbed import condition_in, eventually
 
-pytestmark = [pytest.mark.kmock(cls=ApiServer), pytest.mark.asyncio, pytest.mark.timeout(120),
+pytestmark = [pytest.mark.kmock(cls=ApiServer), pytest.mark.asyncio, pytest.mark.timeout(300),
               pytest.mark.filterwarnings("ignore::DeprecationWarning:azure"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning:marshmallow")]
 JOBS = "/apis/finetune.dev/v1alpha1/namespaces/default/finetunejobs"
@@ -59,7 +60,11 @@ def azure() -> FakeAzureML:
 @pytest_asyncio.fixture()
 async def aml_operator(cluster: ApiServer, rank0, azure: FakeAzureML, request):
     """The operator, its azureml backend talking to the fake through the transport hook
-    (launches paced by (rate, burst) when the test parametrizes it indirectly)."""
+    (launches paced by (rate, burst), on `running.clock`, when the test parametrizes it
+    indirectly). azure-ai-ml
+    is imported first: its first import (2-3 s of CPU, over 30 s on two busy cores) is the
+    setup's cost, not a reconcile's inside the test's waits."""
+    require_sdk()
     running = Operator(cluster, rank0)
     kube = Kube(running.kubeconfig)
     context = BackendContext(settings=OperatorSettings(), kube=kube,
@@ -67,10 +72,29 @@ async def aml_operator(cluster: ApiServer, rank0, azure: FakeAzureML, request):
     running.runtime = controller.Runtime(backends=load_backends(context), kube=kube,
                                          interval=0.3)
     if (paced := getattr(request, "param", None)) is not None:
-        running.runtime.launches = LaunchPacer(*paced)
+        running.clock = StoppableClock()
+        running.runtime.launches = LaunchPacer(*paced, clock=running.clock)
     await running.start()
     yield running
     await running.stop()
+
+
+class StoppableClock:
+    """time.monotonic() for a LaunchPacer, which the test may stop and start again: while it
+    stands, no turn comes due however long this machine takes to look."""
+
+    def __init__(self) -> None:
+        self.behind, self.stopped_at = 0.0, None
+
+    def __call__(self) -> float:
+        return self.stopped_at if self.stopped_at is not None else (
+            time.monotonic() - self.behind)
+
+    def stop(self) -> None:
+        self.stopped_at = self()
+
+    def start(self) -> None:
+        self.behind, self.stopped_at = time.monotonic() - self.stopped_at, None
 
 
 async def apply(cluster: ApiServer, doc: dict) -> None:
@@ -97,7 +121,7 @@ def status(cluster: ApiServer, name: str = "aml") -> dict:
 
 
 def condition(cluster: ApiServer, type_: str, name: str = "aml") -> dict:
-    return next(c for c in status(cluster, name).get("conditions", []) if c["type"] == type_)
+    return condition_in(status(cluster, name), type_, name)
 
 
 def phase_is(cluster: ApiServer, phase: str, name: str = "aml"):
@@ -285,11 +309,17 @@ async def test_a_job_waiting_for_its_turn_is_not_polled_meanwhile(cluster, aml_o
     """Azure ML jobs are polled every --interval (0.3 s here) once submitted; one waiting for
     its turn to launch has nothing to poll: it says when its turn comes, once, and is
     submitted then. The second is applied once the first has taken the one turn at hand
-    (two applied together race for it: the reconcilers look at both at once)."""
+    (two applied together race for it: the reconcilers look at both at once). The pacer's
+    clock stands until the second has been told its turn: on a busy machine the 2 s to the
+    next turn passed before the second was looked at, and it launched at once."""
+    aml_operator.clock.stop()
     await apply(cluster, azureml_job("first"))
     await eventually(lambda: len(azure.jobs) == 1, what="the first submitted")
     await apply(cluster, azureml_job("second"))
-    messages, deadline = set(), time.monotonic() + 30
+    await eventually(lambda: "its turn" in status(cluster, "second").get("message", ""),
+                     what="the second told when its turn comes")
+    aml_operator.clock.start()
+    messages, deadline = set(), time.monotonic() + waits.seconds_left()
     while len(azure.jobs) < 2:
         assert time.monotonic() < deadline, f"submitted: {list(azure.jobs)}"
         if status(cluster, "second").get("phase") == "Pending":

@@ -563,3 +563,31 @@ def test_the_trainers_refusal_of_the_data_fails_the_job_at_once():
     assert (failure.kind, failure.reason) == ("refused", "InputRefused")
     assert "its log names the field" in failure.message
     assert pod_failure(pod("demo-0-b", "Failed", **terminated(1))).kind == "worker"
+
+
+UNBUILDABLE = ("finetune-train: op 'deepspeed_shm_comm' could not be built in this image: "
+               "/bin/sh: 1: c++: not found (DeepSpeed builds its ops on first use: prebuild it "
+               "into the image, or use one that can build it)")
+
+
+def test_a_worker_that_cannot_set_itself_up_is_said_in_its_own_line():
+    """Exit 5 of the trainer container (errors.setup_failure, passed on by the launcher): the
+    image's, the same on every rank, marked for one restart at most (reconcile); the message
+    is the trainer's line, which names what is missing, not a compiler's command line. It
+    outranks a peer's lost connection and another rank's plain failure seen with it, and the
+    Job's own record says it once the pods are gone."""
+    failure = pod_failure(pod("demo-0-a", "Failed", **terminated(5, message=UNBUILDABLE)))
+    assert (failure.kind, failure.setup) == ("worker", True)
+    assert failure.message == ("demo-0-a exited 5: "
+                               + UNBUILDABLE.removeprefix("finetune-train: "))
+    seen = observe(job_object("FailureTarget"), [
+        pod("demo-0-a", "Failed", **ended(1, "2026-11-27T10:40:01Z", LOST_PEER)),
+        pod("demo-1-b", "Failed", **ended(1, "2026-11-27T10:40:01Z", "rank 1 exited 1: x")),
+        pod("demo-2-c", "Failed", **ended(5, "2026-11-27T10:40:02Z", UNBUILDABLE))], nodes=3)
+    assert seen.failure.setup and "c++: not found" in seen.failure.message
+    by_policy = failed_by_policy("Container trainer for pod t-1/demo-0-a failed with "
+                                 "exit code 5 matching FailJob rule at index 4")
+    failure = observe(by_policy, [], nodes=2).failure
+    assert (failure.kind, failure.setup) == ("worker", True)
+    for other in (terminated(1, message="rank 0 exited 1: x"), terminated(137, "OOMKilled")):
+        assert not pod_failure(pod("demo-0-a", "Failed", **other)).setup

@@ -26,6 +26,7 @@ from finetune_operator.reconcile import INPUT_REFUSED
 from finetune_operator.settings import OperatorSettings
 from finetune_operator.validation import parse_job
 from finetune_trainer import errors
+from tests.support import waits
 
 pytestmark = pytest.mark.process
 
@@ -107,7 +108,8 @@ class PodHere:
     def init_containers(self) -> None:
         for container in self.pod.get("initContainers", []):
             argv, env = self.command(container)
-            done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+            done = subprocess.run(argv, env=env, capture_output=True, text=True,
+                                  timeout=waits.seconds_left())
             assert done.returncode == 0, (container["name"], done.stderr[-3000:])
 
     def start_trainer(self) -> subprocess.Popen:
@@ -181,7 +183,7 @@ def test_bad_data_ends_the_pod_once_with_the_line_that_names_it(tiny_model_dir, 
     pod = pod_here(job(tiny_model_dir, data, maxSteps=4))
     pod.init_containers()
     trainer = pod.start_trainer()
-    code = trainer.wait(timeout=300)
+    code = trainer.wait(timeout=waits.seconds_left())
     said = pod.log.read_text()
     assert code == backend.BAD_INPUT_EXIT_CODE, said[-3000:]
     last = said.strip().splitlines()[-1]
@@ -203,7 +205,7 @@ def test_a_run_that_stops_early_leaves_its_final_record_for_the_status(tiny_mode
     doc["spec"]["dataset"]["evalFraction"] = 0.2
     pod = pod_here(doc)
     pod.init_containers()
-    code = pod.start_trainer().wait(timeout=300)
+    code = pod.start_trainer().wait(timeout=waits.seconds_left())
     assert code == 0, pod.log.read_text()[-3000:]
     rank0 = pod.terminated(code)
     progress = backend.final_progress([rank0])
@@ -220,13 +222,14 @@ def test_a_run_that_stops_early_leaves_its_final_record_for_the_status(tiny_mode
 
 def sigterm_after(pod: PodHere, trainer: subprocess.Popen, step: int) -> int:
     """SIGTERM once the run has passed `step`; the step it checkpointed and stopped after."""
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + waits.seconds_left()
     while step_reached(pod.output) < step:
         assert trainer.poll() is None, pod.log.read_text()[-3000:]
         assert time.monotonic() < deadline, pod.log.read_text()[-3000:]
         time.sleep(0.2)
     trainer.send_signal(signal.SIGTERM)
-    assert trainer.wait(timeout=300) == backend.STOPPED_EXIT_CODE, pod.log.read_text()[-3000:]
+    code = trainer.wait(timeout=waits.seconds_left())
+    assert code == backend.STOPPED_EXIT_CODE, pod.log.read_text()[-3000:]
     stopped_at = re.search(r"stopped by SIGTERM after step (\d+)", pod.log.read_text())
     assert stopped_at, pod.log.read_text()[-3000:]
     return int(stopped_at[1])
@@ -260,3 +263,30 @@ def test_sigterm_ends_the_pod_143_and_a_job_re_created_on_fewer_workers_resumes(
     said = pod.log.read_text()
     assert f"step-{stopped:08d}" in said and "resuming from" in said, said[-3000:]
     assert "on 1 process" in said and trainer.returncode == backend.STOPPED_EXIT_CODE
+
+
+def test_an_op_that_cannot_build_ends_the_pod_5_with_the_builds_own_line(
+        tiny_model_dir, tmp_path, pod_here):
+    """ZeRO on CPU workers compiles DeepSpeed's shm op on first use: in an image without a C++
+    compiler (here: CXX naming none, and an empty op cache) every rank failed, exit 1, and
+    the status quoted the compiler's command line (`[1/3] c++ -MMD -MF shm.o.d ...`). Now
+    the trainer ends 5 (errors.setup_failure) with the build's own error line, the Job's
+    policy fails it, and the operator marks it for one restart at most."""
+    data = Path(__file__).resolve().parents[2] / "examples/data/tiny-chat.jsonl"
+    doc = job(tiny_model_dir, data, maxSteps=4)
+    doc["spec"]["strategy"]["type"] = "zero2"
+    doc["spec"]["kubernetes"] = {"env": [
+        {"name": "CXX", "value": "c++-missing"},
+        {"name": "TORCH_EXTENSIONS_DIR", "value": str(tmp_path / "no-ops-built")}]}
+    pod = pod_here(doc)
+    pod.init_containers()
+    code = pod.start_trainer().wait(timeout=waits.seconds_left())
+    said = pod.log.read_text()
+    assert code == backend.SETUP_EXIT_CODE, said[-3000:]
+    last = said.strip().splitlines()[-1]
+    assert last.startswith("finetune-train: op 'deepspeed_shm_comm' could not be built in "
+                           "this image: /bin/sh: 1: c++-missing: not found"), said[-3000:]
+    assert pod.rule_for(code) == "FailJob"
+    failure = backend.pod_failure(pod.terminated(code))
+    assert failure.kind == "worker" and failure.setup
+    assert "c++-missing: not found" in failure.message and "-MMD" not in failure.message

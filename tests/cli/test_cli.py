@@ -12,6 +12,7 @@ import yaml
 from finetune_trainer import layout
 from tests.cli.demo_tree import examples_in
 from tests.conftest import EXAMPLES, REPO, SWEEP_EXAMPLES, minimal_job
+from tests.support import waits
 
 pytestmark = pytest.mark.process
 
@@ -22,7 +23,7 @@ PUSHED = "registry.example/finetune-trainer:1.2.3"
 
 def finetune(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([*FINETUNE, *args], input=stdin, capture_output=True, text=True,
-                          cwd=REPO, timeout=60)
+                          cwd=REPO, timeout=waits.seconds_left())
 
 
 def test_validate_examples_exit_zero(tmp_path):
@@ -325,7 +326,7 @@ def test_the_cli_reference_is_the_commands_own_help():
     # the same whether or not a command ran before in this process (click remembers the
     # help option on the command: CI once saw `-h, --help` where `make crds` wrote `--help`)
     fresh = subprocess.run([sys.executable, "-m", "finetune_operator.clidoc", "--check"],
-                           capture_output=True, text=True, timeout=120)
+                           capture_output=True, text=True, timeout=waits.seconds_left())
     assert fresh.returncode == 0, fresh.stderr
     CliRunner().invoke(finetune, ["validate", "--help"])
     assert clidoc.CLI_REFERENCE.read_text() == clidoc.render_markdown(finetune), (
@@ -381,14 +382,14 @@ def test_render_warns_of_the_placeholder_trainer_image_and_names_the_setting(exa
     path = str(REPO / "examples" / example)
     env = {k: v for k, v in os.environ.items() if k != "FINETUNE_TRAINER_IMAGE"}
     placeholder = subprocess.run([*FINETUNE, "render", path], capture_output=True, text=True,
-                                 cwd=REPO, timeout=60, env=env)
+                                 cwd=REPO, timeout=waits.seconds_left(), env=env)
     assert placeholder.returncode == 0, placeholder.stderr
     (line,) = [line for line in placeholder.stderr.splitlines() if "FINETUNE_TRAINER_IMAGE" in line]
     assert line.startswith(f"{path}: warning: {field}: ") and "finetune-trainer:0.1.0" in line
     assert "trainer.image.repository" in line
     assert "finetune-trainer:0.1.0" in placeholder.stdout
     pushed = subprocess.run([*FINETUNE, "render", path], capture_output=True, text=True,
-                            cwd=REPO, timeout=60,
+                            cwd=REPO, timeout=waits.seconds_left(),
                             env={**env, "FINETUNE_TRAINER_IMAGE": "acr.io/finetune-trainer:1"})
     assert pushed.returncode == 0 and "FINETUNE_TRAINER_IMAGE" not in pushed.stderr
     assert "acr.io/finetune-trainer:1" in pushed.stdout

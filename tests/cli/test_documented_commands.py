@@ -18,6 +18,7 @@ import yaml
 
 from finetune_trainer import layout
 from tests.conftest import EXAMPLES, REPO
+from tests.support import waits
 
 README = REPO / "README.md"
 PAGES = sorted((REPO / "docs").rglob("*.md"))
@@ -86,7 +87,7 @@ def test_a_documented_command_works(where, command):
     if set(words) & ON_THE_DEMO_MODEL and not built:
         subprocess.run([sys.executable, "-m", "finetune_trainer.tiny", layout.DEMO_MODEL,
                         "--corpus", "examples/data/tiny-chat.jsonl"],
-                       cwd=REPO, check=True, capture_output=True, timeout=300)
+                       cwd=REPO, check=True, capture_output=True, timeout=waits.seconds_left())
     if "job.yaml" in words:
         azure = "--backend" in words and words[words.index("--backend") + 1] == "azureml"
         # status and logs of a manifest read its `finetune run` output: a local one's
@@ -95,7 +96,8 @@ def test_a_documented_command_works(where, command):
             if words[1] in ("status", "logs") else GENERIC_MANIFEST)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     result = subprocess.run([sys.executable, "-m", "finetune_operator.cli", *words[1:]],
-                            cwd=REPO, capture_output=True, text=True, env=env, timeout=900)
+                            cwd=REPO, capture_output=True, text=True, env=env,
+                            timeout=waits.seconds_left())
     worked = (0, 1) if words[1] == "plan" else (0,)  # plan: 1 = "does not fit", an answer
     assert result.returncode in worked, f"{where}: {command}\n{result.stderr[-2000:]}"
     assert "Traceback" not in result.stderr
@@ -110,7 +112,7 @@ def test_the_plan_sample_is_what_finetune_plan_prints():
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     printed = subprocess.run([sys.executable, "-m", "finetune_operator.cli", "plan",
                               GENERIC_MANIFEST], cwd=REPO, capture_output=True, text=True,
-                             env=env, timeout=300).stdout.splitlines()
+                             env=env, timeout=waits.seconds_left()).stdout.splitlines()
     for line in sample:
         shown = re.sub(r"(, )?\.\.\.\)?$", "", line)  # the sample cuts long lines with ...
         assert any(p.startswith(shown) for p in printed), (line, printed)

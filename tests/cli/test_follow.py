@@ -37,6 +37,7 @@ from finetune_operator.kube import default_namespace
 from finetune_trainer.layout import LOCAL_CONFIG, RUN_LOCK
 from finetune_trainer.record import ProgressRecord
 from tests.conftest import REPO
+from tests.support import waits
 from tests.trainer.test_training import manifest
 
 FINETUNE = [sys.executable, "-m", "finetune_operator.cli"]
@@ -254,7 +255,6 @@ def test_the_namespace_is_the_kubeconfig_contexts(tmp_path):
 
 
 @pytest.mark.process
-@pytest.mark.timeout(400)
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 def test_status_watch_in_a_terminal_follows_a_real_run_to_succeeded(tiny_model_dir, tmp_path):
     # 90 steps of a tiny model take a few seconds: long enough for several redraws on a
@@ -271,7 +271,7 @@ def test_status_watch_in_a_terminal_follows_a_real_run_to_succeeded(tiny_model_d
                     f"{watch}; echo EXIT=$?; sleep 60"], check=True)
     steps, screen = set(), ""
     try:
-        deadline = time.monotonic() + 360
+        deadline = time.monotonic() + waits.seconds_left()
         while (time.monotonic() < deadline and "EXIT=" not in screen
                and run.poll() in (None, 0)):
             screen = subprocess.run(["tmux", "capture-pane", "-p", "-t", session],
@@ -280,7 +280,7 @@ def test_status_watch_in_a_terminal_follows_a_real_run_to_succeeded(tiny_model_d
             time.sleep(0.2)
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
-        output = run.communicate(timeout=120)[0]
+        output = run.communicate(timeout=waits.seconds_left())[0]
     assert run.returncode == 0, output[-3000:]
     assert "EXIT=0" in screen, screen
     assert len(steps) >= 3 and max(steps) == 90, f"the bar showed steps {sorted(steps)}"
@@ -292,7 +292,6 @@ def test_status_watch_in_a_terminal_follows_a_real_run_to_succeeded(tiny_model_d
 
 
 @pytest.mark.process
-@pytest.mark.timeout(400)
 def test_a_second_run_on_the_folder_is_refused_and_a_killed_one_reads_stopped(
         tiny_model_dir, tmp_path):
     """Two `finetune run`s of one manifest: the second is refused before it touches the
@@ -306,13 +305,13 @@ def test_a_second_run_on_the_folder_is_refused_and_a_killed_one_reads_stopped(
     first = subprocess.Popen([*FINETUNE, "run", str(path)], cwd=tmp_path,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     progress = tmp_path / "out" / "progress.json"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + waits.seconds_left()
     while first.poll() is None and time.monotonic() < deadline and not (
             progress.is_file() and list((tmp_path / "out" / "checkpoints").glob("step-*"))):
         time.sleep(0.2)
     try:
         second = subprocess.run([*FINETUNE, "run", str(path)], cwd=tmp_path,
-                                capture_output=True, text=True, timeout=120)
+                                capture_output=True, text=True, timeout=waits.seconds_left())
         assert second.returncode == 2, second.stdout + second.stderr
         assert (f"spec.output.uri: {tmp_path / 'out'} is being written by another `finetune "
                 f"run` (pid {first.pid} since ") in second.stderr
@@ -324,7 +323,7 @@ def test_a_second_run_on_the_folder_is_refused_and_a_killed_one_reads_stopped(
     finally:
         first.kill()
         first.communicate(timeout=60)
-    deadline = time.monotonic() + 30  # the workers notice their session's end
+    deadline = time.monotonic() + waits.seconds_left()  # the workers notice their session's end
     while (status := subprocess.run([*FINETUNE, "status", str(path)], capture_output=True,
                                     text=True)).stdout.split()[1:2] != ["Stopped"]:
         assert time.monotonic() < deadline, status.stdout
@@ -337,13 +336,12 @@ def test_a_second_run_on_the_folder_is_refused_and_a_killed_one_reads_stopped(
     job["spec"]["hyperparameters"]["maxSteps"] = newest + 2  # resumed, then soon done
     path.write_text(yaml.safe_dump(job))
     again = subprocess.run([*FINETUNE, "run", str(path)], cwd=tmp_path, capture_output=True,
-                           text=True, timeout=300)
+                           text=True, timeout=waits.seconds_left())
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"step-{newest:08d} (step {newest}/{newest + 2})" in again.stdout
 
 
 @pytest.mark.asyncio
-@pytest.mark.timeout(300)
 async def test_status_and_logs_with_a_kubeconfig_against_the_real_api_server(
         control_plane_testbed):
     testbed = control_plane_testbed
@@ -351,7 +349,8 @@ async def test_status_and_logs_with_a_kubeconfig_against_the_real_api_server(
     cluster = ["-n", testbed.namespace, "--kubeconfig", kubeconfig]
 
     def finetune(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([*FINETUNE, *args], capture_output=True, text=True, timeout=120)
+        return subprocess.run([*FINETUNE, *args], capture_output=True, text=True,
+                              timeout=waits.seconds_left())
 
     await testbed.apply(testbed.manifest())
     await testbed.until_phase("Running")
@@ -387,7 +386,7 @@ async def test_status_and_logs_with_a_kubeconfig_against_the_real_api_server(
         *FINETUNE, "status", "demo", "--watch", "--interval", "0.3", *cluster,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     await testbed.finish("demo")
-    out, err = await asyncio.wait_for(watch.communicate(), timeout=120)
+    out, err = await asyncio.wait_for(watch.communicate(), timeout=waits.seconds_left())
     assert watch.returncode == 0, err.decode()
     blocks = out.decode().split("demo  ")
     assert blocks[-1].startswith("Succeeded"), out.decode()[-2000:]
@@ -402,7 +401,7 @@ def test_a_job_name_without_a_cluster_points_at_the_local_way_too(tmp_path, comm
     the line says how to name a local run as well."""
     env = {**os.environ, "KUBECONFIG": str(tmp_path / "none")}
     result = subprocess.run([*FINETUNE, command, "tiny-cpu-lora"], capture_output=True,
-                            text=True, env=env, cwd=tmp_path, timeout=60)
+                            text=True, env=env, cwd=tmp_path, timeout=waits.seconds_left())
     assert result.returncode == 1
     assert "set KUBECONFIG to a kubeconfig that works with kubectl" in result.stderr
     assert result.stderr.rstrip().endswith(

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from finetune_operator.cli import main
 from tests.conftest import EXAMPLES, REPO, minimal_job
+from tests.support import waits
 
 MAX_OUTPUT = 20_000  # characters: a problem line quotes at most a short part of a value
 
@@ -112,7 +113,8 @@ def test_what_fuzzing_found_is_one_line_from_the_real_command(tmp_path, content,
     path = tmp_path / "job.yaml"
     path.write_bytes(content)
     result = subprocess.run([sys.executable, "-m", "finetune_operator.cli", "validate",
-                             str(path)], capture_output=True, text=True, cwd=REPO, timeout=60)
+                             str(path)], capture_output=True, text=True, cwd=REPO,
+                            timeout=waits.seconds_left())
     assert result.returncode == 2, result.stderr
     assert f"{path}{expected}" in result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr) < MAX_OUTPUT
@@ -121,6 +123,7 @@ def test_what_fuzzing_found_is_one_line_from_the_real_command(tmp_path, content,
 @pytest.mark.process
 def test_stdin_that_is_not_utf8_is_named():
     result = subprocess.run([sys.executable, "-m", "finetune_operator.cli", "validate", "-"],
-                            input=b"kind: \xff\n", capture_output=True, cwd=REPO, timeout=60)
+                            input=b"kind: \xff\n", capture_output=True, cwd=REPO,
+                            timeout=waits.seconds_left())
     assert result.returncode == 2
     assert b"-:1: not UTF-8 text (byte 0xff)" in result.stderr

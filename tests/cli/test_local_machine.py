@@ -14,6 +14,7 @@ import yaml
 from finetune_operator.api import FineTuneJob
 from finetune_operator.local import MachineMismatch, as_run_here, fit_to_machine
 from tests.conftest import REPO, minimal_job
+from tests.support import waits
 
 TRAINING_STACK_ONLY = str(REPO / "tests/support/training_stack_only")
 """On PYTHONPATH: the operator's client stack is refused in every process (its sitecustomize)."""
@@ -87,7 +88,7 @@ def test_a_gpu_only_job_is_refused_where_no_gpu_is_visible():
 def finetune_in(folder: Path, *args: str) -> subprocess.CompletedProcess:
     """`finetune ARGS` as a user types it in `folder` (where the manifest is)."""
     return subprocess.run([sys.executable, "-m", "finetune_operator.cli", *args], cwd=folder,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=waits.seconds_left())
 
 
 def test_a_cpu_jobs_workers_see_no_gpu(monkeypatch):
@@ -128,21 +129,23 @@ def test_finetune_run_refuses_it_before_anything_starts(tmp_path):
     (tmp_path / "data.jsonl").write_text("{}\n")
     result = subprocess.run([sys.executable, "-m", "finetune_operator.cli", "run", "job.yaml",
                              "--nproc", "4"], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=120)
+                            timeout=waits.seconds_left())
     assert result.returncode == 2, result.stdout + result.stderr
     assert "cannot be kept on 4 local processes" in result.stderr
     manifest["spec"]["resources"] = {"gpusPerNode": 8}  # more workers than GPUs here
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(manifest))
     result = subprocess.run([sys.executable, "-m", "finetune_operator.cli", "run", "job.yaml",
                              "--nproc", "4"], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": "0,1"})
+                            timeout=waits.seconds_left(),
+                            env={**os.environ, "CUDA_VISIBLE_DEVICES": "0,1"})
     assert result.returncode == 2, result.stdout + result.stderr
     assert "job.yaml: --nproc 4: this machine shows 2 GPUs" in result.stderr
     manifest["spec"]["method"] = {"type": "qlora"}  # GPU-only, and no GPU is visible
     manifest["spec"]["strategy"] = {"precision": "bf16"}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(manifest))
     result = subprocess.run([sys.executable, "-m", "finetune_operator.cli", "run", "job.yaml"],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                            cwd=tmp_path, capture_output=True, text=True,
+                            timeout=waits.seconds_left(),
                             env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.startswith("job.yaml: spec.method.type: qlora needs GPUs")
@@ -187,11 +190,11 @@ def test_an_empty_model_folder_or_data_file_is_refused_before_anything_starts(tm
             f"job.yaml: spec.dataset.uri: {tmp_path / 'data.jsonl'} is empty — write at least "
             "one record to it, or name another file"]
     run = subprocess.run([*finetune, "run", "job.yaml"], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=120)
+                         text=True, timeout=waits.seconds_left())
     assert run.returncode == 2 and run.stderr.splitlines() == said, run.stdout + run.stderr
     assert not (tmp_path / "out").exists()
     validate = subprocess.run([*finetune, "validate", "job.yaml"], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=120)
+                              capture_output=True, text=True, timeout=waits.seconds_left())
     # errors there too: a relative path means this machine, where nothing else can run it
     assert validate.stderr.splitlines()[1:] == said  # after the warning of relative paths
 
@@ -212,11 +215,11 @@ def test_a_model_the_checks_refuse_marks_the_run_failed_with_where_to_read_why(t
     (tmp_path / "data.jsonl").write_text('{"text": "hello"}\n')
     finetune = [sys.executable, "-m", "finetune_operator.cli"]
     run = subprocess.run([*finetune, "run", "job.yaml"], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=120)
+                         text=True, timeout=waits.seconds_left())
     assert run.returncode == 2, run.stdout + run.stderr
     assert f"{tmp_path / 'model'}: cannot be loaded" in run.stderr, run.stderr
     status = subprocess.run([*finetune, "status", "out"], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=60)
+                            text=True, timeout=waits.seconds_left())
     lines = status.stdout.splitlines()
     assert lines[0] == (f"demo  Failed  `finetune logs {tmp_path / 'out'}` shows why; once "
                         "mended, the same `finetune run` starts again (from the newest "
@@ -311,7 +314,7 @@ def test_the_training_stack_alone_plans_runs_and_follows_a_job(tiny_model_dir, t
     for command in (["plan", str(path)], ["run", str(path), "--nproc", "1"],
                     ["status", str(path)], ["logs", str(tmp_path / "out")]):
         result = subprocess.run([sys.executable, "-m", "finetune_operator.cli", *command],
-                                capture_output=True, text=True, timeout=300)
+                                capture_output=True, text=True, timeout=waits.seconds_left())
         assert result.returncode == 0, (command, result.stdout + result.stderr)
         said[command[0]] = result.stdout
     assert "verdict:" in said["plan"]
@@ -323,8 +326,9 @@ def test_the_training_stack_alone_plans_runs_and_follows_a_job(tiny_model_dir, t
 def test_a_trainer_that_cannot_start_is_not_called_bad_input(tiny_model_dir, tmp_path,
                                                              monkeypatch):
     """A module missing where the trainer runs (on the GPU box: prometheus_client, which
-    gpu-wheels.sh did not ship) fails the preflight with its traceback and exit 1; the
-    run's exit 2 said "bad input" of a manifest, model and data that were fine."""
+    gpu-wheels.sh did not ship) fails the preflight with its traceback and exit 5, what this
+    environment cannot set up; the run's exit 2 said "bad input" of a manifest, model and
+    data that were fine."""
     from tests.trainer.test_training import manifest
 
     monkeypatch.setenv("PYTHONPATH", TRAINING_STACK_ONLY)
@@ -332,9 +336,11 @@ def test_a_trainer_that_cannot_start_is_not_called_bad_input(tiny_model_dir, tmp
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(manifest(tiny_model_dir, tmp_path / "out", steps=2)))
     result = subprocess.run([sys.executable, "-m", "finetune_operator.cli", "run", str(path),
-                             "--nproc", "1"], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 1, result.stdout + result.stderr
+                             "--nproc", "1"], capture_output=True, text=True,
+                            timeout=waits.seconds_left())
+    assert result.returncode == 5, result.stdout + result.stderr
     assert "ModuleNotFoundError: No module named 'prometheus_client'" in result.stderr
+    assert "(an import this image cannot do)" in result.stderr
     assert "starting 1 training process" not in result.stdout
 
 
@@ -435,7 +441,7 @@ def test_ctrl_c_while_the_model_and_data_are_checked_ends_in_one_line(tiny_model
             break
     time.sleep(1)  # inside the preflight's imports
     os.killpg(run.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the foreground group
-    output = "".join(seen) + run.communicate(timeout=120)[0]
+    output = "".join(seen) + run.communicate(timeout=waits.seconds_left())[0]
     assert run.returncode == 143, output
     assert output.splitlines()[-1] == ("interrupted before the first checkpoint; run the "
                                        "same command to start again"), output

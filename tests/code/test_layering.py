@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.support import waits
 
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 TORCH_BAN = "The operator never imports the training stack"
@@ -35,7 +36,7 @@ def _scratch(root: Path) -> Path:
 def _lint(root: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(root)}
     return subprocess.run([str(LINT_IMPORTS), "--no-cache"], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=waits.seconds_left())
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +86,7 @@ def test_the_gpu_session_runs_the_gpu_tests_with_the_training_stack_alone(tmp_pa
            "FINETUNE_SCRATCH": str(tmp_path / "scratch")}
     script = str(REPO / "scripts/gpu-session.sh")
     result = subprocess.run(["bash", script, "tests"], env=env, capture_output=True,
-                            text=True, timeout=300)
+                            text=True, timeout=waits.seconds_left())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     said = (tmp_path / "out" / "tests.txt").read_text()
     assert re.search(r"\b\d+ skipped\b", said) and " error" not in said, said

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO
+from tests.support import waits
 
 pytestmark = pytest.mark.process
 
@@ -35,7 +36,7 @@ def collected() -> dict[str, set[str]]:
     """level → the node ids `make test` would give that level (one collection, as pytest
     makes it, with this repository's conftest)."""
     result = subprocess.run([sys.executable, "-c", LIST_LEVELS, *FILES], cwd=REPO,
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=waits.seconds_left())
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     levels: dict[str, set[str]] = {}
     for line in result.stdout.splitlines():
@@ -84,7 +85,7 @@ def pytest_with_our_conftest(test_file) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-q",
                            "-p", "no:cacheprovider", "--rootdir", str(test_file.parent),
                            str(test_file)], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=waits.seconds_left())
 
 
 def test_a_unit_test_that_starts_a_process_fails_naming_it(tmp_path):

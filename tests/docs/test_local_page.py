@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.support import waits
 
 PAGE = REPO / "docs" / "getting-started" / "local.md"
 TASK = ("finetune_trainer.tiny", "finetune validate", "finetune plan", "finetune run",
@@ -91,7 +92,7 @@ def test_the_steps_run_as_written(tmp_path):
            "TOKENIZERS_PARALLELISM": "false",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     result = subprocess.run(["bash", "-c", session], env=env, capture_output=True, text=True,
-                            timeout=600)
+                            timeout=waits.seconds_left())
     assert result.returncode == 0, session + result.stdout[-3000:] + result.stderr[-3000:]
     assert "Succeeded" in result.stdout
     asked = next(line for line in session.splitlines()

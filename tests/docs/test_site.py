@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO
+from tests.support import waits
 
 MKDOCS = Path(sys.executable).parent / "mkdocs"
 
@@ -21,7 +22,7 @@ def test_the_site_builds_strict(tmp_path):
     """`make docs` as CI runs it: every warning (a link to nothing, an anchor that is not
     there, a page not in the nav) fails the build."""
     built = subprocess.run([str(MKDOCS), "build", "--strict", "--site-dir", str(tmp_path)],
-                           cwd=REPO, capture_output=True, text=True, timeout=300)
+                           cwd=REPO, capture_output=True, text=True, timeout=waits.seconds_left())
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
     assert (tmp_path / "troubleshooting" / "index.html").is_file()
     assert (tmp_path / "getting-started" / "aks" / "index.html").is_file()

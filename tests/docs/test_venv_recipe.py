@@ -12,6 +12,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from tests.conftest import REPO
+from tests.support import waits
 
 TORCH = re.search(r"^TORCH_VERSION \?= (\S+)$", (REPO / "Makefile").read_text(),
                   flags=re.M).group(1)
@@ -23,7 +24,7 @@ CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 def test_torch_comes_from_the_index_asked_and_the_later_installs_keep_it(tmp_path, index):
     printed = subprocess.run(["make", "-n", "venv", f"VENV={tmp_path / 'venv'}",
                               f"TORCH_INDEX_URL={index}"], cwd=REPO, capture_output=True,
-                             text=True, timeout=60, check=True).stdout
+                             text=True, timeout=waits.seconds_left(), check=True).stdout
     installs = [line for line in printed.splitlines()
                 if any(word.startswith("torch==") for word in line.split())]
     torch, *later = installs

@@ -206,6 +206,92 @@ def run_to_end(cluster, name: str, release: str, command: list[str]) -> str:
     return log.stdout
 
 
+# --- every strategy on real pods -----------------------------------------------------------
+STRATEGIES = {"fsdp": "lora", "zero2": "full", "zero3": "lora"}
+"""Besides example 06's DDP: each strategy's own collectives and checkpoint format, between
+two pods. ZeRO on CPU workers opens DeepSpeed's shared-memory op, which the image must carry
+built (trainer/Dockerfile): a ZeRO job once failed on every attempt there."""
+
+
+def strategy_job(strategy: str, method: str) -> dict:
+    """Example 06 under `strategy` and `method`, 2 steps, its output a folder of its own; a
+    quarter of a CPU asked per pod, so that the three jobs' six pods fit the 2-core node at
+    once (the request only schedules: each pod may use what is free)."""
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    name = f"{strategy}-{method}"
+    doc["metadata"] = {"name": name, "namespace": "default"}
+    doc["spec"]["strategy"]["type"] = strategy
+    if method == "full":
+        doc["spec"]["method"] = {"type": "full"}
+    doc["spec"]["hyperparameters"].update(maxSteps=2, logEverySteps=1)
+    doc["spec"]["resources"]["cpu"] = "250m"
+    doc["spec"]["output"] = {"uri": f"pvc://finetune-e2e/{name}", "checkpointEverySteps": 1}
+    return doc
+
+
+@pytest.mark.timeout(600)
+def test_every_strategy_trains_on_two_real_pods_to_succeeded(cluster, release, claim):
+    """FSDP (LoRA), ZeRO-2 (full weights) and ZeRO-3 (LoRA), at once: each Succeeded on two
+    pods of the CPU trainer image, with no restart, its last step read by the operator and its
+    model on the claim (an adapter, or ZeRO-2's whole weights)."""
+    began = time.monotonic()
+    jobs = [strategy_job(strategy, method) for strategy, method in STRATEGIES.items()]
+    for doc in jobs:
+        cluster.kubectl_run("apply", "-f", "-", input=json.dumps(doc))
+    took = {}
+    for doc in jobs:
+        name = doc["metadata"]["name"]
+        ended = until(lambda n=name: job_status(cluster, n).get("phase") in (
+            "Succeeded", "Failed") and job_status(cluster, n), f"{name} ended", timeout=420,
+            cluster=cluster, name=name)
+        took[name] = time.monotonic() - began
+        assert ended["phase"] == "Succeeded", json.dumps(ended, indent=1)[-3000:]
+        assert ended.get("restarts", 0) == 0, ended
+        assert ended["progress"]["step"] == 2, ended["progress"]
+        pods = worker_pods(cluster, name)
+        assert len({p["metadata"]["labels"].get("batch.kubernetes.io/job-completion-index")
+                    for p in pods}) == 2, [p["metadata"]["name"] for p in pods]
+        weights = ("model.safetensors" if doc["spec"]["method"]["type"] == "full"
+                   else "adapter_model.safetensors")
+        assert (claim / name / "final" / weights).is_file(), sorted(
+            (claim / name).rglob("*"))
+    print("every strategy on real pods: " + ", ".join(
+        f"{name} Succeeded after {seconds:.0f} s" for name, seconds in took.items()))
+    for doc in jobs:
+        remove(cluster, doc["metadata"]["name"])
+
+
+def test_an_op_the_image_cannot_build_fails_the_job_after_one_restart(cluster, release,
+                                                                       claim):
+    """`offload: nvme` on CPU workers, as a manifest written for GPUs would ask it: DeepSpeed's
+    NVMe swapper builds its pin_memory op on first use, and the CPU image has no compiler for
+    it (it carries only the ops CPU training needs). Every rank fails so before step 1: the
+    gang restarts once, then the job fails (WorkerSetupFailed) quoting the build's own line,
+    not the compiler's command line, and never using the rest of its restart budget."""
+    doc = strategy_job("zero3", "lora")
+    doc["metadata"]["name"] = "no-compiler"
+    doc["spec"]["strategy"].update(offload="nvme", nvmePath="/tmp/nvme-swap")
+    doc["spec"]["output"]["uri"] = "pvc://finetune-e2e/no-compiler"
+    began = time.monotonic()
+    cluster.kubectl_run("apply", "-f", "-", input=json.dumps(doc))
+    status = until(lambda: job_status(cluster, "no-compiler").get("phase") == "Failed"
+                   and job_status(cluster, "no-compiler"), "Failed", timeout=420,
+                   cluster=cluster, name="no-compiler")
+    print(f"an op the image cannot build: Failed in {time.monotonic() - began:.0f} s")
+    failed = next(c for c in status["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "WorkerSetupFailed", failed
+    assert status["restarts"] == 1, status
+    assert "op 'pin_memory' could not be built in this image: /bin/sh: 1: c++: not found" in \
+        failed["message"], failed
+    assert "-MMD" not in failed["message"], failed
+    events = json.loads(cluster.kubectl_run("get", "events", "--field-selector",
+                                            "involvedObject.name=no-compiler", "-o",
+                                            "json").stdout)["items"]
+    restarting = [e["message"] for e in events if e["reason"] == "Restarting"]
+    assert restarting and "c++: not found" in restarting[0], restarting
+    remove(cluster, "no-compiler")
+
+
 # --- faults with real processes ------------------------------------------------------------
 def long_job(name: str, **spec) -> dict:
     """Example 06 made long enough for a fault to land while it trains (the tiny model does

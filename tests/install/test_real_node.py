@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import waits
 from tests.support.cluster_fixtures import missing_tools, running
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,9 +61,10 @@ def apply(plane, *objects: dict) -> None:
         {"apiVersion": "v1", "kind": "List", "items": list(objects)}))
 
 
-def wait_for(plane, what: str, condition: str, timeout: int = 90) -> None:
-    result = plane.kubectl_run("wait", what, f"--for={condition}", f"--timeout={timeout}s",
-                               check=False)
+def wait_for(plane, what: str, condition: str) -> None:
+    """kubectl wait, as long as the test may run."""
+    result = plane.kubectl_run("wait", what, f"--for={condition}",
+                               f"--timeout={waits.seconds_left():.0f}s", check=False)
     if result.returncode != 0:
         described = plane.kubectl_run("describe", what, check=False).stdout
         raise AssertionError(f"{what} not {condition}: {result.stderr}\n{described[-3000:]}")
@@ -104,7 +106,7 @@ def test_a_pod_runs_for_real_with_its_logs_and_exec(plane, base_image):
                      "import platform, time; print('hello from', platform.node()); "
                      "time.sleep(600)"))
     wait_for(plane, "pod/hello", "condition=Ready")
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + waits.seconds_left()
     while "hello from hello" not in (logs := plane.kubectl_run("logs", "hello").stdout):
         assert time.monotonic() < deadline, logs
         time.sleep(0.5)
@@ -127,7 +129,7 @@ def test_two_pods_of_an_indexed_job_reach_each_other_by_name(plane, base_image):
         "    connection, _ = server.accept()\n"
         "    print('got', connection.recv(64).decode())\n"
         "else:\n"
-        "    deadline = time.time() + 60\n"
+        f"    deadline = time.time() + {waits.seconds_left():.0f}\n"  # pod 0 may start late
         "    while True:\n"
         "        try:\n"
         "            peer = socket.create_connection(('pair-0.pair', 29500), timeout=2)\n"
@@ -147,7 +149,7 @@ def test_two_pods_of_an_indexed_job_reach_each_other_by_name(plane, base_image):
            "spec": {"completions": 2, "parallelism": 2, "completionMode": "Indexed",
                     "backoffLimit": 0, "template": {k: template[k]
                                                     for k in ("metadata", "spec")}}})
-    wait_for(plane, "job/pair", "condition=Complete", timeout=120)
+    wait_for(plane, "job/pair", "condition=Complete")
     zero = plane.kubectl_run("get", "pods", "-l", "batch.kubernetes.io/job-completion-index=0",
                              "-o", "name").stdout.split()[0]
     assert "got hello from rank 1" in plane.kubectl_run("logs", zero).stdout
@@ -181,7 +183,7 @@ def test_pods_reach_the_api_server_and_the_host_reaches_pods(plane, base_image):
     wait_for(plane, "pod/web", "condition=Ready")
     address = plane.kubectl_run("get", "pod", "web", "-o",
                                 "jsonpath={.status.podIP}").stdout
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + waits.seconds_left()
     while True:
         try:
             with urllib.request.urlopen(f"http://{address}:8080/", timeout=2) as response:
@@ -194,6 +196,50 @@ def test_pods_reach_the_api_server_and_the_host_reaches_pods(plane, base_image):
     plane.kubectl_run("delete", "pod", "web", "--wait=false")
 
 
+def test_a_changed_build_leaves_no_step_images_of_the_one_before(tmp_path, base_image):
+    """`--layers` keeps each step as an untagged image, the next build's cache. A build
+    whose input changed left the earlier build's steps behind (a trainer step is 6 GB: CI
+    ran out of disk): after it, the earlier steps are gone, its own stay, and an unchanged
+    rebuild of the unchanged step reuses it."""
+    log = images.cache() / "logs" / "finetune-probe-steps.log"
+    built: list[str] = []
+
+    def steps() -> set[str]:
+        listed = json.loads(images.buildah("images", "--all", "--no-trunc", "--json"))
+        return {row["id"].removeprefix("sha256:")[:11] for row in listed
+                if not row.get("names")}
+
+    def build(words: str, last: str = "second") -> str:
+        dockerfile = tmp_path / "Dockerfile"
+        dockerfile.write_text(f"ARG BASE\nFROM ${{BASE}}\nRUN echo {words} > /first\n"
+                              f"RUN echo {last} > /second\n")
+        built.append(images.dockerfile_image(dockerfile, "finetune-probe-steps", base_image,
+                                              {}, print))
+        return built[-1]
+
+    earlier = steps()
+    try:
+        first = build("one")
+        of_first = steps() - earlier
+        assert of_first and of_first <= set(images.STEP.findall(log.read_text())), (
+            "a --layers build leaves its steps as images, named in its log")
+        build("two")
+        of_second = steps() - earlier
+        assert of_second and of_second <= set(images.STEP.findall(log.read_text()))
+        assert not of_first & of_second, "the first build's steps were left behind"
+        assert not images.exists(first)
+        (step,) = of_second
+        build("two", "third")
+        assert f"Using cache {step}" in log.read_text() and step in steps(), (
+            "a build whose first step is unchanged reuses it, and it stays for the next")
+    finally:
+        log.unlink(missing_ok=True)
+        for reference in set(built):
+            subprocess.run(["buildah", *images._storage(), "rmi", "--force", reference],
+                           capture_output=True)
+        images.drop_stale_steps()
+
+
 def test_the_operator_image_builds_from_its_dockerfile_and_runs_as_its_user(plane, base_image):
     """operator/Dockerfile built as users build it (from the repository, `--build-arg BASE`),
     loaded into the node, run as a pod: the image's own user, the `finetune` entrypoint."""
@@ -204,7 +250,7 @@ def test_the_operator_image_builds_from_its_dockerfile_and_runs_as_its_user(plan
     manifest["spec"]["containers"][0].pop("command")
     manifest["spec"]["containers"][0]["args"] = ["--version"]
     apply(plane, manifest)
-    wait_for(plane, "pod/operator-image", "jsonpath={.status.phase}=Succeeded", timeout=120)
+    wait_for(plane, "pod/operator-image", "jsonpath={.status.phase}=Succeeded")
     assert "finetune" in plane.kubectl_run("logs", "operator-image").stdout
     who = pod("operator-user", reference, "")
     who["spec"]["containers"][0]["command"] = ["id", "-u"]

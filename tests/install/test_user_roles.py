@@ -15,8 +15,7 @@ import time
 import pytest
 
 from tests.conftest import REPO
-
-pytestmark = pytest.mark.timeout(300)
+from tests.support import waits
 
 CHART = REPO / "charts" / "finetune-operator"
 RELEASE = "user-roles"
@@ -29,7 +28,7 @@ JOBS, SWEEPS = "finetunejobs.finetune.dev", "finetunesweeps.finetune.dev"
 
 def helm(plane, *args: str) -> None:
     done = subprocess.run([str(plane.bin / "helm"), "--kubeconfig", str(plane.admin_kubeconfig),
-                           *args], capture_output=True, text=True, timeout=120)
+                           *args], capture_output=True, text=True, timeout=waits.seconds_left())
     assert done.returncode == 0, (args, done.stdout[-2000:], done.stderr[-2000:])
 
 
@@ -43,11 +42,11 @@ def can(plane, user: str, verb: str, resource: str, namespace: str = NAMESPACE,
     return done.stdout.strip() == "yes"
 
 
-def settled(plane, user: str, verb: str, resource: str, expected: bool,
-            timeout: float = 30) -> bool:
+def settled(plane, user: str, verb: str, resource: str, expected: bool) -> bool:
     """The answer once the controller-manager has aggregated the roles (and the API server's
-    RBAC cache taken them in): well within a second here; `timeout` before a wrong answer."""
-    deadline = time.monotonic() + timeout
+    RBAC cache taken them in): well within a second here; the test's time before a wrong
+    answer."""
+    deadline = time.monotonic() + waits.seconds_left()
     while (answer := can(plane, user, verb, resource)) != expected:
         if time.monotonic() > deadline:
             break

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.support import waits
 from tests.support.monitoring import PROMTOOL, RULES, alerts
 
 pytestmark = pytest.mark.process
@@ -23,7 +24,8 @@ EXPECTED = {"FineTuneJobStalled", "FineTuneGPUUtilizationLow",
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=120,
+    return subprocess.run([PROMTOOL, *args], capture_output=True, text=True,
+                          timeout=waits.seconds_left(),
                           cwd=ALERTS_TEST.parent)
 
 

@@ -11,9 +11,10 @@ import sys
 import pytest
 
 from tests.conftest import REPO
+from tests.support import waits
 from tests.support.cluster_fixtures import missing_tools
 
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
+pytestmark = pytest.mark.cluster
 
 
 def test_the_operator_load_benchmark_measures_both_side_by_side(tmp_path):
@@ -23,7 +24,7 @@ def test_the_operator_load_benchmark_measures_both_side_by_side(tmp_path):
     out = tmp_path / "load.json"
     result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "operator_load.py"),
                              "--jobs", "10", "--steady", "2", "--out", str(out)],
-                            capture_output=True, text=True, timeout=540)
+                            capture_output=True, text=True, timeout=waits.seconds_left())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "seconds until every job has a phase" in result.stdout
     (figures,) = json.loads(out.read_text())["runs"]

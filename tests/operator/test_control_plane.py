@@ -15,8 +15,6 @@ from tests.api.test_bad_manifests import CASES, edit
 from tests.conftest import minimal_job
 from tests.support.cluster_testbed import RUN_TIME, ControlPlaneTestbed
 
-pytestmark = pytest.mark.timeout(300)
-
 
 @pytest.mark.asyncio
 async def test_a_forbidden_pod_is_named_in_a_condition(control_plane_testbed):
@@ -63,7 +61,7 @@ async def test_a_job_that_ran_longer_than_its_startup_deadline_succeeds(control_
                                  runPolicy={"startupDeadlineSeconds": 10}))
     await bed.until_phase("Running")
     await bed.until(lambda: bed.status().get("phase") in ("Succeeded", "Failed"),
-                    "the job ended", timeout=30)
+                    "the job ended")
     assert bed.status()["phase"] == "Succeeded", bed.status()
     assert bed.condition("Complete")["status"] == "True"
 
@@ -246,7 +244,7 @@ async def test_a_multi_node_job_is_not_launched_onto_a_claim_of_one_node(
     assert "claim 'single' is ReadWriteOnce" in status["message"]
     await bed.make_claims("shared")
     await bed.patch_spec("demo", {"output": {"uri": "pvc://shared/out"}})
-    await bed.until_phase("Running", timeout=60)
+    await bed.until_phase("Running")
 
 
 @pytest.mark.asyncio

@@ -14,6 +14,7 @@ import pytest
 import pytest_asyncio
 
 from finetune_operator.kube import Kube, KubeError
+from tests.support import waits
 from tests.support.cluster_fixtures import controlplane
 
 pytestmark = pytest.mark.asyncio
@@ -126,7 +127,7 @@ async def test_a_server_that_never_answers_is_a_kube_error_within_the_timeout(se
     kube = Kube(str(kubeconfig), timeout=0.3)
     try:
         with pytest.raises(KubeError) as failed:
-            await asyncio.wait_for(kube.get("Job", "default", "x"), timeout=5)
+            await asyncio.wait_for(kube.get("Job", "default", "x"), waits.seconds_left())
         assert failed.value.status is None
         assert "no answer from the API server" in str(failed.value)
     finally:
@@ -139,7 +140,7 @@ async def finetune_logs(kubeconfig: Path, *args: str) -> tuple[int, str, str]:
         sys.executable, "-m", "finetune_operator.cli", "logs", "demo", "-n", "team", *args,
         "--kubeconfig", str(kubeconfig),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, err = await asyncio.wait_for(logs.communicate(), timeout=60)
+    out, err = await asyncio.wait_for(logs.communicate(), waits.seconds_left())
     return logs.returncode, out.decode(), err.decode()
 
 

@@ -16,7 +16,7 @@ from tests.support.cluster_testbed import RUN_TIME, ControlPlaneTestbed
 
 kueue_manager = controlplane.kueue_manager  # cluster/kueue_manager.py, what make cluster runs
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.asyncio]
+pytestmark = pytest.mark.asyncio
 
 GPUS = "16 GPUs"
 """What the testbed's default job asks for: 2 nodes x 8 GPUs (the ndasrv4 pool)."""
@@ -81,7 +81,7 @@ async def test_queued_admitted_onto_the_flavor_then_preempted_and_admitted_again
     assert json.loads(job["metadata"]["annotations"]["kueue.x-k8s.io/wait-for-pods-ready"]) == {
         "timeoutSeconds": 1860}
     await bed.until(lambda: "couldn't assign flavors" in bed.condition("Admitted")["message"],
-                    "Kueue's reason in the Admitted condition", timeout=30)
+                    "Kueue's reason in the Admitted condition")
     assert bed.condition("Admitted")["reason"] == "WaitingForQueue"
     assert "nvidia.com/gpu" in bed.status()["message"]
     assert not bed.running_pods("demo")  # held while suspended
@@ -103,7 +103,7 @@ async def test_queued_admitted_onto_the_flavor_then_preempted_and_admitted_again
     await bed.until(lambda: not bed.running_pods("demo"), "the preempted pods stopped")
 
     await bed.delete("urgent")
-    await bed.until_phase("Running", timeout=40)
+    await bed.until_phase("Running")
     assert bed.status().get("restarts", 0) == 0
     assert bed.jobs_created("demo") == 1  # the same Job, admitted again
 
@@ -119,7 +119,7 @@ async def test_suspend_frees_the_quota_and_resume_queues_again(control_plane_tes
     await bed.until_phase("Running")
     await bed.apply(queued(bed, "other"))
     await bed.until(lambda: "couldn't assign flavors" in bed.condition(
-        "Admitted", "other")["message"], "the other job waiting for the quota", timeout=30)
+        "Admitted", "other")["message"], "the other job waiting for the quota")
 
     await bed.patch_spec("demo", {"runPolicy": {"suspend": True}})
     await bed.until_phase("Suspended")
@@ -143,7 +143,7 @@ async def test_suspend_frees_the_quota_and_resume_queues_again(control_plane_tes
         await asyncio.sleep(0.25)
     assert not [m for m in seen if "deactivated" in m], seen
     await bed.delete("other")
-    await bed.until_phase("Running", timeout=40)
+    await bed.until_phase("Running")
     assert bed.jobs_created("demo") == 1
     assert bed.status().get("restarts", 0) == 0
 
@@ -159,14 +159,14 @@ async def test_a_gang_restart_queues_again_and_says_so(control_plane_testbed, qu
     await asyncio.to_thread(queues.quota, "ndasrv4", 0)  # an admitted Workload keeps its own
     await bed.fail_worker("demo", 1, "CUDA error: an illegal memory access")
     await bed.until(lambda: bed.condition("Admitted")["reason"] == "RequeuedByRestart",
-                    "queued again by the restart", timeout=60)
+                    "queued again by the restart")
     assert bed.status()["phase"] == "Queued"
     assert any("as a new Job" in said for said in events(bed, "Queued"))
     await bed.until(lambda: bed.jobs_created("demo") == 2, "the second Job")
     await bed.until(lambda: "couldn't assign flavors" in bed.condition("Admitted")["message"],
-                    "Kueue's reason for the new Workload", timeout=30)
+                    "Kueue's reason for the new Workload")
     await asyncio.to_thread(queues.quota, "ndasrv4", 16)
-    await bed.until_phase("Running", timeout=40)
+    await bed.until_phase("Running")
     assert bed.status()["restarts"] == 1
 
 
@@ -183,13 +183,12 @@ async def test_queued_jobs_survive_an_operator_restart(control_plane_testbed, qu
     await bed.kill_operator()
     await asyncio.to_thread(queues.quota, "ndasrv4", 16)  # room for one of them
     await bed.until(lambda: len([n for n in ("demo", "second") if bed.running_pods(n)]) == 1,
-                    "one job admitted and running while the operator is down", timeout=30)
+                    "one job admitted and running while the operator is down")
     await bed.start_operator()
     running, waiting = ("demo", "second") if bed.running_pods("demo") else ("second", "demo")
     await bed.until_phase("Running", running)
     await bed.until(lambda: "couldn't assign flavors" in bed.condition(
-        "Admitted", waiting).get("message", ""), "the other still queued, with the reason",
-        timeout=30)
+        "Admitted", waiting).get("message", ""), "the other still queued, with the reason")
     assert bed.status(waiting)["phase"] == "Queued"
     assert bed.jobs_created("demo") == 1 and bed.jobs_created("second") == 1
 
@@ -205,13 +204,13 @@ async def test_a_job_borrows_in_its_cohort_and_is_reclaimed(control_plane_testbe
     await bed.until_phase("Running")
     await bed.apply(queued(bed, "owner", "team-b", resources={"nodes": 1, "gpusPerNode": 8}))
     await bed.until(lambda: bed.condition("Admitted")["reason"] == "Preempted",
-                    "the borrower preempted", timeout=30)
+                    "the borrower preempted")
     [said] = events(bed, "Preempted")
     assert "Preempted to accommodate a workload" in said, said
     await bed.until_phase("Running", "owner")
     await bed.until(lambda: not bed.running_pods("demo"), "the borrower's pods stopped")
     await bed.delete("owner")
-    await bed.until_phase("Running", timeout=40)
+    await bed.until_phase("Running")
     assert bed.jobs_created("demo") == 1 and bed.status().get("restarts", 0) == 0
 
 
@@ -238,9 +237,9 @@ async def test_kueue_restarted_mid_admission(control_plane_testbed, queues):
         assert bed.status()["phase"] == "Queued"
     finally:
         await asyncio.to_thread(kueue_manager.run, plane)
-    await bed.until_phase("Queued", "late", timeout=60)  # created now; no a100 quota here
+    await bed.until_phase("Queued", "late")  # created now; no a100 quota here
     await asyncio.to_thread(queues.quota, "ndasrv4", 16)
-    await bed.until_phase("Running", timeout=40)
+    await bed.until_phase("Running")
     assert bed.jobs_created("demo") == 1 and bed.jobs_created("late") == 1
 
 
@@ -257,13 +256,13 @@ async def test_a_job_queued_before_kueue_is_installed_asks_for_it_then_runs(
         await asyncio.to_thread(kueue_manager.uninstall_webhooks, plane)
         await bed.apply(queued(bed))
         await bed.until(lambda: "is Kueue installed" in bed.condition("Admitted")["message"],
-                        "the question in the Admitted condition", timeout=30)
+                        "the question in the Admitted condition")
         assert bed.status()["phase"] == "Queued"
         assert bed.get("batch/v1/jobs", "demo")["spec"]["suspend"] is True
     finally:
         await asyncio.to_thread(kueue_manager.install, plane, plane.ports["kueue-webhook"])
         await asyncio.to_thread(kueue_manager.run, plane)
-    await bed.until_phase("Running", timeout=40)
+    await bed.until_phase("Running")
     assert bed.jobs_created("demo") == 1
 
 
@@ -289,7 +288,7 @@ async def test_the_startup_deadline_and_kueues_pods_ready_timeout_whichever_is_s
         await bed.until(lambda: bed.get("batch/v1/jobs", "short") is None,
                         "its Job removed: its quota freed")
         await bed.until(lambda: bed.condition("Admitted", "long").get("reason") == "Preempted",
-                        "the long one evicted by Kueue", timeout=40)
+                        "the long one evicted by Kueue")
         [said] = events(bed, "Preempted", "long")
         assert "PodsReady" in said, said  # Kueue's reason
         assert bed.status("long")["phase"] == "Queued"

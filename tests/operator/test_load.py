@@ -28,13 +28,12 @@ import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import minimal_job
+from tests.support import waits
 from tests.support.emulator import ApiServer, Kubelet
 
-pytestmark = [pytest.mark.kmock(cls=ApiServer), pytest.mark.asyncio,
-              pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.kmock(cls=ApiServer), pytest.mark.asyncio]
 JOBS = 200
 INTERVAL = 10.0  # seconds between looks at each job: the operator's default
-DEADLINE = 180.0  # typically 50-90 s here: the emulator, sharing 2 cores, sets the pace
 PEAK_RSS_LIMIT = 300 * 2**20  # measured 111 MiB here (93 MiB idle)
 PER_JOB_LIMIT = 512 * 1024  # measured ~95 KiB a job: state kept per job that grows shows
 FTJ = "finetune.dev/v1alpha1/finetunejobs"
@@ -47,7 +46,8 @@ def free_port() -> int:
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
+                                timeout=waits.seconds_left()) as response:
         text = response.read().decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
@@ -99,7 +99,7 @@ async def test_200_jobs_at_once_all_reach_running(cluster: ApiServer, kubelet: K
              str(INTERVAL), "--metrics-port", str(metrics_port), "--health-port",
              str(health_port)], env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + waits.seconds_left()
         while True:  # ready: kopf serves its liveness endpoint once it watches
             assert operator.poll() is None, log.read_text()[-3000:]
             try:
@@ -128,7 +128,7 @@ async def test_200_jobs_at_once_all_reach_running(cluster: ApiServer, kubelet: K
             return {o["metadata"]["name"]: o.get("status", {}).get("phase", "")
                     for o in cluster.live(FTJ)}
 
-        running_rss = []
+        running_rss, deadline = [], time.monotonic() + waits.seconds_left()
         running_at: dict[str, float] = {}  # when this test first saw each job Running
         while (seen := phases()) and sum(p == "Running" for p in seen.values()) < JOBS:
             assert operator.poll() is None, log.read_text()[-3000:]
@@ -136,8 +136,10 @@ async def test_200_jobs_at_once_all_reach_running(cluster: ApiServer, kubelet: K
             for name, phase in seen.items():
                 if phase == "Running":
                     running_at.setdefault(name, time.monotonic())
-            assert time.monotonic() - started < DEADLINE, (
-                f"not all Running within {DEADLINE}s: "
+            # typically 50-90 s here (the emulator, sharing 2 cores, sets the pace): the
+            # figures are printed, and only a hang ends the wait
+            assert time.monotonic() < deadline, (
+                f"not all Running within {time.monotonic() - started:.0f}s: "
                 f"{sorted(set(seen.values()))}, {sum(p == 'Running' for p in seen.values())}")
             await asyncio.sleep(0.25)
         all_running = time.monotonic() - started

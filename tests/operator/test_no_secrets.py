@@ -28,12 +28,13 @@ from finetune_operator.backends import BackendContext, load_backends
 from finetune_operator.kube import Kube
 from finetune_operator.settings import OperatorSettings
 from tests.backends.test_azureml_scenarios import FTJ, azureml_job, phase_is, submitted
+from tests.support import waits
 from tests.support.azureml_fake import FakeAzureML, StaticCredential
 from tests.support.emulator import VERBS, ApiServer
 from tests.support.operator_fixtures import Operator
 from tests.support.testbed import EmulatedTestbed, eventually
 
-pytestmark = [pytest.mark.kmock(cls=ApiServer), pytest.mark.asyncio, pytest.mark.timeout(120),
+pytestmark = [pytest.mark.kmock(cls=ApiServer), pytest.mark.asyncio, pytest.mark.timeout(300),
               pytest.mark.filterwarnings("ignore::DeprecationWarning:azure"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning:marshmallow")]
 
@@ -47,7 +48,8 @@ def forms(secret: str) -> list[str]:
 
 
 def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
+                                timeout=waits.seconds_left()) as response:
         return response.read().decode()
 
 
@@ -84,7 +86,7 @@ async def test_the_hub_token_stays_in_its_secret(emulated_testbed: EmulatedTestb
     await testbed.until(lambda: testbed.status().get("restarts") == 1, "a gang restart")
     await testbed.until_phase("Running")
     await testbed.finish("demo")
-    await testbed.until_phase("Succeeded", timeout=40)
+    await testbed.until_phase("Succeeded")
 
     # the workers get the token from the Secret, by reference
     container = testbed.get("batch/v1/jobs", "demo")["spec"]["template"]["spec"][

@@ -15,13 +15,14 @@ import pytest
 import pytest_asyncio
 
 from finetune_operator import naming
+from tests.support import waits
 from tests.support.emulator import Kubelet
 from tests.support.faults import Fault, FaultyApiServer
 from tests.support.operator_fixtures import NotKopfs, Operator
 from tests.support.testbed import EmulatedTestbed
 
 pytestmark = [pytest.mark.kmock(cls=FaultyApiServer), pytest.mark.asyncio,
-              pytest.mark.timeout(120)]
+              pytest.mark.timeout(300)]
 
 NAMESPACE = "default"
 FTJ = f"/apis/finetune.dev/v1alpha1/namespaces/{NAMESPACE}/finetunejobs"
@@ -102,7 +103,7 @@ async def test_operator_killed_mid_reconcile_restarts_without_duplicate_children
     # the first status patch waits: the workers exist, the status does not say so yet
     held = cluster.inject(Fault("PATCH", rf"{FTJ}/demo/status", hold=True, status=503))
     await testbed.apply(testbed.manifest())
-    await asyncio.wait_for(held.arrived.wait(), timeout=20)
+    await asyncio.wait_for(held.arrived.wait(), waits.seconds_left())
     assert testbed.get("batch/v1/jobs", "demo") is not None
     assert not testbed.status().get("phase")
     await kill_for_good(testbed)
@@ -220,7 +221,7 @@ async def test_delete_during_a_slow_reconcile_is_not_held_back(
         await testbed.delete("demo")
         # no finalizer holds it (its children are owned): gone at once, whatever the
         # reconciler is doing, and that reconcile relaunches nothing
-        await testbed.until(lambda: testbed.ftj() is None, "FineTuneJob gone", timeout=10)
+        await testbed.until(lambda: testbed.ftj() is None, "FineTuneJob gone")
     finally:
         cluster.clear(slow)
     await testbed.until(lambda: testbed.get("batch/v1/jobs", "demo") is None,
@@ -309,7 +310,7 @@ async def test_a_stop_mid_reconcile_lets_that_reconcile_finish(
     await testbed.apply(testbed.manifest())
     await testbed.until(lambda: slow.hits, "the launch's status patch on its way")
     assert not testbed.status().get("phase")
-    await asyncio.wait_for(testbed.operator.stop(), timeout=10)
+    await asyncio.wait_for(testbed.operator.stop(), waits.seconds_left())
     cluster.clear(slow)
     assert testbed.status()["phase"] == "Launching"  # landed, not cut off
     one_of_each(cluster)

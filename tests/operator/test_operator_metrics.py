@@ -7,13 +7,15 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support import waits
 from tests.support.emulator import ApiServer
 
-pytestmark = [pytest.mark.kmock(cls=ApiServer), pytest.mark.asyncio, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.kmock(cls=ApiServer), pytest.mark.asyncio, pytest.mark.timeout(300)]
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
+                                timeout=waits.seconds_left()) as response:
         text = response.read().decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}

@@ -9,32 +9,38 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import logging
 
 import aiohttp
 import pytest
 
 from finetune_operator import controller
-from finetune_operator.controller import PEERING_LOOK_SECONDS, Peering
+from finetune_operator.controller import Peering
 from finetune_operator.kube import Kube
 from finetune_operator.settings import OperatorSettings
 from finetune_trainer.record import ProgressRecord
+from tests.support import waits
 from tests.support.emulator import ApiServer
 from tests.support.operator_fixtures import NotKopfs, Operator
 from tests.support.testbed import EmulatedTestbed
 
-pytestmark = [pytest.mark.kmock(cls=ApiServer), pytest.mark.asyncio, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.kmock(cls=ApiServer), pytest.mark.asyncio, pytest.mark.timeout(300)]
 PEERINGS = "/apis/kopf.dev/v1/clusterkopfpeerings"
 LIFETIME = 4
+STANDING_BY = "another replica leads: standing by"
+"""What a replica logs when it stops acting (controller.follow_peering)."""
 
 
 async def test_a_standby_replica_takes_over_when_the_acting_one_dies(cluster, kubelet, rank0):
-    lastseen = datetime.datetime.now(datetime.UTC).isoformat()
+    """replica-a's record lives, however slowly this machine starts the standby, until the
+    test has seen the standby stay idle; then replica-a sends its last keep-alive and dies:
+    its record expires LIFETIME later with nothing more written, and the standby takes over
+    on its own clock."""
     async with aiohttp.ClientSession(base_url=str(cluster.url)) as session:
         async with session.post(PEERINGS, json={
                 "apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering",
                 "metadata": {"name": "finetune-operator"},
-                "status": {"replica-a": {"priority": 200, "lifetime": LIFETIME,
-                                         "lastseen": lastseen}}}) as response:
+                "status": {"replica-a": keep_alive(lifetime=3600)}}) as response:
             assert response.status == 200, await response.text()
     standby = Operator(cluster, rank0, Peering("finetune-operator", priority=100,
                                                lifetime=60, identity="replica-b"))
@@ -42,16 +48,28 @@ async def test_a_standby_replica_takes_over_when_the_acting_one_dies(cluster, ku
     testbed = EmulatedTestbed(cluster, kubelet, standby, rank0)
     try:
         await testbed.apply(testbed.manifest())
+        await testbed.until(lambda: "replica-b" in cluster.get(
+            "kopf.dev/v1/clusterkopfpeerings", None, "finetune-operator")["status"],
+            "the standby's own record beside replica-a's")
         await asyncio.sleep(LIFETIME / 2)
         assert testbed.status() == {}, "the standby acted while a higher-priority peer lived"
-        peers = cluster.get("kopf.dev/v1/clusterkopfpeerings", None, "finetune-operator")
-        assert {"replica-a", "replica-b"} <= set(peers["status"])
 
-        # replica-a sends no keep-alive: once its record expires, replica-b takes over
-        await testbed.until_phase("Running", timeout=LIFETIME * 4)
+        # replica-a's last keep-alive: once its record expires, replica-b takes over
+        async with aiohttp.ClientSession(base_url=str(cluster.url)) as session:
+            async with session.patch(f"{PEERINGS}/finetune-operator", json={"status": {
+                    "replica-a": keep_alive(lifetime=LIFETIME)}},
+                    headers={"Content-Type": "application/merge-patch+json"}) as response:
+                assert response.status == 200, await response.text()
+        await testbed.until_phase("Running")
         assert testbed.jobs_created("demo") == 1
     finally:
         await standby.stop()
+
+
+def keep_alive(lifetime: int) -> dict:
+    """replica-a's record as it writes it now: priority 200, alive for `lifetime` seconds."""
+    return {"priority": 200, "lifetime": lifetime,
+            "lastseen": datetime.datetime.now(datetime.UTC).isoformat()}
 
 
 async def test_without_the_peering_object_a_replica_stops_and_says_why(cluster, rank0):
@@ -61,13 +79,13 @@ async def test_without_the_peering_object_a_replica_stops_and_says_why(cluster, 
         await asyncio.wait_for(controller.run(
             replica.runtime, kubeconfig=replica.kubeconfig, spare=NotKopfs(),
             peering=replica.peering),
-            timeout=20)
+            timeout=waits.seconds_left())
     message = " ".join(str(o.exception) for o in failure.value.outcomes.values())
     assert "no ClusterKopfPeering 'finetune-operator' (cluster-wide)" in message
     assert "the Helm chart does when replicas > 1" in message
 
 
-async def test_a_replica_that_loses_the_lead_stops_acting(cluster, kubelet, rank0):
+async def test_a_replica_that_loses_the_lead_stops_acting(cluster, kubelet, rank0, caplog):
     """A rolling update starts a replica with a higher priority: the one that led stands by,
     and no timer of its own (rank 0's progress is polled) makes it act beside the new one."""
     async with aiohttp.ClientSession(base_url=str(cluster.url)) as session:
@@ -75,24 +93,24 @@ async def test_a_replica_that_loses_the_lead_stops_acting(cluster, kubelet, rank
                 "apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering",
                 "metadata": {"name": "finetune-operator"}}) as response:
             assert response.status == 200, await response.text()
+    caplog.set_level(logging.INFO, logger="finetune_operator")
     leader = Operator(cluster, rank0, Peering("finetune-operator", priority=100, lifetime=60,
                                               identity="replica-b"))
     await leader.start()
     testbed = EmulatedTestbed(cluster, kubelet, leader, rank0)
     try:
         await testbed.apply(testbed.manifest())
-        await testbed.until_phase("Running", timeout=30)
+        await testbed.until_phase("Running")
         rank0.publish(progress(10))
         await testbed.until(lambda: testbed.status().get("progress", {}).get("step") == 10,
                             "progress polled while leading")
 
-        newer = datetime.datetime.now(datetime.UTC).isoformat()
         async with aiohttp.ClientSession(base_url=str(cluster.url)) as session:
             async with session.patch(f"{PEERINGS}/finetune-operator", json={"status": {
-                    "replica-a": {"priority": 200, "lifetime": 60, "lastseen": newer}}},
+                    "replica-a": keep_alive(lifetime=60)}},
                     headers={"Content-Type": "application/merge-patch+json"}) as response:
                 assert response.status == 200, await response.text()
-        await asyncio.sleep(PEERING_LOOK_SECONDS + 1)
+        await testbed.until(lambda: STANDING_BY in caplog.text, "the leader standing by")
         rank0.publish(progress(20))
         await asyncio.sleep(2)
         assert testbed.status()["progress"]["step"] == 10, "a standby went on acting"
@@ -128,7 +146,7 @@ async def test_a_standby_stops_at_once(cluster):
     standby.start()
     standby.queue.add(("default", "demo"))
     await asyncio.sleep(0.1)  # a reconciler takes it, and waits for `acting`
-    await asyncio.wait_for(standby.stop(), timeout=5)
+    await asyncio.wait_for(standby.stop(), waits.seconds_left())
 
 
 async def test_a_namespaced_replica_taking_over_lists_only_its_namespaces(cluster):

@@ -574,6 +574,46 @@ def test_a_refused_output_folder_fails_the_job_at_once_without_using_the_budget(
     assert kinds(d) == ["delete-workload"]
 
 
+SETUP = ("demo-0-abcde exited 5: op 'deepspeed_shm_comm' could not be built in this image: "
+         "/bin/sh: 1: c++: not found (DeepSpeed builds its ops on first use: prebuild it into "
+         "the image, or use one that can build it)")
+
+
+def test_a_worker_that_cannot_set_itself_up_fails_the_job_after_one_restart():
+    """The trainer's exit 5 (an op that cannot build, an import error: the image's) before
+    any step: one restart, in case a node was at fault, counted and said; the same again on
+    a job that still never trained fails it, quoting the worker's line, budget or not."""
+    seen = Observation(exists=True, failure=Failure("worker", SETUP, setup=True))
+    first = reconcile(job(launched("Running")), seen, at(50))
+    assert kinds(first) == ["delete-workload"] and first.status.restarts == 1
+    assert first.status.phase == "Restarting" and "c++: not found" in first.status.message
+    assert "the same failure again before any step fails the job" in first.status.message
+    second = reconcile(job(launched("Running", restarts=1)), seen, at(50))
+    assert second.status.phase == "Failed" and kinds(second) == ["delete-workload"]
+    failed = condition(second.status, "Failed")
+    assert failed.reason == "WorkerSetupFailed" and second.status.restarts == 1
+    assert failed.message.startswith(SETUP) and "after 1 restart," in failed.message
+    assert SETUP in second.status.message
+    assert condition(second.status, "Running").reason == "WorkerSetupFailed"
+    # backoffLimit 0: no restart, the same reason
+    none = reconcile(job(launched("Running"), runPolicy={"backoffLimit": 0}), seen, at(50))
+    assert condition(none.status, "Failed").reason == "WorkerSetupFailed"
+
+
+def test_a_setup_failure_of_a_job_that_trained_uses_the_budget():
+    """Once a step or a checkpoint was made, the image could set the workers up: exit 5
+    then counts like any worker failure, up to backoffLimit."""
+    seen = Observation(exists=True, failure=Failure("worker", SETUP, setup=True))
+    trained = launched("Running", restarts=1)
+    trained.progress = Progress(step=40, last_step_time=at(40))
+    d = reconcile(job(trained), seen, at(50))
+    assert d.status.phase == "Restarting" and d.status.restarts == 2
+    assert "the same failure again" not in d.status.message
+    trained.restarts = 3
+    d = reconcile(job(trained), seen, at(50))
+    assert condition(d.status, "Failed").reason == "BackoffLimitExceeded"
+
+
 PLAN = LaunchPlan(strategy="fsdp", gradient_checkpointing=True,
                   gradient_checkpointing_policy="selective", compile=False)
 

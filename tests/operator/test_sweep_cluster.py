@@ -16,9 +16,8 @@ import pytest
 
 from finetune_trainer.progress import ProgressServer
 from finetune_trainer.record import ProgressRecord
+from tests.support import waits
 from tests.support.cluster_testbed import ControlPlaneTestbed
-
-pytestmark = pytest.mark.timeout(420)
 
 SWEEPS = "finetune.dev/v1alpha1/finetunesweeps"
 
@@ -84,7 +83,7 @@ async def test_a_random_sweep_stops_a_trial_early_names_the_best_and_survives_a_
     await bed.apply(sweep)
     trials, restarted = Trials(bed), False
     started = asyncio.get_running_loop().time()
-    deadline = started + 300
+    deadline = started + waits.seconds_left()
     try:
         while True:
             status = (bed.get(SWEEPS, "lr") or {}).get("status") or {}
@@ -129,7 +128,7 @@ async def test_a_random_sweep_stops_a_trial_early_names_the_best_and_survives_a_
     told = subprocess.run([sys.executable, "-m", "finetune_operator.cli", "status", "lr", "-n",
                            bed.namespace, "--kubeconfig",
                            str(bed.installation.plane.admin_kubeconfig)],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=waits.seconds_left())
     assert told.returncode == 0, told.stderr
     lines = told.stdout.splitlines()
     assert lines[0].startswith("lr  Succeeded") and lines[1] == "  trials: 6 of 6, 0 running"

@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from finetune_operator.workqueue import WorkQueue
+from tests.support import waits
 
 pytestmark = pytest.mark.asyncio
 
@@ -40,7 +41,7 @@ async def test_a_key_added_while_processed_is_handed_out_again_after_done_not_be
     await asyncio.sleep(0.01)
     assert not other.done()
     queue.done(key)
-    assert await asyncio.wait_for(other, 1) == "a"
+    assert await asyncio.wait_for(other, waits.seconds_left()) == "a"
     queue.done("a")
     assert len(queue) == 0
 
@@ -59,14 +60,17 @@ async def test_the_earliest_schedule_wins_and_a_change_comes_first():
 
 
 async def test_a_held_key_comes_back_when_its_backoff_ends_and_not_before():
-    queue = WorkQueue()
+    queue, loop = WorkQueue(), asyncio.get_running_loop()
+    held_at = loop.time()
     queue.hold("a", 0.2)
     queue.add("a")  # changes during the backoff wait for it
     queue.add_after("a", 0.01)
-    await asyncio.sleep(0.05)
     assert len(queue) == 0
-    await asyncio.sleep(0.25)
-    assert await drain(queue) == ["a"]
+    # on the loop's clock, which a busy machine can only make later
+    assert await asyncio.wait_for(queue.get(), waits.seconds_left()) == "a"
+    assert loop.time() - held_at >= 0.2
+    queue.done("a")
+    assert len(queue) == 0  # once
 
 
 async def test_forget_drops_pending_and_scheduled_looks():
@@ -87,8 +91,8 @@ async def test_settled_waits_for_the_look_in_progress():
     await asyncio.sleep(0.01)
     assert not settled.done()
     queue.done(key)
-    await asyncio.wait_for(settled, 1)
-    await asyncio.wait_for(queue.settled("a"), 1)  # none in progress: at once
+    await asyncio.wait_for(settled, waits.seconds_left())
+    await asyncio.wait_for(queue.settled("a"), waits.seconds_left())  # none in progress: at once
 
 
 async def test_shut_down_wakes_waiting_reconcilers_with_none():
@@ -96,6 +100,7 @@ async def test_shut_down_wakes_waiting_reconcilers_with_none():
     waiting = [asyncio.create_task(queue.get()) for _ in range(3)]
     await asyncio.sleep(0.01)
     queue.shut_down()
-    assert await asyncio.wait_for(asyncio.gather(*waiting), 1) == [None, None, None]
+    woken = await asyncio.wait_for(asyncio.gather(*waiting), waits.seconds_left())
+    assert woken == [None, None, None]
     queue.add("a")
     assert len(queue) == 0

@@ -20,6 +20,7 @@ from finetune_operator.planner.render import table
 from finetune_operator.planner.sources import ModelConfig
 from finetune_operator.validation import parse_job
 from tests.conftest import REPO, minimal_job
+from tests.support import waits
 
 GiB = 1024**3
 LLAMA_70B = ModelConfig(config=KNOWN_MODELS["meta-llama/Llama-3.1-70B"], source="test")
@@ -131,7 +132,7 @@ def test_finetune_plan_prints_the_host_memory_line_and_refuses(tmp_path):
         resources={"nodes": 16, "gpusPerNode": 1, "gpuType": "Standard_NC24ads_A100_v4"})))
     result = subprocess.run([sys.executable, "-m", "finetune_operator.cli", "plan", str(path),
                              "--offline"], capture_output=True, text=True, cwd=REPO,
-                            timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                            timeout=waits.seconds_left(), env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 1, result.stderr
     assert "host memory per node: " in result.stdout
     assert "of 220.0 GiB (node 0, peak while loading" in result.stdout

@@ -27,6 +27,7 @@ import pytest
 
 from finetune_operator.planner.architecture import from_hf_config
 from finetune_operator.planner.memory import TrainingSetup, estimate_memory
+from tests.support import waits
 
 REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 0.15
@@ -85,7 +86,7 @@ def probe(model_dir: Path, out: Path, method: str, strategy: str, checkpointing:
                "--fused-loss", str(int(fused_loss)), "--micro-batch", str(micro_batch),
                "--seq-len", str(seq_len)]
     result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO,
-                            timeout=600)
+                            timeout=waits.seconds_left())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return json.loads(out.read_text())
 

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO, minimal_job
+from tests.support import waits
 
 pytestmark = pytest.mark.process
 
@@ -22,7 +23,7 @@ OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
 def finetune(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([*FINETUNE, *args], input=stdin, capture_output=True, text=True,
-                          cwd=REPO, timeout=120, env=OFFLINE)
+                          cwd=REPO, timeout=waits.seconds_left(), env=OFFLINE)
 
 
 def manifest(**spec) -> str:
@@ -79,7 +80,7 @@ def test_plan_says_when_the_hub_did_not_answer_as_offline_does(tmp_path):
 
     def plan(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
         return subprocess.run([*FINETUNE, "plan", *args], input=stdin, capture_output=True,
-                              text=True, cwd=REPO, timeout=120, env=no_hub)
+                              text=True, cwd=REPO, timeout=waits.seconds_left(), env=no_hub)
 
     known = plan(str(REPO / "examples/03-aks-qlora-spot.yaml"))
     assert known.returncode == 0, known.stderr

@@ -30,6 +30,8 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from tests.support import waits
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "cluster"))  # cluster/controlplane.py: what `make cluster` runs
 import controlplane  # noqa: E402
@@ -130,7 +132,7 @@ class OperatorProcess:
         return {**keep, **self.settings, "KUBECONFIG": str(self.kubeconfig),
                 "HF_HUB_OFFLINE": "1"}
 
-    def start(self, timeout: float = 60.0) -> None:
+    def start(self) -> None:
         self.starts += 1
         with self.log.open("a") as out:
             out.write(f"--- start {self.starts} ---\n")
@@ -139,6 +141,7 @@ class OperatorProcess:
                  "--metrics-port", str(self.metrics_port), "--health-port",
                  str(self.health_port), *self.args], env=self.environment(), stdout=out,
                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        timeout = waits.seconds_left()
         deadline = time.monotonic() + timeout
         while True:  # ready: kopf serves its liveness endpoint once it watches
             if self.process.poll() is not None:

@@ -29,7 +29,6 @@ CLAIMS = ("data", "ckpt")  # what minimal_job's pvc:// locations mount
 
 class ControlPlaneTestbed(RealTestbed):
     real = True
-    slowness = 3.0
     poll = 0.25
     blocking = True
 

@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from tests.conftest import REPO
+from tests.support import waits
 
 CHART = REPO / "charts/finetune-operator"
 RULES = CHART / "rules/finetune-alerts.yaml"
@@ -112,7 +113,8 @@ class Prometheus:
             stdout=self.log, stderr=subprocess.STDOUT)
 
     def __enter__(self) -> Prometheus:
-        deadline = time.monotonic() + 30
+        waited = waits.seconds_left()
+        deadline = time.monotonic() + waited
         while time.monotonic() < deadline:
             assert self.process.poll() is None, self.logs()
             try:
@@ -122,7 +124,7 @@ class Prometheus:
             except OSError:
                 pass
             time.sleep(0.1)
-        raise AssertionError(f"prometheus not ready within 30s:\n{self.logs()}")
+        raise AssertionError(f"prometheus not ready within {waited:.0f}s:\n{self.logs()}")
 
     def __exit__(self, *exc: object) -> None:
         self.process.terminate()
@@ -141,7 +143,7 @@ class Prometheus:
         query = urllib.parse.urlencode(params, doseq=True)
         try:
             with urllib.request.urlopen(f"{self.url}/api/v1/{path}?{query}",
-                                        timeout=10) as response:
+                                        timeout=waits.seconds_left()) as response:
                 body = json.load(response)
         except urllib.error.HTTPError as error:  # 400 for a query that does not parse
             body = json.load(error)

@@ -14,6 +14,7 @@ from finetune_operator import controller
 from finetune_operator.kube import Kube
 from finetune_operator.settings import OperatorSettings
 from finetune_trainer.progress import ProgressServer
+from tests.support import waits
 from tests.support.cluster_fixtures import controlplane
 from tests.support.emulator import ApiServer, Kubelet
 from tests.support.testbed import (
@@ -82,13 +83,13 @@ class Operator:
         self.task = asyncio.create_task(controller.run(
             self.runtime, kubeconfig=self.kubeconfig, stop_flag=self.stop_flag, ready_flag=ready,
             spare=NotKopfs(), peering=self.peering))
-        await asyncio.wait_for(ready.wait(), timeout=20)
+        await asyncio.wait_for(ready.wait(), waits.seconds_left())
 
     async def stop(self) -> None:
         if self.task is None:
             return
         self.stop_flag.set()
-        await asyncio.wait_for(self.task, timeout=20)
+        await asyncio.wait_for(self.task, waits.seconds_left())
         self.task = None
 
     async def kill(self) -> None:

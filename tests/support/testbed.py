@@ -28,6 +28,7 @@ import yaml
 from finetune_trainer.progress import ProgressServer
 from finetune_trainer.record import ProgressRecord
 from tests.conftest import REPO, minimal_job
+from tests.support import waits
 from tests.support.emulator import COMPLETION_INDEX, ApiServer, Kubelet
 
 API = "finetune.dev/v1alpha1/finetunejobs"
@@ -42,17 +43,19 @@ def merged(base: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
-async def eventually(check: Callable[[], object], timeout: float = 20.0, what: str = "",
-                     poll: float = 0.05, blocking: bool = False) -> None:
-    """Wait for `check()` to be true; a `blocking` check (synchronous API calls) runs in a
-    thread, so an API server in this event loop can answer it."""
+async def eventually(check: Callable[[], object], what: str = "", poll: float = 0.05,
+                     blocking: bool = False) -> None:
+    """Wait for `check()` to be true, as long as the test may run (tests/support/waits.py: a
+    busy machine makes the event late, never absent); a `blocking` check (synchronous API
+    calls) runs in a thread, so an API server in this event loop can answer it."""
     def guarded() -> object:  # StopIteration cannot cross from a thread into a future
         try:
             return check()
         except StopIteration as error:
             raise KeyError("not there yet") from error
 
-    deadline = time.monotonic() + timeout
+    bound = waits.seconds_left()
+    deadline = time.monotonic() + bound
     last_error: Exception | None = None
     while time.monotonic() < deadline:
         try:
@@ -61,7 +64,18 @@ async def eventually(check: Callable[[], object], timeout: float = 20.0, what: s
         except (KeyError, StopIteration, TypeError, AssertionError) as error:
             last_error = error
         await asyncio.sleep(poll)
-    raise AssertionError(f"not within {timeout}s: {what or check}; last error: {last_error!r}")
+    raise AssertionError(f"not within {bound:.0f} s (the test's time): {what or check}; "
+                         f"last error: {last_error!r}")
+
+
+def condition_in(status: dict[str, Any], type_: str, name: str) -> dict[str, Any]:
+    """The condition of `type_` in a FineTuneJob's status; a KeyError saying what is there
+    while it has none (what a wait that ran out reports as its last error)."""
+    for found in status.get("conditions", []):
+        if found["type"] == type_:
+            return found
+    raise KeyError(f"{name} has no {type_} condition yet (phase {status.get('phase')!r}, "
+                   f"conditions {[c['type'] for c in status.get('conditions', [])]})")
 
 
 class Testbed:
@@ -69,8 +83,6 @@ class Testbed:
 
     real: bool
     namespace: str
-    slowness: float
-    """How much longer than on the emulator things take (image pulls, real training)."""
     poll: float
     blocking = False
     """Reads are synchronous API calls (run checks in a thread)."""
@@ -150,21 +162,18 @@ class Testbed:
         return (self.ftj(name) or {}).get("status", {})
 
     def condition(self, type_: str, name: str = "demo") -> dict[str, Any]:
-        return next(c for c in self.status(name).get("conditions", []) if c["type"] == type_)
+        return condition_in(self.status(name), type_, name)
 
-    async def until(self, check: Callable[[], object], what: str = "",
-                    timeout: float = 20.0) -> None:
-        await eventually(check, timeout * self.slowness, what, self.poll, self.blocking)
+    async def until(self, check: Callable[[], object], what: str = "") -> None:
+        await eventually(check, what, self.poll, self.blocking)
 
-    async def until_phase(self, phase: str, name: str = "demo", timeout: float = 20.0) -> None:
-        await self.until(lambda: self.status(name).get("phase") == phase,
-                         f"{name} {phase}", timeout)
+    async def until_phase(self, phase: str, name: str = "demo") -> None:
+        await self.until(lambda: self.status(name).get("phase") == phase, f"{name} {phase}")
 
 
 class EmulatedTestbed(Testbed):
     real = False
     namespace = "default"
-    slowness = 1.0
     poll = 0.05
 
     def __init__(self, server: ApiServer, kubelet: Kubelet, operator: Any,
@@ -272,7 +281,6 @@ class RealTestbed(Testbed):
     """A cluster reached through KUBECONFIG, with the chart's operator already running."""
 
     real = True
-    slowness = 15.0
     poll = 1.0
     blocking = True
 
@@ -404,7 +412,7 @@ class RealTestbed(Testbed):
             return any(not pod.metadata.deletion_timestamp and any(
                 c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
                 for pod in self._operator_pods())
-        await self.until(ready, "a ready operator pod", timeout=10)
+        await self.until(ready, "a ready operator pod")
 
     async def start(self) -> None:
         self._watcher = asyncio.create_task(self.watch_jobs())
@@ -416,4 +424,4 @@ class RealTestbed(Testbed):
             await asyncio.gather(self._watcher, return_exceptions=True)
         for job in await asyncio.to_thread(self._list, API):
             await self.delete(job["metadata"]["name"])
-        await self.until(lambda: not self._list(API), "FineTuneJobs deleted", timeout=8)
+        await self.until(lambda: not self._list(API), "FineTuneJobs deleted")

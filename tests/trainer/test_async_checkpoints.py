@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from finetune_trainer.checkpoint import complete_checkpoints
+from tests.support import waits
 from tests.support.bench_scripts import bench_script
 from tests.trainer.test_faults import assert_same_weights
 from tests.trainer.test_training import finetune_run, losses, manifest
@@ -194,7 +195,7 @@ def test_the_checkpointer_completes_one_write_at_a_time_and_surfaces_its_failure
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
          str(script), str(tmp_path / "out"), strategy],
-        capture_output=True, text=True, timeout=300)
+        capture_output=True, text=True, timeout=waits.seconds_left())
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "CHECKPOINTER OK" in result.stdout, result.stdout
 
@@ -263,7 +264,7 @@ def test_sigterm_with_a_write_in_flight_leaves_a_complete_checkpoint_and_resumes
     output = tmp_path / "out"
     job = every_step_job(tiny_model_dir, output)
     process = finetune_run(job, tmp_path, wait=False)
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + waits.seconds_left()
     while time.monotonic() < deadline and process.poll() is None:
         try:
             if json.loads((output / "progress.json").read_text())["step"] >= 3:
@@ -272,7 +273,7 @@ def test_sigterm_with_a_write_in_flight_leaves_a_complete_checkpoint_and_resumes
             pass
         time.sleep(0.02)
     process.send_signal(signal.SIGTERM)
-    log, _ = process.communicate(timeout=300)
+    log, _ = process.communicate(timeout=waits.seconds_left())
     assert process.returncode == 143, log
     stopped_at = json.loads((output / "progress.json").read_text())["step"]
     assert 3 <= stopped_at < STEPS, log

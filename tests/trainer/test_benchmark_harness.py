@@ -18,6 +18,8 @@ from tests.conftest import REPO
 sys.path.insert(0, str(REPO / "benchmarks"))
 import throughput  # a script beside the tests, not a package
 
+from tests.support import waits
+
 
 def peer_figures(bench, model_dir: Path, data: Path, where: Path, peer: str) -> dict:
     """A peer's worker (benchmarks/hf_worker.py) on 2 ranks over `data`: its figures."""
@@ -27,7 +29,7 @@ def peer_figures(bench, model_dir: Path, data: Path, where: Path, peer: str) -> 
     result = where / f"{peer}.json"
     command = throughput.torchrun(2, str(REPO / "benchmarks/hf_worker.py"), f"--config={config}",
                                   f"--result={result}", f"--peer={peer}", "--warmup-steps=1")
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600,
+    done = subprocess.run(command, capture_output=True, text=True, timeout=waits.seconds_left(),
                           env=throughput.worker_env())
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(result.read_text())

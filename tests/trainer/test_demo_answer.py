@@ -4,7 +4,6 @@ an adapter that answers a question it was trained on, where the base model does 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -12,6 +11,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO
+from tests.support import waits
 
 pytestmark = pytest.mark.process
 
@@ -29,31 +29,26 @@ def trained_answer(question: str) -> str:
     raise AssertionError(f"{question!r} is not in {DATA.name}")
 
 
-def generate(model_dir, question: str) -> str:
-    result = subprocess.run([sys.executable, "-m", "finetune_trainer.generate", str(model_dir),
-                             question], capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert result.returncode == 0, result.stderr[-2000:]
-    return result.stdout.strip()
+def test_the_demo_adapter_answers_its_training_question_and_the_base_does_not(
+        tiny_model_dir, tmp_path):
+    """The model: the session's tiny Llama, what `make demo` builds under build/demo/ (the
+    same builder, corpus and seed); the answers: `finetune_trainer.generate`'s, in this
+    process (the command's own output is tests/trainer/test_quiet_tools.py's)."""
+    from finetune_trainer.generate import answer
 
-
-def test_the_demo_adapter_answers_its_training_question_and_the_base_does_not(tmp_path):
-    model = tmp_path / "tiny-llama"  # what `make demo` builds under build/demo/
-    subprocess.run([sys.executable, "-m", "finetune_trainer.tiny", str(model), "--corpus",
-                    str(DATA)], check=True, capture_output=True, timeout=300)
     job = yaml.safe_load(EXAMPLE.read_text())  # the example's settings, its paths here
-    job["spec"]["model"]["uri"] = str(model)
+    job["spec"]["model"]["uri"] = str(tiny_model_dir)
     job["spec"]["dataset"]["uri"] = str(DATA)
     job["spec"]["output"]["uri"] = str(tmp_path / "output")
     manifest = tmp_path / "01-tiny-cpu-lora.yaml"
     manifest.write_text(yaml.safe_dump(job))
     run = subprocess.run([sys.executable, "-m", "finetune_operator.cli", "run", str(manifest)],
-                         capture_output=True, text=True, timeout=900)
+                         capture_output=True, text=True, timeout=waits.seconds_left())
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
 
     expected = trained_answer(QUESTION)
-    assert generate(tmp_path / "output/final", QUESTION) == expected
-    assert generate(model, QUESTION) != expected
+    assert answer(tmp_path / "output/final", QUESTION).strip() == expected
+    assert answer(tiny_model_dir, QUESTION).strip() != expected
 
 
 def test_generate_refuses_a_folder_that_is_no_export_at_once(tmp_path, capsys):

@@ -20,6 +20,7 @@ import yaml
 
 from finetune_trainer.layout import REFERENCE_FILE
 from tests.conftest import REPO
+from tests.support import waits
 from tests.trainer.test_training import DATA, finetune_run, manifest
 
 pytestmark = pytest.mark.process
@@ -70,25 +71,53 @@ def trl_steps(model_dir: Path, data: Path, out: Path, *, method: str, processes:
                "--smoothing", str(smoothing), "--lr", str(lr), "--steps", str(steps),
                "--batch", str(batch), "--max-length", str(MAX_LENGTH), "--seed", "42"]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    result = subprocess.run(command, capture_output=True, text=True, env=env,
+                            timeout=waits.seconds_left())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def first_pairs(where: Path, count: int = 8) -> Path:
+    path = where / "pairs.jsonl"
+    path.write_text("".join(PAIRS.read_text().splitlines(keepends=True)[:count]))
+    return path
 
 
 @pytest.fixture()
 def eight_pairs(tmp_path) -> Path:
     """The first 8 shipped pairs (a function's fixture: the comparisons spread over the
     pytest-xdist workers)."""
-    path = tmp_path / "pairs.jsonl"
-    path.write_text("".join(PAIRS.read_text().splitlines(keepends=True)[:8]))
-    return path
+    return first_pairs(tmp_path)
+
+
+@pytest.fixture()
+def trl_reference(tiny_model_dir, shared):
+    """TRL's steps on the first 8 pairs, one run per method and loss in the session, on one
+    process with the 8 pairs in its one batch: what two processes of 4 pairs each compute
+    too (DDP averages the halves' gradients, TRL the halves' logged figures), so our runs
+    on one process and on two are compared with the same run, made once (TRL on two
+    processes, a torchrun of its own for each comparison, cost as much as ours)."""
+
+    def get(method: str, loss: str, smoothing: float, steps: int, beta: float,
+            lr: float) -> list[dict]:
+        def make(where: Path) -> None:
+            trl_steps(tiny_model_dir, first_pairs(where), where / "trl.jsonl", method=method,
+                      processes=1, batch=8, steps=steps, loss=loss, smoothing=smoothing,
+                      beta=beta, lr=lr)
+
+        folder = shared.get(f"trl dpo {method} {loss} {smoothing} {steps} {beta} {lr}", make,
+                            name=f"trl-dpo-{method}-{loss}")
+        return [json.loads(line) for line in (folder / "trl.jsonl").read_text().splitlines()]
+
+    return get
 
 
 @pytest.mark.parametrize(("method", "processes", "loss", "smoothing"), [
     ("lora", 1, "sigmoid", 0.0), ("lora", 2, "sigmoid", 0.0), ("full", 1, "sigmoid", 0.0),
     ("full", 2, "sigmoid", 0.0), ("lora", 1, "ipo", 0.0), ("lora", 2, "robust", 0.1)])
-def test_every_step_agrees_with_trls_dpo_trainer(tiny_model_dir, eight_pairs, tmp_path,
-                                                 method, processes, loss, smoothing):
+def test_every_step_agrees_with_trls_dpo_trainer(tiny_model_dir, eight_pairs, trl_reference,
+                                                 tmp_path, method, processes, loss,
+                                                 smoothing):
     """20 steps, fp32: the loss, the reward margin and the chosen and rejected rewards of
     every step within 1e-4 of DPOTrainer's (the reference: the base with the adapters off,
     or, for full weights, the table taken before step 1 against TRL's frozen copy)."""
@@ -99,9 +128,7 @@ def test_every_step_agrees_with_trls_dpo_trainer(tiny_model_dir, eight_pairs, tm
                        smoothing=smoothing, beta=beta, checkpoint_every=100)
     ours = finetune_run(job, tmp_path)
     assert ours.returncode == 0, ours.stdout[-3000:] + ours.stderr[-3000:]
-    theirs = trl_steps(tiny_model_dir, eight_pairs, tmp_path / "trl.jsonl", method=method,
-                       processes=processes, batch=batch, steps=steps, loss=loss,
-                       smoothing=smoothing, beta=beta, lr=lr)
+    theirs = trl_reference(method, loss, smoothing, steps, beta, lr)
     mine = records(tmp_path / "out")
     assert [r["step"] for r in mine] == [t["step"] for t in theirs] == list(range(1, 21))
     for our, their in zip(mine, theirs, strict=True):
@@ -261,7 +288,7 @@ def test_an_sft_job_in_a_dpo_runs_folder_is_refused_and_its_model_kept(
     (tmp_path / "trainer.yaml").write_text(yaml.safe_dump(config))
     check = subprocess.run([sys.executable, "-m", "finetune_trainer", "--check-resume",
                             "--config", str(tmp_path / "trainer.yaml")],
-                           capture_output=True, text=True, timeout=120)
+                           capture_output=True, text=True, timeout=waits.seconds_left())
     assert check.returncode == 4, check.stdout + check.stderr
     assert "objective.type: dpo → sft" in check.stderr and "move its checkpoints/, final/" in (
         check.stderr)

@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from finetune_trainer.checkpoint import complete_checkpoints
+from tests.support import waits
 from tests.trainer.test_metrics import metrics_ports, scrape
 from tests.trainer.test_training import losses, manifest
 
@@ -83,14 +84,15 @@ def launch():
 
 
 def wait_until(check: Callable[[], object], what: str, process: subprocess.Popen,
-               log: Path, timeout: float = 300) -> None:
+               log: Path) -> None:
+    timeout = waits.seconds_left()
     deadline = time.monotonic() + timeout
     while not check():
         if process.poll() is not None:
             raise AssertionError(f"the run ended (exit {process.returncode}) before {what}:\n"
                                  + log.read_text()[-4000:])
         if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout}s: {what}")
+            raise AssertionError(f"not within {timeout:.0f}s: {what}")
         time.sleep(0.01)
 
 
@@ -138,7 +140,7 @@ def uninterrupted(tiny_model_dir, tmp_path_factory) -> Path:
     where = tmp_path_factory.mktemp("uninterrupted")
     started = time.monotonic()
     process, log = start(fault_job(tiny_model_dir, where / "out", "t-faults"), where)
-    assert process.wait(timeout=600) == 0, log.read_text()
+    assert process.wait(timeout=waits.seconds_left()) == 0, log.read_text()
     print(f"\nuninterrupted run of {STEPS} steps: {time.monotonic() - started:.1f}s")
     return where / "out"
 
@@ -269,7 +271,7 @@ def test_a_full_output_volume_fails_clearly_and_keeps_the_earlier_checkpoint(
     wait_until(first.is_dir, "the first checkpoint", process, log)
     small_volume.fill(process)
     before = digests(first)
-    assert process.wait(timeout=600) == 1
+    assert process.wait(timeout=waits.seconds_left()) == 1
     text = log.read_text()
 
     second = f"step-{2 * EVERY:08d}.partial"
@@ -292,7 +294,7 @@ def test_a_full_output_volume_fails_clearly_and_keeps_the_earlier_checkpoint(
 
     small_volume.lift()
     process, log = launch(job, tmp_path / "again")
-    assert process.wait(timeout=600) == 0, log.read_text()[-4000:]
+    assert process.wait(timeout=waits.seconds_left()) == 0, log.read_text()[-4000:]
     text = log.read_text()
     # the half-written checkpoint next to it was not taken for a complete one
     assert f"resuming from {output / 'checkpoints' / first.name} (step {EVERY}/{STEPS})" in text

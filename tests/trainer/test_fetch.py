@@ -20,6 +20,7 @@ from finetune_trainer import fetch, trained_with
 from finetune_trainer.config import ModelSource, TrainerConfig
 from finetune_trainer.layout import FETCHED_FILE, model_copy_dir
 from tests.conftest import REPO
+from tests.support import waits
 from tests.support.hub_fake import FakeHub, Repo, repo_from_folder
 
 DATA = REPO / "examples/data/tiny-chat.jsonl"
@@ -59,7 +60,8 @@ def trainer(config: Path, hub: FakeHub, *args: str, wait: bool = True):
     if not wait:
         return subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(command, env=env, capture_output=True, text=True,
+                          timeout=waits.seconds_left())
 
 
 def files_of(repo: Repo) -> set[str]:
@@ -112,7 +114,7 @@ def test_a_fetch_killed_halfway_leaves_no_marker_and_the_next_completes(hub, tmp
     weights = hub.repos["org/tiny"].files[WEIGHTS]
     hub.hold(WEIGHTS, after_bytes=len(weights) // 2)
     killed = trainer(config, hub, "--fetch-model", wait=False)
-    assert hub.holding.wait(60), killed.communicate()[0]
+    assert hub.holding.wait(waits.seconds_left()), killed.communicate()[0]
     killed.send_signal(signal.SIGKILL)
     killed.wait()  # reaped: its pid is gone, as a killed pod's is
     hub.release()
@@ -125,7 +127,8 @@ def test_a_fetch_killed_halfway_leaves_no_marker_and_the_next_completes(hub, tmp
     started = time.monotonic()
     done = trainer(config, hub, "--fetch-model")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert time.monotonic() - started < 60  # its lock was taken over at once, not waited out
+    # its lock was taken over at once, not waited out (the default staleness, 180 s)
+    assert time.monotonic() - started < fetch.LockTiming().stale
     assert "taking over" in done.stdout
     assert hub.downloads() == [WEIGHTS]  # the files the killed fetch finished are kept
     assert fetch.complete_copy(tmp_path / "out", source()) == folder
@@ -137,9 +140,9 @@ def test_sigterm_gives_the_lock_back_and_exits_143(hub, tmp_path):
     config = config_file(tmp_path, source(), tmp_path / "out")
     hub.hold(WEIGHTS, after_bytes=1000)
     stopped = trainer(config, hub, "--fetch-model", wait=False)
-    assert hub.holding.wait(60)
+    assert hub.holding.wait(waits.seconds_left())
     stopped.send_signal(signal.SIGTERM)
-    output, _ = stopped.communicate(timeout=30)
+    output, _ = stopped.communicate(timeout=waits.seconds_left())
     hub.release()
     assert stopped.returncode == 143, output
     folder = model_copy_dir(tmp_path / "out", "org/tiny", None)
@@ -154,11 +157,16 @@ def test_two_fetches_at_once_leave_one_good_copy_downloaded_once(hub, tmp_path):
     config = config_file(tmp_path, source(), tmp_path / "out")
     hub.hold(WEIGHTS, after_bytes=1000)
     first = trainer(config, hub, "--fetch-model", wait=False)
-    assert hub.holding.wait(60)
+    assert hub.holding.wait(waits.seconds_left())
     second = trainer(config, hub, "--fetch-model", wait=False)
-    time.sleep(3)  # the second is waiting for the lock now
+    said = []
+    for line in second.stdout:  # until the second waits for the lock (it says so)
+        said.append(line)
+        if "waiting for another node's fetch" in line:
+            break
     hub.release()
-    outputs = [p.communicate(timeout=120)[0] for p in (first, second)]
+    outputs = [p.communicate(timeout=waits.seconds_left())[0] for p in (first, second)]
+    outputs[1] = "".join(said) + outputs[1]
     assert [p.returncode for p in (first, second)] == [0, 0], outputs
     assert "waiting for another node's fetch" in outputs[1]
     assert "meanwhile" in outputs[1]
@@ -247,7 +255,7 @@ def test_a_gated_model_with_its_token_and_the_cli_exit_codes(hub, tmp_path, monk
     other = config_file(tmp_path, source(), tmp_path / "other")
     unreachable = subprocess.run(
         [sys.executable, "-m", "finetune_trainer", f"--config={other}", "--fetch-model"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=waits.seconds_left(),
         env={**os.environ, "HF_ENDPOINT": "http://127.0.0.1:1"})
     assert unreachable.returncode == 1, unreachable.stderr  # the network: a restart may help
     assert "cannot be fetched from the hub" in unreachable.stderr
@@ -265,7 +273,8 @@ def test_a_volume_too_small_is_said_before_the_weights_download(hub, tmp_path, m
 def test_other_locations_need_no_fetch(tmp_path, tiny_model_dir):
     config = config_file(tmp_path, source(str(tiny_model_dir)), tmp_path / "out")
     done = subprocess.run([sys.executable, "-m", "finetune_trainer", f"--config={config}",
-                           "--fetch-model"], capture_output=True, text=True, timeout=120)
+                           "--fetch-model"], capture_output=True, text=True,
+                          timeout=waits.seconds_left())
     assert done.returncode == 0 and "nothing to fetch" in done.stdout
     assert not (tmp_path / "out").exists()
 
@@ -305,8 +314,10 @@ def test_a_live_holder_keeps_its_lock_by_its_heartbeat(tmp_path):
     timing = fetch.LockTiming(heartbeat=0.05, stale=0.5, poll=0.05)
     with fetch.VolumeLock(path, timing, say=lambda line: None) as holder:
         time.sleep(1.0)  # twice the staleness: only its heartbeat keeps others out
-        beats = json.loads(path.read_text())["beat"]
-        assert beats >= 5 and holder._holder() == holder.owner["id"]
+        waits.wait_until(lambda: holder.owner["beat"] >= 5, "five heartbeats")
+        # read as the holder's: a read while the heartbeat rewrites the file finds it empty
+        # (a waiter then keeps waiting), so a read of this thread may need another
+        waits.wait_until(lambda: holder._holder() == holder.owner["id"], "its holder's lock")
         other = fetch.VolumeLock(path, timing, say=lambda line: None)
         assert not other._create() and not other._gone(path.read_text())
 
@@ -332,7 +343,8 @@ def test_finetune_run_fetches_once_and_a_second_run_asks_the_hub_nothing(hub, tm
            "TOKENIZERS_PARALLELISM": "false"}
     command = [sys.executable, "-m", "finetune_operator.cli", "run", str(tmp_path / "job.yaml")]
 
-    first = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    first = subprocess.run(command, env=env, capture_output=True, text=True,
+                           timeout=waits.seconds_left())
     assert first.returncode == 0, first.stdout + first.stderr
     assert hub.downloads().count(WEIGHTS) == 1
     print(f"first run: {len(hub.requests)} requests, {len(hub.downloads())} downloads "
@@ -340,7 +352,8 @@ def test_finetune_run_fetches_once_and_a_second_run_asks_the_hub_nothing(hub, tm
     hub.reset()
     job["spec"]["hyperparameters"]["maxSteps"] = 3  # resumed (the same 2 would be done)
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
-    second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    second = subprocess.run(command, env=env, capture_output=True, text=True,
+                            timeout=waits.seconds_left())
     assert second.returncode == 0, second.stdout + second.stderr
     assert "(step 2/3)" in second.stdout, second.stdout
     assert hub.requests == [], hub.requests

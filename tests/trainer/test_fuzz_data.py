@@ -26,6 +26,7 @@ from finetune_trainer.data import IGNORE, DataError
 from finetune_trainer.model import ModelError, load_tokenizer
 from finetune_trainer.train import preflight
 from tests.conftest import REPO
+from tests.support import waits
 
 pytestmark = pytest.mark.process
 
@@ -274,7 +275,8 @@ def test_the_worker_preflight_names_the_file_and_exits_2(tiny_model_dir, tmp_pat
     path.write_text(config(data, tiny_model_dir, tmp_path / "out", "auto", 0.0,
                            True).model_dump_json(by_alias=True))
     result = subprocess.run([sys.executable, "-m", "finetune_trainer", "--config", str(path),
-                             "--preflight"], capture_output=True, text=True, timeout=300)
+                             "--preflight"], capture_output=True, text=True,
+                            timeout=waits.seconds_left())
     assert result.returncode == 2, result.stderr
     assert f"finetune-train: {data}{expected}" in result.stderr
     assert "Traceback" not in result.stderr

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from tests.support import waits
 from tests.trainer.test_training import DATA, finetune_run, losses, manifest
 
 pytestmark = pytest.mark.gpu
@@ -79,7 +80,7 @@ def test_a_gpu_run_reports_mfu_and_nvml_series(tiny_model_dir, tmp_path):
     process = finetune_run(job, tmp_path, "--nproc", "1", "--metrics-port", str(port),
                            wait=False)
     try:
-        deadline, seen = time.monotonic() + 300, {}
+        deadline, seen = time.monotonic() + waits.seconds_left(), {}
         while time.monotonic() < deadline and process.poll() is None:
             seen = scrape(port)
             if "finetune_mfu" in seen and "finetune_gpu_utilization_ratio" in seen:
@@ -92,7 +93,7 @@ def test_a_gpu_run_reports_mfu_and_nvml_series(tiny_model_dir, tmp_path):
         assert seen["finetune_step_phase_seconds"]["value"] >= 0
     finally:
         process.send_signal(signal.SIGTERM)
-        process.communicate(timeout=300)
+        process.communicate(timeout=waits.seconds_left())
 
 
 @pytest.mark.parametrize(("strategy", "method", "compiled"), [

@@ -19,6 +19,7 @@ moves) cannot show here: `host_peaks(tmp_path, gpu=True)` is the same comparison
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -61,7 +62,9 @@ def host_peaks(where: Path, gpu: bool = False) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def peaks(tmp_path_factory) -> dict[str, int]:
-    found = host_peaks(tmp_path_factory.mktemp("host-memory"))
+    where = tmp_path_factory.mktemp("host-memory")
+    found = host_peaks(where)
+    shutil.rmtree(where)  # three full-weight checkpoints and exports: 5 GB of /tmp per run
     print("peak host memory: " + ", ".join(f"{side} {peak / MIB:,.0f} MiB"
                                            for side, peak in found.items()))
     return found

@@ -10,6 +10,9 @@ def test_a_refusal_is_said_in_the_workers_own_words_and_keeps_its_code():
     line = failure_line(3, 2, "data.jsonl:2: is not valid JSON — fix that line")
     assert line == "data.jsonl:2: is not valid JSON — fix that line"
     assert exit_code(2) == 2 and exit_code(4) == 4 and exit_code(3) == 3
+    # what the image cannot set up (errors.setup_failure): the same on every rank
+    unbuildable = "op 'deepspeed_shm_comm' could not be built in this image: /bin/sh: 1: c++: ..."
+    assert failure_line(0, 5, unbuildable) == unbuildable and exit_code(5) == 5
 
 
 def test_a_crash_names_the_rank_and_the_exception():

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.support import waits
 from tests.support.bench_scripts import bench_script
 
 pytestmark = pytest.mark.process
@@ -32,13 +33,13 @@ BOUND = 1.3
 read the whole model before: 2.5-2.9x here; transformers' own ZeRO-3 loading 2.0x)."""
 
 
-def _probe(model_dir: Path, out: Path, *options: str) -> dict:
+def _probe(out: Path, *cases: str) -> dict[str, dict]:
+    """Each case's findings (tests/support/loading_probe.py), all from one torchrun."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node=2", "-m", "tests.support.loading_probe", str(model_dir),
-               str(out), *options]
+               "--nproc-per-node=2", "-m", "tests.support.loading_probe", str(out), *cases]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO,
-                            timeout=600)
+                            timeout=waits.seconds_left())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return json.loads(out.read_text())
 
@@ -63,30 +64,43 @@ def bf16_tied_model(tiny_model_dir, tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.mark.parametrize(("strategy", "method", "options"), [
-    ("fsdp", "full", ()), ("fsdp", "lora", ()), ("fsdp", "lora", ("--precision=bf16",)),
-    ("fsdp", "full", ("--copied",)), ("fsdp", "lora", ("--copied",)),
-    ("zero3", "full", ()), ("zero3", "lora", ()), ("zero3", "full", ("--copied",))],
-    ids=["fsdp-full", "fsdp-lora", "fsdp-lora-bf16", "fsdp-full-copied", "fsdp-lora-copied",
-         "zero3-full", "zero3-lora", "zero3-full-copied"])
-def test_sharded_weights_are_what_from_pretrained_reads(tiny_model_dir, tmp_path, strategy,
-                                                        method, options):
-    found = _probe(tiny_model_dir, tmp_path / "probe.json", f"--strategy={strategy}",
-                   f"--method={method}", *options)
+SHARDED = {  # test id → strategy, method, options of tests/support/loading_probe.py
+    "fsdp-full": ("fsdp", "full"), "fsdp-lora": ("fsdp", "lora"),
+    "fsdp-lora-bf16": ("fsdp", "lora", "bf16"), "fsdp-full-copied": ("fsdp", "full", "copied"),
+    "fsdp-lora-copied": ("fsdp", "lora", "copied"), "zero3-full": ("zero3", "full"),
+    "zero3-lora": ("zero3", "lora"), "zero3-full-copied": ("zero3", "full", "copied")}
+
+
+@pytest.fixture(scope="module")
+def probed(tiny_model_dir, bf16_tied_model, tmp_path_factory) -> dict[str, dict]:
+    """Every case's findings, from one torchrun: the cases one after another in its two
+    processes (their start and imports cost several times what a case does), FSDP's
+    first. Test id → findings; the bf16 checkpoint's as bf16-tied-METHOD."""
+    cases = {name: ",".join((str(tiny_model_dir), *case)) for name, case in SHARDED.items()}
+    cases |= {f"bf16-tied-{method}": f"{bf16_tied_model},fsdp,{method}"
+              for method in ("full", "lora")}
+    order = sorted(cases, key=lambda name: "zero3" in cases[name])  # FSDP's first
+    found = _probe(tmp_path_factory.mktemp("loading") / "probe.json",
+                   *(cases[name] for name in order))
+    return {name: found[case] for name, case in cases.items()}
+
+
+@pytest.mark.parametrize("case", list(SHARDED))
+def test_sharded_weights_are_what_from_pretrained_reads(probed, case):
+    strategy = SHARDED[case][0]
+    found = probed[case]
     assert (found["missing"], found["unexpected"], found["different"]) == ([], [], [])
     assert found["weights"] > 20
     assert found["generators_as_read"] == [True, True]  # dropout draws as it did
     # built empty (FSDP) or partitioned (ZeRO-3) on both ranks, rank 0 sending the weights
     assert found["built"] == ("empty" if strategy == "fsdp" else "partitioned")
-    assert found["sent_from"] == ("CopiedWeights" if "--copied" in options
+    assert found["sent_from"] == ("CopiedWeights" if "copied" in SHARDED[case]
                                   else "CheckpointWeights")
 
 
 @pytest.mark.parametrize("method", ["full", "lora"])
-def test_a_bf16_checkpoint_with_tied_weights_streams_exactly(bf16_tied_model, tmp_path,
-                                                             method):
-    found = _probe(bf16_tied_model, tmp_path / "probe.json", "--strategy=fsdp",
-                   f"--method={method}")
+def test_a_bf16_checkpoint_with_tied_weights_streams_exactly(probed, method):
+    found = probed[f"bf16-tied-{method}"]
     assert found["sent_from"] == "CheckpointWeights"
     assert (found["missing"], found["unexpected"], found["different"]) == ([], [], [])
 

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from finetune_trainer.metrics import TrainerMetrics
 from finetune_trainer.progress import ProgressServer
+from tests.support import waits
 from tests.trainer.test_tensorboard import scalars
 from tests.trainer.test_training import finetune_run, manifest
 
@@ -99,7 +100,8 @@ def test_dpo_rewards_are_a_series_by_name_on_the_log_step():
 
 def samples(port: int, name: str) -> dict[str, float]:
     """The samples of one labelled series, keyed by their one extra label's value."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
+                                timeout=waits.seconds_left()) as response:
         text = response.read().decode()
     common = {"job", "namespace", "rank", "node"}
     return {next(v for k, v in s.labels.items() if k not in common): s.value
@@ -118,7 +120,7 @@ def test_both_ranks_of_a_real_run_serve_their_series(tiny_model_dir, tmp_path):
         said = lines_until(process, "metrics: ")
         assert said.endswith(f"metrics: http://127.0.0.1:{port}/metrics, one per process: "
                              f"ports {port}-{port + 1}\n"), said
-        deadline, seen = time.monotonic() + 300, {}
+        deadline, seen = time.monotonic() + waits.seconds_left(), {}
         while time.monotonic() < deadline and process.poll() is None:
             seen = {rank: scrape(port + rank) for rank in (0, 1)}
             if all(s.get("finetune_step", {}).get("value", 0) >= 2 for s in seen.values()):
@@ -155,7 +157,7 @@ def test_both_ranks_of_a_real_run_serve_their_series(tiny_model_dir, tmp_path):
         assert "finetune_preflight_bus_bandwidth_bytes_per_second" not in seen[1]  # rank 0 only
     finally:
         process.send_signal(signal.SIGTERM)
-        process.communicate(timeout=300)
+        process.communicate(timeout=waits.seconds_left())
     # and rank 0's TensorBoard event files, flushed at each record and closed on SIGTERM
     seen = scalars(tmp_path / "out")
     assert {1, 2} <= set(seen["train/loss"]) and 2 in seen["eval/loss"]
@@ -173,7 +175,7 @@ def test_sharded_strategies_time_their_collectives(tiny_model_dir, tmp_path, str
     port = metrics_ports(2)
     process = finetune_run(job, tmp_path, "--metrics-port", str(port), wait=False)
     try:
-        deadline, busbw, phases = time.monotonic() + 300, {}, {}
+        deadline, busbw, phases = time.monotonic() + waits.seconds_left(), {}, {}
         while time.monotonic() < deadline and process.poll() is None:
             try:
                 busbw = samples(port + 1, "finetune_collective_bus_bandwidth_bytes_per_second")
@@ -192,4 +194,4 @@ def test_sharded_strategies_time_their_collectives(tiny_model_dir, tmp_path, str
         assert all(calls[op] >= 1 for op in busbw)
     finally:
         process.send_signal(signal.SIGTERM)
-        process.communicate(timeout=300)
+        process.communicate(timeout=waits.seconds_left())

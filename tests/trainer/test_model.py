@@ -12,6 +12,7 @@ import torch
 
 from finetune_trainer.config import LoraConfig, MethodConfig, ModelSource
 from finetune_trainer.model import ModelError, load_model, model_location
+from tests.support import waits
 
 
 def test_full_model_loads_in_fp32_without_cache(tiny_model_dir):
@@ -128,7 +129,7 @@ def test_hub_model_without_network_says_so():
             "except ModelError as error:\n"
             "    print(error)\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=120)
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=waits.seconds_left())
     assert result.stdout.startswith("hf://finetune-operator-tests/no-such-model: cannot be "
                                     "loaded from the hub"), result.stdout + result.stderr
     assert "reach the hub" in result.stdout

@@ -22,6 +22,7 @@ from finetune_trainer.network_preflight import (
     nccl_transport,
     slow_nodes,
 )
+from tests.support import waits
 from tests.trainer.test_training import finetune_run, manifest
 
 
@@ -102,7 +103,7 @@ def test_two_nodes_of_two_ranks_are_measured_inside_and_between(tmp_path):
                    f"--master-port={port}", str(script)]
         agents.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                        text=True, env={**os.environ, "NODE_NAME": name}))
-    outputs = [agent.communicate(timeout=240)[0] for agent in agents]
+    outputs = [agent.communicate(timeout=waits.seconds_left())[0] for agent in agents]
     assert all(agent.returncode == 0 for agent in agents), outputs
     line = next(ln for ln in outputs[0].splitlines() if ln.startswith("RESULT "))
     record = json.loads(line.removeprefix("RESULT "))

@@ -7,10 +7,12 @@ import socket
 import urllib.request
 
 from finetune_trainer.progress import ProgressServer, Reporter
+from tests.support import waits
 
 
 def get(port: int, path: str) -> tuple[int, bytes]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}",
+                                timeout=waits.seconds_left()) as response:
         return response.status, response.read()
 
 

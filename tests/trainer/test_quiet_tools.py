@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO
+from tests.support import waits
 
 pytestmark = pytest.mark.process
 
@@ -19,7 +20,7 @@ CORPUS = REPO / "examples/data/tiny-chat.jsonl"
 
 def tool(*args: str) -> subprocess.CompletedProcess:
     result = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
-                            timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                            timeout=waits.seconds_left(), env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     return result
 

@@ -13,6 +13,7 @@ import pytest
 from finetune_trainer import tracking
 from finetune_trainer.progress import Reporter
 from finetune_trainer.record import ProgressRecord
+from tests.support import waits
 
 AZUREML_ENV = {"MLFLOW_TRACKING_URI": "azureml://westeurope.api.azureml.ms/mlflow/v1.0/x",
                "MLFLOW_RUN_ID": "demo-0b5e6c7e1234", "AZUREML_RUN_ID": "demo-0b5e6c7e1234"}
@@ -132,7 +133,6 @@ dist.destroy_process_group()
 
 
 @pytest.mark.process
-@pytest.mark.timeout(120)
 def test_the_trainer_joins_with_the_rank_env_azure_ml_sets(tmp_path):
     """Azure ML's PyTorch distribution starts every process itself with these variables
     (no torchrun): init_distributed must form the world from them alone."""
@@ -148,7 +148,7 @@ def test_the_trainer_joins_with_the_rank_env_azure_ml_sets(tmp_path):
                "LOCAL_WORLD_SIZE": "2", "CUDA_VISIBLE_DEVICES": ""}
         workers.append(subprocess.Popen([sys.executable, "-c", WORKER], env=env, text=True,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    outputs = [w.communicate(timeout=100) for w in workers]
+    outputs = [w.communicate(timeout=waits.seconds_left()) for w in workers]
     assert [w.returncode for w in workers] == [0, 0], outputs
     assert sorted(out.strip() for out, _ in outputs) == ["rank 0 of 2: 3.0", "rank 1 of 2: 3.0"]
 
@@ -199,7 +199,7 @@ def test_a_worker_that_refuses_its_data_says_so_on_the_job_run(job_run, tiny_mod
     worker = subprocess.run(
         [sys.executable, "-m", "finetune_trainer", "--config",
          str(write_config(config, tmp_path / "out"))],
-        env=env, capture_output=True, text=True, timeout=300)
+        env=env, capture_output=True, text=True, timeout=waits.seconds_left())
     assert worker.returncode == 2, worker.stderr[-3000:]
     said = worker.stderr.strip().splitlines()[-1]
     assert said.startswith(f"finetune-train: {data}:2: is not valid JSON"), said

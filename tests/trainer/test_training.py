@@ -24,6 +24,7 @@ import yaml
 from finetune_operator.follow import run_log
 from finetune_trainer.checkpoint import complete_checkpoints
 from tests.conftest import REPO
+from tests.support import waits
 
 pytestmark = pytest.mark.process
 DATA = REPO / "examples/data/tiny-chat.jsonl"
@@ -69,7 +70,8 @@ def finetune_run(job: dict, where: Path, *extra: str, wait: bool = True,
     if not wait:
         return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, env=env)
-    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    return subprocess.run(command, capture_output=True, text=True, env=env,
+                          timeout=waits.seconds_left())
 
 
 def new_file_mode() -> int:
@@ -143,7 +145,7 @@ def test_batches_prefetched_on_a_thread_train_the_same_numbers(runs, tmp_path):
     path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     result = subprocess.run(trainer_command(path, 2), capture_output=True, text=True,
-                            env=env, timeout=600)
+                            env=env, timeout=waits.seconds_left())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert losses(tmp_path / "out") == losses(done)
 
@@ -285,13 +287,13 @@ def test_sigterm_checkpoints_and_the_restart_ends_where_an_uninterrupted_run_end
     job = manifest(tiny_model_dir, tmp_path / "out", method="full", steps=6, checkpoint_every=4)
     process = finetune_run(job, tmp_path, wait=False)
     progress = tmp_path / "out" / "progress.json"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + waits.seconds_left()
     while time.monotonic() < deadline:
         if progress.exists() and json.loads(progress.read_text())["step"] >= 1:
             break
         time.sleep(0.05)
     process.send_signal(signal.SIGTERM)
-    output, _ = process.communicate(timeout=300)
+    output, _ = process.communicate(timeout=waits.seconds_left())
     assert process.returncode == 143, output
     stopped_at = json.loads(progress.read_text())["step"]
     assert 1 <= stopped_at < 6
@@ -543,7 +545,7 @@ def test_sigterm_while_starting_stops_at_once_without_a_checkpoint(tiny_model_di
             break
     signalled = time.monotonic()
     process.send_signal(signal.SIGTERM)
-    output = "".join(seen) + process.communicate(timeout=120)[0]
+    output = "".join(seen) + process.communicate(timeout=waits.seconds_left())[0]
     assert process.returncode == 143, output
     assert "interrupted before the first checkpoint; run the same command to start again" in (
         output)
@@ -593,7 +595,7 @@ def test_a_changed_job_is_refused_before_it_starts_and_fresh_starts_over(
     (tmp_path / "trainer.yaml").write_text(yaml.safe_dump(trainer_config))
     check = subprocess.run([sys.executable, "-m", "finetune_trainer", "--check-resume",
                             "--config", str(tmp_path / "trainer.yaml")],
-                           capture_output=True, text=True, timeout=120)
+                           capture_output=True, text=True, timeout=waits.seconds_left())
     assert check.returncode == 4 and "method.lora.r: 4 → 8" in check.stderr
 
     old_adapter = (output / "final" / "adapter_model.safetensors").read_bytes()

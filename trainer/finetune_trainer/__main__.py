@@ -8,7 +8,8 @@ Exit codes: 0 done, 2 bad input (the model or the data; no restart can help), 3 
 network failed the collective preflight (below spec.preflight.minBusBandwidthGBps, or no
 InfiniBand where it was required), 4 the output folder holds checkpoints of another training,
 or an exported model and no checkpoint (`trained_with`: nothing was started; no restart can
-help), 143 stopped by SIGTERM after a
+help), 5 this image cannot set the worker up (an import error, an op DeepSpeed or torch cannot
+build or load: `errors.setup_failure`), 143 stopped by SIGTERM after a
 checkpoint, 1 anything else (a full output volume among them: said in one line naming the
 folder, not a traceback).
 
@@ -27,6 +28,7 @@ import gc
 import os
 import signal
 import sys
+import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,9 +37,11 @@ from finetune_trainer.errors import (
     EXIT_FAILED,
     EXIT_NETWORK,
     EXIT_OTHER_CHECKPOINTS,
+    EXIT_SETUP,
     STOPPED,
     failed,
     record_failure,
+    setup_failure,
 )
 
 if TYPE_CHECKING:
@@ -188,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
     except Exception as error:  # raised again: its traceback still goes to stderr
+        if (line := setup_failure(error)) is not None:
+            traceback.print_exc()  # the whole story stays in the log
+            return failed(line, EXIT_SETUP)
         record_failure(f"{type(error).__name__}: {error}")
         raise
     finally:

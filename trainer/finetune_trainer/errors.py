@@ -7,14 +7,20 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import sys
 import time
+import traceback
 from pathlib import Path
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_NETWORK = 3
 EXIT_OTHER_CHECKPOINTS = 4
+EXIT_SETUP = 5
+"""The worker could not set itself up in this image (`setup_failure`): an import that fails,
+an op that DeepSpeed or torch cannot build or load. The same on every rank and every attempt
+until the image changes: restarted once at most (the operator, `finetune run`)."""
 STOPPED = 143  # 128 + SIGTERM: what Kubernetes and torchrun expect after SIGTERM
 NOT_RESTARTED = (EXIT_BAD_INPUT, EXIT_OTHER_CHECKPOINTS)
 """Refusals no attempt would change: the model or the data, another training's
@@ -57,3 +63,72 @@ def failed(text: str, code: int, *, termination: bool = False) -> int:
     if termination:
         termination_message(text)
     return code
+
+
+OP_BUILDERS = ("torch.utils.cpp_extension", "deepspeed.ops.op_builder")
+"""The modules that compile and load C++/CUDA ops on first use (DeepSpeed's builders call
+torch's): an error raised inside one is the op's, whichever op it is."""
+
+_STEP = re.compile(r"^\[\d+/\d+\] ")
+"""ninja's line before each command it runs (`[1/3] c++ -MMD ...`)."""
+_BUILD_NOISE = re.compile(r"^(FAILED: |ninja: )")
+_SAID = re.compile(r"error|not found|no such file|cannot|undefined", re.IGNORECASE)
+_EXTENSION = re.compile(r"^Error building extension '([^']+)':?\s*")
+
+
+def setup_failure(error: BaseException) -> str | None:
+    """The one line that says what this image cannot do, when `error` is one (an
+    ImportError, an op that cannot be built or loaded: EXIT_SETUP); None for anything
+    else. For a failed build, the build's own error line (`/bin/sh: 1: c++: not found`, a
+    compiler's `fatal error: ...`), not the start of the compiler's command line that the
+    exception's message opens with."""
+    chain = _chain(error)
+    built_by = next((e for e in chain if _raised_in(e, OP_BUILDERS)), None)
+    if built_by is not None:
+        return _build_line(built_by)
+    imported = next((e for e in chain if isinstance(e, ImportError)), None)
+    if imported is not None:
+        return f"{type(imported).__name__}: {imported} (an import this image cannot do)"
+    return None
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """`error` and the exceptions it was raised from or while handling, outermost first."""
+    chain: list[BaseException] = []
+    while error is not None and error not in chain:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    return chain
+
+
+def _raised_in(error: BaseException, modules: tuple[str, ...]) -> bool:
+    """A frame of `error`'s traceback runs code of one of `modules` (as imported here)."""
+    files = set()
+    for name in modules:
+        module = sys.modules.get(name)
+        path = getattr(module, "__file__", None)
+        if path:
+            files.add(str(Path(path).parent if path.endswith("__init__.py") else path))
+    if not files:
+        return False
+    return any(frame.filename == f or frame.filename.startswith(f + os.sep)
+               for frame in traceback.extract_tb(error.__traceback__) for f in files)
+
+
+def _build_line(error: BaseException) -> str:
+    """`op 'NAME' could not be built in this image: LINE (...)` for torch's `Error building
+    extension 'NAME': <the build's output>`, LINE the output's first line that says what went
+    wrong: neither a command ninja ran (nor its echo after `FAILED:`) nor ninja's own words.
+    Any other error of the builders (DeepSpeed's `Unable to JIT load the async_io op ...`):
+    its first line."""
+    lines = [line.strip() for line in str(error).splitlines()] or [type(error).__name__]
+    named = _EXTENSION.match(lines[0])
+    if named is None:
+        return f"{type(error).__name__}: {lines[0]} (an op this image cannot build or load)"
+    output = [lines[0][named.end():], *lines[1:]]
+    commands = {_STEP.sub("", line) for line in output if _STEP.match(line)}
+    said = [line for line in output if line and not _STEP.match(line)
+            and not _BUILD_NOISE.match(line) and line not in commands]
+    line = next((s for s in said if _SAID.search(s)), said[0] if said else "no output")
+    return (f"op {named[1]!r} could not be built in this image: {line} (DeepSpeed builds "
+            "its ops on first use: prebuild it into the image, or use one that can build it)")

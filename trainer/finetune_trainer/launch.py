@@ -8,7 +8,8 @@ policy can tell none of them apart. This launcher runs torchrun's own `run` (its
 the PET_* environment defaults) and ends with:
 
 - the failed worker's own exit code where no restart can help (2 bad input, 4 checkpoints
-  of other settings) and 3 for the collective preflight; 1 for anything else;
+  of other settings), 3 for the collective preflight and 5 for what this image cannot set
+  up (an import, an op that cannot be built); 1 for anything else;
 - 128 + the signal when it was stopped by one (143 for SIGTERM), as a plain process would;
 - one line naming the first failed rank and why (the worker's message from its error
   file, `errors.record_failure`), on stderr and in the termination message.
@@ -21,7 +22,7 @@ import sys
 
 from finetune_trainer import errors
 
-PASSED_ON = (*errors.NOT_RESTARTED, errors.EXIT_NETWORK)
+PASSED_ON = (*errors.NOT_RESTARTED, errors.EXIT_NETWORK, errors.EXIT_SETUP)
 """Worker exit codes the launcher ends with itself: each means the same on every rank and
 every attempt. Others (a crash, a kill) become 1."""
 

@@ -18,6 +18,7 @@ from finetune_operator.backends.kubernetes.workers import (
     FETCH_MODEL_CONTAINER,
     FETCH_REFUSED_EXIT_CODE,
     OTHER_CHECKPOINTS_EXIT_CODE,
+    SETUP_EXIT_CODE,
     STOPPED_EXIT_CODE,
     TRAINER_CONTAINER,
 )
@@ -99,6 +100,11 @@ def pod_failure(pod: dict[str, Any]) -> Failure | None:
         return Failure("refused", tail[0].removeprefix("finetune-train: ")[:1000]
                        or f"{name}: the hub refused spec.model (its name, revision or token)",
                        reason=MODEL_REFUSED)
+    if (container, code) == (TRAINER_CONTAINER, SETUP_EXIT_CODE):
+        # the trainer's own line (errors.setup_failure), not a traceback's or a command's
+        said = tail[0].removeprefix("finetune-train: ")[:1000] or (
+            "the trainer could not set itself up in the image (its log says what)")
+        return Failure("worker", f"{name} exited {code}: {said}", setup=True)
     if reason == "OOMKilled":  # the kernel's word, and what to change
         return Failure("worker", f"{name} exited {code} (OOMKilled): its processes needed more "
                        "memory than the container's limit, spec.resources.memory; raise it, "
@@ -324,6 +330,12 @@ def job_failure(failed: dict[str, Any]) -> Failure:
             and f"exit code {BAD_INPUT_EXIT_CODE}" in message):
         return Failure("refused", f"{text}: the trainer refused the model or the data — "
                        "its log names the field", reason=INPUT_REFUSED)
+    if reason == "PodFailurePolicy" and (
+            f"Container {TRAINER_CONTAINER} " in message
+            and f"exit code {SETUP_EXIT_CODE}" in message):
+        return Failure("worker", f"{text}: the trainer could not set itself up in the image "
+                       "(an import, an op that cannot be built) — its log says what",
+                       setup=True)
     if reason == "PodFailurePolicy" and f"Container {FETCH_MODEL_CONTAINER} " in message:
         return Failure("refused", f"{text}: the hub refused spec.model (no such model or "
                        "revision, or a token it does not accept) — the fetch-model "
@@ -433,10 +445,12 @@ def _observe_job(workload: dict[str, Any], pods: list[dict[str, Any]], nodes: in
              if (f := pod_failure(p)) is not None
              and (f.kind == "preempted" or (f.kind == "worker" and gang_failed))]
     # a worker failure outranks a preemption seen at the same time: it must be counted; of
-    # failed workers, one's own error outranks a peer's lost connection to it, then the
-    # first to end is the cause
+    # failed workers, one that could not set itself up (the image's, the same on every
+    # attempt) outranks the others, one's own error a peer's lost connection to it, then
+    # the first to end is the cause
     seen.sort(key=lambda pair: ({"refused": 0, "worker": 1, "preempted": 2,
-                                 "stopped": 3}[pair[0].kind], lost_a_peer(pair[0]), pair[1]))
+                                 "stopped": 3}[pair[0].kind], not pair[0].setup,
+                                lost_a_peer(pair[0]), pair[1]))
     failures = [f for f, _ in seen]
     if failures and lost_a_peer(failures[0]) and now is not None and _peer_still_ending(
             pods, seen[0][1], now):

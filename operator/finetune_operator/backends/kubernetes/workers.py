@@ -46,6 +46,9 @@ settings. No restart can help."""
 BAD_INPUT_EXIT_CODE = errors.EXIT_BAD_INPUT
 """The trainer's refusal of the model or the data, passed on by the launcher; no restart
 can help."""
+SETUP_EXIT_CODE = errors.EXIT_SETUP
+"""The trainer could not set itself up in the image (an import, an op that cannot be built):
+the gang is restarted once at most (reconcile), as every attempt would fail the same way."""
 FETCH_REFUSED_EXIT_CODE = errors.EXIT_BAD_INPUT
 """The fetch-model step's refusal: the hub has no such model or revision, or refuses the
 token. No restart can help."""
@@ -479,6 +482,10 @@ def worker_job(job: FineTuneJob, settings: OperatorSettings) -> dict[str, Any]:
                 {"action": "FailJob", "onExitCodes": {
                     "containerName": TRAINER_CONTAINER, "operator": "In",
                     "values": [BAD_INPUT_EXIT_CODE]}},
+                # named in the Job's Failed condition, which outlives the pods
+                {"action": "FailJob", "onExitCodes": {
+                    "containerName": TRAINER_CONTAINER, "operator": "In",
+                    "values": [SETUP_EXIT_CODE]}},
                 *_fetch_refused_rule(job),
             ]},
             # Kueue admits a suspended Job by unsuspending it; a suspended FineTuneJob too

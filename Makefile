@@ -178,9 +178,11 @@ clean:
 kind-e2e: venv
 	bash scripts/kind-e2e.sh $(BIN)
 
-# Example 06 on real pods, on this machine (tests/e2e, also part of `make test`): the control
-# plane with its real node, both images built from their Dockerfiles by buildah and loaded,
-# the chart installed with the helm CLI, the job trained on two worker pods to Succeeded and
-# checked, then removed. The first run builds the images (~6 minutes; cached after).
+# Real pods on this machine (tests/e2e, also part of `make test`): the control plane with its
+# real node, both images built from their Dockerfiles by buildah and loaded, the chart
+# installed with the helm CLI; example 06 (DDP) and one short job per other strategy (FSDP
+# LoRA, ZeRO-2 full weights, ZeRO-3 LoRA) trained on two worker pods to Succeeded, a worker
+# that cannot set itself up failed after one restart, a helm upgrade mid-job. The first run
+# builds the images (~10 minutes; cached after).
 e2e: venv tools cluster-bin node-images
 	$(BIN)/python -m pytest tests/e2e -p no:cacheprovider -v --durations=5

@@ -182,8 +182,8 @@ def dpo_trainer(config, model, rows: list[dict], tokenizer, adapters, timing, se
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
-    dpo = config.objective.dpo_settings()
-    if dpo is None:
+    dpo = config.objective.settings()
+    if config.objective.type != "dpo":
         raise SystemExit("--peer dpo needs a config with objective.type dpo")
     if dpo.loss == "sigmoid" and dpo.label_smoothing:
         # TRL 1.16's sigmoid loss leaves label_smoothing out (its robust and exo_pair use it)

@@ -13,6 +13,7 @@ from finetune_trainer.config import (
     JobIdentity,
     LoraConfig,
     MethodConfig,
+    ObjectiveConfig,
     StrategyConfig,
     TrainerConfig,
     TrainerPreflight,
@@ -83,6 +84,15 @@ def launch_plan(job: FineTuneJob, model: ModelConfig | None = None
     return record, planner.with_step_settings(job, settings)
 
 
+def _explicit_settings(objective: ObjectiveConfig) -> ObjectiveConfig:
+    """The objective with its settings section written out, defaults included (the trainer
+    reads what the operator resolved, not its own defaults)."""
+    settings = objective.settings()
+    if settings is None:
+        return objective
+    return objective.model_copy(update={objective.type: settings})
+
+
 def _explicit_lora(method: MethodConfig) -> MethodConfig:
     """Workers get the adapter settings spelled out, defaults included."""
     if method.type == "full" or method.lora is not None:
@@ -115,7 +125,7 @@ def trainer_config_and_step_settings(job: FineTuneJob, mount: Mount = keep_locat
         model=spec.model.model_copy(update={"uri": model_at}),
         dataset=spec.dataset.model_copy(update={"uri": dataset_at}),
         method=_explicit_lora(spec.method),
-        objective=spec.objective.model_copy(update={"dpo": spec.objective.dpo_settings()}),
+        objective=_explicit_settings(spec.objective),
         strategy=strategy,
         hyperparameters=spec.hyperparameters.model_copy(update={
             "learning_rate": spec.hyperparameters.resolved_learning_rate(spec.method.type),

@@ -32,6 +32,9 @@ from finetune_operator.api import (
 )
 from finetune_operator.planner import catalog
 from finetune_operator.settings import OperatorSettings
+from finetune_trainer import objectives
+from finetune_trainer.config import ObjectiveConfig
+from finetune_trainer.objectives import ObjectiveSpec
 from finetune_trainer.uris import ONE_DATA_FILE, Location, UriError
 
 # torchrun / torch.distributed rendezvous and the names Kubeflow users know: set by the
@@ -262,44 +265,55 @@ def lora_settings_need_lora(job: FineTuneJob) -> Iterator[Problem]:
                       "remove `lora`, or set `method.type: lora`")
 
 
-@rule(
-    CelRule("spec", "self.objective.type != 'dpo' || self.dataset.format in ['auto', "
-            "'preference']", "objective dpo trains on preference pairs — set "
-            "spec.dataset.format to preference (or auto) with prompt, chosen and rejected "
-            "columns", ".dataset.format"),
-    CelRule("spec", "self.dataset.format != 'preference' || self.objective.type == 'dpo'",
-            "preference data (chosen and rejected answers) trains with objective dpo — set "
-            "spec.objective.type to dpo, or use format instruction for supervised "
-            "fine-tuning", ".objective.type"),
-    CelRule("spec.objective", "!has(self.dpo) || self.type == 'dpo'",
-            "spec.objective.dpo is only used with objective dpo — remove it, or set "
-            "spec.objective.type to dpo", ".dpo"),
-    CelRule("spec.objective", "!has(self.dpo) || self.dpo.loss != 'ipo' || "
-            "self.dpo.labelSmoothing == 0.0",
-            "ipo has no label smoothing — remove spec.objective.dpo.labelSmoothing, or use "
-            "loss sigmoid (conservative DPO) or robust", ".dpo.labelSmoothing"),
-)
+def _trains_on(spec: ObjectiveSpec) -> str:
+    """`chat, instruction or text`."""
+    *most, last = spec.formats
+    return f"{', '.join(most)} or {last}" if most else last
+
+
+def _objective_cel() -> Iterator[CelRule]:
+    """The API server's side of `objective_matches_data`, from the objectives' registry."""
+    for name, spec in objectives.registry().items():
+        formats = ", ".join(f"'{f}'" for f in ("auto", *spec.formats))
+        others = ", ".join(f"{other} ({_trains_on(of)} data)"
+                           for other, of in objectives.registry().items() if other != name)
+        yield CelRule("spec", f"self.objective.type != '{name}' || self.dataset.format in "
+                      f"[{formats}]", f"spec.dataset.format: objective {name} trains on "
+                      f"{_trains_on(spec)} data — set spec.dataset.format to "
+                      f"{'one of them' if len(spec.formats) > 1 else spec.formats[0]} (or "
+                      f"auto), or spec.objective.type to your data's: {others}",
+                      ".dataset.format")
+        if name in ObjectiveConfig.model_fields:
+            yield CelRule("spec.objective", f"!has(self.{name}) || self.type == '{name}'",
+                          f"spec.objective.{name} is only used with objective {name} — remove "
+                          f"it, or set spec.objective.type to {name}", f".{name}")
+        for settings in spec.rules:
+            yield CelRule("spec.objective", settings.cel, f"spec.objective.{settings.field} "
+                          f"{settings.says} — {settings.fix}", f".{settings.field}")
+
+
+@rule(*_objective_cel())
 def objective_matches_data(job: FineTuneJob) -> Iterator[Problem]:
-    spec = job.spec
-    objective, data_format = spec.objective, spec.dataset.format
-    if objective.type == "dpo" and data_format not in ("auto", "preference"):
-        yield Problem("spec.dataset.format", f"is {data_format}, and objective dpo trains on "
-                      "preference pairs (a prompt, a chosen and a rejected answer)",
-                      "set `dataset.format: preference` (or auto) with prompt, chosen and "
-                      "rejected columns, or `objective.type: sft`")
-    if data_format == "preference" and objective.type != "dpo":
-        yield Problem("spec.objective.type", f"is {objective.type}, and preference data "
-                      "(chosen and rejected answers) trains with dpo",
-                      "set `objective.type: dpo`, or lay the data out as instruction "
-                      "records (prompt, response) for supervised fine-tuning")
-    if objective.dpo is not None and objective.type != "dpo":
-        yield Problem("spec.objective.dpo", f"is set but objective.type is {objective.type}",
-                      "remove `dpo`, or set `objective.type: dpo`")
-    dpo = objective.dpo
-    if dpo is not None and dpo.loss == "ipo" and dpo.label_smoothing:
-        yield Problem("spec.objective.dpo.labelSmoothing", "is not used by the ipo loss",
-                      "remove labelSmoothing, or use `loss: sigmoid` (conservative DPO) or "
-                      "`loss: robust`")
+    """The data's format is one the objective trains on, its settings section is its own,
+    and its settings' own rules hold (`ObjectiveSpec.rules`)."""
+    objective, data_format = job.spec.objective, job.spec.dataset.format
+    known = objectives.registry()
+    spec = known[objective.type]
+    if data_format != "auto" and data_format not in spec.formats:
+        others = [n for n in objectives.trains_on(data_format) if n != objective.type]
+        yield Problem("spec.dataset.format", f"is {data_format}, and objective "
+                      f"{objective.type} trains on {_trains_on(spec)} data",
+                      f"set `dataset.format` to {_trains_on(spec)} (or auto) with such "
+                      "records" + (f", or `objective.type: {' or '.join(others)}` for "
+                                   f"{data_format} data" if others else ""))
+    for name in known:
+        if name != objective.type and getattr(objective, name, None) is not None:
+            yield Problem(f"spec.objective.{name}", f"is set but objective.type is "
+                          f"{objective.type}", f"remove `{name}`, or set `objective.type: "
+                          f"{name}`")
+    for settings in spec.rules:
+        if not settings.holds(objective):
+            yield Problem(f"spec.objective.{settings.field}", settings.says, settings.fix)
 
 
 @rule(CelRule("spec", "!self.output.mergeAdapter || self.method.type != 'full'",

@@ -14,7 +14,8 @@ from finetune_operator.api import MAX_NAME_LENGTH, FineTuneJobStatus, LaunchPlan
 from finetune_operator.render import render
 from finetune_operator.trainer_config import build_trainer_config, resolve_strategy
 from finetune_operator.validation import parse_job
-from finetune_trainer.config import DpoConfig, TrainerConfig
+from finetune_trainer.config import TrainerConfig
+from finetune_trainer.objectives.dpo.settings import DpoConfig
 from tests.conftest import minimal_job
 
 

@@ -109,8 +109,9 @@ def test_an_attempt_seen_running_that_reports_another_state_runs_on(state):
 
 def test_a_workers_refusal_on_the_run_fails_the_job_at_once():
     """The trainer's tags on the job's run (finetune_trainer.tracking): its exit 2 or 4 is
-    the same on every attempt, so no attempt is submitted again; another failure is quoted
-    and counted."""
+    the same on every attempt, so no attempt is submitted again; its exit 5 (the image
+    cannot set the workers up) is submitted again once, then fails the job; another failure
+    is quoted and counted."""
     data = {"tags": [{"key": "mlflow.user", "value": "x"}, {"key": "finetune.refused",
              "value": "2 /mnt/data/chats.jsonl:2: is not valid JSON — fix or remove it"}]}
     seen = states.observe(aml_job(), azure("Failed"), tags=states.tags_of(data))
@@ -127,6 +128,18 @@ def test_a_workers_refusal_on_the_run_fails_the_job_at_once():
         "finetune.refused": "4 /out holds checkpoints trained with other settings (...)"})
     assert (other.failure.kind, other.failure.reason) == ("refused",
                                                           "OtherSettingsCheckpoints")
+    setup = states.observe(aml_job(), azure("Failed"), tags={
+        "finetune.refused": "5 op 'deepspeed_shm_comm' could not be built in this image: "
+                            "/bin/sh: 1: c++: not found (...)"})
+    assert (setup.failure.kind, setup.failure.setup) == ("worker", True)
+    again = reconcile(aml_job("Running"), setup, T0)
+    assert again.status.restarts == 1 and again.status.phase != "Failed"
+    resubmitted = aml_job("Running")  # the attempt submitted again fails the same way
+    resubmitted.status.restarts = 1
+    ended = reconcile(resubmitted, setup, T0)
+    assert ended.status.phase == "Failed"
+    assert condition(ended.status, "Failed").reason == "WorkerSetupFailed"
+    assert "c++: not found" in condition(ended.status, "Failed").message
     crashed = states.observe(aml_job(), azure("Failed"), tags={
         "finetune.failure": "rank 5: RuntimeError: CUDA error: an illegal memory access"})
     assert crashed.failure.kind == "worker" and crashed.failure.message.startswith(

@@ -85,7 +85,7 @@ def test_the_dpo_suites_train_preference_pairs_whole(tmp_path):
         throughput.write_data(data, small)
         config = TrainerConfig.model_validate(throughput.trainer_config(
             bench, tmp_path / "m", data, tmp_path / "o"))
-        assert config.objective.dpo_settings().beta == throughput.DPO["beta"]
+        assert config.objective.settings().beta == throughput.DPO["beta"]
         tokenizer = build_tokenizer(corpus_from_jsonl(data)[:2000], vocab_size=1024)  # as
         pairs = tokenize_pairs(read_records(config.dataset, tmp_path), tokenizer,  # build_model
                                bench.seq_len)

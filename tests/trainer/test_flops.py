@@ -90,7 +90,9 @@ def test_a_packed_rows_flops_by_hand():
 
 
 def test_a_steps_work_is_counted_from_its_sequences():
+    from finetune_trainer.config import TrainerConfig
     from finetune_trainer.data import IGNORE, GlobalBatches
+    from finetune_trainer.objectives import spec_of
     from finetune_trainer.train import StepCounts
 
     sequences = [{"input_ids": [1] * 5, "labels": [IGNORE, IGNORE, 3, 4, 5],
@@ -98,6 +100,12 @@ def test_a_steps_work_is_counted_from_its_sequences():
                  {"input_ids": [1] * 3, "labels": [IGNORE, 2, 3], "position_ids": [0, 1, 2]}]
     batches = GlobalBatches(num_sequences=2, micro_batch=2, accumulation=1, world_size=1,
                             seed=0)
-    work = StepCounts(sequences, batches).of_step(0, 0)
+    config = TrainerConfig.model_validate({
+        "job": {"name": "counts"}, "model": {"uri": "/models/m"}, "dataset": {"uri": "/data"},
+        "method": {"type": "lora"}, "strategy": {"type": "ddp"},
+        "hyperparameters": {"maxSteps": 1}, "output": {"uri": "/out"}})
+    counts = StepCounts(sequences, batches, spec_of("sft").objective(config))
+    work = counts.of_step(0, 0)
+    assert counts.units_of_step(0, 0) == work.labels  # SFT's loss: a mean over them
     assert (work.labels, work.inputs, work.sequences) == (5, 8, 2)
     assert work.attended == (3 + 6) + 6 and work.full_rows == 25 + 9

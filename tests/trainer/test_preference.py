@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from finetune_trainer import loss
-from finetune_trainer.config import DatasetSource, DpoConfig, TrainerConfig
+from finetune_trainer.config import DatasetSource, TrainerConfig
 from finetune_trainer.data import (
     IGNORE,
     DataError,
@@ -28,7 +28,10 @@ from finetune_trainer.data import (
     tokenize_pairs,
     truncated_pair,
 )
-from finetune_trainer.preference import DpoObjective, answer_lengths, dpo_losses
+from finetune_trainer.objectives import spec_of
+from finetune_trainer.objectives.base import RunContext
+from finetune_trainer.objectives.dpo.loss import answer_lengths, dpo_losses
+from finetune_trainer.objectives.dpo.settings import DpoConfig
 from tests.conftest import REPO
 
 PREFERENCES = REPO / "examples/data/tiny-preferences.jsonl"
@@ -384,11 +387,14 @@ def test_the_preflight_refuses_an_objective_the_data_does_not_fit(tiny_model_dir
     with pytest.raises(DataError) as refused:
         preflight(trainer_config(chats, tiny_model_dir, tmp_path, "dpo"), tmp_path)
     assert (refused.value.where, refused.value.what) == (
-        str(chats), "is laid out as chat, and objective dpo trains on preference pairs")
+        str(chats), "is laid out as chat, and objective dpo trains on preference data")
+    assert refused.value.fix == ("set spec.objective.type to sft, or lay the data out as "
+                                 "preference records (spec.dataset.format)")
     with pytest.raises(DataError) as refused:
         preflight(trainer_config(PREFERENCES, tiny_model_dir, tmp_path, "sft"), tmp_path)
-    assert refused.value.what == ("holds preference pairs (prompt, chosen, rejected), which "
-                                  "objective sft does not train on")
+    assert refused.value.what == ("is laid out as preference, and objective sft trains on "
+                                  "chat, instruction or text data")
+    assert refused.value.fix.startswith("set spec.objective.type to dpo, or ")
 
 
 # --- the losses ----------------------------------------------------------------------------
@@ -538,6 +544,19 @@ def test_fused_answer_logps_give_the_plain_gradients(tiny_model_dir, tiny_tokeni
         assert torch.allclose(plain, fused, atol=1e-5, rtol=1e-4)
 
 
+def dpo_objective(settings: DpoConfig, strategy):
+    """DPO's trainer side as a LoRA run builds it (`spec.objective.dpo: settings`), attached
+    to `strategy` with no fused head."""
+    config = TrainerConfig.model_validate({
+        "job": {"name": "pairs"}, "model": {"uri": "/models/m"}, "dataset": {"uri": "/data"},
+        "objective": {"type": "dpo", "dpo": settings.model_dump(by_alias=True)},
+        "method": {"type": "lora"}, "strategy": {"type": "ddp"},
+        "hyperparameters": {"maxSteps": 1}, "output": {"uri": "/out"}})
+    objective = spec_of("dpo").objective(config)
+    objective.attach(RunContext(strategy, None, None, None, 1, REPO, 0))
+    return objective
+
+
 def test_the_objective_reads_the_reference_of_its_pairs_from_the_table(tiny_model_dir,
                                                                       tiny_tokenizer):
     """Full weights: the reference is the table taken before the first step, indexed by the
@@ -546,7 +565,8 @@ def test_the_objective_reads_the_reference_of_its_pairs_from_the_table(tiny_mode
     model = tiny_model(tiny_model_dir)
     table = torch.arange(12, dtype=torch.float64).view(6, 2) * -1.5 - 20
     settings = DpoConfig(beta=0.2)
-    objective = DpoObjective(settings, types.SimpleNamespace(model=model), None, table)
+    objective = dpo_objective(settings, types.SimpleNamespace(model=model))
+    objective.table = table
     reference = objective.reference(batch)
     assert reference.tolist() == [table[p, side].item() for p in batch["pairs"].tolist()
                                   for side in (0, 1)]
@@ -570,7 +590,7 @@ def test_the_reference_of_an_adapter_run_is_the_base_with_adapters_off(tiny_mode
     adapted = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
                                                init_lora_weights=False))
     strategy = types.SimpleNamespace(model=adapted, unwrapped=lambda: adapted)
-    objective = DpoObjective(DpoConfig(), strategy, None)
+    objective = dpo_objective(DpoConfig(), strategy)
     reference = objective.reference(batch)
     assert torch.allclose(reference, base, atol=1e-5) and not reference.requires_grad
     policy = loss.answer_logps(adapted, batch, None)

@@ -207,6 +207,14 @@ def test_a_worker_that_refuses_its_data_says_so_on_the_job_run(job_run, tiny_mod
         tracking.REFUSED_TAG: "2 " + said.removeprefix("finetune-train: ")}
 
 
+def test_what_the_image_cannot_set_up_is_tagged_as_the_same_on_every_attempt(job_run):
+    """Exit 5 (errors.setup_failure): the operator submits the job again once at most."""
+    tracking.record_failure("op 'deepspeed_shm_comm' could not be built in this image: "
+                            "/bin/sh: 1: c++: not found", 5)
+    assert run_tags(job_run) == {tracking.REFUSED_TAG: "5 op 'deepspeed_shm_comm' could not "
+                                 "be built in this image: /bin/sh: 1: c++: not found"}
+
+
 def test_any_other_failure_names_the_rank_and_a_silent_service_costs_seconds(
         job_run, monkeypatch, capsys):
     monkeypatch.setenv("RANK", "3")

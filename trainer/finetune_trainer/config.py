@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic import Field, WithJsonSchema, create_model, model_validator
 
+from finetune_trainer import objectives
+from finetune_trainer.api_model import ApiModel, section
 from finetune_trainer.uris import (
     DATASET_SCHEMES,
     MODEL_SCHEMES,
@@ -40,8 +41,6 @@ Precision = Literal["bf16", "fp16", "fp32"]
 CheckpointPolicy = Literal["full", "selective"]
 AsyncCheckpoints = Literal["auto", "on", "off"]
 DatasetFormat = Literal["auto", "chat", "instruction", "text", "preference"]
-ObjectiveType = Literal["sft", "dpo"]
-DpoLoss = Literal["sigmoid", "ipo", "robust"]
 Scheduler = Literal["cosine", "linear", "constant"]
 
 
@@ -54,27 +53,6 @@ def _uri(schemes: tuple) -> Any:
 ModelUri = Annotated[str, _uri(MODEL_SCHEMES)]
 DatasetUri = Annotated[str, _uri(DATASET_SCHEMES)]
 OutputUri = Annotated[str, _uri(OUTPUT_SCHEMES)]
-
-
-class ApiModel(BaseModel):
-    """Base of every API object: camelCase on the wire, unknown fields refused."""
-
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        populate_by_name=True,
-        extra="forbid",
-        use_attribute_docstrings=True,
-        validate_default=True,
-    )
-
-    def to_dict(self) -> dict[str, Any]:
-        """The wire form: camelCase keys, unset optional fields left out."""
-        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
-
-
-def section(cls: type[ApiModel]) -> Any:
-    """A sub-object that is always present; `default: {}` lets the API server fill it in."""
-    return Field(default_factory=cls, json_schema_extra={"default": {}})
 
 
 class SecretKeyRef(ApiModel):
@@ -181,39 +159,36 @@ class MethodConfig(ApiModel):
     """Adapter settings for `lora` and `qlora`; defaults apply when left out."""
 
 
-class DpoConfig(ApiModel):
-    """Direct Preference Optimization (Rafailov et al., 2023), as TRL's DPOConfig names it."""
-
-    beta: float = Field(default=0.1, gt=0, le=100)
-    """How far the trained model may move from the reference (the model before training):
-    small values let it move further. For `ipo`, the regularisation strength (tau)."""
-    loss: DpoLoss = "sigmoid"
-    """`sigmoid`: the DPO loss, -log sigmoid(beta x margin); with `labelSmoothing`,
-    conservative DPO (cDPO). `ipo`: IPO's squared loss on the per-token mean log-ratio
-    margin. `robust`: robust DPO, unbiased under the `labelSmoothing` fraction of flipped
-    labels. Without label smoothing, TRL's `loss_type`s of these names (TRL 1.16's
-    `sigmoid` ignores its `label_smoothing`)."""
-    label_smoothing: float = Field(default=0.0, ge=0.0, le=0.49)
-    """The fraction of pairs assumed to be labelled the wrong way round (`sigmoid`:
-    conservative DPO; `robust`), at most 0.49 (0.5 would say a label means nothing).
-    0: trust every label."""
-
-
-class ObjectiveConfig(ApiModel):
+class _Objective(ApiModel):
     """What the training optimises, whatever the method trains (LoRA, QLoRA or full)."""
 
-    type: ObjectiveType = "sft"
-    """`sft`: supervised fine-tuning, the cross-entropy of the answers (or text) in the
-    data. `dpo`: preference tuning on pairs of a chosen and a rejected answer to one prompt
-    (`dataset.format: preference`), against the model as it was before training (with
-    adapters: the base, adapters switched off; with full weights: log-probabilities taken
-    once before the first step and kept in the output folder)."""
-    dpo: DpoConfig | None = None
-    """DPO settings for `type: dpo`; defaults apply when left out."""
+    def settings(self) -> ApiModel | None:
+        """The chosen objective's settings section, its defaults where it was left out;
+        None for an objective without one."""
+        spec = objectives.spec_of(self.type)  # type: ignore[attr-defined]
+        if spec.settings is None:
+            return None
+        return getattr(self, self.type) or spec.settings()  # type: ignore[attr-defined]
 
-    def dpo_settings(self) -> DpoConfig | None:
-        """The DPO settings, defaults included; None for `sft`."""
-        return (self.dpo or DpoConfig()) if self.type == "dpo" else None
+
+def _objective_config() -> type[ApiModel]:
+    """`spec.objective` from the registered objectives (finetune_trainer.objectives): its
+    `type` names one, and each objective with settings has its section, named after it.
+    A new objective needs no line here."""
+    known = objectives.registry()
+    about = " ".join(f"`{name}`: {spec.about}" for name, spec in known.items())
+    fields: dict[str, Any] = {"type": (Literal[tuple(known)], Field(  # type: ignore[valid-type]
+        default="sft", description=about))}
+    for name, spec in known.items():
+        if spec.settings is not None:
+            fields[name] = (spec.settings | None, Field(
+                default=None, description=f"{spec.settings.__doc__.strip()} For `type: "
+                f"{name}`; defaults apply when left out."))
+    return create_model("ObjectiveConfig", __base__=_Objective, __module__=__name__,
+                        __doc__=_Objective.__doc__, **fields)
+
+
+ObjectiveConfig = _objective_config()
 
 
 class StrategyConfig(ApiModel):

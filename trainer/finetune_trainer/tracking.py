@@ -89,7 +89,8 @@ the eval_loss metric's latest value is the last evaluation's): what a sweep rank
 
 REFUSED_TAG = "finetune.refused"
 """`<exit code> <the worker's line>`: the model, the data (2) or checkpoints of other
-settings (4) were refused, the same on every attempt."""
+settings (4) were refused, or the image cannot set the worker up (5): the same on every
+attempt."""
 FAILURE_TAG = "finetune.failure"
 """`rank <n>: <the worker's line>`: any other failure."""
 TAG_CHARACTERS = 500  # what every MLflow tracking service takes in a tag value
@@ -102,13 +103,13 @@ def record_failure(text: str, code: int) -> None:
     again backoffLimit times (each time provisioning the compute), and any other failure
     is quoted in its status. The tracking client, not the fluent API: no run is started
     or ended here. Inside Azure ML only; a tag not sent is said, never raised."""
-    from finetune_trainer.errors import NOT_RESTARTED
+    from finetune_trainer.errors import EXIT_SETUP, NOT_RESTARTED
 
     environ = os.environ
     if not in_azureml(environ):
         return
     run_id = environ.get("MLFLOW_RUN_ID") or environ["AZUREML_RUN_ID"]
-    if code in NOT_RESTARTED:
+    if code in (*NOT_RESTARTED, EXIT_SETUP):
         key, value = REFUSED_TAG, f"{code} {text}"
     else:
         key, value = FAILURE_TAG, f"rank {environ.get('RANK', '0')}: {text}"

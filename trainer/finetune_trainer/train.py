@@ -12,7 +12,6 @@ padding or uneven packing never reweights tokens.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 import signal
@@ -38,20 +37,14 @@ from finetune_trainer.data import (
     Prefetched,
     batch_larger_than_data,
     collate,
-    one_per_sequence,
-    pack,
-    pack_in_order,
     rank_batches,
     read_split,
     resolve_format,
-    tokenize_pairs,
-    tokenize_records,
 )
 from finetune_trainer.gpu_memory import check_room
 from finetune_trainer.layout import (
     FINAL_DIR,
     MERGED_DIR,
-    REFERENCE_FILE,
     STATE_FILE,
     checkpoint_root,
     resolve_output,
@@ -64,9 +57,10 @@ from finetune_trainer.model import (
     inspect_architecture,
     load_tokenizer,
 )
+from finetune_trainer.objectives import spec_of
+from finetune_trainer.objectives.base import Objective, RunContext
 from finetune_trainer.profiling import StepProfiler
 from finetune_trainer.progress import ProgressServer, Reporter
-from finetune_trainer.record import REWARDS
 from finetune_trainer.tensorboard_log import tensorboard_tracker
 from finetune_trainer.timing import StepPhases
 
@@ -82,13 +76,12 @@ class Prepared:
     train: list[dict[str, list[int]]]
     eval: list[dict[str, list[int]]]
     wrap_classes: list[str]
+    objective: Objective
+    """What the run trains towards (`spec.objective`): it prepared `train` and `eval`."""
     sources: str = ""
     """Where the training and eval splits come from (`data.read_split`), for the log."""
     notes: tuple[str, ...] = ()
     """What the log says of the data beyond that (preference pairs truncated)."""
-
-
-PACKERS = {"best-fit": pack, "next-fit": pack_in_order}
 
 
 def preflight(config: TrainerConfig, base_dir: Path) -> Prepared:
@@ -99,7 +92,8 @@ def preflight(config: TrainerConfig, base_dir: Path) -> Prepared:
     records, sources = read_split(data, base_dir)
     sources = f"training on {sources}"
     fmt = resolve_format(data.format, records.column_names)
-    _check_objective(config, fmt)
+    objective = spec_of(config.objective.type).objective(config)
+    objective.check_format(fmt)
     if fmt == "chat" and not getattr(tokenizer, "chat_template", None):
         raise ModelError(config.model.uri, "its tokenizer has no chat template, which turns "
                          "the data's conversations (format chat) into tokens",
@@ -123,69 +117,9 @@ def preflight(config: TrainerConfig, base_dir: Path) -> Prepared:
                                          seed=config.hyperparameters.seed)
         records, eval_records = split["train"], split["test"]
         sources += f", evaluating on {data.eval_fraction:g} of it held out (evalFraction)"
-    if fmt == "preference":
-        return _prepared_pairs(config, tokenizer, records, eval_records, wrap_classes, sources)
-    train = tokenize_records(records, fmt, tokenizer, data.max_seq_length)
-    if not train and fmt == "chat" and not any(
-            isinstance(m, dict) and m.get("role") == "assistant"
-            for messages in records["messages"] for m in messages or ()):
-        roles = sorted({str(m.get("role")) for messages in records["messages"]
-                        for m in messages or () if isinstance(m, dict)})
-        raise DataError(data.uri, "has no message with role assistant, the turns trained on "
-                        f"(its roles: {', '.join(roles) or 'none'})",
-                        "name the model's turns `assistant` (and the others `system` or "
-                        "`user`)")
-    if not train:
-        raise DataError(data.uri, "has no sample with a trained token after truncation",
-                        "raise spec.dataset.maxSeqLength or check the response columns")
-    evaluation = tokenize_records(eval_records, fmt, tokenizer, data.max_seq_length)
-    if data.eval_split is not None and not evaluation:
-        raise DataError(data.uri, f"its {data.eval_split} split has no sample with a trained "
-                        "token after truncation", "raise spec.dataset.maxSeqLength or check "
-                        "that split's response columns")
-    arrange = (functools.partial(PACKERS[config.benchmark.packer],
-                                 max_length=data.max_seq_length) if data.packing
-               else one_per_sequence)
-    return Prepared(tokenizer, arrange(train), arrange(evaluation), wrap_classes, sources)
-
-
-def _check_objective(config: TrainerConfig, fmt: str) -> None:
-    """The data's format is the one the objective trains on (an `auto` format is only
-    known here, from the columns)."""
-    data, objective = config.dataset, config.objective.type
-    if objective == "dpo" and fmt != "preference":
-        raise DataError(data.uri, f"is laid out as {fmt}, and objective dpo trains on "
-                        "preference pairs", "give each record `prompt`, `chosen` and "
-                        "`rejected` (text or chat messages), or set spec.objective.type to sft")
-    if objective != "dpo" and fmt == "preference":
-        raise DataError(data.uri, "holds preference pairs (prompt, chosen, rejected), which "
-                        f"objective {objective} does not train on",
-                        "set spec.objective.type to dpo, or lay the data out as instruction "
-                        "records (prompt, response)")
-
-
-def _prepared_pairs(config: TrainerConfig, tokenizer, records, eval_records, wrap_classes,
-                    sources: str) -> Prepared:
-    """Preference pairs, train then eval numbered in one sequence of pair ids (the
-    reference's table is indexed by them), packed two sides to a pair: a row holds up to
-    twice maxSeqLength."""
-    data = config.dataset
-    train = tokenize_pairs(records, tokenizer, data.max_seq_length)
-    if not train.samples:
-        raise DataError(data.uri, "holds no preference pair", "add records with prompt, "
-                        "chosen and rejected")
-    evaluation = tokenize_pairs(eval_records, tokenizer, data.max_seq_length,
-                                first_id=len(train.samples))
-    if data.eval_split is not None and not evaluation.samples:
-        raise DataError(data.uri, f"its {data.eval_split} split holds no preference pair",
-                        "add records to it, or use evalFraction")
-    notes = tuple(note for part in (train, evaluation)
-                  if (note := part.said(data.max_seq_length)) is not None)
-    arrange = (functools.partial(PACKERS[config.benchmark.packer],
-                                 max_length=2 * data.max_seq_length) if data.packing
-               else one_per_sequence)
-    return Prepared(tokenizer, arrange(train.samples), arrange(evaluation.samples),
-                    wrap_classes, sources, notes)
+    prepared = objective.prepare(tokenizer, records, eval_records, fmt)
+    return Prepared(tokenizer, prepared.train, prepared.eval, wrap_classes, objective, sources,
+                    prepared.notes)
 
 
 class StopRequest:
@@ -241,17 +175,18 @@ class StepCounts:
     """What any step's global batch holds (`StepWork`), from per-sequence counts taken
     once: identical on every rank without communicating."""
 
-    def __init__(self, sequences, batches: GlobalBatches) -> None:
+    def __init__(self, sequences, batches: GlobalBatches, objective: Objective) -> None:
         self.batches = batches
         # as the loss counts them: the label of each row's first token is never predicted
         self.labels = [sum(label != IGNORE for label in s["labels"][1:]) for s in sequences]
         self.inputs = [len(s["input_ids"]) for s in sequences]
         self.attended = [flops.attended_pairs(s["position_ids"]) for s in sequences]
-        self.pairs = [len(s.get("pairs", ())) for s in sequences]
+        self.units = [objective.units(s) for s in sequences]
 
-    def pairs_of_step(self, epoch: int, step: int) -> int:
-        """Preference pairs in the step's global batch (what the DPO loss averages over)."""
-        return sum(self.pairs[i] for i in self.batches.step_indices(epoch, step))
+    def units_of_step(self, epoch: int, step: int) -> int:
+        """What the objective's loss is a mean over in the step's global batch (label
+        tokens, preference pairs)."""
+        return sum(self.units[i] for i in self.batches.step_indices(epoch, step))
 
     def of_indices(self, micro_batches: list[list[int]]) -> int:
         return sum(self.labels[i] for indices in micro_batches for i in indices)
@@ -262,10 +197,6 @@ class StepCounts:
                         inputs=sum(self.inputs[i] for i in window), sequences=len(window),
                         attended=sum(self.attended[i] for i in window),
                         full_rows=sum(flops.full_row_pairs(self.inputs[i]) for i in window))
-
-
-def _label_tokens(batch) -> int:
-    return int((batch["labels"][:, 1:] != IGNORE).sum())
 
 
 def _all_ranks_sum(values: list[float], group) -> list[float]:
@@ -302,8 +233,8 @@ class LogWindow:
 
 
 def model_work(model, reference_each_batch: bool) -> flops.ModelWork:
-    """The model's FLOPs per token and per attended pair (`reference_each_batch`: DPO's
-    reference, the base with its adapters off, runs forward on every batch too)."""
+    """The model's FLOPs per token and per attended pair (`reference_each_batch`: a
+    reference runs forward on every batch too, DPO's base with its adapters off)."""
     params, frozen, layers, width = flops.model_shape(model)
     return flops.ModelWork.of(params, frozen, layers, width,
                               reference_params=frozen if reference_each_batch else 0.0)
@@ -358,33 +289,26 @@ def _network_env(config: TrainerConfig, output_dir: Path) -> Path | None:
 
 
 def evaluate(strategy, sequences, micro_batch: int, collation: Collation, group,
-             objective=None) -> float | None:
-    """Mean token loss over the eval split (preference pairs, `objective`: mean pair
-    loss); every rank runs the same number of batches."""
+             objective: Objective) -> float | None:
+    """The objective's mean loss over the eval split (per token, per preference pair);
+    every rank runs the same number of batches."""
     import torch
     import torch.distributed as dist
-
-    from finetune_trainer.loss import summed_loss
 
     if not sequences:
         return None
     world, rank = dist.get_world_size(), dist.get_rank()
     strategy.model.eval()
-    total, tokens = 0.0, 0
+    total, units = 0.0, 0
     with torch.no_grad():
         for mine in rank_batches(sequences, micro_batch, world, rank):
             batch = collation.tensors(mine)
             with strategy.autocast():
-                if objective is not None:
-                    total += float(objective.summed(_to(batch, strategy.device))[0])
-                    tokens += len(batch["pairs"])
-                    continue
-                total += float(summed_loss(strategy.model, _to(batch, strategy.device),
-                                           collation.head))
-            tokens += _label_tokens(batch)
+                total += float(objective.summed(_to(batch, strategy.device))[0])
+            units += sum(objective.units(s) for s in mine)
     strategy.model.train()
-    total, tokens = _all_ranks_sum([total, tokens], group)
-    return total / max(tokens, 1)
+    total, units = _all_ranks_sum([total, units], group)
+    return total / max(units, 1)
 
 
 def export(strategy, tokenizer, config: TrainerConfig, output_dir: Path, base_dir: Path) -> Path:
@@ -525,10 +449,11 @@ class StepLogger:
                         if instrumented and world > 1 else None)
         self.sampled: list = []  # ZeRO's timed steps since the last log step
         self.loss = torch.zeros((), device=device, dtype=torch.float64)
-        self.tokens = 0
-        self.pairs: int | None = None if trainer.config.objective.type == "sft" else 0
-        """Preference pairs since the last log step (DPO: what the loss is a mean over)."""
-        self.rewards = torch.zeros(4, device=device, dtype=torch.float64)  # record.REWARDS
+        self.units = 0
+        """What the objective's loss is a mean over, since the last log step."""
+        self.names = trainer.objective.metric_names
+        self.sums = torch.zeros(len(self.names), device=device, dtype=torch.float64)
+        """The objective's metric sums (`Objective.metric_names`) since the last log step."""
         self.window = LogWindow()
 
     def mark(self, begin: bool = False) -> None:
@@ -542,15 +467,13 @@ class StepLogger:
             return True
         return False
 
-    def step_done(self, sampled: bool, work: StepWork, local_tokens: int,
-                  local_samples: int, pairs: int | None = None) -> None:
+    def step_done(self, sampled: bool, work: StepWork, units: int, local_tokens: int,
+                  local_samples: int) -> None:
         if sampled:
             self.sampled.append(self.sampler.end())
         if self.collectives is not None:
             self.collectives.step_boundary()
-        self.tokens += work.labels
-        if pairs is not None:
-            self.pairs += pairs
+        self.units += units
         self.window.add(work)
         self.trainer.reporter.step_done(work.labels, work.inputs)
         self.trainer.metrics.tokens.inc(local_tokens)
@@ -559,12 +482,11 @@ class StepLogger:
     def log(self, grad_norm: Any) -> None:
         t = self.trainer
         state, metrics = t.state, t.metrics
-        window_loss, *reward_sums = _all_ranks_sum([float(self.loss), *self.rewards.tolist()],
-                                                   t.control)
-        per = self.tokens if self.pairs is None else self.pairs
-        rewards = (None if self.pairs is None else
-                   {name: value / max(self.pairs, 1)
-                    for name, value in zip(REWARDS, reward_sums, strict=True)})
+        window_loss, *sums = _all_ranks_sum([float(self.loss), *self.sums.tolist()],
+                                            t.control)
+        per = max(self.units, 1)
+        rewards = ({name: value / per for name, value in zip(self.names, sums, strict=True)}
+                   if self.names else None)
         seconds, window = self.window.seconds(), self.window
         mfu = full_rows_mfu = None
         if self.peak and seconds > 0:
@@ -573,7 +495,7 @@ class StepLogger:
             full_rows_mfu = self.work.flops(window.inputs, window.full_rows) / per_second
         with t.checkpoints.writing_beside():  # a full volume: the checkpoint's doing
             record = t.reporter.report(state.step, state.step / t.batches.steps_per_epoch,
-                                       window_loss / max(per, 1),
+                                       window_loss / per,
                                        t.scheduler.get_last_lr()[0], mfu=mfu,
                                        mfu_full_rows=full_rows_mfu,
                                        peak_memory=peak_memory_bytes(t.device),
@@ -590,15 +512,9 @@ class StepLogger:
                        samples_per_second=self.window.sequences / seconds if seconds else None,
                        mfu=mfu, phases=split, rewards=rewards)
         self.loss.zero_()
-        self.rewards.zero_()
-        self.tokens = 0
-        if self.pairs is not None:
-            self.pairs = 0
+        self.sums.zero_()
+        self.units = 0
         self.window = LogWindow()
-
-
-REFERENCE_OF = ("model.uri", "model.revision", "method.type", "strategy.precision")
-"""What a full-weight DPO reference table is of, besides its pairs (`Trainer._reference_table`)."""
 
 
 class Trainer:
@@ -615,6 +531,7 @@ class Trainer:
 
         self.config, self.base_dir, self.hp = config, base_dir, config.hyperparameters
         self.prepared = preflight(config, base_dir)
+        self.objective = self.prepared.objective
         self.stop = StopRequest()
         self.checkpoint_written = False  # at the last step's end, on every rank
         self.output_dir = resolve_output(config.output.uri, base_dir)
@@ -635,8 +552,10 @@ class Trainer:
         self._build_model()
         self._build_schedule()
         self._resume()
-        self.objective = self._objective()
-        self.counts = StepCounts(self.prepared.train, self.batches)
+        self.objective.attach(RunContext(
+            self.strategy, self.head, self.collation, self.control, self.batches.micro_batch,
+            self.output_dir, self.state.step, self.prepared.train + self.prepared.eval, _say))
+        self.counts = StepCounts(self.prepared.train, self.batches, self.objective)
         self.steps_ahead = self._data(self.batches.schedule(self.state.step))
         self.grad_norm: Any = None
         self.profiler = StepProfiler.from_environment(self.rank, self.device.type)
@@ -679,10 +598,10 @@ class Trainer:
             else:
                 _say(f"fused loss off: {why_not}; the logits are computed whole")
         fixed = config.strategy.compile is True and config.dataset.packing
-        self.dpo = config.objective.dpo_settings()
-        width = (2 if self.dpo else 1) * config.dataset.max_seq_length
+        objective = self.objective
         self.collation = Collation(self.prepared.tokenizer.pad_token_id, self.head, bounds,
-                                   width=width if fixed else None, paired=self.dpo is not None)
+                                   width=objective.width if fixed else None,
+                                   paired=objective.paired)
         peak = (flops.peak_flops(torch.cuda.get_device_name(device))
                 if device.type == "cuda" else None)
         learning_rate = hp.resolved_learning_rate(config.method.type)
@@ -690,62 +609,7 @@ class Trainer:
                                                         fused=strategy.fused_optimizer),
                        weights)
         self.strategy = strategy
-        reference_each_batch = self.dpo is not None and config.method.type != "full"
-        self.log = StepLogger(self, model_work(model, reference_each_batch), peak)
-
-    def _objective(self):
-        """DPO's pair loss and its reference (None: SFT's token loss). The reference of an
-        adapter run is the base, adapters off, at every batch; of a full-weight run, a
-        table of every pair's log-probabilities taken before the first step and kept in
-        the output folder (the weights it was taken from change at every step)."""
-        from finetune_trainer.preference import DpoObjective
-
-        if self.dpo is None:
-            return None
-        table = self._reference_table() if self.config.method.type == "full" else None
-        return DpoObjective(self.dpo, self.strategy, self.head, table)
-
-    def _reference_table(self):
-        import hashlib
-
-        import torch
-        import torch.distributed as dist
-
-        from finetune_trainer.preference import reference_table
-
-        path = self.output_dir / REFERENCE_FILE
-        sequences = self.prepared.train + self.prepared.eval
-        digest = hashlib.sha256()
-        # of these pairs, through this model at this precision: another model's table, left
-        # by an earlier run in the folder, is never read as this one's
-        settings = trained_with.record(self.config)
-        digest.update(repr([settings[key] for key in REFERENCE_OF]).encode())
-        for sequence in sequences:
-            digest.update(repr((sequence["input_ids"], sequence["pairs"])).encode())
-        fingerprint = digest.hexdigest()
-        if path.is_file():
-            saved = torch.load(path, weights_only=True)
-            if saved.get("fingerprint") == fingerprint:
-                _say(f"reference log-probabilities read from {path}")
-                return saved["logps"]
-        if self.state.step > 0:
-            raise DataError(str(path), "is missing, or was taken of other preference pairs, "
-                            f"and this run resumes at step {self.state.step}: the reference "
-                            "of a full-weight run is the model before its first step, gone "
-                            "since", "restore the file, or start the run afresh (finetune "
-                            "run --fresh; a FineTuneJob with a new output.uri)")
-        started = time.perf_counter()
-        pairs = sum(len(s["pairs"]) for s in sequences)
-        table = reference_table(self.strategy, self.head, sequences, pairs,
-                                self.batches.micro_batch, self.collation, self.control)
-        if self.rank == 0:
-            partial = path.with_name(path.name + ".partial")
-            torch.save({"fingerprint": fingerprint, "logps": table}, partial)
-            os.replace(partial, path)
-        dist.barrier(group=self.control)
-        _say(f"reference log-probabilities of {pairs} preference pairs taken in "
-             f"{time.perf_counter() - started:.1f} s, kept in {path}")
-        return table
+        self.log = StepLogger(self, model_work(model, objective.reference_each_batch), peak)
 
     def _build_schedule(self) -> None:
         from finetune_trainer.optim import build_scheduler
@@ -828,8 +692,6 @@ class Trainer:
     def train_step(self) -> bool:
         """One global batch: this rank's micro-batches forward and backward, the optimizer
         and schedule step. True when any rank was told to stop (SIGTERM)."""
-        from finetune_trainer.loss import summed_loss
-
         log, strategy = self.log, self.strategy
         log.mark(begin=True)
         (epoch, step_in_epoch), (mine, micro_batches) = next(self.steps_ahead)
@@ -838,19 +700,17 @@ class Trainer:
         # every rank knows the whole global batch: the token count the loss is normalised
         # by needs no collective
         counts = self.counts.of_step(epoch, step_in_epoch)
-        # the loss is the mean over the step's label tokens, or over its preference pairs
-        pairs = self.counts.pairs_of_step(epoch, step_in_epoch) if self.objective else None
-        scale = self.world / max(counts.labels if pairs is None else pairs, 1)
+        # the loss is the mean over the step's units (label tokens, preference pairs)
+        units = self.counts.units_of_step(epoch, step_in_epoch)
+        scale = self.world / max(units, 1)
         log.mark()
         sampled = log.sampling(self.state.step + 1)
         for index, batch in enumerate(micro_batches):
             batch = _to(batch, self.device)
             with strategy.autocast():
-                if self.objective is None:
-                    summed = summed_loss(strategy.model, batch, self.head)
-                else:
-                    summed, rewards = self.objective.summed(batch)
-                    log.rewards += rewards
+                summed, sums = self.objective.summed(batch)
+            if sums is not None:
+                log.sums += sums
             strategy.backward(summed * scale, boundary=index == len(micro_batches) - 1)
             log.loss += summed.detach()
         log.mark()
@@ -862,8 +722,8 @@ class Trainer:
         stopping = agreement.wait()
         self.checkpoint_written = agreement.written
         self.state = self._advanced(epoch, step_in_epoch, counts.labels)
-        log.step_done(sampled, counts, self.counts.of_indices(mine),
-                      sum(len(indices) for indices in mine), pairs)
+        log.step_done(sampled, counts, units, self.counts.of_indices(mine),
+                      sum(len(indices) for indices in mine))
         return stopping
 
     def _advanced(self, epoch: int, step_in_epoch: int, tokens: int) -> checkpoint.TrainerState:
@@ -880,11 +740,8 @@ class Trainer:
         _say(f"data: {self.prepared.sources}")
         for note in self.prepared.notes:
             _say(note)
-        if self.dpo is not None:
-            _say(f"objective dpo ({self.dpo.loss}, beta {self.dpo.beta:g}"
-                 + (f", label smoothing {self.dpo.label_smoothing:g}"
-                    if self.dpo.label_smoothing else "") + f"): {sum(self.counts.pairs)} "
-                 "preference pairs")
+        if (summary := self.objective.summary(self.prepared.train)) is not None:
+            _say(summary)
         _say(f"training {len(self.prepared.train)} sequences on {self.world} "
              f"{'process' if self.world == 1 else 'processes'} ({self.strategy.name}, "
              f"{self.config.strategy.precision}): {self.steps} "

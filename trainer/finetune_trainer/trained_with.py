@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from finetune_trainer import fingerprints
+from finetune_trainer import fingerprints, objectives
 from finetune_trainer.config import LoraConfig, TrainerConfig
 from finetune_trainer.layout import FINAL_DIR, MERGED_DIR, latest_checkpoint
 
@@ -42,6 +42,16 @@ CHANGED_DATA = ("dataset.uri", DATA_CONTENT, "dataset.format", "dataset.split",
 sequences (maxSeqLength, packing) nor anything of the model's."""
 
 
+def _objective_settings(config: TrainerConfig) -> dict[str, Any]:
+    """`objective.<name>.<field>` of every registered objective's settings: the chosen one's
+    values (its defaults included), None for the others."""
+    chosen = config.objective.settings()
+    return {f"objective.{name}.{info.alias}": (getattr(chosen, field) if name ==
+                                               config.objective.type else None)
+            for name, spec in objectives.registry().items() if spec.settings is not None
+            for field, info in spec.settings.model_fields.items()}
+
+
 def record(config: TrainerConfig, data_content: dict[str, Any] | None = None
            ) -> dict[str, Any]:
     """The settings a checkpoint's state depends on, keyed by their spec path;
@@ -49,14 +59,11 @@ def record(config: TrainerConfig, data_content: dict[str, Any] | None = None
     lora = (config.method.lora or LoraConfig()) if config.method.type != "full" else None
     hp, data = config.hyperparameters, config.dataset
     model = config.model_fetched_from or config.model  # the spec's, not the copy's folder
-    dpo = config.objective.dpo_settings()
     given = config.placeholders or {}  # Azure ML's names, not this job's mount paths
     return {
         JOB: _job(config),
         "objective.type": config.objective.type,
-        "objective.dpo.beta": dpo.beta if dpo else None,
-        "objective.dpo.loss": dpo.loss if dpo else None,
-        "objective.dpo.labelSmoothing": dpo.label_smoothing if dpo else None,
+        **_objective_settings(config),
         "model.uri": given.get("model", model.uri),
         "model.revision": model.revision,
         "dataset.uri": given.get("dataset", data.uri),

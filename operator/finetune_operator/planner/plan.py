@@ -29,6 +29,7 @@ from finetune_operator.planner.memory import (
 from finetune_operator.planner.sources import ModelConfig, from_table
 from finetune_trainer import layout
 from finetune_trainer.config import Hyperparameters, LoraConfig, StrategyConfig
+from finetune_trainer.objectives import spec_of
 
 HEADROOM = 0.10
 """A recommendation leaves this fraction of GPU memory free (allocator fragmentation,
@@ -178,16 +179,16 @@ def setup_for(job: FineTuneJob, strategy: Strategy, world_size: int | None = Non
     world = world_size or resources.nodes * resources.processes()
     # unset microBatchSize: planned at batchSizePerDevice until `choose_step_settings` sizes it
     micro_batch, passes = spec.hyperparameters.micro_steps()
-    # DPO: a row holds a pair (prompt + chosen, prompt + rejected: up to twice maxSeqLength)
-    dpo = spec.objective.type == "dpo"
+    # a sample's row: DPO's holds a pair (prompt + chosen, prompt + rejected)
+    objective = spec_of(spec.objective.type)
     return TrainingSetup(
         method=spec.method.type,
         lora_rank=lora.r, lora_targets=list(lora.target_modules), lora_dropout=lora.dropout,
         strategy=strategy, offload=spec.strategy.offload,
         precision=precision or spec.strategy.precision,
         micro_batch=micro_batch,
-        seq_len=(2 if dpo else 1) * spec.dataset.max_seq_length,
-        reference_forward=dpo and spec.method.type != "full",
+        seq_len=objective.rows_per_sample * spec.dataset.max_seq_length,
+        reference_forward=objective.runs_reference_each_batch(spec.method.type),
         # unset: planned with checkpointing until `choose_step_settings` relaxes it
         gradient_checkpointing=spec.strategy.gradient_checkpointing is not False,
         checkpoint_policy=spec.strategy.gradient_checkpointing_policy,

@@ -16,7 +16,7 @@ from typing import Any
 from finetune_operator.api import BackendRef, FineTuneJob, Progress
 from finetune_operator.backends.azureml.jobspec import attempt_of
 from finetune_operator.reconcile import INPUT_REFUSED, Failure, Observation
-from finetune_trainer.errors import EXIT_BAD_INPUT, EXIT_OTHER_CHECKPOINTS
+from finetune_trainer.errors import EXIT_BAD_INPUT, EXIT_OTHER_CHECKPOINTS, EXIT_SETUP
 from finetune_trainer.record import ProgressRecord
 from finetune_trainer.tracking import (
     EXPORT_EVAL_LOSS_TAG,
@@ -160,7 +160,9 @@ def tags_of(run_data: dict[str, Any]) -> dict[str, str]:
 def failure(where: str, azure: AzureJob, tags: dict[str, str]) -> Failure:
     """A failed attempt, with what its workers said (`finetune_trainer.tracking`): the model,
     the data or checkpoints of other settings refused fail the job at once, as on
-    Kubernetes (every attempt would say the same); anything else is a failed attempt."""
+    Kubernetes (every attempt would say the same), and what the image cannot set up (an
+    import, an op that cannot be built) after one more attempt; anything else is a failed
+    attempt."""
     studio = "its logs are in Azure ML Studio" + (f": {azure.studio_url}"
                                                   if azure.studio_url else "")
     code, _, line = tags.get(REFUSED_TAG, "").partition(" ")
@@ -168,6 +170,8 @@ def failure(where: str, azure: AzureJob, tags: dict[str, str]) -> Failure:
         return Failure("refused", f"{where} failed: {line} ({studio})", reason=INPUT_REFUSED)
     if code == str(EXIT_OTHER_CHECKPOINTS):
         return Failure("refused", f"{where} failed: {line} ({studio})")
+    if code == str(EXIT_SETUP):  # submitted again once at most (reconcile)
+        return Failure("worker", f"{where} failed: {line} ({studio})", setup=True)
     said = tags.get(FAILURE_TAG)
     return Failure("worker", f"{where} failed: {said} ({studio})" if said
                    else f"{where} failed; {studio}")

@@ -1,4 +1,4 @@
-"""Preference tuning: the DPO losses over each pair's answer log-probabilities.
+"""DPO's losses over each pair's answer log-probabilities, and the full-weight reference table.
 
 A pair's answers are scored by the sum of their tokens' log-probabilities under the model
 being trained (the policy) and under the reference (the model before training). The
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from finetune_trainer.config import DpoConfig
 from finetune_trainer.data import rank_batches
+from finetune_trainer.objectives.dpo.settings import DpoConfig
 
 
 @dataclass(frozen=True)
@@ -65,40 +65,6 @@ def adapters_off(model):
     """The reference of an adapter run: the base with its adapters switched off (peft's
     `disable_adapter`, on the very modules the strategy wraps: no second copy)."""
     return model.disable_adapter()
-
-
-class DpoObjective:
-    """A micro-batch's summed DPO loss and reward sums: the policy's answer log-probabilities
-    with grad, the reference's without (adapters off per batch, or read from `table`: every
-    pair's, taken before the first step)."""
-
-    def __init__(self, settings: DpoConfig, strategy, head, table: torch.Tensor | None = None
-                 ) -> None:
-        self.settings, self.strategy, self.head, self.table = settings, strategy, head, table
-
-    def reference(self, batch) -> torch.Tensor:
-        from finetune_trainer.loss import answer_logps
-
-        if self.table is not None:
-            pairs = batch["pairs"]
-            if self.table.device != pairs.device:  # once: then no host sync per batch
-                self.table = self.table.to(pairs.device)
-            return self.table[pairs].flatten()
-        with torch.no_grad(), adapters_off(self.strategy.unwrapped()):
-            return answer_logps(self.strategy.model, batch, self.head)
-
-    def summed(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum of the batch's pair losses, `PairLosses.reward_sums`)."""
-        from finetune_trainer.loss import answer_logps
-
-        reference = self.reference(batch)
-        policy = answer_logps(self.strategy.model, batch, self.head)
-        pairs = self.pair_losses(batch, policy, reference)
-        return pairs.losses.sum(), pairs.reward_sums()
-
-    def pair_losses(self, batch, policy, reference) -> PairLosses:
-        lengths = answer_lengths(batch, policy.shape[0])
-        return dpo_losses(policy, reference.to(policy.dtype), lengths, self.settings)
 
 
 def reference_table(strategy, head, sequences, pair_count: int, micro_batch: int,

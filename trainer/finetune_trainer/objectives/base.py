@@ -1,0 +1,114 @@
+"""The trainer's side of an objective: the interface the training loop calls.
+
+torchtitan's shape: the loop knows one loss interface and never which loss it has. An
+objective prepares its records into sequences (before the process group exists), may take
+what it needs once the model is built (`attach`: DPO's reference table), and turns a
+micro-batch into its summed loss (`summed`, training and evaluation alike), whose mean is
+over `units` (label tokens, preference pairs) summed over the step's global batch: every rank
+knows that count before the forward pass, so normalising needs no collective.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from finetune_trainer.data import DataError, one_per_sequence, pack, pack_in_order
+
+if TYPE_CHECKING:
+    from finetune_trainer.config import TrainerConfig
+    from finetune_trainer.objectives import ObjectiveSpec
+
+PACKERS = {"best-fit": pack, "next-fit": pack_in_order}
+
+
+@dataclass
+class PreparedData:
+    """An objective's sequences, ready for `GlobalBatches` and `collate`."""
+
+    train: list[dict[str, list[int]]]
+    eval: list[dict[str, list[int]]]
+    notes: tuple[str, ...] = ()
+    """What the log says of the data beyond its sources (preference pairs truncated)."""
+
+
+@dataclass
+class RunContext:
+    """What an objective may use of the run once the model is built (`Objective.attach`)."""
+
+    strategy: Any
+    head: Any
+    """The fused loss head (loss.install), or None: the logits are computed whole."""
+    collation: Any
+    group: Any
+    """The CPU process group (gloo) for agreement without a device sync."""
+    micro_batch: int
+    output_dir: Path
+    step: int
+    """The step the run starts from (0, or the resumed checkpoint's)."""
+    sequences: list = field(default_factory=list)
+    """Training then evaluation sequences."""
+    say: Any = print
+
+
+class Objective:
+    """Base of every objective's trainer side: SFT's defaults where one has nothing to add."""
+
+    paired = False
+    """Collation: each trained position's answer (and each pair's id) goes with the batch."""
+    metric_names: tuple[str, ...] = ()
+    """What `summed`'s second value sums, by name, in order (DPO: record.REWARDS); a log
+    step reports each as its mean over the window's `units`."""
+
+    def __init__(self, config: TrainerConfig, spec: ObjectiveSpec) -> None:
+        self.config, self.spec = config, spec
+        self.reference_each_batch = spec.runs_reference_each_batch(config.method.type)
+        """A reference runs forward beside the policy on every batch (MFU counts it)."""
+        self.width = spec.rows_per_sample * config.dataset.max_seq_length
+        """The widest row a sample makes (compiled layers pad every row to it)."""
+
+    def check_format(self, fmt: str) -> None:
+        """The data's format is one this objective trains on (`auto` is only resolved from
+        the columns, so this is checked again where the records are read)."""
+        from finetune_trainer.objectives import trains_on
+
+        if fmt in self.spec.formats:
+            return
+        others = [name for name in trains_on(fmt) if name != self.spec.name]
+        fix = (f"set spec.objective.type to {' or '.join(others)}, or " if others else "")
+        *most, last = self.spec.formats
+        formats = f"{', '.join(most)} or {last}" if most else last
+        raise DataError(self.config.dataset.uri, f"is laid out as {fmt}, and objective "
+                        f"{self.spec.name} trains on {formats} data",
+                        f"{fix}lay the data out as {formats} records (spec.dataset.format)")
+
+    def prepare(self, tokenizer, records, eval_records, fmt: str) -> PreparedData:
+        raise NotImplementedError
+
+    def arrange(self, samples: list[dict[str, list[int]]]) -> list[dict[str, list[int]]]:
+        """Samples packed into rows of `width` (spec.dataset.packing), else one a row."""
+        data = self.config.dataset
+        if not data.packing:
+            return one_per_sequence(samples)
+        return functools.partial(PACKERS[self.config.benchmark.packer],
+                                 max_length=self.width)(samples)
+
+    def units(self, sequence: dict[str, list[int]]) -> int:
+        """What the loss is a mean over, in one sequence: its trained tokens (the label of
+        a row's first token is never predicted)."""
+        from finetune_trainer.data import IGNORE
+
+        return sum(label != IGNORE for label in sequence["labels"][1:])
+
+    def attach(self, run: RunContext) -> None:
+        """Take what the loss needs of the built model (nothing, here)."""
+
+    def summed(self, batch):
+        """(the micro-batch's summed loss, the sums of `metric_names` or None)."""
+        raise NotImplementedError
+
+    def summary(self, train: list[dict[str, list[int]]]) -> str | None:
+        """The log's line on the objective before the first step (None: nothing to say)."""
+        return None

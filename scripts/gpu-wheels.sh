@@ -39,5 +39,9 @@ done
 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$OUT" \
   "deepspeed==$(version deepspeed)"
 "$PY" -m pip wheel -q --no-deps -w "$OUT" .
+# setuptools leaves its build metadata in the checkout: an egg-info at the repository root is
+# found before the installed package's and hides its entry points (the objectives, the
+# backends) from any Python started here
+rm -rf build ./*.egg-info
 ls -1 "$OUT"
 du -sh "$OUT"

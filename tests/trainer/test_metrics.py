@@ -170,8 +170,10 @@ def test_both_ranks_of_a_real_run_serve_their_series(tiny_model_dir, tmp_path):
     ("zero2", None),  # DeepSpeed's comms logger on sampled steps (ops are DeepSpeed's choice)
 ])
 def test_sharded_strategies_time_their_collectives(tiny_model_dir, tmp_path, strategy, ops):
+    # steps enough never to end first: the run is stopped below once the series are seen
+    # (400 steps ended before ZeRO-2's sampled step was scraped on a busy machine, 11-28)
     job = manifest(tiny_model_dir, tmp_path / "out", strategy=strategy, method="full",
-                   steps=400, checkpoint_every=1000)
+                   steps=100_000, checkpoint_every=100_000)
     port = metrics_ports(2)
     process = finetune_run(job, tmp_path, "--metrics-port", str(port), wait=False)
     try:

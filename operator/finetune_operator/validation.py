@@ -34,7 +34,6 @@ from finetune_operator.planner import catalog
 from finetune_operator.settings import OperatorSettings
 from finetune_trainer import objectives
 from finetune_trainer.config import ObjectiveConfig
-from finetune_trainer.objectives import ObjectiveSpec
 from finetune_trainer.uris import ONE_DATA_FILE, Location, UriError
 
 # torchrun / torch.distributed rendezvous and the names Kubeflow users know: set by the
@@ -265,21 +264,15 @@ def lora_settings_need_lora(job: FineTuneJob) -> Iterator[Problem]:
                       "remove `lora`, or set `method.type: lora`")
 
 
-def _trains_on(spec: ObjectiveSpec) -> str:
-    """`chat, instruction or text`."""
-    *most, last = spec.formats
-    return f"{', '.join(most)} or {last}" if most else last
-
-
 def _objective_cel() -> Iterator[CelRule]:
     """The API server's side of `objective_matches_data`, from the objectives' registry."""
     for name, spec in objectives.registry().items():
         formats = ", ".join(f"'{f}'" for f in ("auto", *spec.formats))
-        others = ", ".join(f"{other} ({_trains_on(of)} data)"
+        others = ", ".join(f"{other} ({of.formats_said()} data)"
                            for other, of in objectives.registry().items() if other != name)
         yield CelRule("spec", f"self.objective.type != '{name}' || self.dataset.format in "
                       f"[{formats}]", f"spec.dataset.format: objective {name} trains on "
-                      f"{_trains_on(spec)} data — set spec.dataset.format to "
+                      f"{spec.formats_said()} data — set spec.dataset.format to "
                       f"{'one of them' if len(spec.formats) > 1 else spec.formats[0]} (or "
                       f"auto), or spec.objective.type to your data's: {others}",
                       ".dataset.format")
@@ -302,8 +295,8 @@ def objective_matches_data(job: FineTuneJob) -> Iterator[Problem]:
     if data_format != "auto" and data_format not in spec.formats:
         others = [n for n in objectives.trains_on(data_format) if n != objective.type]
         yield Problem("spec.dataset.format", f"is {data_format}, and objective "
-                      f"{objective.type} trains on {_trains_on(spec)} data",
-                      f"set `dataset.format` to {_trains_on(spec)} (or auto) with such "
+                      f"{objective.type} trains on {spec.formats_said()} data",
+                      f"set `dataset.format` to {spec.formats_said()} (or auto) with such "
                       "records" + (f", or `objective.type: {' or '.join(others)}` for "
                                    f"{data_format} data" if others else ""))
     for name in known:

@@ -70,6 +70,11 @@ class ObjectiveSpec:
     rules: tuple[SettingsRule, ...] = ()
     """Rules across its settings section (`spec.objective.<name>`, named after it)."""
 
+    def formats_said(self) -> str:
+        """Its formats as a message says them: `chat, instruction or text`."""
+        *most, last = self.formats
+        return f"{', '.join(most)} or {last}" if most else last
+
     def runs_reference_each_batch(self, method: str) -> bool:
         return method in self.reference_forward
 

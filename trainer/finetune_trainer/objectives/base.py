@@ -10,7 +10,6 @@ knows that count before the forward pass, so normalising needs no collective.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -78,8 +77,7 @@ class Objective:
             return
         others = [name for name in trains_on(fmt) if name != self.spec.name]
         fix = (f"set spec.objective.type to {' or '.join(others)}, or " if others else "")
-        *most, last = self.spec.formats
-        formats = f"{', '.join(most)} or {last}" if most else last
+        formats = self.spec.formats_said()
         raise DataError(self.config.dataset.uri, f"is laid out as {fmt}, and objective "
                         f"{self.spec.name} trains on {formats} data",
                         f"{fix}lay the data out as {formats} records (spec.dataset.format)")
@@ -89,11 +87,9 @@ class Objective:
 
     def arrange(self, samples: list[dict[str, list[int]]]) -> list[dict[str, list[int]]]:
         """Samples packed into rows of `width` (spec.dataset.packing), else one a row."""
-        data = self.config.dataset
-        if not data.packing:
+        if not self.config.dataset.packing:
             return one_per_sequence(samples)
-        return functools.partial(PACKERS[self.config.benchmark.packer],
-                                 max_length=self.width)(samples)
+        return PACKERS[self.config.benchmark.packer](samples, max_length=self.width)
 
     def units(self, sequence: dict[str, list[int]]) -> int:
         """What the loss is a mean over, in one sequence: its trained tokens (the label of
@@ -103,7 +99,8 @@ class Objective:
         return sum(label != IGNORE for label in sequence["labels"][1:])
 
     def attach(self, run: RunContext) -> None:
-        """Take what the loss needs of the built model (nothing, here)."""
+        """Take what the loss needs of the built model: the strategy and the fused head."""
+        self.strategy, self.head = run.strategy, run.head
 
     def summed(self, batch):
         """(the micro-batch's summed loss, the sums of `metric_names` or None)."""

@@ -74,7 +74,7 @@ class DpoObjective(Objective):
         full-weight run, a table of every pair's log-probabilities taken before the first
         step and kept in the output folder (the weights it was taken from change at every
         step)."""
-        self.strategy, self.head = run.strategy, run.head
+        super().attach(run)
         if self.config.method.type == "full":
             self.table = self._reference_table(run)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from finetune_trainer.data import DataError, tokenize_records
-from finetune_trainer.objectives.base import Objective, PreparedData, RunContext
+from finetune_trainer.objectives.base import Objective, PreparedData
 
 
 class SftObjective(Objective):
@@ -31,9 +31,6 @@ class SftObjective(Objective):
                             "trained token after truncation", "raise "
                             "spec.dataset.maxSeqLength or check that split's response columns")
         return PreparedData(self.arrange(train), self.arrange(evaluation))
-
-    def attach(self, run: RunContext) -> None:
-        self.strategy, self.head = run.strategy, run.head
 
     def summed(self, batch):
         from finetune_trainer.loss import summed_loss

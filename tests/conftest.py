@@ -68,10 +68,11 @@ def level(item: pytest.Item) -> str:
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted(p for p in (REPO / "examples").glob("*.yaml")
                   if "kind: FineTuneJob" in p.read_text())
-CLUSTER_EXAMPLES = [p for p in EXAMPLES
-                    if not yaml.safe_load(p.read_text())["spec"]["model"]["uri"].startswith(".")]
-"""The examples a cluster can run (01 and 08 name paths relative to their file: `finetune
-run` only)."""
+CLUSTER_EXAMPLES = [p for p in EXAMPLES if not any(
+    yaml.safe_load(p.read_text())["spec"][section]["uri"].startswith(".")
+    for section in ("model", "dataset"))]
+"""The examples a cluster can run (01, 08 and 09 name paths relative to their file:
+`finetune run` only)."""
 SWEEP_EXAMPLES = sorted(p for p in (REPO / "examples").glob("*.yaml")
                         if "kind: FineTuneSweep" in p.read_text())
 

@@ -363,12 +363,15 @@ class Progress(StatusModel):
     evaluation's, which a sweep's evalLoss objective then ranks)."""
     tokens_per_second: float | None = None
     """Label tokens per second, summed over all ranks."""
-    rewards: dict[str, Annotated[float, Field(description="The mean over the window's "
-                                              "pairs.")]] | None = None
-    """DPO (`objective.type: dpo`), over the last logging window's preference pairs, as TRL
-    names them: `chosen` and `rejected` (the mean reward, beta x log-ratio to the reference,
-    of each side), `margins` (their mean difference), `accuracies` (the fraction of pairs
-    whose chosen answer has the higher reward)."""
+    objective_metrics: dict[str, Annotated[float, Field(
+        description="Over the last logging window, all ranks.")]] | None = None
+    """The objective's own figures over the last logging window, under TRL's names. DPO:
+    `rewards/chosen` and `rewards/rejected` (the mean reward, beta x log-ratio to the
+    reference, of each side), `rewards/margins` (their mean difference),
+    `rewards/accuracies` (the fraction of pairs whose chosen answer has the higher reward).
+    GRPO: `reward` and `reward_std` (the completions' weighted reward), `rewards/<name>/mean`
+    and `/std` per reward, `completions/mean_length`, `completions/clipped_ratio`, `kl`,
+    `entropy`, `clip_ratio/region_mean`, ... None for SFT."""
     mfu: float | None = None
     """Model FLOPs utilisation, 0 to 1 (GPU only): attention counted over the token pairs
     each document actually attends, DPO's reference forward included (docs/performance.md
@@ -389,7 +392,8 @@ class Progress(StatusModel):
         """Rank 0's progress record (finetune_trainer.record), as every backend reads it."""
         return cls(step=record.step, total_steps=record.total_steps, epoch=record.epoch,
                    loss=record.loss, eval_loss=record.eval_loss,
-                   tokens_per_second=record.tokens_per_second, rewards=record.rewards,
+                   tokens_per_second=record.tokens_per_second,
+                   objective_metrics=record.objective_metrics,
                    mfu=record.mfu, eta_seconds=record.eta_seconds, preflight=record.preflight,
                    stopped_early=record.stopped_early)
 

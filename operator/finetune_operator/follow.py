@@ -24,7 +24,7 @@ from finetune_operator.api import (
     Progress,
 )
 from finetune_trainer.layout import LOCAL_CONFIG, PROGRESS_FILE, RUN_LOG, resolve_output
-from finetune_trainer.record import ProgressRecord, format_duration
+from finetune_trainer.record import ProgressRecord, format_duration, headline
 
 if TYPE_CHECKING:  # `finetune run` follows a local run: no Kubernetes client to import
     from collections.abc import Collection
@@ -223,7 +223,8 @@ def output_folder(target: str) -> tuple[str, Path] | None:
 
 def progress_bar(progress: Progress | None, width: int = 30, running: bool = True) -> str:
     """`[#########.....] 120/400  30% | loss 1.2345 | eval 1.3010 | 5,120 tok/s | eta 0:12:00`
-    (DPO: the reward margin and the preference accuracy after eval; no eta unless
+    (the objective's headline figures after eval, DPO's reward margin and preference
+    accuracy, GRPO's reward; no eta unless
     `running`: a stopped or finished run's last record has a stale one)"""
     if progress is None or progress.step is None or not (progress.step
                                                          or progress.total_steps):
@@ -233,11 +234,10 @@ def progress_bar(progress: Progress | None, width: int = 30, running: bool = Tru
     filled = round(done * width)
     parts = [f"[{'#' * filled}{'.' * (width - filled)}] {progress.step}/{total or '?'} "
              f"{done:4.0%}"]
-    rewards = progress.rewards or {}
     for label, value, shown in (("loss", progress.loss, "{:.4f}"),
                                 ("eval", progress.eval_loss, "{:.4f}"),
-                                ("margin", rewards.get("margins"), "{:.4f}"),
-                                ("accuracy", rewards.get("accuracies"), "{:.0%}"),
+                                *((label, value, shown) for label, value, shown
+                                  in headline(progress.objective_metrics)),
                                 ("", progress.tokens_per_second, "{:,.0f} tok/s"),
                                 ("MFU", progress.mfu, "{:.1%}")):
         if isinstance(value, (int, float)) and math.isfinite(value):

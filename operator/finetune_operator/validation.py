@@ -307,6 +307,10 @@ def objective_matches_data(job: FineTuneJob) -> Iterator[Problem]:
     for settings in spec.rules:
         if not settings.holds(objective):
             yield Problem(f"spec.objective.{settings.field}", settings.says, settings.fix)
+    workers = job.spec.resources.nodes * job.spec.resources.processes()
+    for across in spec.job_rules:
+        if (problem := across.problem(job.spec, workers)) is not None:
+            yield Problem(across.field, problem, across.fix)
 
 
 @rule(CelRule("spec", "!self.output.mergeAdapter || self.method.type != 'full'",

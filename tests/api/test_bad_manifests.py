@@ -44,6 +44,7 @@ GPU_LORA = {"spec.resources.gpusPerNode": 1}
 FOLDER = {"spec.dataset.uri": "pvc://data/chats/"}
 DPO = {"spec.objective": {"type": "dpo"}}
 PREFERENCE = {"spec.dataset.format": "preference"}
+PROMPTS = {"spec.dataset.format": "prompt"}
 AML = {"subscriptionId": "00000000-0000-0000-0000-000000000000", "resourceGroup": "rg",
        "workspace": "ws", "compute": "gpu-cluster"}
 
@@ -199,7 +200,32 @@ CASES = [
         "type": "dpo", "dpo": {"loss": "ipo", "labelSmoothing": 0.1}}},
          "spec.objective.dpo.labelSmoothing", "is not used by the ipo loss", "cel"),
     Case("objective-typo", {"spec.objective": {"type": "ppo"}}, "spec.objective.type",
-         "use one of 'dpo' or 'sft'", "schema"),
+         "use one of 'dpo', 'grpo' or 'sft'", "schema"),
+    Case("grpo-without-rewards", {**PROMPTS, "spec.objective": {"type": "grpo"}},
+         "spec.objective.grpo.rewards", "is required: objective grpo scores completions by "
+         "its rewards", "cel"),
+    Case("grpo-reward-typo", {**PROMPTS, "spec.objective": {
+        "type": "grpo", "grpo": {"rewards": [{"name": "exact"}]}}},
+         "spec.objective.grpo.rewards[0].name", "exact_match", "schema"),
+    Case("grpo-format-without-pattern", {**PROMPTS, "spec.objective": {
+        "type": "grpo", "grpo": {"rewards": [{"name": "format"}]}}},
+         "spec.objective.grpo.rewards", "has a `format` reward without `pattern`", "cel"),
+    Case("grpo-reward-twice", {**PROMPTS, "spec.objective": {
+        "type": "grpo", "grpo": {"rewards": [{"name": "exact_match"},
+                                             {"name": "exact_match", "weight": 2}]}}},
+         "spec.objective.grpo.rewards", "names a reward more than once", "cel"),
+    Case("grpo-step-of-broken-groups", {**PROMPTS, "spec.hyperparameters.batchSizePerDevice": 6,
+                                        "spec.objective": {"type": "grpo", "grpo": {
+                                            "numGenerations": 4,
+                                            "rewards": [{"name": "exact_match"}]}}},
+         "spec.hyperparameters.batchSizePerDevice", "no whole number of groups of "
+         "objective.grpo.numGenerations 4", None),
+    Case("grpo-evaluated", {**PROMPTS, "spec.dataset.evalFraction": 0.1, "spec.objective": {
+        "type": "grpo", "grpo": {"rewards": [{"name": "exact_match"}]}}},
+         "spec.dataset.evalFraction", "objective grpo evaluates nothing yet", None),
+    Case("grpo-on-preference-data", {**PREFERENCE, "spec.objective": {
+        "type": "grpo", "grpo": {"rewards": [{"name": "exact_match"}]}}},
+         "spec.dataset.format", "objective grpo trains on prompt data", "cel"),
     Case("dpo-loss-typo", {**PREFERENCE, "spec.objective": {"type": "dpo",
                                                              "dpo": {"loss": "hinge"}}},
          "spec.objective.dpo.loss", "use one of 'sigmoid', 'ipo' or 'robust'", "schema"),

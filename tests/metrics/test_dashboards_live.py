@@ -60,9 +60,10 @@ NOT_IN_THIS_RUN = {  # and so must be empty here
     # set only after a resume from a checkpoint (0 before: the panel shows only > 0); this
     # run starts fresh
     ("finetune-job", "Checkpoint load time"),
-    # DPO jobs only (finetune_dpo_rewards): this run is supervised fine-tuning; the series
-    # and its names are checked in tests/trainer/test_metrics.py
+    # DPO and GRPO jobs only (finetune_objective_metric): this run is supervised
+    # fine-tuning; the series and its names are checked in tests/trainer/test_metrics.py
     ("finetune-job", "Preference rewards (DPO)"),
+    ("finetune-job", "Rewards (GRPO)"),
 }
 EXCEPTED = GPU_ONLY | NOT_IN_THIS_RUN
 

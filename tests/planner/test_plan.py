@@ -339,6 +339,42 @@ def test_finetune_run_warns_where_the_operator_would_refuse():
     assert local.plan_warnings(job(**small), from_table(small["model"]["uri"])) == []
 
 
+def test_grpo_is_planned_with_its_kv_cache_its_sampling_time_and_its_reference():
+    """GRPO samples a round's completions before its forward passes: a third candidate
+    peak holding the weights, the optimizer's states and the KV cache of the process's
+    completions (2 x layers x KV width x 2 bytes x rows x maxSeqLength), and sampling
+    time in the step (shared by `iterations` steps). With full weights and beta > 0 a frozen
+    copy of the weights sits beside the model all along."""
+    def plan(method: str, rows: int, beta: float = 0.0, iterations: int = 1):
+        spec = {"model": {"uri": "hf://meta-llama/Llama-3.1-8B"}, "method": {"type": method},
+                "resources": {"gpusPerNode": 1, "gpuType": "Standard_NC40ads_H100_v5"},
+                "strategy": {"type": "ddp", "gradientCheckpointing": True},
+                "hyperparameters": {"batchSizePerDevice": rows, "microBatchSize": 1,
+                                    "maxSteps": 100},
+                "dataset": {"uri": "pvc://data/prompts.jsonl", "format": "prompt",
+                            "maxSeqLength": 4096},
+                "objective": {"type": "grpo", "grpo": {
+                    "numGenerations": 8, "maxCompletionLength": 2048, "beta": beta,
+                    "iterations": iterations, "rewards": [{"name": "exact_match"}]}}}
+        return plan_job(job(**spec), LLAMA_8B, "ddp")
+
+    config = KNOWN_MODELS["meta-llama/Llama-3.1-8B"]
+    kv_width = config["num_key_value_heads"] * config["hidden_size"] // config[
+        "num_attention_heads"]
+    few, many = plan("lora", 8), plan("lora", 64)
+    assert many.peak_phase == "generation"
+    cache = 2 * config["num_hidden_layers"] * kv_width * 2 * 64 * 4096
+    assert many.breakdown["kvCache"] == cache + 4 * 64 * config["vocab_size"]
+    assert many.per_gpu_bytes > few.per_gpu_bytes + 0.8 * cache
+    assert few.throughput.generation_seconds > 0
+    once, twice = plan("lora", 8, iterations=1), plan("lora", 8, iterations=2)
+    assert once.throughput.step_seconds - twice.throughput.step_seconds == pytest.approx(
+        once.throughput.generation_seconds / 2, rel=1e-6)
+    full, reference = plan("full", 8), plan("full", 8, beta=0.04)
+    assert "referenceWeights" not in full.breakdown
+    assert reference.breakdown["referenceWeights"] == 2 * reference.total_params
+
+
 def test_dpo_is_planned_with_its_pairs_and_its_reference():
     """A DPO row holds a pair (two sequences of up to maxSeqLength): more activations per
     row than SFT's, and longer attention; with adapters each batch also runs the reference

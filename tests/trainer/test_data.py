@@ -82,8 +82,9 @@ def test_missing_columns_name_what_was_found():
         resolve_format("preference", ["prompt", "chosen"])
     with pytest.raises(DataError) as refused:  # half a pair is no format, and says so
         resolve_format("auto", ["prompt", "chosen"])
-    assert refused.value.fix.endswith("`text`, or `prompt`+`chosen`+`rejected` (preference, "
-                                      "for objective dpo)")
+    assert refused.value.fix.endswith("`text`, `prompt`+`chosen`+`rejected` (preference, "
+                                      "for objective dpo), or `prompt` (prompt, for "
+                                      "objective grpo)")
 
 
 def test_malformed_jsonl_line_is_named(tmp_path):

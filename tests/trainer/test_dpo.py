@@ -134,10 +134,11 @@ def test_every_step_agrees_with_trls_dpo_trainer(tiny_model_dir, eight_pairs, tr
     for our, their in zip(mine, theirs, strict=True):
         assert our["loss"] == pytest.approx(their["loss"], abs=1e-4), our["step"]
         for name in ("margins", "chosen", "rejected", "accuracies"):
-            assert our["rewards"][name] == pytest.approx(their[f"rewards/{name}"], abs=1e-4), \
+            assert our["objectiveMetrics"][f"rewards/{name}"] == pytest.approx(
+                their[f"rewards/{name}"], abs=1e-4), \
                 (our["step"], name)
     assert mine[-1]["loss"] < mine[0]["loss"] - 0.05  # it learns the preference
-    assert mine[-1]["rewards"]["margins"] > 0.1
+    assert mine[-1]["objectiveMetrics"]["rewards/margins"] > 0.1
 
 
 @pytest.fixture()
@@ -202,8 +203,8 @@ def test_strategies_train_the_same_pairs_as_ddp(dpo_runs, strategy, method):
     assert len(reference) == 6 and reference[-1]["loss"] < reference[0]["loss"]
     mine = records(dpo_runs(strategy, method) / "out")
     assert [r["loss"] for r in mine] == pytest.approx([r["loss"] for r in reference], rel=1e-3)
-    assert [r["rewards"]["margins"] for r in mine] == pytest.approx(
-        [r["rewards"]["margins"] for r in reference], rel=1e-3, abs=1e-5)
+    assert [r["objectiveMetrics"]["rewards/margins"] for r in mine] == pytest.approx(
+        [r["objectiveMetrics"]["rewards/margins"] for r in reference], rel=1e-3, abs=1e-5)
 
 
 @pytest.mark.parametrize(("strategy", "method"), [("ddp", "lora"), ("ddp", "full"),

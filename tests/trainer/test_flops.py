@@ -93,7 +93,7 @@ def test_a_steps_work_is_counted_from_its_sequences():
     from finetune_trainer.config import TrainerConfig
     from finetune_trainer.data import IGNORE, GlobalBatches
     from finetune_trainer.objectives import spec_of
-    from finetune_trainer.train import StepCounts
+    from finetune_trainer.step_batch import StepCounts
 
     sequences = [{"input_ids": [1] * 5, "labels": [IGNORE, IGNORE, 3, 4, 5],
                   "position_ids": [0, 1, 0, 1, 2]},
@@ -104,7 +104,7 @@ def test_a_steps_work_is_counted_from_its_sequences():
         "job": {"name": "counts"}, "model": {"uri": "/models/m"}, "dataset": {"uri": "/data"},
         "method": {"type": "lora"}, "strategy": {"type": "ddp"},
         "hyperparameters": {"maxSteps": 1}, "output": {"uri": "/out"}})
-    counts = StepCounts(sequences, batches, spec_of("sft").objective(config))
+    counts = StepCounts(sequences, batches, spec_of("sft").objective(config).units)
     work = counts.of_step(0, 0)
     assert counts.units_of_step(0, 0) == work.labels  # SFT's loss: a mean over them
     assert (work.labels, work.inputs, work.sequences) == (5, 8, 2)

@@ -192,7 +192,7 @@ def test_dpo_on_a_gpu_starts_at_ln2_and_learns_the_preference(tiny_model_dir, tm
     steps = records(tmp_path / "out")
     assert steps[0]["loss"] == pytest.approx(math.log(2), abs=5e-3)
     assert steps[-1]["loss"] < steps[0]["loss"]
-    assert steps[-1]["rewards"]["margins"] > 0.05
+    assert steps[-1]["objectiveMetrics"]["rewards/margins"] > 0.05
 
 
 HOLD_GPU_MEMORY = ("import time, torch; held = torch.ones(6 * 2**30, dtype=torch.uint8, "

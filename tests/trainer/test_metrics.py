@@ -81,21 +81,22 @@ def test_the_series_carry_job_rank_and_node_and_follow_the_log_step():
     assert got["finetune_peak_memory_bytes"]["value"] > 10 * 2**20  # this process's RSS
 
 
-def test_dpo_rewards_are_a_series_by_name_on_the_log_step():
+def test_an_objectives_figures_are_a_series_by_name_on_the_log_step():
     metrics = TrainerMetrics("demo", "ml-team", rank=0, node="aks-gpu-0")
     server = ProgressServer(0, host="127.0.0.1", registry=metrics.registry)
     try:
         metrics.logged(step=5, total=100, epoch=0.05, loss=0.6, lr=2e-4,
                        tokens_per_second=3100.0, device=None)
-        assert samples(server.port, "finetune_dpo_rewards") == {}  # SFT: none
+        assert samples(server.port, "finetune_objective_metric") == {}  # SFT: none
         metrics.logged(step=10, total=100, epoch=0.1, loss=0.6, lr=2e-4,
                        tokens_per_second=3100.0, device=None,
-                       rewards={"chosen": 0.5, "rejected": -0.25, "margins": 0.75,
-                                "accuracies": 0.875})
-        got = samples(server.port, "finetune_dpo_rewards")
+                       objective_metrics={"rewards/chosen": 0.5, "rewards/margins": 0.75,
+                                          "reward": 0.25, "kl": float("nan")})
+        got = samples(server.port, "finetune_objective_metric")
     finally:
         server.close()
-    assert got == {"chosen": 0.5, "rejected": -0.25, "margins": 0.75, "accuracies": 0.875}
+    # DPO's and GRPO's by TRL's names; a NaN (no reward applied) is left out
+    assert got == {"rewards/chosen": 0.5, "rewards/margins": 0.75, "reward": 0.25}
 
 
 def samples(port: int, name: str) -> dict[str, float]:

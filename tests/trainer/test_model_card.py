@@ -49,12 +49,14 @@ def test_a_hub_model_is_named_by_its_repo_and_full_weights_load_with_transformer
 
 def test_a_dpo_card_says_preference_tuning_with_its_settings_and_rewards():
     record = ProgressRecord(step=40, total_steps=40, loss=0.41,
-                            rewards={"margins": 0.7, "accuracies": 1.0})
+                            objective_metrics={"rewards/margins": 0.7,
+                                               "rewards/accuracies": 1.0})
     card = render(config(dataset={"uri": "pairs.jsonl", "format": "preference"},
                          objective={"type": "dpo", "dpo": {"beta": 0.2}}), record)
     assert "trained with preference tuning (DPO)" in card
     assert "| DPO | beta 0.2, loss sigmoid" in card
-    assert "| reward margins | 0.7000 |" in card and "- dpo" in card
+    assert "| margin | 0.7000 |" in card and "| accuracy | 100% |" in card
+    assert "- dpo" in card
 
 
 def front_matter(card: str) -> dict:

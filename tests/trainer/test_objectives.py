@@ -17,27 +17,30 @@ from finetune_trainer import objectives
 from finetune_trainer.config import ObjectiveConfig
 
 
-def test_sft_and_dpo_are_registered_with_what_the_operator_reads():
+def test_sft_dpo_and_grpo_are_registered_with_what_the_operator_reads():
     known = objectives.registry()
-    assert list(known) == ["dpo", "sft"]
+    assert list(known) == ["dpo", "grpo", "sft"]
     sft, dpo = known["sft"], known["dpo"]
     assert (sft.formats, sft.rows_per_sample, sft.settings) == (
         ("chat", "instruction", "text"), 1, None)
     assert (dpo.formats, dpo.rows_per_sample) == (("preference",), 2)
     assert dpo.runs_reference_each_batch("lora") and not dpo.runs_reference_each_batch("full")
     assert objectives.trains_on("preference") == ["dpo"]
+    grpo = known["grpo"]
+    assert (grpo.formats, grpo.rows_per_sample) == (("prompt",), 1)
+    assert objectives.trains_on("prompt") == ["grpo"]
 
 
 def test_an_unknown_objective_is_refused_naming_the_field_and_the_known_ones():
     with pytest.raises(ValueError, match=r"spec.objective.type 'ppo' is no objective of this "
-                       r"trainer: use one of dpo, sft"):
+                       r"trainer: use one of dpo, grpo, sft"):
         objectives.spec_of("ppo")
 
 
 def test_the_objective_section_is_built_from_the_registry():
     schema = ObjectiveConfig.model_json_schema(by_alias=True)
-    assert schema["properties"]["type"]["enum"] == ["dpo", "sft"]
-    assert set(schema["properties"]) == {"type", "dpo"}  # sft has no settings
+    assert schema["properties"]["type"]["enum"] == ["dpo", "grpo", "sft"]
+    assert set(schema["properties"]) == {"type", "dpo", "grpo"}  # sft has no settings
     assert ObjectiveConfig().settings() is None
     chosen = ObjectiveConfig.model_validate({"type": "dpo", "dpo": {"beta": 0.3}})
     assert chosen.settings().beta == 0.3
@@ -113,8 +116,8 @@ def test_a_new_objective_is_its_package_and_one_entry_point(tmp_path):
                             timeout=300)
     assert result.returncode == 0, result.stderr
     seen = json.loads(result.stdout.splitlines()[-1])
-    assert seen["enum"] == ["dpo", "echo", "sft"]
-    assert seen["sections"] == ["dpo", "echo", "type"]
+    assert seen["enum"] == ["dpo", "echo", "grpo", "sft"]
+    assert seen["sections"] == ["dpo", "echo", "grpo", "type"]
     assert seen["cel"] == [
         "self.objective.type != 'echo' || self.dataset.format in ['auto', 'text']",
         "!has(self.echo) || self.type == 'echo'",

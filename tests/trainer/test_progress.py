@@ -76,39 +76,42 @@ def test_every_backend_reads_the_record_the_trainer_writes(tmp_path):
 
 def test_dpo_rewards_reach_the_status_whichever_way_the_record_travels(tmp_path, capsys):
     """A DPO run's rewards (TRL's `rewards/<name>`), from the trainer's record through the
-    pod's /progress JSON and Azure ML's MLflow metrics to status.progress.rewards."""
+    pod's /progress JSON and Azure ML's MLflow metrics to status.progress.objectiveMetrics."""
     from finetune_operator.api import Progress
     from finetune_operator.backends.azureml.states import progress_from_metrics
     from finetune_operator.backends.kubernetes.states import progress_from_record
-    from finetune_trainer.record import REWARDS, ProgressRecord
+    from finetune_trainer.objectives.dpo.objective import REWARDS
+    from finetune_trainer.record import ProgressRecord
 
-    rewards = {"chosen": 0.1234567891, "rejected": -0.25, "margins": 0.3734567891,
-               "accuracies": 0.75}
+    rewards = dict(zip(REWARDS, (0.1234567891, -0.25, 0.3734567891, 0.75), strict=True))
     reporter = Reporter(tmp_path, total_steps=40, start_step=0, enabled=True)
     reporter.step_done(5000)
-    written = reporter.report(step=8, epoch=0.2, loss=0.61, lr=2e-4, rewards=rewards)
-    assert written.rewards == {"chosen": 0.123457, "rejected": -0.25, "margins": 0.373457,
-                               "accuracies": 0.75}  # rounded to 6 places, as the others are
+    written = reporter.report(step=8, epoch=0.2, loss=0.61, lr=2e-4,
+                              objective_metrics=rewards)
+    assert written.objective_metrics == {  # rounded to 6 places, as the others are
+        "rewards/chosen": 0.123457, "rewards/rejected": -0.25, "rewards/margins": 0.373457,
+        "rewards/accuracies": 0.75}
     assert "| margin 0.3735 | accuracy 75%" in capsys.readouterr().out
     on_disk = json.loads((tmp_path / "progress.json").read_text())
-    assert on_disk["rewards"] == written.rewards
+    assert on_disk["objectiveMetrics"] == written.objective_metrics
     assert ProgressRecord.model_validate(on_disk) == written
 
     metrics = written.mlflow_metrics()
-    assert {name: metrics[f"rewards/{name}"] for name in REWARDS} == written.rewards
+    assert {name: metrics[name] for name in REWARDS} == written.objective_metrics
     from_pod = progress_from_record(on_disk)
     from_azureml = progress_from_metrics([{"key": name, "value": value, "step": 8}
                                           for name, value in metrics.items()])
-    assert from_pod == Progress.from_record(written) and from_pod.rewards == written.rewards
-    assert from_azureml.rewards == written.rewards
+    assert from_pod == Progress.from_record(written)
+    assert from_pod.objective_metrics == written.objective_metrics
+    assert from_azureml.objective_metrics == written.objective_metrics
     assert from_azureml.model_dump(exclude={"mfu"}) == from_pod.model_dump(exclude={"mfu"})
     # an SFT run's record has none, and neither has its status
     sft = Reporter(tmp_path / "sft", total_steps=40, start_step=0, enabled=True).report(
         step=8, epoch=0.2, loss=1.5, lr=2e-4)
-    assert sft.rewards is None and not any(k.startswith("rewards/")
-                                           for k in sft.mlflow_metrics())
-    assert progress_from_metrics([{"key": k, "value": v, "step": 8}
-                                  for k, v in sft.mlflow_metrics().items()]).rewards is None
+    assert sft.objective_metrics is None and not any(k.startswith("rewards/")
+                                                     for k in sft.mlflow_metrics())
+    assert progress_from_metrics([{"key": k, "value": v, "step": 8} for k, v in
+                                  sft.mlflow_metrics().items()]).objective_metrics is None
 
 
 def test_a_finished_run_leaves_its_final_record_as_the_termination_message(tmp_path,

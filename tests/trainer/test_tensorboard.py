@@ -71,8 +71,9 @@ def test_dpo_rewards_are_charted_under_trls_names(tmp_path):
     reporter = Reporter(tmp_path, total_steps=10, start_step=0, enabled=True,
                         trackers=(tensorboard_tracker(tmp_path),))
     reporter.step_done(300)
-    reporter.report(5, 0.5, 0.61, 1e-4, rewards={"chosen": 0.25, "rejected": -0.5,
-                                                 "margins": 0.75, "accuracies": 1.0})
+    reporter.report(5, 0.5, 0.61, 1e-4, objective_metrics={
+        "rewards/chosen": 0.25, "rewards/rejected": -0.5, "rewards/margins": 0.75,
+        "rewards/accuracies": 1.0})
     reporter.finish("Succeeded")
     seen = scalars(tmp_path)
     assert {tag: values[5] for tag, values in seen.items() if "rewards" in tag} == {

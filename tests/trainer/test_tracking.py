@@ -47,21 +47,24 @@ def test_metric_names_and_values():
     assert "loss" not in record(40, loss=float("nan")).mlflow_metrics()
 
 
-def test_dpo_rewards_are_logged_under_trls_names_and_read_back():
-    dpo = record(40).model_copy(update={"rewards": {
-        "chosen": 0.5, "rejected": -0.25, "margins": 0.75, "accuracies": float("nan")}})
+def test_an_objectives_figures_are_logged_under_trls_names_and_read_back():
+    dpo = record(40).model_copy(update={"objective_metrics": {
+        "rewards/chosen": 0.5, "rewards/rejected": -0.25, "rewards/margins": 0.75,
+        "rewards/accuracies": float("nan")}})
     metrics = dpo.mlflow_metrics()
     assert {k: v for k, v in metrics.items() if k.startswith("rewards/")} == {
         "rewards/chosen": 0.5, "rewards/rejected": -0.25, "rewards/margins": 0.75}
     logged = [{"key": k, "value": v, "step": 40} for k, v in metrics.items()]
-    # an older step's value, and a name the trainer does not write, are not read
+    # an older step's value, and MLflow's own system metrics, are not read
     logged += [{"key": "rewards/chosen", "value": 9.0, "step": 39},
-               {"key": "rewards/other", "value": 1.0, "step": 40}]
+               {"key": "system/cpu_utilization_percentage", "value": 50.0, "step": 40}]
     back = ProgressRecord.from_mlflow(logged)
-    assert back.rewards == {"chosen": 0.5, "rejected": -0.25, "margins": 0.75}
+    assert back.objective_metrics == {"rewards/chosen": 0.5, "rewards/rejected": -0.25,
+                                      "rewards/margins": 0.75}
     assert back.step == 40 and back.loss == 1.25
     assert ProgressRecord.from_mlflow([{"key": k, "value": v, "step": 40} for k, v in
-                                       record(40).mlflow_metrics().items()]).rewards is None
+                                       record(40).mlflow_metrics().items()]
+                                      ).objective_metrics is None
 
 
 def test_only_inside_azure_ml():

@@ -241,11 +241,10 @@ def _main(argv: list[str] | None) -> int:
     try:
         if args.preflight:
             prepared = preflight(config, base_dir)
-            pairs = [sum(len(s.get("pairs", ())) for s in part)
-                     for part in (prepared.train, prepared.eval)]
-            held = (f" ({pairs[0]} and {pairs[1]} preference pairs)" if any(pairs) else "")
+            said = prepared.objective.summary(prepared.train)  # pairs, prompts, rewards
             print(f"preflight: {len(prepared.train)} training sequences, "
-                  f"{len(prepared.eval)} eval sequences{held}; model and data look usable")
+                  f"{len(prepared.eval)} eval sequences{f' ({said})' if said else ''}; "
+                  "model and data look usable")
             for note in prepared.notes:
                 print(f"preflight: {note}")
             return 0

@@ -40,7 +40,7 @@ Offload = Literal["none", "cpu", "nvme"]
 Precision = Literal["bf16", "fp16", "fp32"]
 CheckpointPolicy = Literal["full", "selective"]
 AsyncCheckpoints = Literal["auto", "on", "off"]
-DatasetFormat = Literal["auto", "chat", "instruction", "text", "preference"]
+DatasetFormat = Literal["auto", "chat", "instruction", "text", "preference", "prompt"]
 Scheduler = Literal["cosine", "linear", "constant"]
 
 
@@ -99,8 +99,10 @@ class DatasetSource(ApiModel):
     both as chat messages: the completion's assistant turns are trained on). `text`: a
     `text` column. `preference` (for
     `objective.type: dpo`): `prompt`, `chosen` and `rejected`, as text or as chat messages
-    (the answers' assistant turns after the prompt's conversation). `auto` detects from the
-    columns. Loss counts only response tokens where the format has a prompt."""
+    (the answers' assistant turns after the prompt's conversation). `prompt` (for
+    `objective.type: grpo`): a `prompt` as text or chat messages, the model writing the
+    answer; any other column (`answer`) goes to the reward functions. `auto` detects from
+    the columns. Loss counts only response tokens where the format has a prompt."""
     split: str = Field(default="train", min_length=1, max_length=128)
     """Split to train on: a hub dataset's, or a folder's, whose files are named by split
     as Hugging Face datasets names them (`train.jsonl`, `validation.jsonl`, `test.jsonl`,

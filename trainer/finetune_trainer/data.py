@@ -293,7 +293,10 @@ FORMAT_COLUMNS: dict[str, list[set[str]]] = {
     "instruction": [{"prompt", "response"}, {"instruction", "output"},
                     {"prompt", "completion"}],
     "text": [{"text"}],
+    "prompt": [{"prompt"}],
 }
+"""Each format's columns, in the order `auto` tries them: a `prompt` alone (and any other
+columns, handed to GRPO's reward functions) is the last resort."""
 
 
 def resolve_format(requested: DatasetFormat, columns: Sequence[str]) -> str:
@@ -301,13 +304,16 @@ def resolve_format(requested: DatasetFormat, columns: Sequence[str]) -> str:
     present = set(columns)
     if requested == "auto":
         for fmt, alternatives in FORMAT_COLUMNS.items():
+            if fmt == "prompt" and present & {"chosen", "rejected"}:
+                continue  # half a preference pair, not prompts
             if any(needed <= present for needed in alternatives):
                 return fmt
         raise DataError("dataset", f"has columns {sorted(present)}, which match no format",
                         "provide `messages` (chat), `prompt`+`response`, "
                         "`prompt`+`completion` or `instruction`+`output` (instruction), "
-                        "`text`, or "
-                        "`prompt`+`chosen`+`rejected` (preference, for objective dpo)")
+                        "`text`, "
+                        "`prompt`+`chosen`+`rejected` (preference, for objective dpo), or "
+                        "`prompt` (prompt, for objective grpo)")
     if not any(needed <= present for needed in FORMAT_COLUMNS[requested]):
         wanted = " or ".join("+".join(sorted(n)) for n in FORMAT_COLUMNS[requested])
         raise DataError("dataset", f"format {requested} needs columns {wanted}, found "
@@ -381,6 +387,8 @@ def record_problem(record: dict[str, Any], fmt: str, as_written: bool = False
     was written `null`; a record read through datasets cannot tell the two apart."""
     if fmt == "preference":
         return _preference_problem(record, as_written)
+    if fmt == "prompt":
+        return _prompt_problem(record.get("prompt"))
     if fmt == "text":
         if not _is_text(record.get("text")):
             return (f"`text` is {_describe(record.get('text'))}, not text",
@@ -410,6 +418,27 @@ prompt-completion layout."""
 COMPLETION_FIX = ('write "prompt" and "completion" both as text, or both as chat messages '
                   '("prompt": [{"role": "user", ...}], "completion": [{"role": "assistant", '
                   '...}]), or remove that record')
+
+
+PROMPT_FIX = ('write "prompt" as non-empty text, or as chat messages ("prompt": [{"role": '
+              '"user", "content": "..."}]), or remove that record')
+
+
+def _prompt_problem(prompt: Any) -> tuple[str, str] | None:
+    """A prompt the model answers (GRPO): text, or a conversation that does not end with
+    the model's own turn."""
+    if isinstance(prompt, list):
+        if (problem := _messages_problem(prompt, "prompt", PROMPT_FIX)) is not None:
+            return problem
+        if prompt[-1]["role"] == "assistant":
+            return ("`prompt` ends with an assistant message; the model writes that turn",
+                    PROMPT_FIX)
+        return None
+    if not _is_text(prompt):
+        return f"`prompt` is {_describe(prompt)}, not text", PROMPT_FIX
+    if not str(prompt).strip():
+        return "`prompt` is empty", PROMPT_FIX
+    return None
 
 
 def _conversational_completion_problem(record: dict[str, Any]) -> tuple[str, str] | None:
@@ -447,7 +476,7 @@ def check_records(records, fmt: str, locate, as_written=None) -> None:
     """Refuse the first record `fmt` cannot use; `locate(index)` says where it is, and
     `as_written(index)`, where given, what its file holds (None where it cannot say)."""
     wanted = {"chat": ["messages"], "text": ["text"],
-              "preference": ["prompt", "chosen", "rejected"],
+              "preference": ["prompt", "chosen", "rejected"], "prompt": ["prompt"],
               "instruction": ["prompt", "response", "instruction", "input", "output",
                               "completion"]}[fmt]
     columns = [c for c in wanted if c in records.column_names]

@@ -74,11 +74,11 @@ class TrainerMetrics:
                                 "phase over the last log window (collective_wait: the part of "
                                 "the step spent waiting on collectives nothing overlapped)",
                                 ("phase",))
-        self.rewards = gauge("finetune_dpo_rewards", "DPO: mean over the last log window's "
-                             "preference pairs (all ranks) of the chosen and the rejected "
-                             "answers' rewards (beta x log-ratio to the reference), their "
-                             "margin, and the accuracy (fraction of pairs the chosen wins); "
-                             "TRL's rewards/<name>", ("name",))
+        self.objective = gauge("finetune_objective_metric", "The objective's own figures "
+                               "over the last log window, all ranks, by TRL's name (DPO: "
+                               "rewards/chosen, rewards/margins, ...; GRPO: reward, "
+                               "reward_std, rewards/<name>/mean, kl, ...); none for SFT",
+                               ("name",))
         self.peak_memory = gauge("finetune_peak_memory_bytes", "Peak memory of this rank: "
                                  "the CUDA allocator's on a GPU, resident memory on CPU")
         self.tokens = counter("finetune_tokens", "Label tokens trained on by this rank")
@@ -116,7 +116,7 @@ class TrainerMetrics:
                tokens_per_second: float, device, *, grad_norm: float | None = None,
                samples_per_second: float | None = None, mfu: float | None = None,
                phases: dict[str, float] | None = None,
-               rewards: dict[str, float] | None = None) -> None:
+               objective_metrics: dict[str, float] | None = None) -> None:
         """A log step: the figures every rank now holds (the loss was all-reduced)."""
         self.step.set(step)
         self.total_steps.set(total)
@@ -131,8 +131,9 @@ class TrainerMetrics:
             self.samples_per_second.set(samples_per_second)
         if mfu is not None:
             self.mfu.labels(**self.labels).set(mfu)
-        for name, value in (rewards or {}).items():
-            self.rewards.labels(**self.labels, name=name).set(value)
+        for name, value in (objective_metrics or {}).items():
+            if math.isfinite(value):
+                self.objective.labels(**self.labels, name=name).set(value)
         for phase, seconds in (phases or {}).items():
             self.step_phase.labels(**self.labels, phase=phase).set(seconds)
         self.peak_memory.set(peak_memory_bytes(device))

@@ -14,10 +14,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from finetune_trainer import fetch
+from finetune_trainer import fetch, objectives
 from finetune_trainer.config import LoraConfig, TrainerConfig
 from finetune_trainer.layout import FINAL_DIR, MERGED_DIR, PROGRESS_FILE
-from finetune_trainer.record import ProgressRecord, format_duration
+from finetune_trainer.record import ProgressRecord, format_duration, headline
 
 CARD = "README.md"
 
@@ -57,8 +57,7 @@ def render(config: TrainerConfig, record: ProgressRecord | None) -> str:
 def _what(config: TrainerConfig, base: str) -> str:
     what = {"lora": "A LoRA adapter", "qlora": "A QLoRA adapter", "full": "Full weights"}[
         config.method.type]
-    how = ("preference tuning (DPO)" if config.objective.type == "dpo"
-           else "supervised fine-tuning")
+    how = objectives.spec_of(config.objective.type).title
     on = " (trained on the base quantised to 4 bits)" if config.method.type == "qlora" else ""
     return (f"{what} of `{base}`{on}, trained with {how} by finetune-operator "
             f"(FineTuneJob `{config.job.namespace}/{config.job.name}`).")
@@ -72,10 +71,8 @@ def _settings(config: TrainerConfig) -> list[tuple[str, str]]:
         targets = ", ".join(lora.target_modules) if lora.target_modules else "auto"
         rows.append(("LoRA", f"r {lora.r}, alpha {lora.alpha:g}, dropout {lora.dropout:g}, "
                              f"target modules {targets}"))
-    if config.objective.type == "dpo" and config.objective.dpo is not None:
-        dpo = config.objective.dpo
-        rows.append(("DPO", f"beta {dpo.beta:g}, loss {dpo.loss}, label smoothing "
-                            f"{dpo.label_smoothing:g}"))
+    if (settings := config.objective.settings()) is not None:
+        rows.append((config.objective.type.upper(), _said(settings)))
     rows += [("strategy", f"{config.strategy.type}, {config.strategy.precision}"
                           + (f", {config.workers} worker{'s' if config.workers != 1 else ''}"
                              if config.workers else "")),
@@ -84,6 +81,22 @@ def _settings(config: TrainerConfig) -> list[tuple[str, str]]:
                        f"{hp.gradient_accumulation_steps} accumulation steps"),
              ("seed", str(hp.seed))]
     return rows
+
+
+def _said(settings) -> str:
+    """An objective's settings section in a line: `beta 0.2, loss sigmoid, ...`; a list of
+    named entries by their names and weights (GRPO's rewards)."""
+    parts = []
+    for field, info in type(settings).model_fields.items():
+        value = getattr(settings, field)
+        if isinstance(value, list):
+            value = ", ".join(f"{item.name} x {item.weight:g}" if hasattr(item, "weight")
+                              else str(getattr(item, "name", item)) for item in value)
+        elif isinstance(value, float):
+            value = f"{value:g}"
+        if value is not None:
+            parts.append(f"{info.alias or field} {value}")
+    return ", ".join(parts)
 
 
 def _results(record: ProgressRecord | None) -> list[tuple[str, str]]:
@@ -95,8 +108,8 @@ def _results(record: ProgressRecord | None) -> list[tuple[str, str]]:
                         ("evaluation loss", record.eval_loss)):
         if value is not None:
             rows.append((name, f"{value:.4f}"))
-    for name, value in sorted((record.rewards or {}).items()):
-        rows.append((f"reward {name}", f"{value:.4f}"))
+    for label, value, shown in headline(record.objective_metrics):
+        rows.append((label, shown.format(value)))
     if record.stopped_early:
         rows.append(("stopped early", record.stopped_early))
     if record.step_seconds:

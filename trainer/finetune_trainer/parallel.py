@@ -66,6 +66,10 @@ class Strategy:
     name = ""
     fused_optimizer = True
     """torch's fused AdamW where every trainable weight is on a GPU (optim.build_optimizer)."""
+    shards_weights = False
+    """Each rank holds part of the weights, gathered layer by layer inside a forward pass
+    (FSDP, ZeRO-3): every rank must run as many forward passes as the others (GRPO's
+    generation keeps going, `synced_gpus`, until every rank's completions have ended)."""
 
     def __init__(self, config: StrategyConfig, hp: Hyperparameters, device) -> None:
         import torch
@@ -102,6 +106,11 @@ class Strategy:
 
     def backward(self, loss, boundary: bool) -> None:
         raise NotImplementedError
+
+    def generating(self):
+        """Around sampling with the unwrapped model (GRPO): what its weights need when it is
+        run other than through the wrapper's forward."""
+        return contextlib.nullcontext()
 
     def step(self) -> Any:
         """At the accumulation boundary: clip, update, zero; returns the gradient norm."""
@@ -252,6 +261,7 @@ class FSDPStrategy(Strategy):
     the adapters, reduced in fp32."""
 
     name = "fsdp"
+    shards_weights = True
 
     def __init__(self, config, hp, device, wrap_classes: list[str]) -> None:
         super().__init__(config, hp, device)
@@ -321,6 +331,21 @@ class FSDPStrategy(Strategy):
         self.model.set_requires_gradient_sync(boundary)
         self.scaler.scale(loss).backward()
 
+    @contextlib.contextmanager
+    def generating(self):
+        """The root group's weights (embeddings, the output layer) gathered: `generate` of a
+        peft model reaches the decoder through inner modules, never the root's forward,
+        whose hook would gather them; each layer's group still gathers in its own forward
+        (every rank decoding in step, `synced_gpus`). Before the first forward pass FSDP has
+        not yet found its root, which only a forward through the root does: done here (the
+        layers would otherwise each take themselves for one)."""
+        self.model._get_fsdp_state()._lazy_init()  # no public call; a no-op once done
+        self.model.unshard()
+        try:
+            yield
+        finally:
+            self.model.reshard()
+
 
 class DeepSpeedStrategy(Strategy):
     """ZeRO stages 1-3 through deepspeed.initialize; the engine owns precision and clipping.
@@ -336,6 +361,7 @@ class DeepSpeedStrategy(Strategy):
     def __init__(self, config, hp, device) -> None:
         super().__init__(config, hp, device)
         self.name = config.type
+        self.shards_weights = config.type == "zero3"
         self.background_engine: Any = None
         """The checkpoint engine `save_async` lends the DeepSpeed engine, once made."""
 

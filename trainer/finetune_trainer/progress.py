@@ -14,7 +14,7 @@ from typing import Protocol
 
 from finetune_trainer import errors
 from finetune_trainer.layout import HISTORY_FILE, PROGRESS_FILE
-from finetune_trainer.record import ProgressRecord, format_duration
+from finetune_trainer.record import ProgressRecord, format_duration, headline
 
 
 class Tracker(Protocol):
@@ -66,7 +66,7 @@ class Reporter:
                mfu: float | None = None, mfu_full_rows: float | None = None,
                peak_memory: int | None = None,
                grad_norm: float | None = None,
-               rewards: dict[str, float] | None = None) -> ProgressRecord:
+               objective_metrics: dict[str, float] | None = None) -> ProgressRecord:
         """Close the current window and publish it (`step` counts completed steps)."""
         elapsed = max(time.perf_counter() - self.window_start, 1e-9)
         tokens_per_second = self.window_tokens / elapsed
@@ -75,7 +75,8 @@ class Reporter:
         record = ProgressRecord(
             step=step, total_steps=self.total_steps, epoch=round(epoch, 4), loss=loss,
             learning_rate=lr, grad_norm=grad_norm, eval_loss=self.eval_loss,
-            rewards=None if rewards is None else {k: round(v, 6) for k, v in rewards.items()},
+            objective_metrics=None if objective_metrics is None else {
+                k: round(v, 6) for k, v in objective_metrics.items()},
             tokens_per_second=round(tokens_per_second, 1), eta_seconds=eta,
             input_tokens_per_second=(round(self.window_inputs / elapsed, 1)
                                      if self.window_inputs else None),
@@ -89,8 +90,8 @@ class Reporter:
             line = (f"step {step}/{self.total_steps} | epoch {epoch:.2f} | loss {loss_text} | "
                     f"lr {lr:.2e} | {tokens_per_second:,.0f} tok/s | eta {format_duration(eta)}"
                     + ("" if mfu is None else f" | MFU {mfu:.1%}")
-                    + ("" if rewards is None else f" | margin {rewards['margins']:.4f} | "
-                       f"accuracy {rewards['accuracies']:.0%}"))
+                    + "".join(f" | {label} {shown.format(value)}" for label, value, shown
+                              in headline(objective_metrics)))
             if self.bar is not None:
                 self.bar.write(line)
             else:

@@ -26,12 +26,22 @@ MLFLOW_METRICS: dict[str, str] = {
     "grad_norm": "grad_norm",
     "eval_loss": "eval_loss",
 }
-"""Record field → MLflow metric name (the Studio's charts; the operator reads them back)."""
+"""Record field → MLflow metric name (the Studio's charts; the operator reads them back).
+Every other metric of the run the trainer logs is one of the objective's (TRL's names)."""
+FOREIGN_METRICS = ("system/",)
+"""Metrics of a run that are not the trainer's: MLflow's system metrics."""
 
-REWARDS = ("chosen", "rejected", "margins", "accuracies")
-"""What a DPO log step reports of its preference pairs, as TRL names them (`rewards/<name>`):
-the mean reward (beta x log-ratio to the reference) of the chosen and of the rejected
-answers, their mean difference, and the fraction of pairs whose chosen reward is higher."""
+
+def headline(objective_metrics: dict[str, float] | None) -> list[tuple[str, float, str]]:
+    """(label, value, format) of the objective's figures a progress line shows (each
+    objective's `ObjectiveSpec.headline`: DPO's margin and accuracy, GRPO's reward), finite
+    values only."""
+    from finetune_trainer.objectives import registry
+
+    figures = objective_metrics or {}
+    return [(label, figures[name], shown) for spec in registry().values()
+            for name, label, shown in spec.headline
+            if isinstance(figures.get(name), (int, float)) and math.isfinite(figures[name])]
 
 
 def format_duration(seconds: float | None) -> str:
@@ -60,8 +70,10 @@ class ProgressRecord(BaseModel):
     eval_loss: float | None = None
     """Mean token loss on the eval split at the latest evaluation (None: not evaluated yet);
     in a Succeeded record, the export's (under early stopping, the best evaluation's)."""
-    rewards: dict[str, float] | None = None
-    """DPO: the window's REWARDS by name (TRL's `rewards/chosen`, ...); None for SFT."""
+    objective_metrics: dict[str, float] | None = None
+    """The objective's own figures over the window, under TRL's names (DPO: `rewards/chosen`,
+    `rewards/margins`, ...; GRPO: `reward`, `reward_std`, `rewards/<name>/mean`, `kl`,
+    ...); None for SFT."""
     tokens_per_second: float | None = None
     """Label tokens per second, all ranks together (the tokens the loss trains on)."""
     input_tokens_per_second: float | None = None
@@ -104,7 +116,7 @@ class ProgressRecord(BaseModel):
         left out (MLflow refuses NaN, and a missing loss is not a zero loss)."""
         out = {}
         values = [(metric, getattr(self, field)) for field, metric in MLFLOW_METRICS.items()]
-        values += [(f"rewards/{name}", value) for name, value in (self.rewards or {}).items()]
+        values += list((self.objective_metrics or {}).items())
         for metric, value in values:
             if isinstance(value, (int, float)) and math.isfinite(value):
                 out[metric] = float(value)
@@ -127,7 +139,8 @@ class ProgressRecord(BaseModel):
         for whole in ("total_steps", "eta_seconds"):
             if whole in values:
                 values[whole] = int(values[whole])
-        rewards = {name: float(latest[f"rewards/{name}"]["value"]) for name in REWARDS
-                   if f"rewards/{name}" in latest}
+        known = set(MLFLOW_METRICS.values())
+        objective = {name: float(metric["value"]) for name, metric in latest.items()
+                     if name not in known and not name.startswith(FOREIGN_METRICS)}
         step = max(int(m.get("step") or 0) for m in latest.values())
-        return cls(step=step, rewards=rewards or None, **values)
+        return cls(step=step, objective_metrics=objective or None, **values)

@@ -36,9 +36,10 @@ class TensorBoardTracker:
 
     def log(self, record: ProgressRecord) -> None:
         values = [(tag, getattr(record, field)) for field, tag in TRAIN_SCALARS.items()]
-        # DPO: TRL's names under train/ (train/rewards/margins, ...), as its users chart them
-        values += [(f"train/rewards/{name}", value)
-                   for name, value in (record.rewards or {}).items()]
+        # the objective's, TRL's names under train/ (train/rewards/margins, train/reward,
+        # ...), as its users chart them
+        values += [(f"train/{name}", value)
+                   for name, value in (record.objective_metrics or {}).items()]
         self._write(values, record.step)
 
     def evaluated(self, step: int, loss: float) -> None:

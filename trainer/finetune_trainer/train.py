@@ -18,7 +18,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from finetune_trainer import (
     checkpoint,
@@ -31,7 +31,6 @@ from finetune_trainer import (
 from finetune_trainer.collectives import CollectiveLog, merge
 from finetune_trainer.config import Hyperparameters, TrainerConfig
 from finetune_trainer.data import (
-    IGNORE,
     DataError,
     GlobalBatches,
     Prefetched,
@@ -61,6 +60,7 @@ from finetune_trainer.objectives import spec_of
 from finetune_trainer.objectives.base import Objective, RunContext
 from finetune_trainer.profiling import StepProfiler
 from finetune_trainer.progress import ProgressServer, Reporter
+from finetune_trainer.step_batch import StepBatch, StepWork
 from finetune_trainer.tensorboard_log import tensorboard_tracker
 from finetune_trainer.timing import StepPhases
 
@@ -93,6 +93,7 @@ def preflight(config: TrainerConfig, base_dir: Path) -> Prepared:
     sources = f"training on {sources}"
     fmt = resolve_format(data.format, records.column_names)
     objective = spec_of(config.objective.type).objective(config)
+    objective.base_dir = base_dir
     objective.check_format(fmt)
     if fmt == "chat" and not getattr(tokenizer, "chat_template", None):
         raise ModelError(config.model.uri, "its tokenizer has no chat template, which turns "
@@ -155,48 +156,6 @@ class _Agreement:
         stop, writing = self.flags.tolist()
         self.written = writing == 0
         return stop > 0
-
-
-class StepWork(NamedTuple):
-    """What a step's global batch holds, all ranks together."""
-
-    labels: int
-    """Label tokens (what the loss trains on)."""
-    inputs: int
-    """Tokens through the model (prompts included, padding not)."""
-    sequences: int
-    attended: int
-    """Query-key pairs causal attention computes within the documents (flops.attended_pairs)."""
-    full_rows: int
-    """The same as PaLM and torchtitan count them (flops.full_row_pairs)."""
-
-
-class StepCounts:
-    """What any step's global batch holds (`StepWork`), from per-sequence counts taken
-    once: identical on every rank without communicating."""
-
-    def __init__(self, sequences, batches: GlobalBatches, objective: Objective) -> None:
-        self.batches = batches
-        # as the loss counts them: the label of each row's first token is never predicted
-        self.labels = [sum(label != IGNORE for label in s["labels"][1:]) for s in sequences]
-        self.inputs = [len(s["input_ids"]) for s in sequences]
-        self.attended = [flops.attended_pairs(s["position_ids"]) for s in sequences]
-        self.units = [objective.units(s) for s in sequences]
-
-    def units_of_step(self, epoch: int, step: int) -> int:
-        """What the objective's loss is a mean over in the step's global batch (label
-        tokens, preference pairs)."""
-        return sum(self.units[i] for i in self.batches.step_indices(epoch, step))
-
-    def of_indices(self, micro_batches: list[list[int]]) -> int:
-        return sum(self.labels[i] for indices in micro_batches for i in indices)
-
-    def of_step(self, epoch: int, step: int) -> StepWork:
-        window = self.batches.step_indices(epoch, step)
-        return StepWork(labels=sum(self.labels[i] for i in window),
-                        inputs=sum(self.inputs[i] for i in window), sequences=len(window),
-                        attended=sum(self.attended[i] for i in window),
-                        full_rows=sum(flops.full_row_pairs(self.inputs[i]) for i in window))
 
 
 def _all_ranks_sum(values: list[float], group) -> list[float]:
@@ -467,17 +426,16 @@ class StepLogger:
             return True
         return False
 
-    def step_done(self, sampled: bool, work: StepWork, units: int, local_tokens: int,
-                  local_samples: int) -> None:
+    def step_done(self, sampled: bool, step: StepBatch) -> None:
         if sampled:
             self.sampled.append(self.sampler.end())
         if self.collectives is not None:
             self.collectives.step_boundary()
-        self.units += units
-        self.window.add(work)
-        self.trainer.reporter.step_done(work.labels, work.inputs)
-        self.trainer.metrics.tokens.inc(local_tokens)
-        self.trainer.metrics.samples.inc(local_samples)
+        self.units += step.units
+        self.window.add(step.work)
+        self.trainer.reporter.step_done(step.work.labels, step.work.inputs)
+        self.trainer.metrics.tokens.inc(step.local_labels)
+        self.trainer.metrics.samples.inc(step.local_samples)
 
     def log(self, grad_norm: Any) -> None:
         t = self.trainer
@@ -485,8 +443,7 @@ class StepLogger:
         window_loss, *sums = _all_ranks_sum([float(self.loss), *self.sums.tolist()],
                                             t.control)
         per = max(self.units, 1)
-        rewards = ({name: value / per for name, value in zip(self.names, sums, strict=True)}
-                   if self.names else None)
+        figures = t.objective.logged(sums, self.units)
         seconds, window = self.window.seconds(), self.window
         mfu = full_rows_mfu = None
         if self.peak and seconds > 0:
@@ -499,7 +456,8 @@ class StepLogger:
                                        t.scheduler.get_last_lr()[0], mfu=mfu,
                                        mfu_full_rows=full_rows_mfu,
                                        peak_memory=peak_memory_bytes(t.device),
-                                       grad_norm=_as_float(grad_norm), rewards=rewards)
+                                       grad_norm=_as_float(grad_norm),
+                                       objective_metrics=figures)
         split = self.phases.drain() if self.phases is not None else {}
         if self.collectives is not None:
             timed = merge([self.collectives.drain(), *self.sampled])
@@ -510,7 +468,7 @@ class StepLogger:
         metrics.logged(record.step, t.steps, record.epoch, record.loss, record.learning_rate,
                        record.tokens_per_second, t.device, grad_norm=record.grad_norm,
                        samples_per_second=self.window.sequences / seconds if seconds else None,
-                       mfu=mfu, phases=split, rewards=rewards)
+                       mfu=mfu, phases=split, objective_metrics=figures)
         self.loss.zero_()
         self.sums.zero_()
         self.units = 0
@@ -554,8 +512,8 @@ class Trainer:
         self._resume()
         self.objective.attach(RunContext(
             self.strategy, self.head, self.collation, self.control, self.batches.micro_batch,
-            self.output_dir, self.state.step, self.prepared.train + self.prepared.eval, _say))
-        self.counts = StepCounts(self.prepared.train, self.batches, self.objective)
+            self.output_dir, self.state.step, self.prepared.train + self.prepared.eval, _say,
+            batches=self.batches, train=self.prepared.train, pin=self.device.type == "cuda"))
         self.steps_ahead = self._data(self.batches.schedule(self.state.step))
         self.grad_norm: Any = None
         self.profiler = StepProfiler.from_environment(self.rank, self.device.type)
@@ -621,8 +579,8 @@ class Trainer:
                 f"hyperparameters.microBatchSize {micro_batch} does not divide "
                 f"batchSizePerDevice x gradientAccumulationSteps "
                 f"({hp.batch_size_per_device} x {hp.gradient_accumulation_steps})")
-        self.batches = GlobalBatches(len(self.prepared.train), micro_batch, passes,
-                                     self.world, hp.seed)
+        self.batches = self.objective.batches(len(self.prepared.train), micro_batch, passes,
+                                              self.world, hp.seed)
         if self.collation.width is not None:  # compiled on packed rows: one shape
             self.collation = dataclasses.replace(self.collation, rows=micro_batch)
         self.steps = total_steps(self.config, self.batches)
@@ -671,21 +629,17 @@ class Trainer:
         return tuple(t for t in trackers if t is not None)
 
     def _data(self, schedule):
-        """This rank's micro-batches of each step, as CPU tensors (pinned on a GPU host),
-        collated a step ahead by a thread where the device computes asynchronously
-        (`benchmark.prefetch`)."""
-        pin = self.device.type == "cuda"
+        """This rank's micro-batches of each step as the objective loads them (host tensors,
+        pinned on a GPU host), a step ahead on a thread where the device computes
+        asynchronously (`benchmark.prefetch`)."""
         prefetch = self.config.benchmark.prefetch
+        train = self.prepared.train
 
         def load_step(key: tuple[int, int]):
             mine = self.batches.micro_batches(*key, self.rank)
-            tensors = [self.collation.tensors([self.prepared.train[i] for i in indices])
-                       for indices in mine]
-            if pin:
-                tensors = [{k: v.pin_memory() for k, v in batch.items()} for batch in tensors]
-            return mine, tensors
+            return mine, self.objective.load([[train[i] for i in indices] for indices in mine])
 
-        if prefetch or (prefetch is None and pin):
+        if prefetch or (prefetch is None and self.device.type == "cuda"):
             return Prefetched(schedule, load_step)
         return ((key, load_step(key)) for key in schedule)
 
@@ -694,15 +648,14 @@ class Trainer:
         and schedule step. True when any rank was told to stop (SIGTERM)."""
         log, strategy = self.log, self.strategy
         log.mark(begin=True)
-        (epoch, step_in_epoch), (mine, micro_batches) = next(self.steps_ahead)
+        key, (mine, loaded) = next(self.steps_ahead)
         # overlaps the step; waited for at its end
         agreement = self.stop.agree(self.control, writing=self.checkpoints.writing())
-        # every rank knows the whole global batch: the token count the loss is normalised
-        # by needs no collective
-        counts = self.counts.of_step(epoch, step_in_epoch)
-        # the loss is the mean over the step's units (label tokens, preference pairs)
-        units = self.counts.units_of_step(epoch, step_in_epoch)
-        scale = self.world / max(units, 1)
+        # every rank knows the whole global batch's units (label tokens, preference pairs,
+        # completions), which the loss is a mean over
+        work = self.objective.step_batch(key, mine, loaded)
+        micro_batches = work.micro_batches
+        scale = self.world / max(work.units, 1)
         log.mark()
         sampled = log.sampling(self.state.step + 1)
         for index, batch in enumerate(micro_batches):
@@ -721,9 +674,8 @@ class Trainer:
             self.profiler.step()
         stopping = agreement.wait()
         self.checkpoint_written = agreement.written
-        self.state = self._advanced(epoch, step_in_epoch, counts.labels)
-        log.step_done(sampled, counts, units, self.counts.of_indices(mine),
-                      sum(len(indices) for indices in mine))
+        self.state = self._advanced(*key, work.work.labels)
+        log.step_done(sampled, work)
         return stopping
 
     def _advanced(self, epoch: int, step_in_epoch: int, tokens: int) -> checkpoint.TrainerState:

@@ -46,7 +46,8 @@ def _objective_settings(config: TrainerConfig) -> dict[str, Any]:
     """`objective.<name>.<field>` of every registered objective's settings: the chosen one's
     values (its defaults included), None for the others."""
     chosen = config.objective.settings()
-    return {f"objective.{name}.{info.alias}": (getattr(chosen, field) if name ==
+    values = chosen.model_dump(mode="json") if chosen is not None else {}  # JSON: the record
+    return {f"objective.{name}.{info.alias}": (values[field] if name ==
                                                config.objective.type else None)
             for name, spec in objectives.registry().items() if spec.settings is not None
             for field, info in spec.settings.model_fields.items()}

@@ -32,6 +32,9 @@ class Gpu(BaseModel):
     """Whether the GPU computes in bf16 (Ampere and newer); V100 and T4 need fp16."""
     nvlink_busbw: float | None
     """All-reduce bus bandwidth inside a VM over NVLink, bytes/s; None for PCIe only."""
+    memory_bandwidth: float = 1.5e12
+    """Device memory bandwidth, bytes/s (the vendors' figures): sampling a token reads
+    every weight once, so GRPO's generation time is bound by it."""
 
 
 class VmSize(BaseModel):
@@ -66,23 +69,23 @@ class VmSize(BaseModel):
 
 
 T4 = Gpu(name="T4-16GB", memory_bytes=15360 * MiB, peak_flops_16bit=65e12, bf16=False,
-         nvlink_busbw=None)
+         nvlink_busbw=None, memory_bandwidth=320e9)
 V100_16 = Gpu(name="V100-16GB", memory_bytes=16384 * MiB, peak_flops_16bit=112e12, bf16=False,
-              nvlink_busbw=None)
+              nvlink_busbw=None, memory_bandwidth=900e9)
 V100_32 = Gpu(name="V100-32GB", memory_bytes=32768 * MiB, peak_flops_16bit=125e12, bf16=False,
-              nvlink_busbw=130e9)
+              nvlink_busbw=130e9, memory_bandwidth=900e9)
 A100_40 = Gpu(name="A100-40GB", memory_bytes=40960 * MiB, peak_flops_16bit=312e12, bf16=True,
-              nvlink_busbw=230e9)
+              nvlink_busbw=230e9, memory_bandwidth=1555e9)
 A100_80_PCIE = Gpu(name="A100-80GB-PCIe", memory_bytes=81920 * MiB, peak_flops_16bit=312e12,
-                   bf16=True, nvlink_busbw=None)
+                   bf16=True, nvlink_busbw=None, memory_bandwidth=1935e9)
 A100_80 = Gpu(name="A100-80GB", memory_bytes=81920 * MiB, peak_flops_16bit=312e12, bf16=True,
-              nvlink_busbw=230e9)
+              nvlink_busbw=230e9, memory_bandwidth=2039e9)
 H100_NVL = Gpu(name="H100-NVL-94GB", memory_bytes=95830 * MiB, peak_flops_16bit=835e12,
-               bf16=True, nvlink_busbw=None)
+               bf16=True, nvlink_busbw=None, memory_bandwidth=3.9e12)
 H100_80 = Gpu(name="H100-80GB", memory_bytes=81559 * MiB, peak_flops_16bit=989e12, bf16=True,
-              nvlink_busbw=400e9)
+              nvlink_busbw=400e9, memory_bandwidth=3.35e12)
 H200 = Gpu(name="H200-141GB", memory_bytes=143771 * MiB, peak_flops_16bit=989e12, bf16=True,
-           nvlink_busbw=400e9)
+           nvlink_busbw=400e9, memory_bandwidth=4.8e12)
 
 VM_SIZES: tuple[VmSize, ...] = (
     VmSize(name="Standard_NC4as_T4_v3", series="NCasT4_v3", gpu=T4, gpus=1,

@@ -43,8 +43,11 @@ class Throughput(BaseModel):
     """What the GPU computes (LoRA skips frozen weight gradients; checkpointing recomputes)."""
     compute_seconds: float
     communication_seconds: float
+    generation_seconds: float = 0.0
+    """GRPO: sampling a round's completions, shared by its `iterations` steps: decoding
+    reads every weight (and the KV cache) once per token, at the GPU's memory bandwidth."""
     step_seconds: float
-    """One optimizer step (all micro-batches) on every GPU."""
+    """One optimizer step (all micro-batches) on every GPU, its share of sampling in."""
     tokens_per_second: float
     """Summed over all GPUs."""
     assumed_mfu: float
@@ -88,6 +91,28 @@ def communication_bytes(shape: ModelShape, setup: TrainingSetup) -> float:
     return ring * (2 * micro * p * total + 4 * trainable)
 
 
+DECODE_BANDWIDTH_USE = 0.6
+"""The share of the memory bandwidth a decoding step uses (transformers' generate with a
+KV cache; an assumption until measured on a GPU)."""
+
+
+def generation_seconds(shape: ModelShape, setup: TrainingSetup, vm: VmSize) -> float:
+    """A round's sampling on one GPU: prefill of the prompts at the step's utilisation,
+    then each new token reads the weights and the (growing) KV cache once."""
+    if not setup.generation_rows:
+        return 0.0
+    p = 4 if setup.precision == "fp32" else 2
+    new = setup.generation_new_tokens
+    prompt = max(setup.generation_tokens - new, 0)
+    kv_per_token = 2 * shape.num_layers * shape.kv_dim * p * setup.generation_rows
+    reads = new * (p * shape.total_params + kv_per_token * (prompt + new / 2))
+    decode = reads / (vm.gpu.memory_bandwidth * DECODE_BANDWIDTH_USE)
+    mfu = EXPECTED_MFU.get(vm.gpu.name, 0.35)
+    prefill = (setup.generation_rows * prompt * 2.0 * shape.total_params
+               / (vm.gpu.peak_flops_16bit * mfu))
+    return decode + prefill
+
+
 def estimate_throughput(shape: ModelShape, setup: TrainingSetup, vm: VmSize,
                         nodes: int) -> Throughput:
     mfu = EXPECTED_MFU.get(vm.gpu.name, 0.35)
@@ -100,9 +125,11 @@ def estimate_throughput(shape: ModelShape, setup: TrainingSetup, vm: VmSize,
     if nodes > 1:
         busbw = min(busbw, vm.inter_node_busbw)
     communication = communication_bytes(shape, setup) / busbw
-    step = max(compute, communication)
+    generation = generation_seconds(shape, setup, vm)
+    step = max(compute, communication) + generation / setup.generation_every
     return Throughput(model_flops_per_token=model_flops_per_token(shape, setup.seq_len),
                       hardware_flops_per_token=hardware, compute_seconds=compute,
-                      communication_seconds=communication, step_seconds=step,
+                      communication_seconds=communication, generation_seconds=generation,
+                      step_seconds=step,
                       tokens_per_second=tokens_per_gpu * setup.world_size / step,
                       assumed_mfu=mfu)

@@ -103,6 +103,17 @@ class TrainingSetup(BaseModel):
     reference_forward: bool = False
     """DPO with adapters: every batch also runs forward, without grad, with the adapters off
     (the reference); full weights take the reference once before training instead."""
+    generation_rows: int = 0
+    """GRPO: the completions a process samples at once (its share of a round); 0: none."""
+    generation_tokens: int = 0
+    """Each one's prompt and completion tokens at most: the KV cache's length."""
+    generation_new_tokens: int = 0
+    """Tokens sampled one after the other (maxCompletionLength): the decoding steps."""
+    generation_every: int = 1
+    """Optimizer steps a round of sampling serves (GRPO's iterations)."""
+    reference_copy: bool = False
+    """A frozen copy of the weights in the compute dtype beside the model (GRPO with full
+    weights and beta > 0)."""
     device: Device = "cuda"
     """`cpu`: CPU workers (gloo) — no CUDA context, and AdamW runs its foreach kernels,
     which hold a temporary copy of the second moments; on CUDA the fused kernel does not."""
@@ -117,7 +128,7 @@ class MemoryEstimate(BaseModel):
     temporary_buffers: dict[str, int]
     """What `temporaryBuffers` is made of at the peak (buckets, gathered parameters, loss
     buffers, ...)."""
-    peak_phase: Literal["forwardBackward", "optimizerStep"]
+    peak_phase: Literal["forwardBackward", "optimizerStep", "generation"]
     phases: dict[str, int]
     """Both candidate peaks, for the curious."""
     trainable_params: int
@@ -383,6 +394,19 @@ def estimate_memory(shape: ModelShape, setup: TrainingSetup) -> MemoryEstimate:
                             "optimizerStates": memory.optimizer, "activations": activations},
         "optimizerStep": {"weights": memory.weights, "gradients": memory.grads,
                           "optimizerStates": memory.optimizer, "activations": 0.0}}
+    if setup.generation_rows:
+        # GRPO samples before the step's forward passes: no activations, no gradients
+        # (zeroed), the KV cache of the round's completions and one position's logits
+        kv = (2 * shape.num_layers * shape.kv_dim * sizes.p * setup.generation_rows
+              * setup.generation_tokens)
+        phases["generation"] = {"weights": memory.weights,
+                                "gradients": memory.grads if memory.grads_always else 0.0,
+                                "optimizerStates": memory.optimizer, "activations": 0.0,
+                                "kvCache": kv + 4.0 * setup.generation_rows * shape.vocab_size}
+        temps["generation"] = dict(memory.persistent)
+    if setup.reference_copy:
+        for phase in phases.values():
+            phase["referenceWeights"] = float(sizes.p * sizes.total)
     lines = {phase: {**{k: int(v) for k, v in phases[phase].items()},
                      "temporaryBuffers": int(sum(temps[phase].values())),
                      "cudaContext": context} for phase in phases}

@@ -181,6 +181,8 @@ def setup_for(job: FineTuneJob, strategy: Strategy, world_size: int | None = Non
     micro_batch, passes = spec.hyperparameters.micro_steps()
     # a sample's row: DPO's holds a pair (prompt + chosen, prompt + rejected)
     objective = spec_of(spec.objective.type)
+    plans = {"reference_forward": objective.runs_reference_each_batch(spec.method.type),
+             **(objective.plans(spec) if objective.plans is not None else {})}
     return TrainingSetup(
         method=spec.method.type,
         lora_rank=lora.r, lora_targets=list(lora.target_modules), lora_dropout=lora.dropout,
@@ -188,14 +190,13 @@ def setup_for(job: FineTuneJob, strategy: Strategy, world_size: int | None = Non
         precision=precision or spec.strategy.precision,
         micro_batch=micro_batch,
         seq_len=objective.rows_per_sample * spec.dataset.max_seq_length,
-        reference_forward=objective.runs_reference_each_batch(spec.method.type),
         # unset: planned with checkpointing until `choose_step_settings` relaxes it
         gradient_checkpointing=spec.strategy.gradient_checkpointing is not False,
         checkpoint_policy=spec.strategy.gradient_checkpointing_policy,
         compile=spec.strategy.compile is True,  # unset: planned eager (the larger)
         fused_loss=spec.strategy.fused_loss,
         gradient_accumulation=passes,
-        world_size=world, device="cuda" if resources.gpus_per_node else "cpu")
+        world_size=world, device="cuda" if resources.gpus_per_node else "cpu", **plans)
 
 
 def allowed_strategies(job: FineTuneJob) -> list[Strategy]:
@@ -886,7 +887,8 @@ def _host_fixes(host: HostMemoryEstimate, job: FineTuneJob, vm: VmSize) -> str:
 
 _LABELS = {"weights": "weights", "gradients": "gradients", "optimizerStates": "optimizer states",
            "activations": "activations", "temporaryBuffers": "temporary buffers",
-           "cudaContext": "CUDA context"}
+           "cudaContext": "CUDA context", "kvCache": "generation KV cache",
+           "referenceWeights": "reference weights"}
 _HOST_LABELS = {"weightsWhileLoading": "the weights read once",
                 "offloadedTrainingState": "offloaded training state",
                 "processes": "the processes"}

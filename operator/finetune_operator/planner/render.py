@@ -20,7 +20,8 @@ from finetune_operator.planner.sources import ModelConfig
 
 LABELS = {"weights": "weights", "gradients": "gradients", "optimizerStates": "optimizer states",
           "activations": "activations", "temporaryBuffers": "temporary buffers",
-          "cudaContext": "CUDA context"}
+          "cudaContext": "CUDA context", "kvCache": "generation KV cache",
+          "referenceWeights": "reference weights"}
 HOST_LABELS = {"weightsWhileLoading": "weights read once",
                "offloadedTrainingState": "offloaded training state", "processes": "processes"}
 VERDICTS = {"fits": "fits", "tight": "fits, with less than 10% headroom",
@@ -122,8 +123,8 @@ def table(job: FineTuneJob, plan: JobPlan) -> str:
                      f"{count(plan.trainable_params)} trainable")
     if plan.breakdown:
         lines.append("")
-        moment = ("forward/backward" if plan.peak_phase == "forwardBackward"
-                  else "the optimizer step")
+        moment = {"forwardBackward": "forward/backward", "generation": "generation"}.get(
+            plan.peak_phase or "", "the optimizer step")
         lines.append(f"per {'GPU' if r.gpus_per_node else 'process'} (peak during {moment}):")
         for key, value in plan.breakdown.items():
             extra = ""
@@ -144,7 +145,9 @@ def table(job: FineTuneJob, plan: JobPlan) -> str:
         lines.append(f"speed: ~{t.step_seconds:.2f} s per step, ~{t.tokens_per_second:,.0f} "
                      f"tokens/s on {plan.world_size} GPU{'s' if plan.world_size > 1 else ''} "
                      f"(assumed {t.assumed_mfu:.0%} utilisation; "
-                     f"{t.model_flops_per_token:.3g} model FLOPs per token)")
+                     f"{t.model_flops_per_token:.3g} model FLOPs per token"
+                     + (f"; sampling the completions ~{t.generation_seconds:.2f} s a round"
+                        if t.generation_seconds else "") + ")")
     rec = plan.recommendation
     if rec is not None:
         lines.append(f"recommendation: {rec.why}")

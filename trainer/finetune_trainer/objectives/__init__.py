@@ -7,7 +7,7 @@ group `finetune_trainer.objectives` (pyproject.toml), as the operator's backends
 a reference model runs beside the policy. Its `runtime` is the trainer's side (an
 `objectives.base.Objective`): preparing the records, the loss of a micro-batch and what the
 log reports of it. The training loop calls that interface and never asks which objective it
-has. docs/guides/adding-an-objective.md says what a new one touches.
+has. docs/design/adding-an-objective.md says what a new one touches.
 
 This module stays importable without torch: the operator image has no training stack.
 """
@@ -45,6 +45,19 @@ class SettingsRule:
 
 
 @dataclass(frozen=True)
+class JobRule:
+    """A rule across the job's sections (GRPO's step of whole groups), said in Python only:
+    `finetune validate` and the operator refuse the job before anything is created, and the
+    trainer refuses the same at start."""
+
+    field: str
+    """The field at fault, from the spec (`spec.hyperparameters.batchSizePerDevice`)."""
+    problem: Callable[[Any, int], str | None]
+    """(the job's spec, its workers: nodes x processes) → what is wrong, or None."""
+    fix: str
+
+
+@dataclass(frozen=True)
 class ObjectiveSpec:
     """What is known of an objective without torch."""
 
@@ -63,12 +76,22 @@ class ObjectiveSpec:
     memory and MFU's FLOPs."""
     about: str = ""
     """What it trains towards, a sentence for `spec.objective.type`'s reference."""
+    title: str = ""
+    """What a model card says the model was trained with (`preference tuning (DPO)`)."""
     runtime: str = ""
     """`module:Class` of its trainer side, an `objectives.base.Objective` (imports torch)."""
     settings: type | None = None
     """Its settings section's model (an `ApiModel`), `spec.objective.<name>`; None: none."""
     rules: tuple[SettingsRule, ...] = ()
     """Rules across its settings section (`spec.objective.<name>`, named after it)."""
+    plans: Callable[[Any], dict[str, Any]] | None = None
+    """The planner's settings beyond a step's rows, from the job's spec (GRPO: the
+    generation's KV cache and time, the reference): `TrainingSetup` fields."""
+    job_rules: tuple[JobRule, ...] = ()
+    """Rules across the job's sections, checked where the job's workers are known."""
+    headline: tuple[tuple[str, str, str], ...] = ()
+    """Which of its figures (`Objective.logged`, TRL's names) a progress line and `finetune
+    status` show: (name, label, format)."""
 
     def formats_said(self) -> str:
         """Its formats as a message says them: `chat, instruction or text`."""

@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from finetune_trainer.data import DataError, one_per_sequence, pack, pack_in_order
+from finetune_trainer.data import (
+    DataError,
+    GlobalBatches,
+    one_per_sequence,
+    pack,
+    pack_in_order,
+)
+from finetune_trainer.step_batch import StepBatch, StepCounts
 
 if TYPE_CHECKING:
     from finetune_trainer.config import TrainerConfig
@@ -50,11 +57,19 @@ class RunContext:
     sequences: list = field(default_factory=list)
     """Training then evaluation sequences."""
     say: Any = print
+    batches: GlobalBatches | None = None
+    """Which sequences each rank reads at each step (`Objective.batches`)."""
+    train: list = field(default_factory=list)
+    """The training sequences (`PreparedData.train`)."""
+    pin: bool = False
+    """Host tensors go to a GPU: pin them (`Objective.load`)."""
 
 
 class Objective:
     """Base of every objective's trainer side: SFT's defaults where one has nothing to add."""
 
+    base_dir: Path | None = None
+    """The manifest's folder, where relative paths start (set by the preflight)."""
     paired = False
     """Collation: each trained position's answer (and each pair's id) goes with the batch."""
     metric_names: tuple[str, ...] = ()
@@ -98,13 +113,44 @@ class Objective:
 
         return sum(label != IGNORE for label in sequence["labels"][1:])
 
+    def batches(self, count: int, micro_batch: int, accumulation: int, world: int,
+                seed: int) -> GlobalBatches:
+        """Which of the `count` training sequences each rank reads at each step."""
+        return GlobalBatches(count, micro_batch, accumulation, world, seed)
+
     def attach(self, run: RunContext) -> None:
-        """Take what the loss needs of the built model: the strategy and the fused head."""
-        self.strategy, self.head = run.strategy, run.head
+        """Take what the loss needs of the built model: the strategy and the fused head;
+        count the steps' work once."""
+        self.strategy, self.head, self.run = run.strategy, run.head, run
+        self.counts = StepCounts(run.train, run.batches, self.units)
+
+    def load(self, sequences: list[list[dict[str, list[int]]]]) -> list:
+        """A step's micro-batches of sequences as host tensors: called a step ahead, on a
+        thread where the device computes asynchronously, so nothing here touches the
+        model."""
+        tensors = [self.run.collation.tensors(micro) for micro in sequences]
+        if self.run.pin:
+            tensors = [{k: v.pin_memory() for k, v in batch.items()} for batch in tensors]
+        return tensors
+
+    def step_batch(self, key: tuple[int, int], mine: list[list[int]], loaded) -> StepBatch:
+        """The step `key` (epoch, step within it): this rank read `mine` (sequence indices),
+        `load` made `loaded` of them. On the training thread: an objective may run the
+        model here (GRPO samples its completions)."""
+        return self.counts.step_batch(key, mine, loaded)
 
     def summed(self, batch):
         """(the micro-batch's summed loss, the sums of `metric_names` or None)."""
         raise NotImplementedError
+
+    def logged(self, sums: list[float], units: int) -> dict[str, float] | None:
+        """What a log step reports of the objective beyond its loss, from the window's
+        `metric_names` sums and `units`, all ranks summed (every rank calls it: collectives
+        on the CPU group are allowed)."""
+        if not self.metric_names:
+            return None
+        per = max(units, 1)
+        return {name: value / per for name, value in zip(self.metric_names, sums, strict=True)}
 
     def summary(self, train: list[dict[str, list[int]]]) -> str | None:
         """The log's line on the objective before the first step (None: nothing to say)."""

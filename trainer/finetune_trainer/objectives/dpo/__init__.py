@@ -7,6 +7,7 @@ from finetune_trainer.objectives.dpo.settings import DpoConfig
 SPEC = ObjectiveSpec(
     name="dpo",
     formats=("preference",),
+    title="preference tuning (DPO)",
     rows_per_sample=2,  # prompt + chosen, then prompt + rejected
     reference_forward=frozenset({"lora", "qlora"}),  # the base, adapters off; full: a table
     about="preference tuning on pairs of a chosen and a rejected answer to one prompt "
@@ -15,6 +16,8 @@ SPEC = ObjectiveSpec(
     "once before the first step and kept in the output folder).",
     runtime="finetune_trainer.objectives.dpo.objective:DpoObjective",
     settings=DpoConfig,
+    headline=(("rewards/margins", "margin", "{:.4f}"), ("rewards/accuracies", "accuracy",
+                                                         "{:.0%}")),
     rules=(SettingsRule(
         "dpo.labelSmoothing",
         "!has(self.dpo) || self.dpo.loss != 'ipo' || self.dpo.labelSmoothing == 0.0",

@@ -28,7 +28,7 @@ class PairLosses:
     rejected_rewards: torch.Tensor
 
     def reward_sums(self) -> torch.Tensor:
-        """Sums over the pairs of `record.REWARDS` (accuracies: pairs whose chosen reward
+        """Sums over the pairs of `objective.REWARDS` (accuracies: pairs whose chosen reward
         is higher), float64: divided by the pair count at the log step."""
         chosen, rejected = self.chosen_rewards.double(), self.rejected_rewards.double()
         return torch.stack([chosen.sum(), rejected.sum(), (chosen - rejected).sum(),

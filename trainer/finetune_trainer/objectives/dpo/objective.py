@@ -21,7 +21,11 @@ from finetune_trainer.objectives.dpo.loss import (
     dpo_losses,
     reference_table,
 )
-from finetune_trainer.record import REWARDS
+
+REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
+"""What a DPO log step reports of its preference pairs, TRL's names: the mean reward (beta x
+log-ratio to the reference) of the chosen and of the rejected answers, their mean
+difference, and the fraction of pairs whose chosen reward is higher."""
 
 REFERENCE_OF = ("model.uri", "model.revision", "method.type", "strategy.precision")
 """What a full-weight reference table is of, besides its pairs (`DpoObjective.attach`)."""
@@ -30,7 +34,7 @@ REFERENCE_OF = ("model.uri", "model.revision", "method.type", "strategy.precisio
 class DpoObjective(Objective):
     """A micro-batch's summed pair losses over its preference pairs (`units`), the policy's
     answer log-probabilities with grad, the reference's without; its reward sums
-    (record.REWARDS) for the log."""
+    (REWARDS) for the log."""
 
     paired = True
     metric_names = REWARDS

@@ -7,6 +7,7 @@ SPEC = ObjectiveSpec(
     name="sft",
     formats=("chat", "instruction", "text"),
     rows_per_sample=1,
+    title="supervised fine-tuning",
     about="supervised fine-tuning, the cross-entropy of the answers (or text) in the data.",
     runtime="finetune_trainer.objectives.sft.objective:SftObjective",
 )

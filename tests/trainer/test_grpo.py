@@ -103,13 +103,14 @@ def trl_steps(model_dir: Path, data: Path, where: Path, *, method: str, processe
 
 @pytest.mark.parametrize(("method", "processes", "loss", "beta", "iterations"), [
     ("lora", 1, "dapo", 0.0, 2), ("lora", 2, "grpo", 0.04, 1), ("full", 1, "grpo", 0.04, 1),
-    ("full", 2, "dapo", 0.0, 1)])
+    ("full", 2, "dapo", 0.0, 1), ("lora", 2, "bnpo", 0.0, 1), ("lora", 1, "dr_grpo", 0.04, 1)])
 def test_every_step_agrees_with_trls_grpo_trainer(tiny_model_dir, tmp_path, method, processes,
                                                   loss, beta, iterations):
     """10 steps, fp32: the sampled completions identical, and the loss, reward, reward_std,
     kl and clipped share of every step within 1e-4 of GRPOTrainer's, the gradient norm
-    within 0.1 % (the gradients themselves agree). Two optimizer steps on each round
-    (`iterations`): the second one's ratio to the sampling model is clipped."""
+    within 0.1 % (the gradients themselves agree), for each loss type. Two optimizer steps
+    on each round (`iterations`): the second one's ratio to the sampling model is
+    clipped."""
     data = prompts(tmp_path / "data")
     steps = 10
     job = grpo_manifest(tiny_model_dir, data, tmp_path / "out", method=method,

@@ -1,10 +1,11 @@
-"""The peers: Hugging Face `transformers.Trainer`, or TRL's `SFTTrainer` or `DPOTrainer`, on
-the same model, data and settings.
+"""The peers: Hugging Face `transformers.Trainer`, or TRL's `SFTTrainer`, `DPOTrainer` or
+`GRPOTrainer`, on the same model, data and settings.
 
 Started under torchrun by benchmarks/throughput.py (`--config FILE`, the same trainer
-config our trainer reads; `--peer trainer|sft|sft-liger|dpo`). The samples are tokenised by
-our own data module, so every side trains on identical token sequences (preference pairs
-excepted: DPOTrainer takes text). Each peer then does what its users do:
+config our trainer reads; `--peer trainer|sft|sft-liger|dpo|grpo`). The samples are tokenised
+by our own data module, so every side trains on identical token sequences (preference pairs
+and prompts excepted: DPOTrainer and GRPOTrainer take text). Each peer then does what its
+users do:
 
 - `Trainer`: one sample per row, padded to the longest in the batch
   (DataCollatorForSeq2Seq), labels -100 on padding.
@@ -25,10 +26,17 @@ excepted: DPOTrainer takes text). Each peer then does what its users do:
   padding-free mode is switched off in TRL 1.16), its chunked log-probability head; the
   reference from a second forward at every step, with the adapters switched off under
   LoRA (`precompute_ref_log_probs=False`, its default).
+- `GRPOTrainer` (`--peer grpo`, the config's `objective.grpo`): the config's prompt records
+  as its text `prompt` rows with their other columns, the config's rewards as its reward
+  functions (our built-ins, called as it calls any), completions sampled by transformers
+  `generate` (its default engine, ours too), `per_device_train_batch_size` completions
+  per device as ours counts `batchSizePerDevice`.
 
 Writes a JSON result (label tokens/s over the timed steps, step time, peak memory) on
 rank 0. Label tokens are counted as ours counts them: each trained position, both answers
-of a preference pair; the reference's forward (no grad) is not counted.
+of a preference pair, each completion token of a GRPO round (and beside it TRL's own
+`completions/mean_length` x completions, `logged_tokens_per_step`); the reference's forward
+and sampling (no grad) are not counted as work.
 """
 
 from __future__ import annotations
@@ -48,7 +56,7 @@ def main() -> None:
     parser.add_argument("--config", type=Path, required=True)
     parser.add_argument("--result", type=Path, required=True)
     parser.add_argument("--warmup-steps", type=int, default=3)
-    parser.add_argument("--peer", choices=("trainer", "sft", "sft-liger", "dpo"),
+    parser.add_argument("--peer", choices=("trainer", "sft", "sft-liger", "dpo", "grpo"),
                         default="trainer")
     parser.add_argument("--batch-per-device", type=int, default=None,
                         help="instead of the config's batchSizePerDevice")
@@ -79,11 +87,14 @@ def main() -> None:
     tokenizer = load_tokenizer(config.model, base)
     records = read_records(config.dataset, base)
     fmt = resolve_format(config.dataset.format, records.column_names)
-    if (fmt == "preference") != (args.peer == "dpo"):
+    if {"preference": "dpo", "prompt": "grpo"}.get(fmt) != (
+            args.peer if args.peer in ("dpo", "grpo") else None):
         raise SystemExit(f"--peer {args.peer} does not train on {fmt} data")
     if fmt == "preference":  # DPOTrainer tokenises the text itself
         train = [{side: record[side] for side in ("prompt", "chosen", "rejected")}
                  for record in records]
+    elif fmt == "prompt":  # so does GRPOTrainer, and it hands the other columns to rewards
+        train = list(records)
     else:
         samples = tokenize_records(records, fmt, tokenizer, config.dataset.max_seq_length)
         train = [{"input_ids": s["input_ids"], "labels": s["labels"]} for s in samples]
@@ -135,6 +146,8 @@ def main() -> None:
         else "adamw_torch")
     if args.peer == "dpo":
         trainer = dpo_trainer(config, model, train, tokenizer, adapters, timing, settings)
+    elif args.peer == "grpo":
+        trainer = grpo_trainer(config, model, train, tokenizer, adapters, timing, settings)
     elif args.peer.startswith("sft"):
         from datasets import Dataset
         from trl import SFTConfig, SFTTrainer
@@ -156,6 +169,8 @@ def main() -> None:
 
     label_tokens, input_tokens, attended = all_ranks_sum(
         [timing.timed_tokens, timing.timed_inputs, timing.timed_attended])
+    logged = {"logged_tokens_per_step": timing.logged_tokens / max(timing.timed_steps, 1)
+              } if args.peer == "grpo" else {}
     world = dist.get_world_size() if dist.is_initialized() else 1
     peak = (torch.cuda.max_memory_allocated() if gpu
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
@@ -164,9 +179,11 @@ def main() -> None:
         mfu = None
         peak_flops = gpu and flops.peak_flops(torch.cuda.get_device_name())
         if peak_flops and seconds:
-            # as ours counts: the pairs each document attends, DPO's reference forward
+            # as ours counts: the pairs each document attends, the reference's forward
             params, frozen, layers, width = flops.model_shape(trainer.model)
-            reference = frozen if args.peer == "dpo" and adapters is not None else 0.0
+            referenced = args.peer == "dpo" or (
+                args.peer == "grpo" and config.objective.settings().beta > 0)
+            reference = frozen if referenced and adapters is not None else 0.0
             work = flops.ModelWork.of(params, frozen, layers, width, reference)
             mfu = work.flops(input_tokens, attended) / seconds / (peak_flops * world)
         args.result.write_text(json.dumps({
@@ -174,7 +191,7 @@ def main() -> None:
             "input_tokens_per_second": input_tokens / seconds if seconds else 0.0,
             "step_seconds": seconds / max(timing.timed_steps, 1),
             "tokens_per_step": label_tokens / max(timing.timed_steps, 1),
-            "timed_steps": timing.timed_steps, "peak_memory_bytes": int(peak)}))
+            "timed_steps": timing.timed_steps, "peak_memory_bytes": int(peak), **logged}))
 
 
 def dpo_trainer(config, model, rows: list[dict], tokenizer, adapters, timing, settings: dict):
@@ -195,6 +212,42 @@ def dpo_trainer(config, model, rows: list[dict], tokenizer, adapters, timing, se
             **{**settings, "remove_unused_columns": True},  # its default: the ids alone
             max_length=config.dataset.max_seq_length, beta=dpo.beta, loss_type=[dpo.loss],
             label_smoothing=dpo.label_smoothing, precompute_ref_log_probs=False))
+
+
+def grpo_trainer(config, model, rows: list[dict], tokenizer, adapters, timing, settings: dict):
+    """TRL's GRPOTrainer as its users run it, on the config's prompts, rewards and GRPO
+    settings."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from finetune_trainer.objectives.grpo.rewards import load_rewards
+
+    if config.objective.type != "grpo":
+        raise SystemExit("--peer grpo needs a config with objective.type grpo")
+    grpo = config.objective.settings()
+    rewards = load_rewards(grpo.rewards, grpo.max_completion_length, [])
+
+    def reward_function(reward):
+        def score(prompts, completions, completion_ids, **columns):
+            names = [name for name in columns if name not in ("trainer_state", "log_extra",
+                                                              "log_metric")]
+            values = reward.score(prompts, completions, completion_ids,
+                                  {name: columns[name] for name in names})
+            return [None if value != value else value for value in values]  # NaN: None
+        score.__name__ = reward.name
+        return score
+
+    return GRPOTrainer(
+        model=model, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+        peft_config=adapters, callbacks=[timing],
+        reward_funcs=[reward_function(reward) for reward in rewards], args=GRPOConfig(
+            **{**settings, "logging_steps": 1},  # TRL's own completion lengths, per step
+            num_generations=grpo.num_generations,
+            max_completion_length=grpo.max_completion_length, temperature=grpo.temperature,
+            top_p=grpo.top_p, beta=grpo.beta, epsilon=grpo.epsilon,
+            epsilon_high=grpo.epsilon_high or grpo.epsilon, loss_type=grpo.loss,
+            scale_rewards=grpo.scale_rewards, num_iterations=grpo.iterations,
+            reward_weights=[reward.weight for reward in rewards]))
 
 
 def collective_device(backend: str, local_rank: int) -> str:
@@ -225,15 +278,16 @@ class StepTiming(TrainerCallback):
     def __init__(self, warmup: int) -> None:
         self.warmup, self.step = warmup, 0
         self.timed_tokens = self.timed_inputs = self.timed_steps = self.timed_attended = 0
+        self.logged_tokens = 0.0
         self.timed_seconds, self.started = 0.0, None
 
     def count(self, module, args, kwargs) -> None:
         import torch
 
         labels, mask = kwargs.get("labels"), kwargs.get("attention_mask")
-        # the trained forward only: DPOTrainer's reference (adapters off, no grad) goes
-        # through the same module with the same labels
-        if self.started is not None and labels is not None and torch.is_grad_enabled():
+        if self.started is None or not torch.is_grad_enabled():
+            return  # DPOTrainer's reference and GRPOTrainer's sampling run without grad
+        if labels is not None:  # GRPOTrainer's: the completion's tokens (its fused head)
             self.timed_tokens += int((labels[:, 1:] != -100).sum())
             self.timed_inputs += int(mask.sum()) if mask is not None else labels.numel()
             self.timed_attended += attended(kwargs.get("position_ids"), mask, labels)
@@ -247,6 +301,13 @@ class StepTiming(TrainerCallback):
         self.step += 1
         if self.started is not None:
             self.timed_steps += 1
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        """GRPOTrainer's own count of a timed step's completion tokens (logged every step:
+        the mean length over all ranks' completions), to hold the hook's count against."""
+        if self.started is not None and logs and "completions/mean_length" in logs:
+            completions = args.per_device_train_batch_size * args.world_size
+            self.logged_tokens += logs["completions/mean_length"] * completions
 
     def on_train_end(self, args, state, control, **kwargs):
         _sync()

@@ -1,5 +1,6 @@
 """Our trainer against Hugging Face `transformers.Trainer` and TRL's `SFTTrainer`, side by
-side; with DPO (preference tuning), against TRL's `DPOTrainer`.
+side; with DPO (preference tuning), against TRL's `DPOTrainer`; with GRPO (online RL),
+against TRL's `GRPOTrainer`.
 
 Same model (built from a config, random weights, saved with save_pretrained), same
 token sequences (tokenised once by our data module), sequence length, global batch,
@@ -7,14 +8,17 @@ precision and strategy; one run after the other in this script. Prints a table a
 benchmarks/throughput.json (the CPU suite's; another suite's to throughput-<suite>.json;
 ratios under `*ratio*` keys: `tokens_per_second_ratio` is ours over Trainer,
 `trl_tokens_per_second_ratio` ours over SFTTrainer, `liger_…` ours over SFTTrainer with
-Liger kernels, `trl_dpo_…` ours over DPOTrainer). The TRL sides need `trl` (`pip install
--e ".[bench]"`, which `make bench` does), the Liger side `liger-kernel` and a GPU.
+Liger kernels, `trl_dpo_…` ours over DPOTrainer, `trl_grpo_…` over GRPOTrainer). The TRL
+sides need `trl` (`pip install -e ".[bench]"`, which `make bench` does), the Liger side
+`liger-kernel` and a GPU.
 
     .venv/bin/python benchmarks/throughput.py                 # the CPU configurations
     .venv/bin/python benchmarks/throughput.py --suite gpu     # 1B full, 1B/3B LoRA, QLoRA
     .venv/bin/python benchmarks/throughput.py --only gpu-1b-full --profile /tmp/prof
     .venv/bin/python benchmarks/throughput.py --suite cpu-dpo # DPO, LoRA, vs DPOTrainer
     .venv/bin/python benchmarks/throughput.py --suite gpu-dpo # 1B LoRA DPO on a GPU
+    .venv/bin/python benchmarks/throughput.py --suite cpu-grpo # GRPO, LoRA, vs GRPOTrainer
+    .venv/bin/python benchmarks/throughput.py --suite gpu-grpo # 1B LoRA GRPO on a GPU
 
 The CPU suite runs against Trainer and SFTTrainer three times each; the GPU suite against
 SFTTrainer with and without Liger once each (Trainer pads every sample, which on a GPU
@@ -26,6 +30,10 @@ DPOTrainer runs with its defaults (no padding-free batches, reference log-probab
 not precomputed). Its batch is `batchSizePerDevice` pairs, ours that many packed rows,
 each holding several pairs (tok/step in the table, `tokens_per_step` in the JSON, says
 how far apart the steps are); `cpu-dpo-pairs` raises its batch to the pairs of ours' step.
+The GRPO suites (`cpu-grpo`, `gpu-grpo`: LoRA, beta 0, one exact-match reward) sample
+`numGenerations` completions per prompt with transformers `generate` on both sides (a KV
+cache, no vLLM), `batchSizePerDevice` completions per device on both; a step's time holds
+its sampling, and its tokens are the completion tokens it trained on.
 Tokens/s counts label tokens (what the loss trains on: with DPO, both answers of each
 pair), over the steps after a warm-up; `input_tokens_per_second` (the table's model/s)
 every token through the model, prompts too. Peak memory: the CUDA allocator's peak on a
@@ -101,8 +109,9 @@ class Bench:
     samples: int = 600
     gpu: bool = False
     objective: str = "sft"
-    """`dpo`: preference pairs (`write_pairs`), trained with DPO (`DPO`, or `extra["dpo"]`),
-    against the peers of that objective."""
+    """`dpo`: preference pairs (`write_pairs`), trained with DPO (`DPO`, or `extra["dpo"]`);
+    `grpo`: prompts with an answer (`write_prompts`), trained with GRPO (`GRPO`, or
+    `extra["grpo"]`); each against the peers of that objective."""
     extra: dict = field(default_factory=dict)
 
 
@@ -176,10 +185,37 @@ SUITES = {
               compile=None, samples=2000, warmup=10, objective="dpo",
               extra={"peerBatch": PAIRS, "peerCheckpointing": True}),
     ], peers=("trl_dpo",), repeats=1),
+    # GRPO on LoRA, beside GRPOTrainer with the same generation engine (transformers
+    # `generate`, KV cache on both sides); a random model seldom ends a completion early, so
+    # both sides sample about maxCompletionLength tokens per completion
+    "cpu-grpo": Suite([
+        Bench("cpu-grpo", TINY, "lora", "variable", seq_len=256, batch=8, steps=12,
+              processes=2, objective="grpo", warmup=3, samples=256,
+              extra={"grpo": {"maxCompletionLength": 48}}),
+    ], peers=("trl_grpo",), repeats=3),
+    # 2 prompts x 8 completions of up to 256 tokens per step, as users run it
+    "gpu-grpo": Suite([
+        Bench("gpu-1b-grpo", LLAMA_1B, "lora", "variable", seq_len=1024, batch=16, steps=16,
+              processes=1, precision="bf16", gpu=True, checkpointing=None, compile=None,
+              samples=512, warmup=4, objective="grpo"),
+    ], peers=("trl_grpo",), repeats=1),
 }
 
 DPO = {"beta": 0.1, "loss": "sigmoid", "labelSmoothing": 0.0}
 """`objective.dpo` of the DPO configurations (TRL's defaults); `extra["dpo"]` overrides."""
+GRPO = {"numGenerations": 8, "maxCompletionLength": 256, "temperature": 1.0, "loss": "dapo",
+        "beta": 0.0, "rewards": [{"name": "exact_match", "column": "answer"}]}
+"""`objective.grpo` of the GRPO configurations (TRL's defaults but a shorter completion, and
+one reward: the benchmark times the trainer, not the scoring); `extra["grpo"]` overrides."""
+
+
+def objective_section(bench: Bench) -> dict:
+    """A configuration's `objective`, as the trainer config and the manifest spell it."""
+    settings = {"dpo": DPO, "grpo": GRPO}.get(bench.objective)
+    if settings is None:
+        return {}
+    return {"objective": {"type": bench.objective, bench.objective: {
+        **settings, **bench.extra.get(bench.objective, {})}}}
 
 
 # --- inputs --------------------------------------------------------------------------------
@@ -191,8 +227,8 @@ def sentence(rng: random.Random, words: int) -> str:
 def write_data(path: Path, bench: Bench, seed: int = 0) -> None:
     """Chat samples; `variable` lengths are log-normal (many short, a long tail), as
     instruction data is; `fixed` ones all overflow the sequence length (truncated)."""
-    if bench.objective == "dpo":
-        write_pairs(path, bench, seed)
+    if bench.objective != "sft":
+        {"dpo": write_pairs, "grpo": write_prompts}[bench.objective](path, bench, seed)
         return
     rng = random.Random(seed)
     with path.open("w", encoding="utf-8") as out:
@@ -228,6 +264,21 @@ def write_pairs(path: Path, bench: Bench, seed: int = 0) -> None:
             out.write(json.dumps({"prompt": sentence(rng, prompt) + "\n",
                                   "chosen": sentence(rng, chosen),
                                   "rejected": sentence(rng, rejected)}) + "\n")
+
+
+def write_prompts(path: Path, bench: Bench, seed: int = 0) -> None:
+    """GRPO's prompts in plain text with an `answer` column (one word), the prompts'
+    lengths log-normal as `variable` samples are, within what the sequence length leaves
+    beside the completion (so that neither side cuts a prompt)."""
+    if bench.data != "variable":
+        raise ValueError(f"{bench.name}: GRPO prompts come in variable lengths only")
+    rng = random.Random(seed)
+    room = bench.seq_len - {**GRPO, **bench.extra.get("grpo", {})}["maxCompletionLength"] - 2
+    with path.open("w", encoding="utf-8") as out:
+        for _ in range(bench.samples):
+            words = min(int(rng.lognormvariate(3.0, 0.8)) + 4, room)
+            out.write(json.dumps({"prompt": sentence(rng, words) + "\n",
+                                  "answer": rng.choice(WORDS)}) + "\n")
 
 
 def build_model(where: Path, shape: Shape, corpus_file: Path) -> Path:
@@ -278,15 +329,14 @@ def trainer_config(bench: Bench, model: Path, data: Path, output: Path) -> dict:
     method: dict = {"type": bench.method}
     if bench.method != "full":
         method["lora"] = {"r": 16, "alpha": 32, "dropout": 0.0, "targetModules": ["all-linear"]}
-    dpo = bench.objective == "dpo"
     return {
         "job": {"name": f"bench-{bench.name}", "namespace": "bench"},
         "model": {"uri": str(model)},
-        "dataset": {"uri": str(data), "format": "preference" if dpo else "chat",
+        "dataset": {"uri": str(data), "format": {"dpo": "preference", "grpo": "prompt"}.get(
+                        bench.objective, "chat"),
                     "maxSeqLength": bench.seq_len, "packing": bench.packing},
         "method": method,
-        **({"objective": {"type": "dpo", "dpo": {**DPO, **bench.extra.get("dpo", {})}}}
-           if dpo else {}),
+        **objective_section(bench),
         "strategy": {"type": bench.strategy, "precision": bench.precision,
                      "gradientCheckpointing": bench.checkpointing, "compile": bench.compile,
                      "gradientCheckpointingPolicy": bench.extra.get("checkpointPolicy", "full")},
@@ -327,7 +377,7 @@ def as_users_run_it(bench: Bench, model: Path) -> Bench:
                                                       "maxSeqLength": bench.seq_len,
                                                       "packing": bench.packing},
             "method": {"type": bench.method, **lora},
-            **({"objective": {"type": bench.objective}} if bench.objective != "sft" else {}),
+            **objective_section(bench),
             "strategy": {"type": bench.strategy, "precision": bench.precision,
                          "gradientCheckpointing": bench.checkpointing,
                          "compile": bench.compile},
@@ -451,7 +501,8 @@ class Peer:
 
 PEERS = {"hf_trainer": Peer("trainer", "", "ours/HF"), "trl_sft": Peer("sft", "trl_", "ours/TRL"),
          "trl_liger": Peer("sft-liger", "liger_", "ours/Liger"),
-         "trl_dpo": Peer("dpo", "trl_dpo_", "ours/TRLDPO", objective="dpo")}
+         "trl_dpo": Peer("dpo", "trl_dpo_", "ours/TRLDPO", objective="dpo"),
+         "trl_grpo": Peer("grpo", "trl_grpo_", "ours/TRLGRPO", objective="grpo")}
 """A side's key in the results → the peer."""
 
 
@@ -657,7 +708,7 @@ def main() -> None:
     for side in set(asked or ()) - peers:
         parser.error(f"--peers {args.peers}: {side} runs the {PEERS[side].objective} "
                      "configurations, and none is chosen")
-    if {"trl_sft", "trl_liger", "trl_dpo"} & peers and importlib.util.find_spec("trl") is None:
+    if any(side.startswith("trl_") for side in peers) and importlib.util.find_spec("trl") is None:
         parser.error('the TRL peers need trl: pip install -e ".[bench]" (make bench does), '
                      "or leave them out with --peers")
     if "trl_liger" in peers and importlib.util.find_spec("liger_kernel") is None:

@@ -97,11 +97,35 @@ def test_the_dpo_suites_train_preference_pairs_whole(tmp_path):
                                tuple(throughput.PEERS)) == ("hf_trainer", "trl_sft", "trl_liger")
 
 
+@pytest.mark.process
+def test_grpo_runs_beside_grpotrainer_each_counting_the_completions_trained(tmp_path):
+    """The GRPO configuration end to end on CPU (both sides, 2 processes each): each side's
+    tokens per step are the completion tokens it trained on, at most the step's completions
+    x maxCompletionLength; the peer's count from its forward equals GRPOTrainer's own logged
+    `completions/mean_length` x completions (the reference and sampling forwards, without
+    grad, not counted)."""
+    bench = replace(throughput.SUITES["cpu-grpo"].benches[0], steps=4, warmup=1, samples=64)
+    grpo = {**throughput.GRPO, **bench.extra["grpo"]}
+    assert grpo["maxCompletionLength"] < bench.seq_len  # prompts within the rest
+    row = throughput.compare(bench, tmp_path, repeats=1, peers=("trl_grpo",))
+    most = bench.batch * bench.processes * grpo["maxCompletionLength"]
+    ours, peer = row["ours"], row["trl_grpo"]
+    assert 0 < ours["tokens_per_step"] <= most
+    assert 0 < peer["tokens_per_step"] <= most
+    assert peer["tokens_per_step"] == pytest.approx(peer["logged_tokens_per_step"], rel=1e-6)
+    assert peer["timed_steps"] == 3
+    assert row["trl_grpo_tokens_per_second_ratio"] > 0
+    config = yaml.safe_load((tmp_path / f"{bench.name}.yaml").read_text())
+    assert config["objective"]["grpo"]["numGenerations"] == grpo["numGenerations"]
+    assert config["dataset"]["format"] == "prompt"
+
+
 def test_the_gpu_suite_runs_the_settings_users_get(tmp_path):
     """checkpointing, micro-batch and compile unset in the suite: resolved by the planner
     as for a long run on an 80 GB H100 (what `finetune plan` prints for such a job)."""
     chosen = {}
-    for bench in throughput.SUITES["gpu"].benches + throughput.SUITES["gpu-dpo"].benches:
+    for bench in [b for name in ("gpu", "gpu-dpo", "gpu-grpo")
+                  for b in throughput.SUITES[name].benches]:
         assert bench.checkpointing is None
         assert bench.compile is (False if bench.name.endswith("-eager") else None)
         model = tmp_path / bench.name

@@ -69,7 +69,8 @@ class Objective:
     """Base of every objective's trainer side: SFT's defaults where one has nothing to add."""
 
     base_dir: Path | None = None
-    """The manifest's folder, where relative paths start (set by the preflight)."""
+    """Where the trainer config's relative paths start (set by the preflight): `--base-dir`,
+    else the config file's folder (the working directory for a config passed inline)."""
     paired = False
     """Collation: each trained position's answer (and each pair's id) goes with the batch."""
     metric_names: tuple[str, ...] = ()

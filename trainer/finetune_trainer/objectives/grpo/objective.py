@@ -66,7 +66,7 @@ class GrpoObjective(Objective):
         """Per micro-batch: the sums of MICRO_FIGURES, the token count, and the lowest and
         highest per-completion clip fractions."""
         self.samples: list[dict] = []
-        """The latest round's completions of every rank (rank 0), for the next log step."""
+        """This rank's completions of the latest round, for the next log step."""
 
     # --- before the first step -------------------------------------------------------------
 
@@ -228,22 +228,17 @@ class GrpoObjective(Objective):
 
     def _keep_samples(self, index: int, prompts: list, texts: list[str],
                       scores: list[list[float]], advantages: list[float]) -> None:
-        """The round's completions of every rank, with their rewards and advantages, kept on
-        rank 0 for the next log step (`completions.jsonl` in the output folder, TRL's
-        `log_completions`, and a few in the log)."""
-        import torch.distributed as dist
-
+        """This rank's completions of the round, with their rewards and advantages, kept for
+        the next log step (which gathers every rank's: `completions.jsonl` in the output
+        folder, TRL's `log_completions`, and a few in the log)."""
         names = [reward.name for reward in self.rewards]
-        mine = [{"prompt": prompt, "completion": text, "advantage": round(advantage, 6),
-                 "rewards": {n: (None if math.isnan(v[j]) else v[j]) for n, v in zip(
-                     names, scores, strict=True)}}
-                for j, (prompt, text, advantage) in enumerate(zip(
-                    prompts, texts, advantages, strict=True))]
-        every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(mine, every, dst=0, group=self.run.group)
-        if every is not None:
-            step = index * self.settings.iterations + 1
-            self.samples = [{"step": step, **row} for part in every for row in part]
+        step = index * self.settings.iterations + 1
+        self.samples = [{"step": step, "prompt": prompt, "completion": text,
+                         "advantage": round(advantage, 6),
+                         "rewards": {n: (None if math.isnan(v[j]) else v[j]) for n, v in zip(
+                             names, scores, strict=True)}}
+                        for j, (prompt, text, advantage) in enumerate(zip(
+                            prompts, texts, advantages, strict=True))]
 
     def _generate(self, prompts: list[list[int]], seed: int
                   ) -> tuple[list[list[int]], list[int]]:
@@ -257,8 +252,11 @@ class GrpoObjective(Objective):
         devices = [strategy.device] if strategy.device.type == "cuda" else []
         was_training = model.training
         model.eval()  # no dropout while sampling
+        # compiled layers run eagerly here: each decoding step's shapes differ (the cache
+        # grows a token) and would recompile them (CPU, tiny model, compile on: a timed step
+        # 0.86 s with compiled sampling, 0.73 s with eager; benchmarks/throughput.py cpu-grpo)
         with (torch.random.fork_rng(devices=devices), torch.no_grad(), strategy.autocast(),
-              strategy.generating()):
+              strategy.generating(), torch.compiler.set_stance("force_eager")):
             torch.manual_seed(seed)
             out = model.generate(input_ids=ids.to(strategy.device),
                                  attention_mask=mask.to(strategy.device),
@@ -338,13 +336,13 @@ class GrpoObjective(Objective):
                 per_completion(losses.high).max()]).double())  # to the host at the log step
         return grpo_loss.summed_loss(losses.losses, rows, completions, grpo), None
 
-    def _write_samples(self) -> None:
+    def _write_samples(self, samples: list[dict]) -> None:
         """The latest round's completions appended to `completions.jsonl`; the first
         `logCompletions` said in the log."""
         with (self.run.output_dir / COMPLETIONS_FILE).open("a", encoding="utf-8") as handle:
-            for row in self.samples:
+            for row in samples:
                 handle.write(json.dumps(row, ensure_ascii=False) + "\n")
-        shown = self.samples[:self.settings.log_completions]
+        shown = samples[:self.settings.log_completions]
         if shown:
             lines = [f"  {row['completion']!r} → " + ", ".join(
                 f"{name} {value:g}" if value is not None else f"{name} n/a"
@@ -372,8 +370,11 @@ class GrpoObjective(Objective):
                 out[name] = means[:, column].mean().item()
             out["clip_ratio/low_min"] = low.mean().item()
             out["clip_ratio/high_max"] = high.mean().item()
-        if self.samples:
-            self._write_samples()
+        if self.samples:  # every rank has sampled, or none has
+            every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+            dist.gather_object(self.samples, every, dst=0, group=self.run.group)
+            if every is not None:
+                self._write_samples([row for part in every for row in part])
         self.figures.clear()
         self.micro.clear()
         self.samples = []

@@ -70,6 +70,14 @@ BINARIES = {
     "helm": ("helm", "helm.sh/helm/v3/cmd/helm"),
 }
 HELM_VERSION = "v3.22.0"  # as cluster/helm/go.mod pins it
+REGISTRY_TOOLS = {
+    # a real OCI registry (htpasswd basic auth, TLS) and the oras CLI: `finetune export`
+    # pushes to the one and the tests pull back with the other
+    "registry": ("registry", "github.com/distribution/distribution/v3/cmd/registry"),
+    "oras": ("oras", "oras.land/oras/cmd/oras"),
+}
+"""Built with the control plane but cached apart, keyed by their own pins: adding or moving
+one rebuilds them, not Kubernetes."""
 ADMIN_TOKEN_USER = "finetune-admin"
 SERVICE_CIDR = "10.96.0.0/16"
 OPERATOR_NAMESPACE = "finetune-system"
@@ -88,11 +96,11 @@ def cache_root() -> Path:
     return cache_dir("control-plane")
 
 
-def cache_key() -> str:
+def cache_key(modules: tuple[str, ...] = MODULES) -> str:
     """Kubernetes version + a hash of every go.mod/go.sum/main.go and the Go version: a change
     to any pin builds anew, nothing else does."""
     digest = hashlib.sha256()
-    for module in MODULES:
+    for module in modules:
         for name in ("go.mod", "go.sum", "main.go"):
             path = HERE / module / name
             if path.exists():
@@ -114,6 +122,12 @@ def binaries_dir() -> Path:
     return cache_root() / cache_key()
 
 
+def registry_tools_dir() -> Path:
+    """Where `registry` and `oras` are (REGISTRY_TOOLS), once `build` has run."""
+    return cache_dir("registry-tools") / cache_key(tuple(sorted(
+        {module for module, _ in REGISTRY_TOOLS.values()})))
+
+
 def _say(message: str) -> None:
     print(message, flush=True)  # seen at once under make or a pipe, before a long wait
 
@@ -123,29 +137,39 @@ def build(log=_say) -> Path:
     at a time per folder (a lock file): a second `make cluster` or test session started
     meanwhile waits for the first and builds nothing."""
     target = binaries_dir()
+    _build_once(registry_tools_dir(), REGISTRY_TOOLS, log)
     if _built(target):
         return target
+    _build_once(target, BINARIES, log)
+    if not (target / kueue_manager.MANIFESTS).exists():
+        kueue_manager.render_manifests(target / "kubectl", target)
+    return target
+
+
+def _build_once(target: Path, binaries: dict[str, tuple[str, str]], log) -> None:
+    """Build what of `binaries` `target` lacks, one process at a time (a lock file)."""
+    if all((target / b).exists() for b in binaries):
+        return
     target.mkdir(parents=True, exist_ok=True)
     with open(target / ".build.lock", "w") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            log(f"another process is building the control plane into {target}: waiting for it")
+            log(f"another process is building into {target}: waiting for it")
             fcntl.flock(lock, fcntl.LOCK_EX)
-        missing = [b for b in BINARIES if not (target / b).exists()]
+        missing = [b for b in binaries if not (target / b).exists()]
         if missing:
-            _build(target, missing, log)
-        if not (target / kueue_manager.MANIFESTS).exists():
-            kueue_manager.render_manifests(target / "kubectl", target)
-    return target
+            _build(target, missing, log, binaries)
 
 
 def _built(target: Path) -> bool:
     return all((target / b).exists() for b in (*BINARIES, kueue_manager.MANIFESTS))
 
 
-def _build(target: Path, missing: list[str], log) -> None:
-    log(f"building the control plane ({', '.join(missing)}) into {target}; "
+def _build(target: Path, missing: list[str], log,
+           binaries: dict[str, tuple[str, str]] = BINARIES) -> None:
+    what = "the control plane" if binaries is BINARIES else "the registry tools"
+    log(f"building {what} ({', '.join(missing)}) into {target}; "
         "cold, this takes minutes (docs/design/development.md, \"Build times\")")
     version_flags = []
     major, minor = KUBERNETES_VERSION.lstrip("v").split(".")[:2]
@@ -156,7 +180,7 @@ def _build(target: Path, missing: list[str], log) -> None:
     started = time.monotonic()
     # kube-apiserver first: it compiles the shared code the other three reuse from the cache.
     for binary in missing:
-        module, package = BINARIES[binary]
+        module, package = binaries[binary]
         flags = {"kube": version_flags, "kueue": kueue_manager.VERSION_FLAGS,
                  "helm": (f"-X helm.sh/helm/v3/internal/version.version={HELM_VERSION}",)
                  }.get(module, ())
@@ -170,7 +194,7 @@ def _build(target: Path, missing: list[str], log) -> None:
             raise ControlPlaneError(f"building {binary} failed:\n{result.stderr[-4000:]}")
         partial.rename(target / binary)
         log(f"  {binary}: {time.monotonic() - one:.0f} s")
-    log(f"control plane built in {time.monotonic() - started:.0f} s")
+    log(f"{what} built in {time.monotonic() - started:.0f} s")
 
 
 # --- certificates and credentials -----------------------------------------------------------

@@ -21,7 +21,8 @@ rm -rf "$OUT" && mkdir -p "$OUT"
 # and the requirements of every wheel here (pip installs them there with --no-deps).
 PINNED=(pydantic pydantic-core annotated-types typing-inspection prometheus-client
         nvidia-ml-py datasets dill multiprocess hjson einops msgpack ninja py-cpuinfo
-        math-verify latex2sympy2-extended antlr4-python3-runtime)
+        math-verify latex2sympy2-extended antlr4-python3-runtime
+        requests certifi charset-normalizer urllib3)
 PEERS=("trl>=1.16" "bitsandbytes>=0.45" "liger-kernel>=0.8")  # the benchmarks' peers, QLoRA
 
 version() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))"; }

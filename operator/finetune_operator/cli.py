@@ -160,6 +160,7 @@ def main() -> None:
       finetune run job.yaml           train it on this machine (CPU or local GPUs)
       finetune status NAME --watch    phase, progress bar, events (a cluster's job or a run's)
       finetune logs NAME -f           the trainer's log
+      finetune export OUT oci://REF   push a trained model to a registry (KAITO, oras)
       finetune operator               run the controller (in-cluster, or via KUBECONFIG)
     """
 
@@ -976,6 +977,30 @@ def _cluster_error(command: str, error: Exception) -> str:
 UNSEEN_SAID_AFTER = 10
 """Seconds `finetune logs -f` waits for an operator to take up a job with no status before it
 says none has (and goes on waiting: one may be starting)."""
+
+
+@main.command(name="export")
+@click.argument("output", metavar="OUTPUT", type=click.Path(path_type=Path))
+@click.argument("target", metavar="TARGET")
+@click.option("--merged", is_flag=True,
+              help="Export merged/ (the base with the adapter merged in, from "
+              "spec.output.mergeAdapter) instead of final/.")
+@click.option("--plain-http", is_flag=True,
+              help="Talk to the registry over plain HTTP (a local registry without TLS).")
+def export_command(output: Path, target: str, merged: bool, plain_http: bool) -> None:
+    """Push a trained model to TARGET: `oci://registry/repository:tag`, one image that
+    KAITO's adapters and `oras pull` read (files under data/, the model card with them).
+
+    OUTPUT: a job's output folder (its final/ is pushed) or a model folder. Credentials:
+    Docker's config (`docker login`, `oras login`, REGISTRY_AUTH_FILE); a private CA:
+    REQUESTS_CA_BUNDLE.
+    """
+    from finetune_trainer.export import ExportError, export, model_folder
+
+    try:
+        export(model_folder(output, merged), target, plain_http=plain_http)
+    except ExportError as error:
+        raise click.ClickException(str(error)) from None
 
 
 @main.command(name="logs")

@@ -87,21 +87,26 @@ def losses(output: Path) -> list[float]:
     return [by_step[s] for s in sorted(by_step)]
 
 
+def shared_run(shared, model: Path, strategy: str, method: str = "lora", **options) -> Path:
+    """The output folder of the session's one finished run of this manifest
+    (tests/support/shared.py); its readers never change it (options that spell out a
+    default, such as precision="fp32", name the same run)."""
+    def make(where: Path) -> None:
+        result = finetune_run(manifest(model, where / "out", strategy=strategy, method=method,
+                                       **options), where)
+        assert result.returncode == 0, result.stdout + result.stderr
+
+    key = json.dumps(manifest(model, Path("out"), strategy=strategy, method=method, **options),
+                     sort_keys=True)
+    return shared.get(key, make, name=f"{strategy}-{method}") / "out"
+
+
 @pytest.fixture()
 def runs(tiny_model_dir, shared):
-    """One finished run per manifest in the session (tests/support/shared.py), read by the
-    comparisons below, which never change it (options that spell out a default, such as
-    precision="fp32", name the same run)."""
+    """`shared_run` of the tiny model, read by the comparisons below."""
 
     def get(strategy: str, method: str = "lora", **options) -> Path:
-        def make(where: Path) -> None:
-            result = finetune_run(manifest(tiny_model_dir, where / "out", strategy=strategy,
-                                           method=method, **options), where)
-            assert result.returncode == 0, result.stdout + result.stderr
-
-        key = json.dumps(manifest(tiny_model_dir, Path("out"), strategy=strategy,
-                                  method=method, **options), sort_keys=True)
-        return shared.get(key, make, name=f"{strategy}-{method}") / "out"
+        return shared_run(shared, tiny_model_dir, strategy, method, **options)
 
     get.model = tiny_model_dir
     return get

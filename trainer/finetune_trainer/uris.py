@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Literal
 
-Scheme = Literal["hf", "pvc", "azureml", "https", "path", "relative"]
+Scheme = Literal["hf", "pvc", "azureml", "https", "path", "relative", "oci"]
 
 _SCHEME_PATTERNS: dict[Scheme, str] = {
     # hf://org/name or hf://name (a few hub repos have no org, e.g. hf://gpt2)
@@ -24,6 +24,12 @@ _SCHEME_PATTERNS: dict[Scheme, str] = {
     "path": r"/\S*",
     # ./x or ../x: only meaningful to `finetune run`, resolved against the manifest's folder
     "relative": r"\.\.?/\S*",
+    # oci://registry[:port]/repository[:tag]: a registry host (a dot, a port or localhost),
+    # the repository's lowercase path components, and a tag (default `latest`); an export
+    # target (finetune_trainer/export/oci.py)
+    "oci": r"oci://(localhost|[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)+|[A-Za-z0-9-]+:[0-9]+|"
+           r"(\d+\.){3}\d+)(:[0-9]+)?(/[a-z0-9]+((\.|_|__|-+)[a-z0-9]+)*)+"
+           r"(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?",
 }
 
 SCHEME_EXAMPLES: dict[Scheme, str] = {
@@ -33,6 +39,7 @@ SCHEME_EXAMPLES: dict[Scheme, str] = {
     "https": "https://...",
     "path": "/absolute/path",
     "relative": "./relative/path",
+    "oci": "oci://registry.example.com/models/name:tag",
 }
 
 SCHEME_NAMES: dict[Scheme, str] = {
@@ -42,6 +49,7 @@ SCHEME_NAMES: dict[Scheme, str] = {
     "https": "https://",
     "path": "absolute path",
     "relative": "relative path",
+    "oci": "OCI registry (oci://)",
 }
 
 MODEL_SCHEMES: tuple[Scheme, ...] = ("hf", "pvc", "azureml", "path", "relative")

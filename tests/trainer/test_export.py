@@ -1,0 +1,260 @@
+"""`finetune export`: a trained model pushed to a real OCI registry (distribution, TLS from a
+CA of the test's, htpasswd basic auth) and pulled back with the real oras CLI, as a user and
+KAITO's puller read it; refused pushes said with the fix, nothing half-pushed."""
+
+from __future__ import annotations
+
+import base64
+import filecmp
+import json
+import os
+import socket
+import subprocess
+import sys
+import tarfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+
+from finetune_trainer.export import ExportError, model_folder, oci
+from tests.support import registry as registries
+from tests.support import waits
+from tests.trainer.test_training import shared_run
+
+
+@pytest.fixture()
+def trained(tiny_model_dir, shared) -> Path:
+    """The output folder of the session's DDP LoRA run of the tiny model (test_training's)."""
+    return shared_run(shared, tiny_model_dir, "ddp", "lora")
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    started = registries.start(tmp_path_factory.mktemp("registry"))
+    yield started
+    started.process.terminate()
+    started.process.wait(timeout=30)
+
+
+def finetune_export(*args: str, home: Path, docker_config: Path | None = None,
+                    ca: Path | None = None) -> subprocess.CompletedProcess:
+    """`finetune export` as a user runs it, with only the credentials given here."""
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("DOCKER_CONFIG", "REGISTRY_AUTH_FILE", "REQUESTS_CA_BUNDLE")}
+    env["HOME"] = str(home)
+    if docker_config is not None:
+        env["DOCKER_CONFIG"] = str(docker_config)
+    if ca is not None:
+        env["REQUESTS_CA_BUNDLE"] = str(ca)
+    return subprocess.run([sys.executable, "-m", "finetune_operator.cli", "export", *args],
+                          capture_output=True, text=True, env=env, timeout=waits.seconds_left())
+
+
+def generated(model_dir: Path, adapter: Path) -> list[int]:
+    """Greedy tokens of the base with `adapter` on: what the adapter answers a prompt."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), adapter)
+    prompt = tokenizer("the model learns", return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**prompt, max_new_tokens=8, do_sample=False)
+    return out[0, prompt["input_ids"].shape[1]:].tolist()
+
+
+@pytest.mark.process
+def test_an_exported_adapter_comes_back_with_oras_and_answers_as_before(
+        registry, trained, tiny_model_dir, tmp_path):
+    output = trained
+    reference = f"{registry.host}/models/tiny-adapter:v1"
+    config = registry.docker_config(tmp_path / "docker")
+    pushed = finetune_export(str(output), f"oci://{reference}", home=tmp_path,
+                             docker_config=config, ca=registry.ca)
+    assert pushed.returncode == 0, pushed.stderr
+    assert f"pushed {reference}@sha256:" in pushed.stdout
+
+    pulled = registry.oras("pull", reference, "-o", str(tmp_path / "pulled"))
+    assert pulled.returncode == 0, pulled.stderr
+    final = output / "final"
+    data = tmp_path / "pulled" / oci.DATA_DIR
+    assert sorted(p.relative_to(data) for p in oci.model_files(data)) == sorted(
+        p.relative_to(final) for p in oci.model_files(final))
+    for name in ("adapter_model.safetensors", "adapter_config.json", "README.md"):
+        assert filecmp.cmp(final / name, data / name, shallow=False), name
+    assert generated(tiny_model_dir, data) == generated(tiny_model_dir, final)
+
+    fetched = registry.oras("manifest", "fetch", reference)
+    manifest = json.loads(fetched.stdout)
+    assert manifest["config"]["mediaType"] == oci.CONFIG_TYPE  # what KAITO's skopeo takes
+    assert manifest["layers"][0]["annotations"][oci.TITLE] == oci.DATA_DIR
+    assert manifest["annotations"][oci.TITLE] == "t-ddp-lora"  # the job, from its card
+    again = finetune_export(str(output), f"oci://{reference}", home=tmp_path,
+                            docker_config=config, ca=registry.ca)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.split("@")[-1] == pushed.stdout.split("@")[-1]  # the same digest
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("credentials", ["none", "wrong password"])
+def test_a_refused_push_says_so_with_the_fix_and_pushes_nothing(registry, trained, tmp_path,
+                                                                  credentials):
+    reference = f"{registry.host}/models/refused:v1"
+    config = (registry.docker_config(tmp_path / "docker", password="not-it")
+              if credentials == "wrong password" else None)
+    pushed = finetune_export(str(trained), f"oci://{reference}", home=tmp_path,
+                             docker_config=config, ca=registry.ca)
+    assert pushed.returncode == 1
+    said = pushed.stderr
+    assert f"export to {reference}: the registry refused the push" in said
+    assert ("no credentials" if credentials == "none" else
+            f"the credentials for {registry.host}") in said
+    assert "docker login" in said and "dockerconfigjson" in said
+    assert "not-it" not in said + pushed.stdout  # no secret in what is said
+    assert registry.oras("manifest", "fetch", reference).returncode != 0
+
+
+@pytest.mark.process
+def test_a_registry_whose_ca_is_not_given_is_refused_naming_the_fix(registry, trained,
+                                                                   tmp_path):
+    pushed = finetune_export(str(trained), f"oci://{registry.host}/models/x:v1",
+                             home=tmp_path, docker_config=registry.docker_config(tmp_path / "d"))
+    assert pushed.returncode == 1
+    assert "TLS to" in pushed.stderr and "REQUESTS_CA_BUNDLE" in pushed.stderr
+
+
+@pytest.mark.process
+def test_a_registry_without_tls_takes_plain_http_when_asked(trained, tmp_path):
+    plain = registries.start(tmp_path / "plain", secure=False)
+    try:
+        reference = f"{plain.host}/adapters/open:latest"
+        pushed = finetune_export(str(trained), f"oci://{plain.host}/adapters/open",
+                                 "--plain-http", home=tmp_path)
+        assert pushed.returncode == 0, pushed.stderr
+        assert f"pushed {reference}@sha256:" in pushed.stdout  # the tag defaults to latest
+        assert plain.oras("pull", reference, "-o", str(tmp_path / "pulled")).returncode == 0
+        assert (tmp_path / "pulled" / "data" / "adapter_model.safetensors").is_file()
+    finally:
+        plain.process.terminate()
+        plain.process.wait(timeout=30)
+
+
+@pytest.mark.process
+@pytest.mark.parametrize(("target", "said"), [
+    ("oci://Registry.example.com/Models/X:v1", "not a location this API understands"),
+    ("pvc://claim/models", "PersistentVolumeClaim (pvc://) locations are not accepted here"),
+    ("oci://registry.example.com", "oci://registry.example.com/models/name:tag"),
+])
+def test_a_bad_target_is_named_with_the_form_to_write(tmp_path, target, said):
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / "config.json").write_text("{}")
+    refused = finetune_export(str(tmp_path), target, home=tmp_path)
+    assert refused.returncode == 1
+    assert said in refused.stderr and f"export to {target}" in refused.stderr
+
+
+# --- the parts, pure ------------------------------------------------------------------------
+
+@pytest.mark.unit
+def test_what_is_exported_of_an_output_folder(tmp_path):
+    with pytest.raises(ExportError, match="no such folder"):
+        model_folder(tmp_path / "missing")
+    with pytest.raises(ExportError, match="holds no final/ folder and is no model folder"):
+        model_folder(tmp_path)
+    (tmp_path / "final").mkdir()
+    assert model_folder(tmp_path) == tmp_path / "final"
+    with pytest.raises(ExportError, match="mergeAdapter: true"):
+        model_folder(tmp_path, merged=True)
+    (tmp_path / "merged").mkdir()
+    assert model_folder(tmp_path, merged=True) == tmp_path / "merged"
+    (tmp_path / "final" / "adapter_config.json").write_text("{}")
+    assert model_folder(tmp_path / "final") == tmp_path / "final"  # a model folder itself
+
+
+@pytest.mark.unit
+def test_a_folder_packs_the_same_twice_with_its_files_under_data(tmp_path):
+    folder = tmp_path / "out" / "final"
+    (folder / "nested").mkdir(parents=True)
+    (folder / "adapter_config.json").write_text('{"r": 4}')
+    (folder / "nested" / "tokenizer.json").write_text("{}")
+    (folder / ".partial").write_text("hidden: left out")
+    (folder / "README.md").write_text("---\nbase_model: org/base\n---\n\n# my-job\n\n"
+                                      "A LoRA adapter of org/base.\n")
+    packs = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        packs.append(oci.pack(folder, tmp_path / name))
+    assert packs[0].manifest == packs[1].manifest  # reproducible, `created` included
+    manifest = json.loads(packs[0].manifest)
+    assert manifest["annotations"] == {
+        oci.TITLE: "my-job", oci.DESCRIPTION: "A LoRA adapter of org/base.",
+        oci.BASE_MODEL: "org/base", oci.CREATED: datetime.fromtimestamp(
+            max(f.stat().st_mtime for f in folder.rglob("*")), timezone.utc).strftime(
+            "%Y-%m-%dT%H:%M:%SZ")}
+    with tarfile.open(packs[0].layer.path) as tar:
+        assert tar.getnames() == ["data", "data/nested", "data/README.md",
+                                  "data/adapter_config.json", "data/nested/tokenizer.json"]
+        assert {m.mtime for m in tar.getmembers()} == {0}
+    config = json.loads(packs[0].config.path.read_bytes())
+    assert config["rootfs"]["diff_ids"] == [
+        manifest["layers"][0]["annotations"][oci.TAR_DIGEST]]
+
+
+@pytest.mark.unit
+def test_credentials_are_read_as_docker_writes_them(tmp_path):
+    encoded = base64.b64encode(b"me:pa:ss").decode()
+    (tmp_path / "a.json").write_text(json.dumps({"auths": {
+        "https://ghcr.io/v1/": {"auth": encoded},
+        "myacr.azurecr.io": {"username": "00000000-0000", "password": "token"}}}))
+    (tmp_path / "broken.json").write_text("{not json")
+    configs = [tmp_path / "missing.json", tmp_path / "broken.json", tmp_path / "a.json"]
+    assert oci.credentials_for("ghcr.io", configs) == ("me", "pa:ss")
+    assert oci.credentials_for("myacr.azurecr.io", configs) == ("00000000-0000", "token")
+    assert oci.credentials_for("quay.io", configs) is None
+
+
+@pytest.mark.process
+def test_a_credential_helper_is_asked_as_docker_asks_it(tmp_path, monkeypatch):
+    """`credsStore` / `credHelpers` name a `docker-credential-<name>` program on the PATH
+    (Docker Desktop, `az acr login`): asked with the registry on stdin."""
+    helper = tmp_path / "bin" / "docker-credential-vault"
+    helper.parent.mkdir()
+    helper.write_text('#!/bin/sh\nread registry\n[ "$1" = get ] && [ "$registry" = '
+                      'myacr.azurecr.io ] || exit 1\n'
+                      'echo \'{"ServerURL": "myacr.azurecr.io", "Username": "<token>", '
+                      '"Secret": "refresh"}\'\n')
+    helper.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{helper.parent}{os.pathsep}{os.environ['PATH']}")
+    (tmp_path / "config.json").write_text(json.dumps({"credHelpers": {
+        "myacr.azurecr.io": "vault"}, "credsStore": "missing-helper"}))
+    configs = [tmp_path / "config.json"]
+    assert oci.credentials_for("myacr.azurecr.io", configs) == ("<token>", "refresh")
+    assert oci.credentials_for("ghcr.io", configs) is None  # its helper is not installed
+
+
+@pytest.mark.unit
+def test_a_registry_that_does_not_answer_is_tried_again_then_named(tmp_path):
+    """No registry listens on the port: 4 tries, 2, 4 and 8 s apart, then the reference
+    and what to check."""
+    folder = tmp_path / "final"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    slept: list[float] = []
+    with socket.socket() as taken:  # a port bound but not listening: refused at once
+        taken.bind(("127.0.0.1", 0))
+        reference = oci.Reference.parse(f"oci://127.0.0.1:{taken.getsockname()[1]}/m/x:v1")
+        with pytest.raises(ExportError, match=r"did not answer.*\(4 tries\); check that the "
+                           "registry is up"):
+            oci.push(folder, reference, plain_http=True, say=lambda _: None,
+                     sleep=slept.append)
+    assert slept == [2, 4, 8]
+
+
+@pytest.mark.unit
+def test_a_reference_defaults_its_tag():
+    assert str(oci.Reference.parse("oci://localhost:5000/a/b")) == "localhost:5000/a/b:latest"
+    parsed = oci.Reference.parse("oci://ghcr.io/org/model:2026-11-28")
+    assert (parsed.registry, parsed.repository, parsed.tag) == ("ghcr.io", "org/model",
+                                                                "2026-11-28")

@@ -1,0 +1,57 @@
+"""Getting a trained model out: its folder pushed to where serving picks it up.
+
+`export(folder, target)` sends a model folder (a job's `final/`: a peft adapter or whole
+weights, with its model card) to a target named by a URI; one module per kind of target:
+`oci.py` (`oci://registry/repository:tag`, an image KAITO and `oras pull` read). Torch-free:
+`finetune export` runs it on a laptop as well as in the trainer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from finetune_trainer.uris import UriError, parse_uri
+
+
+class ExportError(RuntimeError):
+    """An export that did not happen: what went wrong at `target`, and what to do. The
+    model folder is untouched whatever happened."""
+
+    def __init__(self, target: str, problem: str, fix: str) -> None:
+        super().__init__(f"export to {target}: {problem}; {fix}")
+        self.target, self.problem, self.fix = target, problem, fix
+
+
+def model_folder(output: Path, merged: bool = False) -> Path:
+    """What to export of `output`: a job's output folder gives its `final/` (`merged/` with
+    `merged`), a model folder itself. Raises ExportError saying what is there instead."""
+    from finetune_trainer.layout import FINAL_DIR, MERGED_DIR
+
+    if not output.is_dir():
+        raise ExportError(str(output), "no such folder", "give a job's output folder (its "
+                          "spec.output.uri) or a model folder")
+    if merged:
+        if not (output / MERGED_DIR).is_dir():
+            raise ExportError(str(output), f"holds no {MERGED_DIR}/ folder", "train with "
+                              "spec.output.mergeAdapter: true, or export final/ (leave out "
+                              "--merged)")
+        return output / MERGED_DIR
+    if (output / FINAL_DIR).is_dir():
+        return output / FINAL_DIR
+    if any((output / name).is_file() for name in ("adapter_config.json", "config.json")):
+        return output
+    raise ExportError(str(output), f"holds no {FINAL_DIR}/ folder and is no model folder "
+                      "(adapter_config.json or config.json)", "wait until the job has ended "
+                      "(its final/ is written after the last step), or give the model folder")
+
+
+def export(folder: Path, target: str, *, plain_http: bool = False, say=print) -> str:
+    """Push `folder` to `target`; returns what was pushed (the reference with its digest).
+    Raises ExportError (a bad target, a refused or unreachable registry, an empty folder)."""
+    try:
+        uri = parse_uri(target, ("oci",))
+    except UriError as error:
+        raise ExportError(target, error.what, error.fix) from None
+    from finetune_trainer.export import oci
+
+    return oci.push(folder, oci.Reference.parse(uri.raw), plain_http=plain_http, say=say)

@@ -137,12 +137,11 @@ def build(log=_say) -> Path:
     at a time per folder (a lock file): a second `make cluster` or test session started
     meanwhile waits for the first and builds nothing."""
     target = binaries_dir()
+    if not _built(target):
+        _build_once(target, BINARIES, log)
+        if not (target / kueue_manager.MANIFESTS).exists():
+            kueue_manager.render_manifests(target / "kubectl", target)
     _build_once(registry_tools_dir(), REGISTRY_TOOLS, log)
-    if _built(target):
-        return target
-    _build_once(target, BINARIES, log)
-    if not (target / kueue_manager.MANIFESTS).exists():
-        kueue_manager.render_manifests(target / "kubectl", target)
     return target
 
 
@@ -155,7 +154,7 @@ def _build_once(target: Path, binaries: dict[str, tuple[str, str]], log) -> None
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            log(f"another process is building into {target}: waiting for it")
+            log(f"another process is building {_what(binaries)} into {target}: waiting for it")
             fcntl.flock(lock, fcntl.LOCK_EX)
         missing = [b for b in binaries if not (target / b).exists()]
         if missing:
@@ -166,9 +165,13 @@ def _built(target: Path) -> bool:
     return all((target / b).exists() for b in (*BINARIES, kueue_manager.MANIFESTS))
 
 
+def _what(binaries: dict[str, tuple[str, str]]) -> str:
+    return "the control plane" if binaries is BINARIES else "the registry tools"
+
+
 def _build(target: Path, missing: list[str], log,
            binaries: dict[str, tuple[str, str]] = BINARIES) -> None:
-    what = "the control plane" if binaries is BINARIES else "the registry tools"
+    what = _what(binaries)
     log(f"building {what} ({', '.join(missing)}) into {target}; "
         "cold, this takes minutes (docs/design/development.md, \"Build times\")")
     version_flags = []

@@ -27,7 +27,10 @@ PLAN_SAMPLE = REPO / "docs" / "guides" / "planning.md"
 GENERIC_MANIFEST = "examples/02-aks-fsdp-full-8b.yaml"
 """What the README's `job.yaml` stands for: a cluster manifest (an Azure ML one for
 `--backend azureml`, which needs an azureml: section)."""
-NOT_RUN_HERE = ("operator",)
+NOT_RUN_HERE = {
+    "operator": "runs in the scenario tests",
+    "export": "pushes to a registry: tests/trainer/test_export.py runs it against a real one",
+}
 RUNNABLE = "examples/01-tiny-cpu-lora.yaml"
 """The one manifest `finetune run` takes here (its model: what `make demo` builds)."""
 ON_THE_DEMO_MODEL = {f"examples/{p.name}" for p in EXAMPLES
@@ -79,7 +82,7 @@ def test_the_docs_show_commands_to_run():
 def test_a_documented_command_works(where, command):
     words = shlex.split(command)
     if words[1] in NOT_RUN_HERE:
-        pytest.skip(f"`finetune {words[1]}` runs in the scenario tests")
+        pytest.skip(f"`finetune {words[1]}` {NOT_RUN_HERE[words[1]]}")
     if words[1] == "run" and RUNNABLE not in words:
         pytest.skip("a run of a manifest the docs do not ship")
     # validate and run refuse these examples' model path until `make demo` built it

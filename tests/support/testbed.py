@@ -32,6 +32,8 @@ from tests.support import waits
 from tests.support.emulator import COMPLETION_INDEX, ApiServer, Kubelet
 
 API = "finetune.dev/v1alpha1/finetunejobs"
+ENDED = ("Succeeded", "Failed")
+"""Phases a job does not leave unless its spec is edited."""
 REAL_CLUSTER_ENV = ("KUBECONFIG", "FINETUNE_E2E_NAMESPACE")
 REAL_CLUSTER_SKIP = ("no real cluster chosen: set KUBECONFIG and FINETUNE_E2E_NAMESPACE, "
                      "with the chart installed (make kind-e2e does)")
@@ -168,7 +170,20 @@ class Testbed:
         await eventually(check, what, self.poll, self.blocking)
 
     async def until_phase(self, phase: str, name: str = "demo") -> None:
-        await self.until(lambda: self.status(name).get("phase") == phase, f"{name} {phase}")
+        """Until the job is in `phase`; a job that comes to an end in another meanwhile fails
+        the wait at once, with its status (it would never come). An end it was in when the
+        wait began does not (an edited job leaves it)."""
+        began: list[str | None] = []  # the first look's phase (read where `until` reads)
+
+        def there() -> bool:
+            status = self.status(name)
+            began[:] = began or [status.get("phase")]
+            if status.get("phase") in ENDED and status.get("phase") not in (phase, *began):
+                raise RuntimeError(f"{name} ended {status.get('phase')} while waiting for "
+                                   f"{phase}: {status}")
+            return status.get("phase") == phase
+
+        await self.until(there, f"{name} {phase}")
 
 
 class EmulatedTestbed(Testbed):

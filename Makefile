@@ -72,6 +72,7 @@ test-quick: venv
 lint: venv
 	$(BIN)/ruff check operator trainer tests cluster
 	$(BIN)/lint-imports
+	$(BIN)/python cluster/controlplane.py actionlint
 
 # A real Kubernetes control plane (etcd, kube-apiserver with RBAC, controller-manager,
 # scheduler, KWOK for the GPU pools, Kueue with its queues) and a real node (kubelet,

@@ -78,6 +78,11 @@ REGISTRY_TOOLS = {
 }
 """Built with the control plane but cached apart, keyed by their own pins: adding or moving
 one rebuilds them, not Kubernetes."""
+LINT_TOOLS = {
+    # `make lint` checks the GitHub workflows with it (the release one cannot run here)
+    "actionlint": ("actionlint", "github.com/rhysd/actionlint/cmd/actionlint"),
+}
+"""Built by `make lint` where missing (seconds with a warm Go cache), cached apart."""
 ADMIN_TOKEN_USER = "finetune-admin"
 SERVICE_CIDR = "10.96.0.0/16"
 OPERATOR_NAMESPACE = "finetune-system"
@@ -120,6 +125,12 @@ def go_version() -> str:
 
 def binaries_dir() -> Path:
     return cache_root() / cache_key()
+
+
+def lint_tools_dir() -> Path:
+    """Where `actionlint` is (LINT_TOOLS), once `actionlint` has built it."""
+    return cache_dir("lint-tools") / cache_key(tuple(sorted(
+        {module for module, _ in LINT_TOOLS.values()})))
 
 
 def registry_tools_dir() -> Path:
@@ -166,7 +177,8 @@ def _built(target: Path) -> bool:
 
 
 def _what(binaries: dict[str, tuple[str, str]]) -> str:
-    return "the control plane" if binaries is BINARIES else "the registry tools"
+    return {id(BINARIES): "the control plane", id(LINT_TOOLS): "actionlint"}.get(
+        id(binaries), "the registry tools")
 
 
 def _build(target: Path, missing: list[str], log,
@@ -596,11 +608,25 @@ class ControlPlane:
                 process.wait(timeout=5)
 
 
+def actionlint(log=_say) -> int:
+    """actionlint on .github/workflows, built first where missing; its exit code. Without
+    Go (a machine that builds nothing) it says so and passes: CI has Go."""
+    import shutil as _shutil
+
+    if not (lint_tools_dir() / "actionlint").exists() and _shutil.which("go") is None:
+        log("actionlint not run: Go is not installed to build it")
+        return 0
+    _build_once(lint_tools_dir(), LINT_TOOLS, log)
+    workflows = sorted(str(p) for p in (REPO / ".github" / "workflows").glob("*.y*ml"))
+    return subprocess.run([str(lint_tools_dir() / "actionlint"), *workflows]).returncode
+
+
 # --- the command line -----------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("action", choices=["build", "build-images", "build-product-images",
-                                           "up", "install", "images", "down", "bin"])
+                                           "up", "install", "images", "down", "bin",
+                                           "actionlint"])
     parser.add_argument("--folder", type=Path, default=REPO / ".cluster",
                         help="state folder (default: .cluster in the repository)")
     parser.add_argument("--no-kueue", dest="kueue", action="store_false",
@@ -612,6 +638,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.action == "bin":
             print(binaries_dir())
             return 0
+        if args.action == "actionlint":
+            return actionlint()
         if args.action == "build":
             build()
             return 0

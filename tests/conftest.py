@@ -245,6 +245,7 @@ def pytest_runtest_protocol(item, nextitem):
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     report = yield
+    setattr(item, f"report_{call.when}", report)  # what a fixture's teardown may read
     started = _unit_test.get(item.nodeid)
     if started and call.when == "call" and report.passed:
         report.outcome = "failed"

@@ -332,8 +332,8 @@ class Condition(StatusModel):
 
     type: str
     """Validated, Feasible, Admitted, Running, CollectivePreflight, Stalled, Degraded,
-    Suspended, SpecChangeRefused, Complete or Failed (docs/troubleshooting.md: each reason
-    and its fix)."""
+    Suspended, SpecChangeRefused, Complete, Exported or Failed (docs/troubleshooting.md:
+    each reason and its fix)."""
     status: Literal["True", "False", "Unknown"]
     """Whether the condition holds."""
     reason: str = ""
@@ -386,6 +386,9 @@ class Progress(StatusModel):
     stopped_early: str | None = Field(default=None, exclude=True)
     """Why a finished run stopped before its last step (not stored: it becomes the
     `Complete` condition, reason `StoppedEarly`, and the message)."""
+    exports: list[dict[str, str]] | None = Field(default=None, exclude=True)
+    """A finished run's pushes to `spec.output.export`, `{uri, pushed}` or `{uri, error}`
+    (not stored: they become the `Exported` condition and an event)."""
 
     @classmethod
     def from_record(cls, record: ProgressRecord) -> Progress:
@@ -395,7 +398,7 @@ class Progress(StatusModel):
                    tokens_per_second=record.tokens_per_second,
                    objective_metrics=record.objective_metrics,
                    mfu=record.mfu, eta_seconds=record.eta_seconds, preflight=record.preflight,
-                   stopped_early=record.stopped_early)
+                   stopped_early=record.stopped_early, exports=record.exports)
 
 
 class CheckpointRef(StatusModel):

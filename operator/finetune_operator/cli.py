@@ -632,7 +632,8 @@ def run_command(file: str, nproc: int | None, fresh: bool, metrics_port: int | N
         sys.exit(EXIT_INVALID)
     here = local.as_run_here(job, processes, accumulation)
     machine = local.this_machine(processes) if gpus and job.spec.resources.gpus_per_node else None
-    config, step_settings, serving = _config_here(doc, here, model, machine, metrics_port)
+    config, step_settings, serving, ports = _config_here(doc, here, model, machine,
+                                                         metrics_port)
     output_dir = Path(config.output.uri)
     lock = _hold_output(doc.source, output_dir)  # before anything in the folder changes
     if fresh and (moved := local.set_earlier_run_aside(output_dir)) is not None:
@@ -669,6 +670,7 @@ def run_command(file: str, nproc: int | None, fresh: bool, metrics_port: int | N
     code = local.run_trainer(config_path, processes, run_log(output_dir),
                              max_restarts=restarts, verbose=verbose, lock=lock,
                              on_gpus=bool(job.spec.resources.gpus_per_node))
+    ports.close()  # held for the workers until now, restarts included
     if code == 0:
         click.echo(f"done: model in {output_dir / layout.FINAL_DIR}, checkpoints in "
                    f"{layout.checkpoint_root(output_dir)}, progress in "
@@ -682,16 +684,17 @@ def run_command(file: str, nproc: int | None, fresh: bool, metrics_port: int | N
 
 
 def _config_here(doc: Document, here: FineTuneJob, model, machine, metrics_port: int | None):
-    """The trainer config of the job run `here`, its step settings and the line saying where
-    its metrics are served; or its problems said and exit 2."""
+    """The trainer config of the job run `here`, its step settings, the line saying where
+    its metrics are served and the hold on those ports (`local.PortHold`, kept until the
+    run ends); or its problems said and exit 2."""
     from finetune_operator import local
     from finetune_operator.validation import InvalidJobError
 
     try:
         manifest = None if doc.path == "-" else str(Path(doc.path).resolve())
         config, step_settings = local.local_config(here, doc.folder, model, machine, manifest)
-        config, serving = local.serving_here(config, here.spec.resources.processes(),
-                                             metrics_port)
+        config, serving, ports = local.serving_here(config, here.spec.resources.processes(),
+                                                    metrics_port)
     except InvalidJobError as error:
         for problem in error.problems:
             click.echo(f"{doc.source}: {problem}", err=True)
@@ -699,7 +702,7 @@ def _config_here(doc: Document, here: FineTuneJob, model, machine, metrics_port:
     except local.PortTaken as error:
         click.echo(f"{doc.source}: {error}", err=True)
         sys.exit(EXIT_INVALID)
-    return config, step_settings, serving
+    return config, step_settings, serving, ports
 
 
 def _failure_hint(code: int) -> str:

@@ -252,11 +252,10 @@ def _paced(runtime: Runtime, job: FineTuneJob, seen: Observation, now: datetime,
     if seen.exists or not any(a.kind == "launch" for a in decision.actions):
         runtime.launches.release(key)  # a turn promised earlier is not needed any more
         return decision
-    wait = runtime.launches.reserve(key)
-    if wait <= 0:
+    if runtime.launches.reserve(key) <= 0:
         return decision
-    return reconcile(job, seen, now, problems, verdict, launch_wait=wait,
-                     output_holder=output_holder)
+    return reconcile(job, seen, now, problems, verdict,
+                     launch_at=runtime.launches.turn_at(key), output_holder=output_holder)
 
 
 def _wake_after(runtime: Runtime, backend: Backend | None, job: FineTuneJob,
@@ -267,7 +266,7 @@ def _wake_after(runtime: Runtime, backend: Backend | None, job: FineTuneJob,
     due = [next_deadline(job.spec.run_policy, decision.status, now)]
     if (turn := runtime.launches.promised((job.namespace, job.name))) is not None:
         # waiting for its turn to launch: nothing else wakes it, and no workers to poll (a
-        # polled look would only count its wait down in the status, a patch each time)
+        # polled look would only ask a polled backend (Azure ML) for a job not there yet)
         return min(d for d in (*due, turn) if d is not None)
     if seen.unreachable:  # asked again after a few intervals, not at each (a refused
         # identity costs a token request per job and look, and its SDK a warning)

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Literal
 
 from pydantic import ValidationError
@@ -247,14 +246,14 @@ class _Builder:
 
     def __init__(self, job: FineTuneJob, now: datetime, seen: Observation | None = None,
                  problems: list[str] | None = None, feasibility: Feasibility | None = None,
-                 launch_wait: float | None = None, output_holder: str | None = None):
+                 launch_at: datetime | None = None, output_holder: str | None = None):
         self.asked = job
         """The spec as now written; `job` is as launched (`as_launched`)."""
         self.job, self.now = as_launched(job), now
         self.seen = seen or Observation()
         self.problems = problems or []
         self.feasibility = feasibility
-        self.launch_wait = launch_wait
+        self.launch_at = launch_at
         self.output_holder = output_holder
         self.generation = job.metadata.generation
         self.status = (job.status or FineTuneJobStatus()).model_copy(deep=True)
@@ -327,18 +326,19 @@ def _preflight_condition(b: _Builder, record: dict) -> None:
 def reconcile(job: FineTuneJob, seen: Observation, now: datetime,
               problems: list[str] | None = None,
               feasibility: Feasibility | None = None,
-              launch_wait: float | None = None,
+              launch_at: datetime | None = None,
               output_holder: str | None = None) -> Decision:
     """Decide what to do about `job`. `problems` are validation errors found by the caller
     (the API's rules and the backend's own), each `path: what — fix`. `feasibility` is the
-    planner's verdict, computed by the caller before the first launch. `launch_wait`: the
-    job's turn to launch comes in that many seconds (launches are paced, `pacing.py`), so a
-    launch due now waits for it. `output_holder`: the other live job that holds this one's
-    output folder (`output_folders.holder`), as `namespace/name (phase)`.
+    planner's verdict, computed by the caller before the first launch. `launch_at`: the
+    job's turn to launch comes then (launches are paced, `pacing.py`; the time is fixed when
+    the turn is promised), so a launch due now waits for it. `output_holder`: the other
+    live job that holds this one's output folder (`output_folders.holder`), as
+    `namespace/name (phase)`.
 
     A chain of guards, in the order a job's life asks them: each adds to the decision and
     either ends it (True) or lets the next one look."""
-    b = _Builder(job, now, seen, problems or [], feasibility, launch_wait, output_holder)
+    b = _Builder(job, now, seen, problems or [], feasibility, launch_at, output_holder)
     b.status.observed_generation = b.generation
     for guard in GUARDS:
         if guard(b):
@@ -560,13 +560,16 @@ def _launch(b: _Builder) -> bool:
     if b.seen.exists:
         return False
     status, job = b.status, b.job
-    if b.launch_wait is not None:
+    if b.launch_at is not None:
         if status.phase in (None, "Pending"):  # said in the status alone: no event per job
+            # the time of day, not a countdown: each look says the same, so the status is
+            # written once however often the job is looked at before its turn
             status.phase = "Pending"
-            status.message = (f"waiting for its turn to launch, in about "
-                              f"{math.ceil(b.launch_wait)}s (the operator paces launches: "
-                              "--launch-rate, the chart's launchRate)")
-        b.requeue(b.launch_wait)
+            status.message = (f"waiting for its turn to launch at "
+                              f"{b.launch_at.astimezone(UTC):%Y-%m-%dT%H:%M:%SZ} "
+                              "(the operator paces launches: --launch-rate, the chart's "
+                              "launchRate)")
+        b.requeue(max(0.0, (b.launch_at - b.now).total_seconds()))
         return True
     b.act("launch")
     edited = status.phase == "Restarting" and not status.launched_spec  # _relaunch_as_edited
@@ -639,7 +642,26 @@ def _succeeded(b: _Builder) -> bool:
     status.completion_time = b.now
     if status.progress:
         status.progress.eta_seconds = 0
+    _exported(b, b.seen.progress.exports if b.seen.progress else None)
     return True
+
+
+def _exported(b: _Builder, exports: list[dict[str, str]] | None) -> None:
+    """The pushes to spec.output.export, once: `Exported` and an event. A failed one leaves
+    the job Succeeded (the model is in the output folder), said with the fix."""
+    if not exports:
+        return
+    failed = [e for e in exports if e.get("error")]
+    if failed:
+        message = ("; ".join(f"{e['uri']}: {e['error']}" for e in failed)
+                   + f" — the model is in {b.job.spec.output.uri}/final: push it by hand "
+                   "with `finetune export` once fixed")
+        b.cond("Exported", False, "ExportFailed", message)
+        b.event("Warning", "ExportFailed", message)
+        return
+    message = "pushed " + ", ".join(e.get("pushed", e["uri"]) for e in exports)
+    b.cond("Exported", True, "Pushed", message)
+    b.event("Normal", "Pushed", message)
 
 
 def _admitted_by_kueue(b: _Builder) -> bool:

@@ -409,7 +409,16 @@ def check_sweep(doc: Any) -> tuple[FineTuneSweep | None, list[Problem]]:
             f"({sweep.spec.max_trials}): no more than {sweep.spec.max_trials} trials ever run "
             "at once", f"set parallelTrials to {sweep.spec.max_trials} or less, or raise "
             "maxTrials", "warning"))
-    if sweep.spec.objective.metric == "evalLoss" and not sweep.spec.template.dataset.evaluated:
+    if sweep.spec.template.output.export:
+        problems.append(Problem("spec.template.output.export", "would have every trial push "
+                                "to the same tags", "remove it, and push the best trial's "
+                                "output with `finetune export` once the sweep has ended"))
+    if sweep.spec.objective.metric == "evalLoss" and sweep.spec.template.objective.type == "grpo":
+        problems.append(Problem("spec.objective.metric", "is evalLoss, and objective grpo's "
+                                "evaluation has no loss (it reports eval_reward)", "sweep a "
+                                "GRPO job by hand for now: compare the trials' status.progress."
+                                "objectiveMetrics.eval_reward"))
+    elif sweep.spec.objective.metric == "evalLoss" and not sweep.spec.template.dataset.evaluated:
         problems.append(Problem("spec.objective.metric", "evalLoss needs an eval split, and "
                                 "the template has none", "set spec.template.dataset.evalSplit "
                                 "(e.g. validation) or evalFraction (e.g. 0.05), or "

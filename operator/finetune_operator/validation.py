@@ -33,7 +33,7 @@ from finetune_operator.api import (
 from finetune_operator.planner import catalog
 from finetune_operator.settings import OperatorSettings
 from finetune_trainer import objectives
-from finetune_trainer.config import ObjectiveConfig
+from finetune_trainer.config import OCI_TARGET_PATTERN, ObjectiveConfig
 from finetune_trainer.uris import ONE_DATA_FILE, Location, UriError
 
 # torchrun / torch.distributed rendezvous and the names Kubeflow users know: set by the
@@ -311,6 +311,34 @@ def objective_matches_data(job: FineTuneJob) -> Iterator[Problem]:
     for across in spec.job_rules:
         if (problem := across.problem(job.spec, workers)) is not None:
             yield Problem(across.field, problem, across.fix)
+
+
+@rule(CelRule("spec.output", "!has(self.export) || !self.export.exists(e, e.merged) || "
+              "self.mergeAdapter", "spec.output.export[].merged pushes merged/, which only "
+              "spec.output.mergeAdapter writes — set mergeAdapter: true, or remove merged",
+              ".export"))
+def exports_can_be_pushed(job: FineTuneJob) -> Iterator[Problem]:
+    """Each target a registry would take (checked now, not after hours of training), its
+    folder one the run writes."""
+    from finetune_trainer.export import ExportError
+    from finetune_trainer.export.oci import Reference
+
+    output, seen = job.spec.output, set()
+    for index, target in enumerate(output.export):
+        where = f"spec.output.export[{index}]"
+        try:
+            reference = Reference.parse(target.uri)
+        except ExportError as error:
+            yield Problem(f"{where}.uri", error.problem, error.fix)
+            continue
+        if target.merged and not output.merge_adapter:
+            yield Problem(f"{where}.merged", "pushes merged/, which only "
+                          "spec.output.mergeAdapter writes", "set `mergeAdapter: true`, or "
+                          "remove `merged` (final/ is pushed)")
+        if (str(reference), target.merged) in seen:
+            yield Problem(f"{where}.uri", f"pushes to {reference} a second time",
+                          "remove one of the two", "warning")
+        seen.add((str(reference), target.merged))
 
 
 @rule(CelRule("spec", "!self.output.mergeAdapter || self.method.type != 'full'",
@@ -599,6 +627,8 @@ _PATTERN_HINTS = {
     QUANTITY_PATTERN: ("is not a Kubernetes quantity", "write e.g. 8, 500m, 64Gi"),
     r"^/\S*$": ("is not an absolute path", "start it with /"),
     GUID_PATTERN: ("is not a GUID", "copy the id from `az account show --query id`"),
+    OCI_TARGET_PATTERN: ("is not an OCI reference", "write oci://registry/repository[:tag] "
+                         "(only OCI registries are pushed to yet)"),
 }
 _TYPE_NAMES = {"int": "an integer", "float": "a number", "bool": "true or false",
                "string": "a string", "dict": "a mapping", "list": "a list", "model": "a mapping"}

@@ -120,6 +120,18 @@ CASES = [
     Case("azureml-bad-subscription", {"spec.backend": "azureml", "spec.azureml": {
         **AML, "subscriptionId": "my-subscription"}}, "spec.azureml.subscriptionId",
          "is not a GUID", "schema"),
+    Case("export-to-the-hub", {"spec.output.export": [{"uri": "hf://org/my-adapter"}]},
+         "spec.output.export[0].uri", "is not an OCI reference", "schema"),
+    Case("export-uppercase-repository", {"spec.output.export": [
+        {"uri": "oci://myreg.azurecr.io/Adapters/demo:v1"}]}, "spec.output.export[0].uri",
+         "names the repository 'Adapters/demo', which a registry refuses", None),
+    Case("export-merged-without-merging", {"spec.output.export": [
+        {"uri": "oci://myreg.azurecr.io/adapters/demo:v1", "merged": True}]},
+         "spec.output.export[0].merged", "set `mergeAdapter: true`", "cel"),
+    Case("export-from-azureml", {"spec.backend": "azureml", "spec.azureml": AML,
+                                 "spec.output.export": [
+                                     {"uri": "oci://myreg.azurecr.io/adapters/demo:v1"}]},
+         "spec.output.export", "is not pushed from Azure ML workers yet", None),
     Case("unknown-backend", {"spec.backend": "slurm"}, "spec.backend",
          "use one of: azureml, kubernetes", None),
     Case("epochs-and-max-steps", {"spec.hyperparameters": {"epochs": 1, "maxSteps": 5}},
@@ -220,9 +232,13 @@ CASES = [
                                             "rewards": [{"name": "exact_match"}]}}},
          "spec.hyperparameters.batchSizePerDevice", "no whole number of groups of "
          "objective.grpo.numGenerations 4", None),
-    Case("grpo-evaluated", {**PROMPTS, "spec.dataset.evalFraction": 0.1, "spec.objective": {
-        "type": "grpo", "grpo": {"rewards": [{"name": "exact_match"}]}}},
-         "spec.dataset.evalFraction", "objective grpo evaluates nothing yet", None),
+    Case("grpo-stopped-early", {**PROMPTS, "spec.dataset.evalFraction": 0.1,
+                                "spec.hyperparameters.evalEverySteps": 10,
+                                "spec.hyperparameters.earlyStoppingPatience": 2,
+                                "spec.objective": {"type": "grpo", "grpo": {
+                                    "rewards": [{"name": "exact_match"}]}}},
+         "spec.hyperparameters.earlyStoppingPatience", "objective grpo's evaluation has none",
+         None),
     Case("grpo-on-preference-data", {**PREFERENCE, "spec.objective": {
         "type": "grpo", "grpo": {"rewards": [{"name": "exact_match"}]}}},
          "spec.dataset.format", "objective grpo trains on prompt data", "cel"),

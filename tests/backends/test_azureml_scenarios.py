@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 import time
 
 import aiohttp
@@ -81,20 +82,28 @@ async def aml_operator(cluster: ApiServer, rank0, azure: FakeAzureML, request):
 
 class StoppableClock:
     """time.monotonic() for a LaunchPacer, which the test may stop and start again: while it
-    stands, no turn comes due however long this machine takes to look."""
+    stands, no turn comes due however long this machine takes to look. Started again, it
+    runs on from its last reading as if it had stood only until then: the look that read it
+    last timed the job's wake by that reading, so the turn it promised comes due when that
+    wake does (run on from the start instead, the clock lagged the wake by however long the
+    test took to see the status, and the wake found the turn not come yet)."""
 
     def __init__(self) -> None:
-        self.behind, self.stopped_at = 0.0, None
+        self.behind, self.stopped_at, self.read_at = 0.0, None, 0.0
 
     def __call__(self) -> float:
-        return self.stopped_at if self.stopped_at is not None else (
-            time.monotonic() - self.behind)
+        now = time.monotonic()
+        if self.stopped_at is None:
+            return now - self.behind
+        self.read_at = now
+        return self.stopped_at
 
     def stop(self) -> None:
         self.stopped_at = self()
 
     def start(self) -> None:
-        self.behind, self.stopped_at = time.monotonic() - self.stopped_at, None
+        assert self.stopped_at is not None
+        self.behind, self.stopped_at = self.read_at - self.stopped_at, None
 
 
 async def apply(cluster: ApiServer, doc: dict) -> None:
@@ -307,26 +316,36 @@ async def test_a_restart_renders_the_strategy_recorded_at_launch(
 @pytest.mark.parametrize("aml_operator", [(0.5, 1)], indirect=True, ids=["paced"])
 async def test_a_job_waiting_for_its_turn_is_not_polled_meanwhile(cluster, aml_operator, azure):
     """Azure ML jobs are polled every --interval (0.3 s here) once submitted; one waiting for
-    its turn to launch has nothing to poll: it says when its turn comes, once, and is
-    submitted then. The second is applied once the first has taken the one turn at hand
-    (two applied together race for it: the reconcilers look at both at once). The pacer's
-    clock stands until the second has been told its turn: on a busy machine the 2 s to the
-    next turn passed before the second was looked at, and it launched at once."""
+    its turn to launch has nothing to poll: it says when its turn comes, once (a time of day:
+    a countdown was written again by any look before the turn), nothing asks Azure ML for it
+    before then, and it is submitted at its turn. The second is applied once the first has
+    taken the one turn at hand (two applied together race for it: the reconcilers look at
+    both at once). The pacer's clock stands until the second has been told its turn: on a
+    busy machine the 2 s to the next turn passed before the second was looked at, and it
+    launched at once."""
     aml_operator.clock.stop()
     await apply(cluster, azureml_job("first"))
     await eventually(lambda: len(azure.jobs) == 1, what="the first submitted")
     await apply(cluster, azureml_job("second"))
     await eventually(lambda: "its turn" in status(cluster, "second").get("message", ""),
                      what="the second told when its turn comes")
+    told = status(cluster, "second")["message"]
+    assert re.fullmatch(r"waiting for its turn to launch at \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ "
+                        r"\(the operator paces launches: --launch-rate, the chart's "
+                        r"launchRate\)", told), told
+    since = len(azure.calls)
     aml_operator.clock.start()
+    turn = time.monotonic() + aml_operator.runtime.launches.promised(("default", "second"))
     messages, deadline = set(), time.monotonic() + waits.seconds_left()
     while len(azure.jobs) < 2:
         assert time.monotonic() < deadline, f"submitted: {list(azure.jobs)}"
         if status(cluster, "second").get("phase") == "Pending":
             messages.add(status(cluster, "second")["message"])
-        assert len(messages) <= 1, messages  # not counted down in the status at each poll
         await asyncio.sleep(0.05)
-    assert len(messages) == 1 and next(iter(messages)).startswith(
-        "waiting for its turn to launch, in about ")
+    assert messages <= {told}, messages  # not counted down in the status at each look
     assert [name.split("-")[0] for name in azure.jobs] == ["first", "second"]
+    # not looked at before its turn: a polled look asks Azure ML for the job at each interval
+    second = next(name for name in azure.jobs if name.startswith("second-"))
+    early = [turn - c.at for c in azure.calls[since:] if second in c.path and c.at < turn]
+    assert not early, f"Azure ML asked for the second this many seconds before its turn: {early}"
     await eventually(phase_is(cluster, "Launching", "second"), what="second Launching")

@@ -354,6 +354,19 @@ def test_a_missing_secret_or_key_is_named_by_the_field_that_names_it():
     assert named_by_field(job, theirs) == theirs
 
 
+def test_a_missing_export_secret_is_named_with_the_command_that_makes_a_registry_login():
+    job = FineTuneJob.model_validate(minimal_job(output={"uri": "pvc://data/runs/demo",
+                                                         "export": [
+        {"uri": "oci://myreg.azurecr.io/adapters/demo:v1", "secretName": "regcred"}]}))
+    said = ('demo-0-a: FailedMount: MountVolume.SetUp failed for volume "export-secret-0" : '
+            'secret "regcred" not found')
+    assert named_by_field(job, said) == (
+        "demo-0-a: namespace default has no Secret 'regcred', which "
+        "spec.output.export[0].secretName names — create it (kubectl create secret "
+        "docker-registry regcred -n default --docker-server=<registry> --docker-username=... "
+        "--docker-password=...) or name one that exists (kubectl get secrets -n default)")
+
+
 def test_a_volume_that_does_not_mount_is_read_from_the_kubelets_events():
     """A pod on its node whose containers wait ContainerCreating says nothing in its status
     of a volume it cannot mount: the kubelet's FailedMount event does, and a ConfigMap the

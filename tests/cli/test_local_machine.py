@@ -492,17 +492,20 @@ def test_a_run_serves_its_metrics_on_loopback_from_ports_no_other_process_holds(
     first = metrics_ports(4)
     default = build_trainer_config(job(nodes=1, gpus=0, processes=2))
     assert (default.metrics.host, default.metrics.port) == ("0.0.0.0", 9108)  # in a pod
+    assert not default.metrics.reuse_port  # a pod's ports are its own
     config = default.model_copy(update={"metrics": default.metrics.model_copy(
         update={"port": first})})
 
-    here, said = serving_here(config, processes=2)
+    here, said, hold = serving_here(config, processes=2)
+    hold.close()
     assert (here.metrics.host, here.metrics.port) == ("127.0.0.1", first)
     assert said == (f"metrics: http://127.0.0.1:{first}/metrics, one per process: ports "
                     f"{first}-{first + 1}")
     with socket.socket() as other_run:  # another run's rank 1 listens there
         other_run.bind(("127.0.0.1", first + 1))
         other_run.listen()
-        here, said = serving_here(config, processes=2)
+        here, said, hold = serving_here(config, processes=2)
+        hold.close()
         assert here.metrics.port == first + 2
         assert said == (f"metrics: http://127.0.0.1:{first + 2}/metrics, one per process: "
                         f"ports {first + 2}-{first + 3} (ports {first}-{first + 1} held by "
@@ -512,6 +515,61 @@ def test_a_run_serves_its_metrics_on_loopback_from_ports_no_other_process_holds(
     assert str(refused.value) == (
         f"--metrics-port {first + 1}: port {first + 1} held by another process (another "
         "run?) — pass another port, or leave the option out to take the next free ones")
+
+
+def test_the_ports_a_run_names_are_held_for_its_workers_until_it_ends():
+    """The ports were found free when the `metrics:` line named them and bound only when the
+    workers came up, after the model was fetched and loaded: meanwhile a connection the
+    kernel gave one of them as its local port (a test's scrape, gloo's own), or another run
+    choosing its ports then, took it, and that rank's /metrics was never served (a 2-process
+    run's rank 1 on a busy machine, 11-28). Now `finetune run` holds them from the moment it
+    names them: nothing binds them but the workers' endpoints, which listen beside the hold
+    (each process's own), and another run started meanwhile takes the next ones."""
+    import socket
+    import urllib.request
+
+    from finetune_operator.local import CAN_HOLD, serving_here
+    from finetune_operator.trainer_config import build_trainer_config
+    from finetune_trainer.progress import ProgressServer
+    from tests.trainer.test_metrics import metrics_ports
+
+    if not CAN_HOLD:
+        pytest.skip("no SO_REUSEPORT on this platform: the ports are only found free")
+    first = metrics_ports(4)
+    default = build_trainer_config(job(nodes=1, gpus=0, processes=2))
+    config = default.model_copy(update={"metrics": default.metrics.model_copy(
+        update={"port": first})})
+    here, _, hold = serving_here(config, processes=2)
+    try:
+        assert here.metrics.port == first and here.metrics.reuse_port
+        for port in (first, first + 1):  # nothing else binds them, a connection neither
+            with socket.socket() as other, pytest.raises(OSError):
+                other.bind(("127.0.0.1", port))
+        beside, beside_said, beside_hold = serving_here(config, processes=2)  # another run
+        beside_hold.close()
+        assert beside.metrics.port == first + 2, beside_said
+        # each worker's endpoint listens beside its port's hold, and alone answers
+        servers = [ProgressServer(port, host="127.0.0.1", reuse_port=True)
+                   for port in (first, first + 1)]
+        try:
+            for server in servers:
+                assert server.httpd is not None and server.port in (first, first + 1)
+                with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/healthz",
+                                            timeout=waits.seconds_left()) as answer:
+                    assert answer.read() == b"ok\n"
+        finally:
+            for server in servers:
+                server.close()
+        # a restart's endpoints bind again: the hold kept the ports between attempts
+        again = ProgressServer(first + 1, host="127.0.0.1", reuse_port=True)
+        assert again.httpd is not None
+        again.close()
+    finally:
+        hold.close()
+    with socket.socket() as other:  # the run ended: another server may listen there again
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        other.bind(("127.0.0.1", first + 1))
+        other.listen()
 
 
 def test_a_long_path_is_named_whole_in_the_refusal(tmp_path):

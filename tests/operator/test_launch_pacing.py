@@ -57,7 +57,7 @@ async def test_a_burst_is_acknowledged_at_once_and_launched_at_the_set_pace(
         log = paced_operator.log.read_text()[-3000:]
         assert len(waited) == 2, (waited, log)  # the burst of two launched without waiting
         for message in waited.values():
-            assert message.startswith("waiting for its turn to launch, in about ")
+            assert message.startswith("waiting for its turn to launch at ")
             assert "--launch-rate" in message
         creates = sorted(timestamp(e["stageTimestamp"]).timestamp() for e in bed.audit()
                          if e.get("verb") == "create" and e.get("stage") == "ResponseComplete"

@@ -3,6 +3,8 @@ each job's turn kept however often it asks."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
+
 import pytest
 
 from finetune_operator.pacing import LaunchPacer
@@ -20,6 +22,25 @@ def test_a_burst_launches_at_once_and_the_rest_get_turns_in_order():
     assert pacer.reserve("d") == 0 and pacer.reserve("e") == 0  # their turns came
     assert pacer.reserve("f") == pytest.approx(0.5) and pacer.waiting == 1
     assert pacer.promised("f") == pytest.approx(0.5) and pacer.promised("a") is None
+
+
+def test_a_turn_is_named_by_its_time_of_day_fixed_when_promised():
+    """What a waiting job's status says: the same time at every look (a countdown made each
+    look before the turn write the status again)."""
+    clock, wall = FakeClock(), [datetime(2026, 11, 21, 12, 0, tzinfo=UTC)]
+    pacer = LaunchPacer(rate=0.5, burst=1, clock=clock, wall=lambda: wall[0])
+    assert pacer.reserve("a") == 0 and pacer.turn_at("a") is None  # launched at once
+    assert pacer.reserve("b") == 2.0
+    assert pacer.turn_at("b") == datetime(2026, 11, 21, 12, 0, 2, tzinfo=UTC)
+    clock.now += 1.5
+    wall[0] += timedelta(seconds=1.7)  # the time of day moves on its own
+    assert pacer.reserve("b") == pytest.approx(0.5)
+    assert pacer.turn_at("b") == datetime(2026, 11, 21, 12, 0, 2, tzinfo=UTC)
+    clock.now += 0.5
+    assert pacer.reserve("b") == 0 and pacer.turn_at("b") is None  # taken
+    assert pacer.reserve("c") == 2.0 and pacer.turn_at("c") is not None
+    pacer.release("c")
+    assert pacer.turn_at("c") is None
 
 
 def test_an_idle_pacer_refills_up_to_its_burst():

@@ -185,6 +185,25 @@ def test_success_and_ttl():
     assert kinds(reconcile(job(finished), Observation(), at(99999))) == []  # no ttl: kept
 
 
+def test_every_push_taken_is_said_once_with_its_digest():
+    pushed = "myreg.azurecr.io/adapters/demo:v1@sha256:" + "b" * 64
+    seen = Observation(exists=True, succeeded=True, progress=Progress(step=6, exports=[
+        {"uri": "oci://myreg.azurecr.io/adapters/demo:v1", "pushed": pushed}]))
+    d = reconcile(job(launched("Running")), seen, at(500))
+    assert d.status.phase == "Succeeded"
+    exported = condition(d.status, "Exported")
+    assert (exported.status, exported.reason, exported.message) == ("True", "Pushed",
+                                                                     f"pushed {pushed}")
+    assert [(e.type, e.reason) for e in d.events if e.reason == "Pushed"] == [
+        ("Normal", "Pushed")]
+    assert "exports" not in d.status.to_dict()["progress"]  # the condition holds them
+    again = reconcile(job(d.status), seen, at(600))  # a finished job says nothing again
+    assert not [e for e in again.events if e.reason == "Pushed"]
+    plain = reconcile(job(launched("Running")), Observation(exists=True, succeeded=True),
+                      at(500))
+    assert condition(plain.status, "Exported") is None  # nothing asked, nothing said
+
+
 def test_suspend_and_resume():
     suspend = {"runPolicy": {"suspend": True}}
     d = reconcile(job(launched("Running", **suspend), **suspend),
@@ -636,13 +655,18 @@ def test_the_plan_is_recorded_when_workers_are_adopted():
 
 
 def test_a_new_job_waiting_for_its_turn_is_pending_and_says_when():
-    d = reconcile(job(), Observation(), T0, launch_wait=12.3)
+    d = reconcile(job(), Observation(), T0, launch_at=at(12.3))
     assert kinds(d) == [] and d.events == []  # said in the status, not one event per job
-    assert d.status.phase == "Pending" and "in about 13s" in d.status.message
-    assert "--launch-rate" in d.status.message
+    assert d.status.phase == "Pending" and d.status.message == (
+        "waiting for its turn to launch at 2026-11-21T12:00:12Z (the operator paces "
+        "launches: --launch-rate, the chart's launchRate)")
     assert condition(d.status, "Validated").status == "True"
     assert not d.status.launched_spec and d.status.launch_time is None
     assert d.requeue_after == 12.3
+    # looked at again before its turn (an operator that restarted, a late clock): the same
+    # words, so the status is not written again (a countdown was rewritten at each look)
+    again = reconcile(job(d.status), Observation(), at(11.2), launch_at=at(12.3))
+    assert again.status == d.status and again.requeue_after == 1.1
     # its turn: launched as a job that never waited is
     turn = reconcile(job(d.status), Observation(), at(13))
     assert kinds(turn) == ["launch"] and turn.status.phase == "Launching"
@@ -652,12 +676,12 @@ def test_a_new_job_waiting_for_its_turn_is_pending_and_says_when():
 def test_a_gang_restart_waiting_for_its_turn_keeps_saying_why_it_restarts():
     status = launched(phase="Restarting", restarts=1)
     status.message = "a worker failed: demo-0 exit 1; restarting the gang (restart 1 of 3)"
-    d = reconcile(job(status), Observation(), at(60), launch_wait=4)
+    d = reconcile(job(status), Observation(), at(60), launch_at=at(64))
     assert kinds(d) == [] and d.status.phase == "Restarting"
     assert d.status.message == status.message and d.requeue_after == 4
 
 
 def test_the_launch_wait_does_not_hold_up_workers_that_exist():
     seen = Observation(exists=True, running=True)
-    d = reconcile(job(launched()), seen, at(60), launch_wait=30)
+    d = reconcile(job(launched()), seen, at(60), launch_at=at(90))
     assert d.status.phase == "Running" and kinds(d) == []

@@ -104,6 +104,35 @@ async def test_a_run_that_stopped_early_says_why_in_its_status(testbed: Testbed)
     assert status["progress"]["etaSeconds"] == 0
 
 
+async def test_a_failed_push_after_training_leaves_the_job_succeeded_and_says_which(
+        testbed: Testbed):
+    """`output.export`: rank 0 pushes after the last step and its final record says how
+    each push went. One refused push: the job still Succeeds (its model is in the folder),
+    `Exported` is False naming the target, the registry's words and the fix, and a Warning
+    event says it once."""
+    doc = testbed.manifest()
+    good, bad = "oci://myreg.azurecr.io/adapters/demo:v1", "oci://ghcr.io/team/demo:v1"
+    doc["spec"]["output"]["export"] = [{"uri": good}, {"uri": bad}]
+    await testbed.apply(doc)
+    await testbed.until_phase("Running")
+    total = doc["spec"]["hyperparameters"]["maxSteps"]
+    await testbed.finish("demo", ProgressRecord(
+        step=total, totalSteps=total, loss=1.2, phase="Succeeded", exports=[
+            {"uri": good, "pushed": "myreg.azurecr.io/adapters/demo:v1@sha256:" + "a" * 64},
+            {"uri": bad, "error": "the registry refused the push (401: unauthorized); "
+                                  "give it credentials: secretName"}]))
+    await testbed.until_phase("Succeeded")
+    exported = testbed.condition("Exported")
+    assert exported["status"] == "False" and exported["reason"] == "ExportFailed", exported
+    assert exported["message"].startswith(f"{bad}: the registry refused the push (401")
+    assert good not in exported["message"]
+    assert f"the model is in {doc['spec']['output']['uri']}/final" in exported["message"]
+    assert "finetune export" in exported["message"]
+    await testbed.until(lambda: "ExportFailed" in testbed.event_reasons(),
+                        "an ExportFailed event")
+    assert testbed.event_reasons().count("ExportFailed") == 1
+
+
 async def test_a_worker_failure_restarts_the_gang_and_counts(testbed: Testbed):
     await testbed.apply(testbed.manifest())
     await testbed.until_phase("Running")

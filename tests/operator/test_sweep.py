@@ -274,6 +274,10 @@ def test_a_curve_keeps_at_most_32_points_first_and_last_among_them():
      "a grid cannot enumerate a logUniform range"),
     ({"objective": {"metric": "evalLoss"}, "template": minimal_job()["spec"]},
      "spec.objective.metric", "evalFraction"),
+    ({"objective": {"metric": "evalLoss"}, "template": minimal_job(
+        dataset={"uri": "pvc://data/prompts.jsonl", "format": "prompt", "evalFraction": 0.1},
+        objective={"type": "grpo", "grpo": {"rewards": [{"name": "exact_match"}]}})["spec"]},
+     "spec.objective.metric", "objective grpo's evaluation has no loss"),
     ({"template": {**minimal_job()["spec"], "resources": {"nodes": 0}}},
      "spec.template.resources.nodes", "at least 1"),
 ])

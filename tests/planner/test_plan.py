@@ -344,11 +344,12 @@ def test_grpo_is_planned_with_its_kv_cache_its_sampling_time_and_its_reference()
     peak holding the weights, the optimizer's states and the KV cache of the process's
     completions (2 x layers x KV width x 2 bytes x rows x maxSeqLength), and sampling
     time in the step (shared by `iterations` steps). With full weights and beta > 0 a frozen
-    copy of the weights sits beside the model all along."""
-    def plan(method: str, rows: int, beta: float = 0.0, iterations: int = 1):
+    copy of the weights sits beside the model all along, sharded as the model is."""
+    def plan(method: str, rows: int, beta: float = 0.0, iterations: int = 1,
+             strategy: str = "ddp", gpus: int = 1):
         spec = {"model": {"uri": "hf://meta-llama/Llama-3.1-8B"}, "method": {"type": method},
-                "resources": {"gpusPerNode": 1, "gpuType": "Standard_NC40ads_H100_v5"},
-                "strategy": {"type": "ddp", "gradientCheckpointing": True},
+                "resources": {"gpusPerNode": gpus, "gpuType": "Standard_NC40ads_H100_v5"},
+                "strategy": {"type": strategy, "gradientCheckpointing": True},
                 "hyperparameters": {"batchSizePerDevice": rows, "microBatchSize": 1,
                                     "maxSteps": 100},
                 "dataset": {"uri": "pvc://data/prompts.jsonl", "format": "prompt",
@@ -356,7 +357,7 @@ def test_grpo_is_planned_with_its_kv_cache_its_sampling_time_and_its_reference()
                 "objective": {"type": "grpo", "grpo": {
                     "numGenerations": 8, "maxCompletionLength": 2048, "beta": beta,
                     "iterations": iterations, "rewards": [{"name": "exact_match"}]}}}
-        return plan_job(job(**spec), LLAMA_8B, "ddp")
+        return plan_job(job(**spec), LLAMA_8B, strategy)
 
     config = KNOWN_MODELS["meta-llama/Llama-3.1-8B"]
     kv_width = config["num_key_value_heads"] * config["hidden_size"] // config[
@@ -373,6 +374,11 @@ def test_grpo_is_planned_with_its_kv_cache_its_sampling_time_and_its_reference()
     full, reference = plan("full", 8), plan("full", 8, beta=0.04)
     assert "referenceWeights" not in full.breakdown
     assert reference.breakdown["referenceWeights"] == 2 * reference.total_params
+    # sharded as the model is: FSDP2 in fp32 as it reads the model, ZeRO-3 in bf16
+    fsdp, zero3 = (plan("full", 8, beta=0.04, strategy=name, gpus=8) for name in ("fsdp",
+                                                                                   "zero3"))
+    assert fsdp.breakdown["referenceWeights"] == int(4 * fsdp.total_params / 8)
+    assert zero3.breakdown["referenceWeights"] == int(2 * zero3.total_params / 8)
 
 
 def test_dpo_is_planned_with_its_pairs_and_its_reference():

@@ -96,6 +96,8 @@ class Call:
     query: dict[str, list[str]]
     body: Any
     authorization: str | None
+    at: float = field(default_factory=time.monotonic)
+    """When it came (time.monotonic())."""
 
 
 class FakeAzureML(HttpTransport):

@@ -5,10 +5,12 @@ basic auth and TLS from a CA made here, or plain HTTP without auth."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,6 +72,17 @@ def _certificates(folder: Path) -> tuple[Path, Path, Path]:
     openssl("x509", "-req", "-in", "registry.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
             "-CAcreateserial", "-out", "registry.crt", "-days", "2", "-extfile", "san.ext")
     return folder / "ca.crt", folder / "registry.crt", folder / "registry.key"
+
+
+@contextlib.contextmanager
+def running(folder: Path, secure: bool = True) -> Iterator[RealRegistry]:
+    """`start`, and the registry stopped after."""
+    started = start(folder, secure)
+    try:
+        yield started
+    finally:
+        started.process.terminate()
+        started.process.wait(timeout=30)
 
 
 def start(folder: Path, secure: bool = True) -> RealRegistry:

@@ -31,10 +31,8 @@ def trained(tiny_model_dir, shared) -> Path:
 
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory):
-    started = registries.start(tmp_path_factory.mktemp("registry"))
-    yield started
-    started.process.terminate()
-    started.process.wait(timeout=30)
+    with registries.running(tmp_path_factory.mktemp("registry")) as started:
+        yield started
 
 
 def finetune_export(*args: str, home: Path, docker_config: Path | None = None,
@@ -153,6 +151,48 @@ def test_a_bad_target_is_named_with_the_form_to_write(tmp_path, target, said):
     refused = finetune_export(str(tmp_path), target, home=tmp_path)
     assert refused.returncode == 1
     assert said in refused.stderr and f"export to {target}" in refused.stderr
+
+
+@pytest.mark.process
+def test_a_job_pushes_its_model_to_each_export_target_after_training(
+        registry, tiny_model_dir, tmp_path):
+    """`spec.output.export` under `finetune run`, 2 processes: once the model is written,
+    rank 0 pushes final/ and merged/ to the registry with the user's own Docker login (the
+    target's secretName is a cluster's, said so), and a target the registry refuses (plain
+    HTTP to a TLS port) is recorded with its error while the run still succeeds, its model
+    in the folder; each outcome in the final record, nothing secret said."""
+    from tests.trainer.test_training import finetune_run, manifest
+
+    output = tmp_path / "out"
+    job = manifest(tiny_model_dir, output, steps=2, merge=True)
+    targets = [{"uri": f"oci://{registry.host}/models/job:v1", "secretName": "regcred"},
+               {"uri": f"oci://{registry.host}/models/job-merged:v1", "merged": True},
+               {"uri": f"oci://{registry.host}/models/refused:v1", "plainHttp": True}]
+    job["spec"]["output"]["export"] = targets
+    result = finetune_run(job, tmp_path, env={
+        "HOME": str(tmp_path), "DOCKER_CONFIG": str(registry.docker_config(tmp_path / "d")),
+        "REQUESTS_CA_BUNDLE": str(registry.ca)})
+    said = result.stdout + result.stderr
+    assert result.returncode == 0, said[-3000:]
+    assert registries.PASSWORD not in said
+    assert (f"secret regcred is not mounted here: pushing to {targets[0]['uri']} with your "
+            "own Docker login") in said
+    final = json.loads((output / "progress.json").read_text())
+    assert final["phase"] == "Succeeded"
+    pushed, merged, refused = final["exports"]
+    assert pushed["uri"] == targets[0]["uri"] and pushed["pushed"].startswith(
+        f"{registry.host}/models/job:v1@sha256:")
+    assert merged["pushed"].startswith(f"{registry.host}/models/job-merged:v1@sha256:")
+    assert refused["uri"] == targets[2]["uri"] and "error" in refused
+    assert f"(the model stays in {output})" in said
+    for reference, folder in ((pushed, output / "final"), (merged, output / "merged")):
+        where = tmp_path / "pulled" / folder.name
+        pull = registry.oras("pull", reference["pushed"].split("@")[0], "-o", str(where))
+        assert pull.returncode == 0, pull.stderr
+        assert sorted(p.relative_to(where / oci.DATA_DIR) for p in oci.model_files(
+            where / oci.DATA_DIR)) == sorted(p.relative_to(folder)
+                                              for p in oci.model_files(folder))
+    assert registry.oras("manifest", "fetch", targets[2]["uri"][6:]).returncode != 0
 
 
 # --- the parts, pure ------------------------------------------------------------------------

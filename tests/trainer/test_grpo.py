@@ -143,17 +143,22 @@ def test_every_step_agrees_with_trls_grpo_trainer(tiny_model_dir, tmp_path, meth
         assert max(r["objectiveMetrics"]["clip_ratio/region_mean"] for r in mine) > 0
 
 
+def shared_job(model_dir: Path, data: Path, output: Path, strategy: str = "ddp") -> dict:
+    """The shared runs' job: 2 processes, LoRA, beta 0.04, two steps on each round, a
+    checkpoint after every step (all four kept)."""
+    job = grpo_manifest(model_dir, data, output, strategy=strategy, processes=2, steps=4,
+                        beta=0.04, iterations=2)
+    job["spec"]["output"].update({"checkpointEverySteps": 1, "keepLast": 4})
+    return job
+
+
 @pytest.fixture()
 def grpo_runs(tiny_model_dir, shared):
-    """One finished 2-process GRPO run with LoRA (4 steps, checkpoints at 2 and 4) per
-    strategy in the session."""
+    """One finished run of `shared_job` per strategy in the session."""
 
     def get(strategy: str) -> Path:
         def make(where: Path) -> None:
-            data = prompts(where / "data")
-            job = grpo_manifest(tiny_model_dir, data, where / "out", strategy=strategy,
-                                processes=2, steps=4, beta=0.04)
-            job["spec"]["output"]["checkpointEverySteps"] = 2
+            job = shared_job(tiny_model_dir, prompts(where / "data"), where / "out", strategy)
             result = finetune_run(job, where)
             assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
@@ -162,51 +167,143 @@ def grpo_runs(tiny_model_dir, shared):
     return get
 
 
+def sampled(output: Path) -> list[str]:
+    """The completions a run sampled, in the order it wrote them."""
+    return [json.loads(line)["completion"]
+            for line in (output / "completions.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
 def test_sharded_strategies_sample_and_train_as_ddp(grpo_runs, strategy):
     """FSDP2 and ZeRO-3 sample with weights gathered layer by layer, every rank decoding
-    until all are done: the same completions, rewards and losses as DDP."""
+    until all are done: the same completions, rewards and losses as DDP (the KL to the
+    reference and the ratio to the sampling model included)."""
     reference, sharded = grpo_runs("ddp") / "out", grpo_runs(strategy) / "out"
-    assert [json.loads(line)["completion"] for line in
-            (sharded / "completions.jsonl").read_text().splitlines()] == [
-        json.loads(line)["completion"] for line in
-        (reference / "completions.jsonl").read_text().splitlines()]
+    assert sampled(sharded) == sampled(reference)
     mine, theirs = records(sharded), records(reference)
     assert [r["loss"] for r in mine] == pytest.approx([r["loss"] for r in theirs], abs=1e-5)
-    assert [r["objectiveMetrics"]["kl"] for r in mine] == pytest.approx(
-        [r["objectiveMetrics"]["kl"] for r in theirs], abs=1e-5)
+    for name in ("kl", "clip_ratio/region_mean"):
+        assert [r["objectiveMetrics"][name] for r in mine] == pytest.approx(
+            [r["objectiveMetrics"][name] for r in theirs], abs=1e-5)
 
 
-def test_a_grpo_run_resumes_exactly_from_its_checkpoint(grpo_runs, tiny_model_dir,
-                                                        tmp_path):
-    """Stopped after step 2 (its step-4 checkpoint and export gone): the rerun resumes
-    there, samples what the uninterrupted run sampled at steps 3 and 4 (each round's
-    generation is seeded by its index), and trains the same."""
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+def test_a_full_weight_reference_is_sharded_as_the_model_is(tiny_model_dir, shared, strategy):
+    """Full weights with beta > 0: the frozen reference copy read and sharded as the trained
+    model is (FSDP2's groups, ZeRO-3's partitions, each process holding its share), and
+    the same completions, losses and KL as DDP's whole copy; the KL grows from 0 as the
+    weights move off the reference."""
+    def run(name: str) -> Path:
+        def make(where: Path) -> None:
+            job = grpo_manifest(tiny_model_dir, prompts(where / "data"), where / "out",
+                                method="full", strategy=name, processes=2, steps=3,
+                                beta=0.04)
+            result = finetune_run(job, where)
+            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+        return shared.get(f"grpo-full-{name}", make, name=f"grpo-full-{name}") / "out"
+
+    whole, sharded = run("ddp"), run(strategy)
+    assert sampled(sharded) == sampled(whole)
+    mine, theirs = records(sharded), records(whole)
+    assert [r["loss"] for r in mine] == pytest.approx([r["loss"] for r in theirs], abs=1e-5)
+    kl = [r["objectiveMetrics"]["kl"] for r in mine]
+    assert kl == pytest.approx([r["objectiveMetrics"]["kl"] for r in theirs], abs=1e-6)
+    assert kl[0] == pytest.approx(0, abs=1e-7) and kl[-1] > 1e-5
+
+
+def resumed_from(finished: Path, step: int, model_dir: Path, where: Path) -> Path:
+    """The finished run's output as it was after `step` (the later checkpoints, the export
+    and the records gone), run again to the end; the output folder."""
     import shutil
 
-    finished = grpo_runs("ddp")
-    output = tmp_path / "out"
+    output = where / "out"
     shutil.copytree(finished / "out", output)
-    shutil.rmtree(output / "checkpoints" / "step-00000004")
+    for later in range(step + 1, 5):
+        shutil.rmtree(output / "checkpoints" / f"step-{later:08d}")
     shutil.rmtree(output / "final")
     for name in ("progress.jsonl", "completions.jsonl"):
         (output / name).unlink()
-    job = grpo_manifest(tiny_model_dir, finished / "data/prompts.jsonl", output,
-                        processes=2, steps=4, beta=0.04)
-    job["spec"]["output"]["checkpointEverySteps"] = 2
-    result = finetune_run(job, tmp_path / "here")
+    job = shared_job(model_dir, finished / "data/prompts.jsonl", output)
+    result = finetune_run(job, where / "here")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "step-00000002 (step 2/4)" in result.stdout
-    uninterrupted = finished / "out"
-    resumed = records(output)
-    assert [r["step"] for r in resumed] == [3, 4]
-    assert [r["loss"] for r in resumed] == pytest.approx(
-        [r["loss"] for r in records(uninterrupted)[2:]], abs=1e-6)
-    again = completions_by_step([json.loads(line) for line in
-                                 (output / "completions.jsonl").read_text().splitlines()])
-    before = completions_by_step([json.loads(line) for line in
-                                  (uninterrupted / "completions.jsonl").read_text().splitlines()])
-    assert again == {3: before[3], 4: before[4]}
+    assert f"step-{step:08d} (step {step}/4)" in result.stdout
+    return output
+
+
+@pytest.mark.parametrize("step", [2, 3])
+def test_a_grpo_run_resumes_exactly_from_its_checkpoint(grpo_runs, tiny_model_dir, tmp_path,
+                                                        step):
+    """Resumed after step 2, between two rounds, it samples what the uninterrupted run
+    sampled at step 3 (each round's generation is seeded by its index) and trains the same.
+    Resumed after step 3, inside the round sampled at step 3, it trains step 4 on that
+    round's completions and their sampling log-probabilities as saved, not on a round
+    sampled again from the moved weights: the same loss, KL and clipping."""
+    finished = grpo_runs("ddp")
+    output, uninterrupted = resumed_from(finished, step, tiny_model_dir, tmp_path), \
+        finished / "out"
+    resumed, before = records(output), records(uninterrupted)[step:]
+    assert [r["step"] for r in resumed] == list(range(step + 1, 5))
+    for name in ("loss", "gradNorm"):
+        assert [r[name] for r in resumed] == pytest.approx([r[name] for r in before],
+                                                           rel=1e-5), name
+    for again, first in zip(resumed, before, strict=True):
+        assert again["objectiveMetrics"] == pytest.approx(first["objectiveMetrics"], abs=1e-6)
+    sampled = output / "completions.jsonl"
+    again = completions_by_step([json.loads(line) for line in sampled.read_text().splitlines()]
+                                ) if sampled.exists() else {}
+    first = completions_by_step([json.loads(line) for line in
+                                 (uninterrupted / "completions.jsonl").read_text().splitlines()])
+    assert again == {s: first[s] for s in first if s > step}
+
+
+GIVEN = '''def given(completions, score, **_):
+    """A reward the prompt decides: its record's `score`, whatever the answer."""
+    return [float(value) for value in score]
+'''
+
+
+def test_held_out_prompts_are_answered_and_scored_at_each_evaluation(tiny_model_dir, tmp_path):
+    """An eval split of three prompts on two FSDP processes (two prompts for rank 0, one
+    for rank 1, which makes an empty `generate` call to keep the gathers in step), each
+    answered four times: the eval figures count every held-out completion once and no
+    training one (a reward the prompt decides: 0 in training, 1, 2 and 3 held out, so
+    eval_reward is 2 exactly); in the log, the records after the first evaluation,
+    progress.json and TensorBoard, with no eval loss."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    data = tmp_path / "data"
+    prompts(data)
+    (data / "prompts.jsonl").rename(data / "train.jsonl")
+    (data / "train.jsonl").write_text("".join(
+        json.dumps({**json.loads(line), "score": 0}) + "\n"
+        for line in (data / "train.jsonl").read_text().splitlines()))
+    (data / "validation.jsonl").write_text("".join(
+        json.dumps({"prompt": f"What is {n} times {n}?", "answer": str(n * n), "score": n})
+        + "\n" for n in (1, 2, 3)))
+    (data / "scores.py").write_text(GIVEN)
+    job = grpo_manifest(tiny_model_dir, data, tmp_path / "out", strategy="fsdp",
+                        processes=2, steps=4, rewards=[{"name": "scores:given"}])
+    job["spec"]["dataset"]["evalSplit"] = "validation"
+    job["spec"]["hyperparameters"]["evalEverySteps"] = 2
+    result = finetune_run(job, tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    evaluations = [line for line in result.stdout.splitlines() if line.startswith("eval")]
+    assert evaluations == ["eval at step 2: reward 2.0000, reward std 0.8528",
+                           "eval: reward 2.0000, reward std 0.8528"], result.stdout[-3000:]
+    mine = records(tmp_path / "out")
+    assert [r["objectiveMetrics"]["reward"] for r in mine] == [0.0] * 4
+    assert all("eval_reward" not in r["objectiveMetrics"] for r in mine[:2])  # before it
+    for record in (*mine[2:], json.loads((tmp_path / "out/progress.json").read_text())):
+        figures = record["objectiveMetrics"]
+        assert figures["eval_reward"] == 2.0
+        assert figures["eval_rewards/scores:given/mean"] == 2.0
+        assert figures["eval_frac_reward_zero_std"] == 1.0  # each group scored alike
+        assert 1 <= figures["eval_completions/mean_length"] <= MAX_COMPLETION
+        assert record["evalLoss"] is None
+    events = EventAccumulator(str(tmp_path / "out/tensorboard")).Reload()
+    assert [(e.step, e.value) for e in events.Scalars("eval/reward")] == [(2, 2.0), (4, 2.0)]
+    assert "eval/loss" not in events.Tags()["scalars"]
 
 
 def test_it_learns_to_answer_with_a_number(tiny_model_dir, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.client
+import re
 import signal
 import socket
 import time
@@ -38,6 +39,23 @@ def _bindable(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def served_from(process) -> int:
+    """The first of the ports a `finetune run` started with wait=False (2 processes, its
+    default ports) said it serves on: process k on that port + k. Chosen by the run, which
+    holds them for its workers from the moment it names them (`local.PortHold`): a port
+    chosen here and passed with --metrics-port could be taken before the run held it (a
+    connection's local port: the kernel hands out ports from the range a probe's come from)."""
+    said = lines_until(process, "metrics: ")
+    line = said.splitlines()[-1] if said else ""
+    found = re.fullmatch(r"metrics: http://127\.0\.0\.1:(\d+)/metrics, one per process: ports "
+                         r"(\d+)-(\d+)( \(ports 9108-9109 held by another process\))?", line)
+    assert found, said
+    first = int(found[1])
+    assert (int(found[2]), int(found[3])) == (first, first + 1), line
+    assert (first == 9108) == (found[4] is None), line  # the default, else said why not
+    return first
 
 
 def lines_until(process, prefix: str) -> str:
@@ -112,15 +130,15 @@ def samples(port: int, name: str) -> dict[str, float]:
 
 @pytest.mark.process
 def test_both_ranks_of_a_real_run_serve_their_series(tiny_model_dir, tmp_path):
-    job = manifest(tiny_model_dir, tmp_path / "out", steps=400, checkpoint_every=1000)
+    # steps enough never to end first: the run is stopped below once the series are seen
+    # (400 steps ended while rank 1's port, chosen here and taken by then, served nothing on a
+    # busy machine, 11-28: the run chooses and holds its ports now)
+    job = manifest(tiny_model_dir, tmp_path / "out", steps=100_000, checkpoint_every=100_000)
     job["spec"]["dataset"]["evalFraction"] = 0.25
     job["spec"]["hyperparameters"]["evalEverySteps"] = 2
-    port = metrics_ports(2)
-    process = finetune_run(job, tmp_path, "--metrics-port", str(port), wait=False)
+    process = finetune_run(job, tmp_path, wait=False)
     try:
-        said = lines_until(process, "metrics: ")
-        assert said.endswith(f"metrics: http://127.0.0.1:{port}/metrics, one per process: "
-                             f"ports {port}-{port + 1}\n"), said
+        port = served_from(process)
         deadline, seen = time.monotonic() + waits.seconds_left(), {}
         while time.monotonic() < deadline and process.poll() is None:
             seen = {rank: scrape(port + rank) for rank in (0, 1)}
@@ -175,9 +193,9 @@ def test_sharded_strategies_time_their_collectives(tiny_model_dir, tmp_path, str
     # (400 steps ended before ZeRO-2's sampled step was scraped on a busy machine, 11-28)
     job = manifest(tiny_model_dir, tmp_path / "out", strategy=strategy, method="full",
                    steps=100_000, checkpoint_every=100_000)
-    port = metrics_ports(2)
-    process = finetune_run(job, tmp_path, "--metrics-port", str(port), wait=False)
+    process = finetune_run(job, tmp_path, wait=False)
     try:
+        port = served_from(process)
         deadline, busbw, phases = time.monotonic() + waits.seconds_left(), {}, {}
         while time.monotonic() < deadline and process.poll() is None:
             try:

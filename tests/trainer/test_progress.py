@@ -146,3 +146,30 @@ def test_a_finished_run_leaves_its_final_record_as_the_termination_message(tmp_p
     rerun = Reporter(tmp_path / "b", total_steps=20, start_step=6, enabled=True)
     rerun.finish("Succeeded", "stopped early at step 6 of 20: ...")
     assert ProgressRecord.model_validate_json(message.read_text()) == final
+
+
+def test_a_final_record_too_long_for_the_kubelet_still_reads_with_its_exports(tmp_path,
+                                                                            monkeypatch):
+    """The kubelet keeps 4 KB of a termination message: a GRPO run's many figures and eight
+    failed pushes would pass that, and cut JSON reads as nothing. The figures the operator
+    polled already go first, then the errors are shortened: the exports still arrive."""
+    from finetune_trainer.errors import TERMINATION_LIMIT, TERMINATION_LOG_ENV
+    from finetune_trainer.record import ProgressRecord
+
+    message = tmp_path / "termination-log"
+    message.write_text("")
+    monkeypatch.setenv(TERMINATION_LOG_ENV, str(message))
+    reporter = Reporter(tmp_path / "out", total_steps=20, start_step=0, enabled=True)
+    reporter.report(step=20, epoch=1.0, loss=0.1, lr=1e-5, objective_metrics={
+        f"rewards/reward_{n}/mean": 0.5 for n in range(60)})
+    exports = [{"uri": f"oci://registry-{n}.example.com/team/model:v1",
+                "error": "the registry refused the push: " + "x" * 400} for n in range(8)]
+    reporter.finish("Succeeded", exports=exports)
+    text = message.read_text()
+    assert len(text) <= TERMINATION_LIMIT
+    final = ProgressRecord.model_validate_json(text)
+    assert [e["uri"] for e in final.exports] == [e["uri"] for e in exports]
+    assert all(e["error"].startswith("the registry refused the push") for e in final.exports)
+    assert final.phase == "Succeeded" and final.step == 20
+    full = json.loads((tmp_path / "out" / "progress.json").read_text())
+    assert len(full["objectiveMetrics"]) == 60 and full["exports"] == exports  # all there

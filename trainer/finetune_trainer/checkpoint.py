@@ -41,6 +41,9 @@ from finetune_trainer.layout import (  # the layout is named once, in layout.py
 )
 
 SCHEDULER_FILE = "scheduler.pt"
+OBJECTIVE_FILE = "objective-{rank}.pt"
+"""Beside the model, per rank: what the objective carries across a restart
+(`Objective.state_dict`; GRPO's generation round in progress), absent when nothing."""
 MODEL_DIR = "model"
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
@@ -114,12 +117,15 @@ class Checkpointer:
                  settings: dict[str, Any] | None = None,
                  say: Callable[[str], None] | None = None,
                  observe: Callable[[float], None] | None = None,
-                 behind: AsyncCheckpoints = "auto", every: int | None = None) -> None:
+                 behind: AsyncCheckpoints = "auto", every: int | None = None,
+                 objective_state: Callable[[], dict] | None = None) -> None:
         """`settings`: what it is trained with (`trained_with.record`), kept beside its
         state. `say`: where the line about each completed checkpoint goes; `observe`: gets
         the seconds each one took to write (staging and background write together).
-        `behind`: `output.asyncCheckpoints`; `every`: `output.checkpointEverySteps`."""
+        `behind`: `output.asyncCheckpoints`; `every`: `output.checkpointEverySteps`;
+        `objective_state`: this rank's objective state at the step (`OBJECTIVE_FILE`)."""
         self.mode, self.every = behind, every
+        self.objective_state = objective_state or dict
         self.strategy, self.scheduler = strategy, scheduler
         self.output_dir, self.keep_last, self.settings = output_dir, keep_last, settings
         self.say = say or (lambda text: None)
@@ -162,6 +168,9 @@ class Checkpointer:
         if rank == 0:
             self._guarded(partial, lambda: torch.save(self.scheduler.state_dict(),
                                                       partial / SCHEDULER_FILE))
+        if objective := self.objective_state():
+            self._guarded(partial, lambda: torch.save(
+                objective, partial / OBJECTIVE_FILE.format(rank=rank)))
         pending.began = time.perf_counter()
         if background and self._writes_behind():
             pending.write = self._guarded(
@@ -425,6 +434,16 @@ def load(strategy, scheduler, checkpoint: Path) -> TrainerState:
     if rng.exists():  # absent when the world size changed: dropout then differs, nothing else
         set_rng_state(torch.load(rng, weights_only=False))
     return read_state(checkpoint)
+
+
+def objective_state(checkpoint: Path) -> dict:
+    """This rank's objective state in `checkpoint` (empty when none was saved, or when
+    the world size changed and this rank saved none)."""
+    import torch
+    import torch.distributed as dist
+
+    saved = checkpoint / OBJECTIVE_FILE.format(rank=dist.get_rank())
+    return torch.load(saved, weights_only=True) if saved.exists() else {}
 
 
 def keep_learning_rate(scheduler, configured: list[float]) -> None:

@@ -307,6 +307,28 @@ class Hyperparameters(ApiModel):
         return 2e-5 if method == "full" else 2e-4
 
 
+OCI_TARGET_PATTERN = r"^oci://[^/]+/.+"
+"""What `output.export[].uri` must look like to the API server (the rest: oci.Reference)."""
+
+
+class ExportTarget(ApiModel):
+    """Where the trained model is pushed once training has ended (`output.export`)."""
+
+    uri: str = Field(min_length=7, max_length=512, pattern=OCI_TARGET_PATTERN)
+    """`oci://registry/repository[:tag]` (the tag defaults to `latest`): the model folder as
+    one OCI image that KAITO's adapters and `oras pull` read (guides/serving.md)."""
+    secret_name: str | None = Field(default=None, min_length=1, max_length=253)
+    """A `kubernetes.io/dockerconfigjson` Secret in the job's namespace holding the
+    registry's credentials (`kubectl create secret docker-registry`), mounted read-only into
+    the workers. Unset: the registry takes the push without credentials; under `finetune
+    run`, your own Docker login (`docker login`, `oras login`) is used."""
+    merged: bool = False
+    """Push `merged/` (the base with the adapter merged in; needs `mergeAdapter`) rather than
+    `final/`."""
+    plain_http: bool = False
+    """Talk plain HTTP to the registry (one inside the cluster without TLS)."""
+
+
 class OutputConfig(ApiModel):
     """Where checkpoints and the final model go."""
 
@@ -330,6 +352,11 @@ class OutputConfig(ApiModel):
     for training on from a checkpoint with records added or edited, on purpose. The run goes
     on at its step, in the new data's order. Off (the default): such a run is refused before
     any step, naming what changed. A changed objective, method or model is always refused."""
+    export: list[ExportTarget] = Field(default_factory=list, max_length=8)
+    """Where rank 0 pushes the model after the last checkpoint and `final/` are written, in
+    order, each tried again on transient faults. A failed push does not fail the job: the
+    output folder keeps the model, the job's `Exported` condition says which target failed
+    and why, and `finetune export` pushes it by hand."""
     tensorboard: bool = True
     """Rank 0 writes TensorBoard event files (loss, learning rate, grad norm, tokens/s, eval
     loss) under `tensorboard/` in this folder: `tensorboard --logdir <folder>` locally or on
@@ -360,6 +387,10 @@ class MetricsConfig(ApiModel):
     host: str = "0.0.0.0"
     """The address the endpoints listen on: every interface in a pod (Prometheus and the
     operator reach it there); `finetune run` listens on 127.0.0.1 only."""
+    reuse_port: bool = False
+    """Listen with SO_REUSEPORT, beside the socket by which `finetune run` holds the ports
+    it named from then until the run ends, so that nothing takes them while the workers
+    start (`local.PortHold`). Off in a pod: its ports are its own."""
 
 
 class PreflightConfig(ApiModel):

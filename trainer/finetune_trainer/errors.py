@@ -27,6 +27,8 @@ NOT_RESTARTED = (EXIT_BAD_INPUT, EXIT_OTHER_CHECKPOINTS)
 checkpoints or model in the output folder. Every launcher ends the job on them at once."""
 
 TERMINATION_LOG = "/dev/termination-log"
+TERMINATION_LIMIT = 4000
+"""The most of a termination message written (the kubelet keeps 4096 bytes)."""
 TERMINATION_LOG_ENV = "FINETUNE_TERMINATION_LOG"
 """The container's `terminationMessagePath`, which the operator's pod spec sets beside it
 (the kubelet's default, TERMINATION_LOG, where it is unset)."""
@@ -39,7 +41,7 @@ def termination_message(text: str) -> None:
     path = Path(os.environ.get(TERMINATION_LOG_ENV) or TERMINATION_LOG)
     if path.exists():
         with contextlib.suppress(OSError):
-            path.write_text(text[:4000])
+            path.write_text(text[:TERMINATION_LIMIT])
 
 
 def record_failure(text: str, code: int = EXIT_FAILED) -> None:

@@ -16,6 +16,8 @@ PROGRESS_FILE = "progress.json"
 """The latest progress record (finetune_trainer.record), replaced atomically."""
 HISTORY_FILE = "progress.jsonl"
 """One progress record per log step."""
+EXPORT_SECRETS = "/var/run/secrets/finetune/export"
+"""In a worker: where each `output.export[].secretName` Secret is mounted, one folder each."""
 RUN_LOG = "logs/run.log"
 """`finetune run`: every line torchrun and the workers wrote (what `finetune logs` reads)."""
 RUN_LOCK = "logs/run.lock"
@@ -96,3 +98,9 @@ def model_copy_dir(output_dir: Path, repo: str, revision: str | None) -> Path:
     `refs%2Fpr%2F1`), so no two revisions share a folder."""
     pinned = quote(revision, safe="") if revision else "default"
     return output_dir / MODEL_CACHE / f"{repo.replace('/', '--')}@{pinned}"
+
+
+def export_credentials(secret_name: str) -> Path:
+    """The Docker config a `kubernetes.io/dockerconfigjson` Secret holds, where the workers
+    have it mounted (the kubernetes backend's render mounts it there)."""
+    return Path(EXPORT_SECRETS) / secret_name / ".dockerconfigjson"

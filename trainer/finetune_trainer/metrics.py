@@ -138,6 +138,12 @@ class TrainerMetrics:
             self.step_phase.labels(**self.labels, phase=phase).set(seconds)
         self.peak_memory.set(peak_memory_bytes(device))
 
+    def evaluated(self, figures: dict[str, float]) -> None:
+        """An evaluation's figures, as `finetune_objective_metric{name="eval_<name>"}`."""
+        for name, value in figures.items():
+            if math.isfinite(value):
+                self.objective.labels(**self.labels, name=f"eval_{name}").set(value)
+
     def resumed(self, seconds: float) -> None:
         self.checkpoint_load.labels(**self.labels).set(seconds)
 

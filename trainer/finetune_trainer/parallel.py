@@ -281,6 +281,18 @@ class FSDPStrategy(Strategy):
 
     def setup(self, model, make_optimizer, weights=None) -> None:
         """`weights`: rank 0's (loading.load_for) when the model was built empty."""
+        self._shard(model, weights)
+        self.model = model
+        self.optimizer = self.base_optimizer = make_optimizer(model)
+
+    def frozen(self, model, weights=None):
+        """`model` (from loading.load_for, as the trained one) sharded as the trained one
+        is, for forward passes without gradients (GRPO's reference): no optimizer."""
+        model.requires_grad_(False)
+        self._shard(model, weights)
+        return model.eval()
+
+    def _shard(self, model, weights) -> None:
         import torch.distributed as dist
         from torch.distributed.fsdp import fully_shard
 
@@ -303,8 +315,6 @@ class FSDPStrategy(Strategy):
             offloaded = "offload_policy" in options
             loading.receive_weights(model, layout, weights, self.device,
                                     shard_device="cpu" if offloaded else self.device)
-        self.model = model
-        self.optimizer = self.base_optimizer = make_optimizer(model)
 
     def _shard_options(self) -> dict[str, Any]:
         import torch
@@ -376,6 +386,22 @@ class DeepSpeedStrategy(Strategy):
             return super().loading(method)
         self._init_deepspeed()
         return "zero3"
+
+    def frozen(self, model, weights=None):
+        """ZeRO-3: `model` (from loading.load_for, partitioned as it was read) made an
+        engine without an optimizer, for forward passes without gradients (GRPO's
+        reference): its parameters stay partitioned and are gathered in each layer's
+        forward, as the trained model's are (TRL's `prepare_deepspeed` does the same)."""
+        import deepspeed
+
+        if self.config.type != "zero3":
+            raise ValueError(f"{self.name} keeps whole weights: a frozen copy needs no engine")
+        model.requires_grad_(False)
+        config = {key: value for key, value in self.ds_config().items()
+                  if key not in ("optimizer", "scheduler")}
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        engine.eval()  # the engine's returns None
+        return engine
 
     def partition(self, module) -> None:
         """ZeRO-3: partition `module`'s own weights, just received whole (`loading`)."""

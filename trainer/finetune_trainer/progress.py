@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -22,7 +23,7 @@ class Tracker(Protocol):
 
     def log(self, record: ProgressRecord) -> None: ...
 
-    def evaluated(self, step: int, loss: float) -> None: ...
+    def evaluated(self, step: int, loss: float | None, figures: dict[str, float]) -> None: ...
 
     def finish(self, final: ProgressRecord) -> None: ...
 
@@ -49,6 +50,9 @@ class Reporter:
         self.last: ProgressRecord | None = None
         self.preflight: dict | None = None  # published with every record
         self.eval_loss: float | None = None  # the latest evaluation's, likewise
+        self.eval_figures: dict[str, float] = {}
+        """The latest evaluation's figures as `eval_<name>` (TRL's names), in every record
+        after it among the objective's figures."""
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
@@ -75,8 +79,7 @@ class Reporter:
         record = ProgressRecord(
             step=step, total_steps=self.total_steps, epoch=round(epoch, 4), loss=loss,
             learning_rate=lr, grad_norm=grad_norm, eval_loss=self.eval_loss,
-            objective_metrics=None if objective_metrics is None else {
-                k: round(v, 6) for k, v in objective_metrics.items()},
+            objective_metrics=_rounded({**(objective_metrics or {}), **self.eval_figures}),
             tokens_per_second=round(tokens_per_second, 1), eta_seconds=eta,
             input_tokens_per_second=(round(self.window_inputs / elapsed, 1)
                                      if self.window_inputs else None),
@@ -106,19 +109,26 @@ class Reporter:
         self.last = record
         return record
 
-    def evaluated(self, step: int, loss: float) -> None:
-        """The eval split's loss at `step`: in the latest record and every one after it."""
-        self.eval_loss = loss
+    def evaluated(self, step: int, loss: float | None,
+                  figures: dict[str, float] | None = None) -> None:
+        """The evaluation at `step`, its loss and figures (`Evaluation`): in the latest
+        record and every one after it."""
+        if loss is not None:
+            self.eval_loss = loss
+        self.eval_figures = {f"eval_{name}": value for name, value in (figures or {}).items()}
         if not self.enabled:
             return
         if self.last is not None:
-            self.last.eval_loss = loss
+            self.last.eval_loss = self.eval_loss
+            self.last.objective_metrics = _rounded({**(self.last.objective_metrics or {}),
+                                                    **self.eval_figures})
             self._write(self.last)
         for tracker in self.trackers:
-            tracker.evaluated(step, loss)
+            tracker.evaluated(step, loss, self.eval_figures)
 
     def finish(self, phase: str, stopped_early: str | None = None,
-               eval_loss: float | None = None) -> None:
+               eval_loss: float | None = None,
+               exports: list[dict[str, str]] | None = None) -> None:
         """Publish the final phase with the last figures (no log line), and why the run
         stopped before its last step; `eval_loss`: the export's, where it is not the last
         evaluation's (early stopping exports the best one's weights), so a sweep ranks a
@@ -129,6 +139,8 @@ class Reporter:
             final.phase, final.eta_seconds, final.stopped_early = phase, 0, stopped_early
             if eval_loss is not None:
                 final.eval_loss = eval_loss
+            if exports:
+                final.exports = exports
             self._write(final)
             if phase == "Succeeded":
                 errors.termination_message(final.as_termination_message())
@@ -146,7 +158,8 @@ class Reporter:
         if before is not None and before.step == self.start_step:
             return before
         return ProgressRecord(step=self.start_step, total_steps=self.total_steps,
-                              eval_loss=self.eval_loss)
+                              eval_loss=self.eval_loss,
+                              objective_metrics=_rounded(self.eval_figures))
 
     def _write(self, record: ProgressRecord) -> None:
         if self.server is not None:
@@ -165,9 +178,11 @@ class ProgressServer:
     """A rank's HTTP endpoint on the metrics port: `GET /metrics` (Prometheus, every rank),
     `GET /progress` (rank 0's latest record, which the operator reads into the FineTuneJob
     status) and `GET /healthz`. A port that cannot be bound costs only this endpoint, never
-    the training run."""
+    the training run. `reuse_port`: listen beside the socket holding the port for this
+    process (`metrics.reusePort`)."""
 
-    def __init__(self, port: int, host: str = "0.0.0.0", registry=None):
+    def __init__(self, port: int, host: str = "0.0.0.0", registry=None,
+                 reuse_port: bool = False):
         self.record: dict | None = None
         self.registry = registry
         """Prometheus registry served on /metrics (every rank has one)."""
@@ -198,8 +213,14 @@ class ProgressServer:
             def log_message(self, *args) -> None:  # keep the training log clean
                 pass
 
+        class Server(ThreadingHTTPServer):
+            def server_bind(self) -> None:
+                if reuse_port:
+                    self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                super().server_bind()
+
         try:
-            self.httpd: ThreadingHTTPServer | None = ThreadingHTTPServer((host, port), Handler)
+            self.httpd: ThreadingHTTPServer | None = Server((host, port), Handler)
         except OSError as error:
             print(f"progress endpoint not served: port {port}: {error.strerror}", flush=True)
             self.httpd = None
@@ -215,3 +236,8 @@ class ProgressServer:
         if self.httpd is not None:
             self.httpd.shutdown()
             self.httpd.server_close()
+
+
+def _rounded(figures: dict[str, float]) -> dict[str, float] | None:
+    """The objective's figures as a record holds them (None: it has none)."""
+    return {name: round(value, 6) for name, value in figures.items()} or None

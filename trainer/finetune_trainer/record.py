@@ -16,6 +16,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
 
+from finetune_trainer.errors import TERMINATION_LIMIT
+
 MLFLOW_METRICS: dict[str, str] = {
     "loss": "loss",
     "learning_rate": "learning_rate",
@@ -97,6 +99,9 @@ class ProgressRecord(BaseModel):
     update_time: str = ""
     preflight: dict[str, Any] | None = None
     """The collective preflight's figures (busBandwidthGBps, nodes, slowNodes, ...)."""
+    exports: list[dict[str, str]] | None = None
+    """In a Succeeded record: each `spec.output.export` target's outcome, `{uri, pushed}`
+    (the reference with its digest) or `{uri, error}` (what went wrong and the fix)."""
 
     def as_json(self, history: bool = False) -> dict[str, Any]:
         """The record as JSON (camelCase); `history`: a progress.jsonl line, without the
@@ -107,9 +112,19 @@ class ProgressRecord(BaseModel):
         """The final record as a finished pod's termination message (the kubelet keeps 4 KB):
         the operator can no longer read /progress once the trainer has gone, and without it
         the status would keep the last figures it polled and never learn why a run stopped
-        early. No preflight (already in the status, and long)."""
-        return json.dumps(self.model_dump(by_alias=True, exclude={"preflight"}),
-                          separators=(",", ":"))
+        early. No preflight (already in the status, and long); where it would still pass
+        TERMINATION_LIMIT, the objective's figures (polled already) go, then the exports'
+        errors are shortened: cut, the JSON would not be read at all."""
+        record = self.model_dump(by_alias=True, exclude={"preflight"})
+        text = json.dumps(record, separators=(",", ":"))
+        if len(text) > TERMINATION_LIMIT:
+            record["objectiveMetrics"] = None
+            text = json.dumps(record, separators=(",", ":"))
+        if len(text) > TERMINATION_LIMIT and record.get("exports"):
+            record["exports"] = [{**e, **({"error": e["error"][:120]} if "error" in e else {})}
+                                 for e in record["exports"]]
+            text = json.dumps(record, separators=(",", ":"))
+        return text
 
     def mlflow_metrics(self) -> dict[str, float]:
         """The record's numbers under their MLflow names; unknown or non-finite values are

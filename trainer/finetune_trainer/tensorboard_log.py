@@ -25,6 +25,7 @@ TRAIN_SCALARS: dict[str, str] = {
 }
 """Record field → TensorBoard tag."""
 EVAL_LOSS = "eval/loss"
+EVAL_PREFIX = "eval_"
 
 
 class TensorBoardTracker:
@@ -39,11 +40,14 @@ class TensorBoardTracker:
         # the objective's, TRL's names under train/ (train/rewards/margins, train/reward,
         # ...), as its users chart them
         values += [(f"train/{name}", value)
-                   for name, value in (record.objective_metrics or {}).items()]
+                   for name, value in (record.objective_metrics or {}).items()
+                   if not name.startswith(EVAL_PREFIX)]  # written once, at their evaluation
         self._write(values, record.step)
 
-    def evaluated(self, step: int, loss: float) -> None:
-        self._write([(EVAL_LOSS, loss)], step)
+    def evaluated(self, step: int, loss: float | None, figures: dict[str, float]) -> None:
+        """eval/loss and each `eval_<name>` figure as eval/<name> (TRL's tags)."""
+        self._write([(EVAL_LOSS, loss), *((f"eval/{name.removeprefix(EVAL_PREFIX)}", value)
+                                          for name, value in figures.items())], step)
 
     def finish(self, final: ProgressRecord) -> None:
         if not self.broken:

@@ -10,6 +10,7 @@ without torch or mlflow: mlflow is imported only inside Azure ML.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -48,8 +49,10 @@ class MlflowTracker:
     def log(self, record: ProgressRecord) -> None:
         self._send(record.mlflow_metrics(), record.step)
 
-    def evaluated(self, step: int, loss: float) -> None:
-        self._send({MLFLOW_METRICS["eval_loss"]: loss}, step)
+    def evaluated(self, step: int, loss: float | None, figures: dict[str, float]) -> None:
+        loss_metric = {} if loss is None else {MLFLOW_METRICS["eval_loss"]: loss}
+        self._send({**loss_metric, **{name: value for name, value in figures.items()
+                                      if math.isfinite(value)}}, step)
 
     def _send(self, metrics: dict[str, float], step: int) -> None:
         if self.clock() < self.quiet_until:

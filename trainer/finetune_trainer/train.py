@@ -36,7 +36,6 @@ from finetune_trainer.data import (
     Prefetched,
     batch_larger_than_data,
     collate,
-    rank_batches,
     read_split,
     resolve_format,
 )
@@ -245,29 +244,6 @@ def _network_env(config: TrainerConfig, output_dir: Path) -> Path | None:
     scratch = Path(tempfile.mkdtemp(prefix="nccl-log-"))
     os.environ.update(network_preflight.nccl_debug_env(scratch))
     return scratch
-
-
-def evaluate(strategy, sequences, micro_batch: int, collation: Collation, group,
-             objective: Objective) -> float | None:
-    """The objective's mean loss over the eval split (per token, per preference pair);
-    every rank runs the same number of batches."""
-    import torch
-    import torch.distributed as dist
-
-    if not sequences:
-        return None
-    world, rank = dist.get_world_size(), dist.get_rank()
-    strategy.model.eval()
-    total, units = 0.0, 0
-    with torch.no_grad():
-        for mine in rank_batches(sequences, micro_batch, world, rank):
-            batch = collation.tensors(mine)
-            with strategy.autocast():
-                total += float(objective.summed(_to(batch, strategy.device))[0])
-            units += sum(objective.units(s) for s in mine)
-    strategy.model.train()
-    total, units = _all_ranks_sum([total, units], group)
-    return total / max(units, 1)
 
 
 def export(strategy, tokenizer, config: TrainerConfig, output_dir: Path, base_dir: Path) -> Path:
@@ -514,6 +490,8 @@ class Trainer:
             self.strategy, self.head, self.collation, self.control, self.batches.micro_batch,
             self.output_dir, self.state.step, self.prepared.train + self.prepared.eval, _say,
             batches=self.batches, train=self.prepared.train, pin=self.device.type == "cuda"))
+        if self.resumed_from is not None:
+            self.objective.load_state_dict(checkpoint.objective_state(self.resumed_from))
         self.steps_ahead = self._data(self.batches.schedule(self.state.step))
         self.grad_norm: Any = None
         self.profiler = StepProfiler.from_environment(self.rank, self.device.type)
@@ -599,9 +577,11 @@ class Trainer:
             self.strategy, self.scheduler, output_dir, config.output.keep_last,
             trained_with.record(config, content), say=_say,
             observe=self.metrics.checkpoint_save.observe,
-            behind=config.output.async_checkpoints, every=config.output.checkpoint_every_steps)
+            behind=config.output.async_checkpoints, every=config.output.checkpoint_every_steps,
+            objective_state=self.objective.state_dict)
         self.metrics.total_steps.set(self.steps)
-        if (latest := checkpoint.latest_checkpoint(output_dir)) is not None:
+        self.resumed_from = checkpoint.latest_checkpoint(output_dir)
+        if (latest := self.resumed_from) is not None:
             started = time.perf_counter()
             self.state = checkpoint.load(self.strategy, self.scheduler, latest)
             self.metrics.resumed(time.perf_counter() - started)
@@ -613,7 +593,8 @@ class Trainer:
                      "allows")
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # one port per process on a node
         server = (ProgressServer(config.metrics.port + local_rank, host=config.metrics.host,
-                                 registry=self.metrics.registry)
+                                 registry=self.metrics.registry,
+                                 reuse_port=config.metrics.reuse_port)
                   if config.metrics.enabled else None)
         self.reporter = Reporter(output_dir, self.steps, self.state.step,
                                  enabled=self.rank == 0, server=server,
@@ -721,7 +702,7 @@ class Trainer:
                 self.log.log(self.grad_norm)
             early = None
             if hp.eval_every_steps and step % hp.eval_every_steps == 0 and not last:
-                self.evaluate(f"eval at step {step}: loss")
+                self.evaluate(f"eval at step {step}")
                 early = stopped_early(self.state, hp)
             if early is not None and not stopping:  # this step ends the run, as the last
                 _say(early)
@@ -763,22 +744,24 @@ class Trainer:
         return EXIT_PREEMPTED
 
     def evaluate(self, said: str) -> float | None:
-        """The eval split's loss (where there is one): said, published, counted for early
-        stopping (`judged`, which every evaluation is, the last one's included) and returned
-        (the same on every rank)."""
-        loss = evaluate(self.strategy, self.prepared.eval, self.batches.micro_batch,
-                        self.collation, self.control, self.objective)
-        if loss is not None:
-            _say(f"{said} {loss:.4f}")
-            self.reporter.evaluated(self.state.step, loss)
-            if self.hp.early_stopping_patience:
-                self.state = judged(self.state, loss, self.hp.early_stopping_threshold)
-        return loss
+        """The objective's evaluation of the held-out data (where there is some): said,
+        published, its loss counted for early stopping (`judged`, which every evaluation
+        is, the last one's included) and returned (the same on every rank)."""
+        evaluation = self.objective.evaluate(self.prepared.eval)
+        if evaluation is None:
+            return None
+        _say(f"{said}: {evaluation.said()}")
+        self.reporter.evaluated(self.state.step, evaluation.loss, evaluation.figures)
+        self.metrics.evaluated(evaluation.figures)
+        if evaluation.loss is not None and self.hp.early_stopping_patience:
+            self.state = judged(self.state, evaluation.loss, self.hp.early_stopping_threshold)
+        return evaluation.loss
 
     def finish(self, evaluated: bool = False, stopped_early: str | None = None) -> int:
         """After the last step (or the one that `stopped_early`, saying why): its checkpoint
         complete, the eval loss (unless `evaluated` at that step already), the export (of
-        the best evaluation's weights under early stopping)."""
+        the best evaluation's weights under early stopping), then rank 0's pushes to
+        `output.export`, their outcomes in the final record."""
         import torch.distributed as dist
 
         self.checkpoints.finish()  # the last checkpoint complete before anything can fail
@@ -787,11 +770,18 @@ class Trainer:
             if self.profiler.written is not None:
                 _say(f"profile of steps written to {self.profiler.written.parent}")
         if not evaluated:
-            self.evaluate("eval loss")
+            self.evaluate("eval")
         exported_loss = self._load_best()
         final = export(self.strategy, self.prepared.tokenizer, self.config, self.output_dir,
                        self.base_dir)
-        self.reporter.finish("Succeeded", stopped_early, eval_loss=exported_loss)
         _say(f"exported {final}")
-        dist.destroy_process_group()
+        dist.destroy_process_group()  # no rank waits on rank 0's pushes
+        pushed = None
+        if self.rank == 0 and self.config.output.export:
+            from finetune_trainer.export import export_trained
+
+            pushed = export_trained(self.output_dir, self.config.output.export,
+                                    say=lambda text: print(text, flush=True))
+        self.reporter.finish("Succeeded", stopped_early, eval_loss=exported_loss,
+                             exports=pushed)
         return 0

@@ -112,8 +112,8 @@ class TrainingSetup(BaseModel):
     generation_every: int = 1
     """Optimizer steps a round of sampling serves (GRPO's iterations)."""
     reference_copy: bool = False
-    """A frozen copy of the weights in the compute dtype beside the model (GRPO with full
-    weights and beta > 0)."""
+    """A frozen copy of the weights beside the model (GRPO with full weights and beta > 0),
+    sharded as the model is (`reference_bytes`)."""
     device: Device = "cuda"
     """`cpu`: CPU workers (gloo) — no CUDA context, and AdamW runs its foreach kernels,
     which hold a temporary copy of the second moments; on CUDA the fused kernel does not."""
@@ -285,6 +285,18 @@ def ddp_memory(shape: ModelShape, setup: TrainingSetup, s: _Sizes) -> StrategyMe
     return memory
 
 
+def reference_bytes(setup: TrainingSetup, s: _Sizes) -> float:
+    """A process's share of a frozen reference copy: FSDP2 shards it as it reads the trained
+    model (fp32, gathered in the compute dtype layer by layer, as the model's own layers
+    are), ZeRO-3 partitions it in the compute dtype; elsewhere each process holds it whole
+    in the compute dtype."""
+    if setup.strategy == "fsdp":
+        return 4.0 * s.total / s.n
+    if setup.strategy == "zero3":
+        return s.p * s.total / s.n
+    return float(s.p * s.total)
+
+
 def fsdp_memory(shape: ModelShape, setup: TrainingSetup, s: _Sizes) -> StrategyMemory:
     """FSDP2: everything sharded; the root module and one prefetched layer gathered."""
     method, n = setup.method, s.n
@@ -406,7 +418,7 @@ def estimate_memory(shape: ModelShape, setup: TrainingSetup) -> MemoryEstimate:
         temps["generation"] = dict(memory.persistent)
     if setup.reference_copy:
         for phase in phases.values():
-            phase["referenceWeights"] = float(sizes.p * sizes.total)
+            phase["referenceWeights"] = reference_bytes(setup, sizes)
     lines = {phase: {**{k: int(v) for k, v in phases[phase].items()},
                      "temporaryBuffers": int(sum(temps[phase].values())),
                      "cudaContext": context} for phase in phases}

@@ -45,8 +45,10 @@ def model_folder(output: Path, merged: bool = False) -> Path:
                       "(its final/ is written after the last step), or give the model folder")
 
 
-def export(folder: Path, target: str, *, plain_http: bool = False, say=print) -> str:
+def export(folder: Path, target: str, *, plain_http: bool = False, say=print,
+           credentials: list[Path] | None = None) -> str:
     """Push `folder` to `target`; returns what was pushed (the reference with its digest).
+    `credentials`: the Docker configs to read (None: the user's, `oci.docker_configs`).
     Raises ExportError (a bad target, a refused or unreachable registry, an empty folder)."""
     try:
         uri = parse_uri(target, ("oci",))
@@ -54,4 +56,38 @@ def export(folder: Path, target: str, *, plain_http: bool = False, say=print) ->
         raise ExportError(target, error.what, error.fix) from None
     from finetune_trainer.export import oci
 
-    return oci.push(folder, oci.Reference.parse(uri.raw), plain_http=plain_http, say=say)
+    return oci.push(folder, oci.Reference.parse(uri.raw), plain_http=plain_http, say=say,
+                    configs=credentials)
+
+
+def export_trained(output: Path, targets: list, say=print) -> list[dict[str, str]]:
+    """After training: each of `spec.output.export`'s targets (config.ExportTarget) pushed
+    in turn, what each came to as `{uri, pushed}` or `{uri, error}` (the progress record's
+    `exports`). A failed push is said and recorded, never raised: the model is in the output
+    folder whatever happens here. A target's `secretName` is read where the workers have it
+    mounted (layout.export_credentials); where it is not (`finetune run`), the user's own
+    Docker login is."""
+    from finetune_trainer.layout import export_credentials
+
+    outcomes = []
+    for target in targets:
+        credentials = None
+        if target.secret_name:
+            mounted = export_credentials(target.secret_name)
+            if mounted.is_file():
+                credentials = [mounted]
+            else:
+                say(f"secret {target.secret_name} is not mounted here: pushing to "
+                    f"{target.uri} with your own Docker login")
+        try:
+            pushed = export(model_folder(output, target.merged), target.uri,
+                            plain_http=target.plain_http, say=say, credentials=credentials)
+            outcomes.append({"uri": target.uri, "pushed": pushed})
+        except ExportError as error:
+            say(f"{error} (the model stays in {output})")
+            outcomes.append({"uri": target.uri, "error": f"{error.problem}; {error.fix}"})
+        except Exception as error:  # what no rule foresaw: the model is safe all the same
+            say(f"export to {target.uri} failed: {type(error).__name__}: {error} (the model "
+                f"stays in {output})")
+            outcomes.append({"uri": target.uri, "error": f"{type(error).__name__}: {error}"})
+    return outcomes

@@ -58,6 +58,15 @@ ATTEMPTS = 4
 """Tries of a push that met a transient fault (no answer, 5xx, 429), 2, 4, 8 s apart."""
 
 
+_HOST = re.compile(r"^(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?"
+                   r"(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*|\[[0-9a-fA-F:]+\])"
+                   r"(?::[0-9]{1,5})?$")
+_PATH_COMPONENT = re.compile(r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*$")
+_TAG = re.compile(r"^\w[\w.-]{0,127}$")
+"""The distribution spec's grammar of a registry host, a repository's path components and
+a tag (distribution/reference's regexp.go)."""
+
+
 @dataclass(frozen=True)
 class Reference:
     """`oci://registry/repository:tag`, parsed (the tag defaults to `latest`)."""
@@ -68,9 +77,26 @@ class Reference:
 
     @classmethod
     def parse(cls, uri: str) -> Reference:
+        """Raises ExportError naming what a registry would refuse, before anything is sent
+        (`finetune validate` and the operator check a job's targets with it)."""
         rest = uri.removeprefix("oci://")
         registry, _, path = rest.partition("/")
-        repository, _, tag = path.partition(":")
+        if "@" in path:
+            raise ExportError(uri, "names a digest, and a push makes one", "name a tag "
+                              "(oci://registry/repository:tag), or none for `latest`")
+        repository, _, tag = path.rpartition(":") if ":" in path else (path, "", "")
+        if not _HOST.match(registry):
+            raise ExportError(uri, f"names no registry host ({registry!r})", "write "
+                              "oci://<host[:port]>/<repository>[:tag], e.g. "
+                              "oci://myregistry.azurecr.io/adapters/support-bot:v1")
+        if not repository or not all(_PATH_COMPONENT.match(c) for c in repository.split("/")):
+            raise ExportError(uri, f"names the repository {repository!r}, which a registry "
+                              "refuses", "use lowercase letters, digits and single . _ - "
+                              "between them, in /-separated parts")
+        if tag and not _TAG.match(tag):
+            raise ExportError(uri, f"names the tag {tag!r}, which a registry refuses",
+                              "use up to 128 letters, digits, _ . and -, not starting with "
+                              ". or -")
         return cls(registry, repository, tag or "latest")
 
     def __str__(self) -> str:
@@ -383,15 +409,17 @@ def _unexpected(reference: Reference, doing: str, response) -> ExportError:
 
 
 def push(folder: Path, reference: Reference, *, plain_http: bool = False,
-         say: Callable[[str], None] = print, sleep: Callable[[float], None] = time.sleep) -> str:
+         say: Callable[[str], None] = print, sleep: Callable[[float], None] = time.sleep,
+         configs: list[Path] | None = None) -> str:
     """Pack `folder` and push it as `reference`, the blobs a registry holds already skipped;
-    a transient fault tries again (ATTEMPTS). Returns `registry/repository:tag@digest`."""
+    a transient fault tries again (ATTEMPTS). `configs`: the Docker configs holding its
+    credentials (None: `docker_configs()`). Returns `registry/repository:tag@digest`."""
     with tempfile.TemporaryDirectory(prefix="finetune-export-") as work:
         packed = pack(folder, Path(work))
         size = packed.layer.size
         say(f"pushing {len(packed.files)} files ({size / 2**20:.1f} MiB packed) from {folder} "
             f"to {reference}")
-        credentials = credentials_for(reference.registry)
+        credentials = credentials_for(reference.registry, configs)
         for attempt in range(1, ATTEMPTS + 1):
             registry = Registry(reference, credentials, plain_http)
             try:

@@ -41,6 +41,25 @@ class PreparedData:
 
 
 @dataclass
+class Evaluation:
+    """What an evaluation of the held-out data found: the objective's loss over it (what
+    early stopping judges; None where the objective has none that says anything) and its
+    figures (TRL's names, without their `eval_` prefix)."""
+
+    loss: float | None
+    figures: dict[str, float] = field(default_factory=dict)
+
+    def said(self) -> str:
+        """`loss 1.2345`, or the headline figures (`reward 0.5000, reward std 0.1000`)."""
+        from finetune_trainer.record import headline
+
+        parts = [] if self.loss is None else [f"loss {self.loss:.4f}"]
+        parts += [f"{label} {shown.format(value)}"
+                  for label, value, shown in headline(self.figures)]
+        return ", ".join(parts) or "nothing to report"
+
+
+@dataclass
 class RunContext:
     """What an objective may use of the run once the model is built (`Objective.attach`)."""
 
@@ -144,6 +163,34 @@ class Objective:
         """(the micro-batch's summed loss, the sums of `metric_names` or None)."""
         raise NotImplementedError
 
+    def evaluate(self, sequences: list[dict[str, list[int]]]) -> Evaluation | None:
+        """The held-out `sequences` (PreparedData.eval) at the weights as they are (None:
+        there are none). Here: the objective's mean loss over them (per label token, per
+        preference pair); every rank runs the same number of batches, so collectives inside
+        the forward stay in step. Collective."""
+        import torch
+        import torch.distributed as dist
+
+        from finetune_trainer.data import rank_batches
+
+        if not sequences:
+            return None
+        run, strategy = self.run, self.strategy
+        strategy.model.eval()
+        total, units = 0.0, 0
+        with torch.no_grad():
+            for mine in rank_batches(sequences, run.micro_batch, dist.get_world_size(),
+                                     dist.get_rank()):
+                batch = {k: v.to(strategy.device, non_blocking=True)
+                         for k, v in run.collation.tensors(mine).items()}
+                with strategy.autocast():
+                    total += float(self.summed(batch)[0])
+                units += sum(self.units(s) for s in mine)
+        strategy.model.train()
+        sums = torch.tensor([total, units], dtype=torch.float64)
+        dist.all_reduce(sums, group=run.group)
+        return Evaluation(float(sums[0] / max(float(sums[1]), 1.0)))
+
     def logged(self, sums: list[float], units: int) -> dict[str, float] | None:
         """What a log step reports of the objective beyond its loss, from the window's
         `metric_names` sums and `units`, all ranks summed (every rank calls it: collectives
@@ -152,6 +199,15 @@ class Objective:
             return None
         per = max(units, 1)
         return {name: value / per for name, value in zip(self.metric_names, sums, strict=True)}
+
+    def state_dict(self) -> dict:
+        """What this rank's objective must carry across a restart to train on exactly as
+        the uninterrupted run would, saved in each checkpoint (empty: nothing; tensors,
+        numbers, strings, lists and dicts only, as `torch.load(weights_only=True)` reads)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take back `state_dict`'s state of the checkpoint resumed, after `attach`."""
 
     def summary(self, train: list[dict[str, list[int]]]) -> str | None:
         """The log's line on the objective before the first step (None: nothing to say)."""

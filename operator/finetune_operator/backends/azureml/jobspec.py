@@ -309,6 +309,11 @@ def _refusals(job: FineTuneJob) -> list[Problem]:
             "spec.model.tokenSecretRef", "Kubernetes Secrets do not reach Azure ML workers",
             "register the model in Azure ML and use its azureml:// URI, or remove "
             "tokenSecretRef for a public hub model"))
+    if spec.output.export:
+        problems.append(Problem(
+            "spec.output.export", "is not pushed from Azure ML workers yet (the registry's "
+            "Kubernetes Secret cannot reach them)", "remove it, and push the job's output "
+            "once it has ended: finetune export <output> oci://registry/repository:tag"))
     aml = spec.azureml
     if aml is not None and aml.shm_size is not None:
         try:

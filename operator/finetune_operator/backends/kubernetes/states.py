@@ -15,6 +15,7 @@ from finetune_operator.backends.children import CONTROLLER_UID_KEY, ORPHANED
 from finetune_operator.backends.kubernetes.workers import (
     BAD_INPUT_EXIT_CODE,
     COMPLETION_INDEX_KEY,
+    DOCKER_CONFIG_KEY,
     FETCH_MODEL_CONTAINER,
     FETCH_REFUSED_EXIT_CODE,
     OTHER_CHECKPOINTS_EXIT_CODE,
@@ -262,6 +263,10 @@ def named_by_field(job: FineTuneJob, waiting: str | None) -> str | None:
         sources = " ".join(f"--from-literal={key}=..." if key else "--from-file=..."
                            for key in dict.fromkeys(key for _, key in refs))
         make = "secret generic" if kind == "Secret" else "configmap"
+        if any(key == DOCKER_CONFIG_KEY for _, key in refs):  # a registry's credentials
+            make, sources = "secret docker-registry", ("--docker-server=<registry> "
+                                                       "--docker-username=... "
+                                                       "--docker-password=...")
         lacking = f"namespace {ns} has no {kind} {match[2]!r}"
         fix = (f"create it (kubectl create {make} {match[2]} -n {ns} {sources}) or name one "
                f"that exists (kubectl get {kind.lower()}s -n {ns})")
@@ -304,6 +309,9 @@ def _object_refs(job: FineTuneJob, kind: str, name: str) -> list[tuple[str, str 
                           else source.config_map_key_ref)
         if ref is not None and ref.name == name:
             refs.append((f"spec.kubernetes.env[{index}] ({variable.name})", ref.key))
+    for index, target in enumerate(job.spec.output.export):
+        if kind == "Secret" and target.secret_name == name:
+            refs.append((f"spec.output.export[{index}].secretName", DOCKER_CONFIG_KEY))
     for index, volume in enumerate(k8s.volumes if k8s else []):
         if (kind == "Secret" and volume.secret is not None
                 and volume.secret.secret_name == name) or (

@@ -20,6 +20,7 @@ from finetune_operator.validation import (
 )
 from finetune_trainer import errors
 from finetune_trainer.config import TrainerConfig
+from finetune_trainer.layout import export_credentials
 from finetune_trainer.uris import SCHEME_EXAMPLES, SECTION_SCHEMES, Location, Unreachable
 
 QUEUE_LABEL = KUEUE_QUEUE_LABEL
@@ -38,6 +39,9 @@ WORKER_UID = 1000
 TRAINER_CONTAINER = "trainer"
 RESUME_CHECK_CONTAINER = "resume-check"
 FETCH_MODEL_CONTAINER = "fetch-model"
+DOCKER_CONFIG_KEY = ".dockerconfigjson"
+"""The key of a `kubernetes.io/dockerconfigjson` Secret (`kubectl create secret
+docker-registry`)."""
 STOPPED_EXIT_CODE = errors.STOPPED
 """The trainer's exit after SIGTERM, once it has written a checkpoint."""
 OTHER_CHECKPOINTS_EXIT_CODE = errors.EXIT_OTHER_CHECKPOINTS
@@ -236,6 +240,22 @@ def _user_volumes(job: FineTuneJob) -> tuple[list[dict[str, Any]], list[dict[str
     return volumes, mounts
 
 
+def _export_secret_volumes(job: FineTuneJob
+                           ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Each `output.export[].secretName` Secret's Docker config, read-only where the trainer
+    reads a target's credentials (layout.export_credentials)."""
+    names = sorted({t.secret_name for t in job.spec.output.export if t.secret_name})
+    volumes, mounts = [], []
+    for index, name in enumerate(names):
+        volume = f"export-secret-{index}"
+        volumes.append({"name": volume, "secret": {
+            "secretName": name, "items": [{"key": DOCKER_CONFIG_KEY,
+                                           "path": DOCKER_CONFIG_KEY}]}})
+        mounts.append({"name": volume, "readOnly": True,
+                       "mountPath": str(export_credentials(name).parent)})
+    return volumes, mounts
+
+
 def _container_resources(job: FineTuneJob, settings: OperatorSettings
                          ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The trainer container's requests / limits (GPUs, RDMA), and its capabilities."""
@@ -267,20 +287,21 @@ def _worker_volumes(job: FineTuneJob) -> tuple[list[dict[str, Any]], list[dict[s
         shm["sizeLimit"] = k8s.shm_size
     pvc_volumes, pvc_mounts = _pvc_volumes(job)
     user_volumes, user_mounts = _user_volumes(job)
+    secret_volumes, secret_mounts = _export_secret_volumes(job)
     volumes = [
         {"name": "trainer-config",
          "configMap": {"name": naming.trainer_config_map(job.name)}},
         {"name": "dshm", "emptyDir": shm},
         {"name": "tmp", "emptyDir": {}},
         {"name": "cache", "emptyDir": {}},
-        *pvc_volumes, *user_volumes,
+        *pvc_volumes, *secret_volumes, *user_volumes,
     ]
     mounts = [
         {"name": "trainer-config", "mountPath": naming.TRAINER_CONFIG_MOUNT, "readOnly": True},
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "cache", "mountPath": CACHE_DIR},
-        *pvc_mounts, *user_mounts,
+        *pvc_mounts, *secret_mounts, *user_mounts,
     ]
     return volumes, mounts
 

@@ -27,19 +27,6 @@ def _room(spec, workers: int) -> str | None:
             f"objective.grpo.maxCompletionLength {grpo.max_completion_length}")
 
 
-UNSHARDED_REFERENCE = ("whose reference copy of the weights is not sharded yet",
-                       "use method lora (the reference is the base, adapters off), strategy "
-                       "ddp or zero2, or beta 0")
-
-
-def _reference(spec, workers: int) -> str | None:
-    grpo = spec.objective.grpo
-    if grpo is None or not grpo.beta or spec.method.type != "full" or (
-            spec.strategy.type not in ("fsdp", "zero3")):
-        return None
-    return f"is above 0 with full weights under {spec.strategy.type}, {UNSHARDED_REFERENCE[0]}"
-
-
 def _plans(spec) -> dict:
     """What the planner counts of sampling (operator/finetune_operator/planner)."""
     grpo, hp = spec.objective.grpo, spec.hyperparameters
@@ -53,11 +40,12 @@ def _plans(spec) -> dict:
             "reference_copy": grpo.beta > 0 and spec.method.type == "full"}
 
 
-def _no_evaluation(spec, workers: int) -> str | None:
-    data = spec.dataset
-    if data.eval_fraction == 0 and data.eval_split is None:
+def _early_stopping(spec, workers: int) -> str | None:
+    if not spec.hyperparameters.early_stopping_patience:
         return None
-    return "holds data out for evaluation, and objective grpo evaluates nothing yet"
+    return ("judges the eval loss, and objective grpo's evaluation has none (a GRPO loss "
+            "centres on each group's mean reward and says nothing of progress)")
+
 
 SPEC = ObjectiveSpec(
     name="grpo",
@@ -77,9 +65,9 @@ SPEC = ObjectiveSpec(
                 "numGenerations (batchSizePerDevice counts completions, as TRL's)"),
         JobRule("spec.dataset.maxSeqLength", _room,
                 "raise maxSeqLength above maxCompletionLength by the longest prompt's tokens"),
-        JobRule("spec.objective.grpo.beta", _reference, UNSHARDED_REFERENCE[1]),
-        JobRule("spec.dataset.evalFraction", _no_evaluation,
-                "remove evalFraction and evalSplit (the training rewards are its figures)")),
+        JobRule("spec.hyperparameters.earlyStoppingPatience", _early_stopping,
+                "remove earlyStoppingPatience, and watch eval_reward (status.progress."
+                "objectiveMetrics) to choose the checkpoint")),
     headline=(("reward", "reward", "{:.4f}"), ("reward_std", "reward std", "{:.4f}"),
               ("kl", "kl", "{:.4f}")),
     rules=(SettingsRule(

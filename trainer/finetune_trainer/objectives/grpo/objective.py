@@ -20,8 +20,7 @@ import torch
 from finetune_trainer import flops
 from finetune_trainer.data import IGNORE, DataError
 from finetune_trainer.data_files import local_path
-from finetune_trainer.objectives.base import Objective, PreparedData, RunContext
-from finetune_trainer.objectives.grpo import UNSHARDED_REFERENCE
+from finetune_trainer.objectives.base import Evaluation, Objective, PreparedData, RunContext
 from finetune_trainer.objectives.grpo import loss as grpo_loss
 from finetune_trainer.objectives.grpo.batches import GroupBatches
 from finetune_trainer.objectives.grpo.rewards import load_rewards
@@ -36,6 +35,11 @@ MICRO_FIGURES = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
 """What each micro-batch's loss reports, token-weighted over all ranks (TRL's names)."""
 
 
+EVAL_SEED = 104_729
+"""Evaluations sample from `generation_seed(seed + EVAL_SEED, call, rank)`: the same draws at
+every evaluation of a run, none shared with a training round."""
+
+
 def generation_seed(seed: int, round_index: int, rank: int) -> int:
     """The seed of rank `rank`'s sampling in generation round `round_index`."""
     return seed + 1_000_003 * round_index + 7_919 * rank
@@ -45,11 +49,20 @@ def generation_seed(seed: int, round_index: int, rank: int) -> int:
 class Round:
     """One generation round of one rank: what its `iterations` steps train on."""
 
+    index: int
     micro_batches: list[dict]
     units: int
     work: StepWork
     local_labels: int
     local_samples: int
+
+    def state_dict(self) -> dict:
+        return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
+                "work": list(self.work)}
+
+    @classmethod
+    def from_state(cls, state: dict) -> Round:
+        return cls(**{**state, "work": StepWork(*state["work"])})
 
 
 class GrpoObjective(Objective):
@@ -88,21 +101,34 @@ class GrpoObjective(Objective):
         self.tokenizer = tokenizer
         self.chat = len(records) > 0 and isinstance(records[0]["prompt"], list)
         self.prompts, self.columns = [], []
-        train, cut = [], 0
-        for record in records:
-            ids = self._prompt_ids(record["prompt"])
-            cut += len(ids) > room
-            ids = ids[-room:]
-            self.prompts.append(record["prompt"])
-            self.columns.append({k: v for k, v in record.items() if k != "prompt"})
-            train.append({"input_ids": ids, "labels": [IGNORE] * len(ids),
-                          "position_ids": list(range(len(ids))), "prompt": [len(train)]})
+        train, evaluation = self._prompt_rows(records, room), self._prompt_rows(eval_records, room)
         if not train:
             raise DataError(data.uri, "holds no prompt", "add records with a `prompt`")
-        notes = ((f"truncated {cut} of {len(train)} prompts to {room} tokens (maxSeqLength "
+        if data.eval_split is not None and not evaluation:
+            raise DataError(data.eval_split, "holds no prompt",
+                            "add records with a `prompt`, or remove spec.dataset.evalSplit")
+        rows = [*train, *evaluation]
+        cut = sum(row["cut"] for row in rows)
+        notes = ((f"truncated {cut} of {len(rows)} prompts to {room} tokens (maxSeqLength "
                   f"{data.max_seq_length} minus maxCompletionLength "
                   f"{grpo.max_completion_length}), keeping their end",) if cut else ())
-        return PreparedData(train, [], notes)
+        for row in rows:
+            del row["cut"]
+        return PreparedData(train, evaluation, notes)
+
+    def _prompt_rows(self, records, room: int) -> list[dict]:
+        """One row a prompt (its last `room` tokens; `cut` when it had more), its record's
+        other columns kept for the rewards (`prompt` holds its index there)."""
+        rows = []
+        for record in records:
+            ids = self._prompt_ids(record["prompt"])
+            kept = ids[-room:]
+            rows.append({"input_ids": kept, "labels": [IGNORE] * len(kept),
+                         "position_ids": list(range(len(kept))),
+                         "prompt": [len(self.prompts)], "cut": len(ids) > room})
+            self.prompts.append(record["prompt"])
+            self.columns.append({k: v for k, v in record.items() if k != "prompt"})
+        return rows
 
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, list):
@@ -111,7 +137,7 @@ class GrpoObjective(Objective):
         return list(self.tokenizer(text=str(prompt))["input_ids"])
 
     def units(self, sequence) -> int:
-        return 0  # no evaluation; a step's units come from its completions (step_batch)
+        return 0  # a step's units come from its completions (step_batch)
 
     def batches(self, count, micro_batch, accumulation, world, seed) -> GroupBatches:
         return GroupBatches(count, micro_batch, accumulation, world, seed,
@@ -150,14 +176,20 @@ class GrpoObjective(Objective):
             self.reference_model = self._frozen_reference(run)
 
     def _frozen_reference(self, run: RunContext):
+        """Under fsdp and zero3 read as the trained model was (every rank building it
+        empty, rank 0 reading and sending the weights) and sharded as it is: each process
+        holds its shard of the reference too. Elsewhere a whole copy in the compute dtype."""
         from transformers import AutoModelForCausalLM
 
+        from finetune_trainer.loading import load_for
         from finetune_trainer.model import model_location
 
-        if run.strategy.shards_weights:  # `finetune validate` says so where it can tell
-            raise DataError("spec.objective.grpo.beta", "is above 0 with full weights under "
-                            f"{run.strategy.name}, {UNSHARDED_REFERENCE[0]}",
-                            UNSHARDED_REFERENCE[1])
+        strategy = run.strategy
+        if strategy.shards_weights:
+            model, weights = load_for(strategy, self.config.model, self.config.method,
+                                      self.config.strategy.precision, False, self.base_dir,
+                                      device=strategy.device)
+            return strategy.frozen(model, weights)
         reference = AutoModelForCausalLM.from_pretrained(
             model_location(self.config.model, self.base_dir), dtype=torch.float32)
         reference.to(device=run.strategy.device, dtype=run.strategy.compute_dtype)
@@ -170,8 +202,8 @@ class GrpoObjective(Objective):
 
     def step_batch(self, key, mine, loaded) -> StepBatch:
         epoch, step = key
-        if step % self.settings.iterations == 0 or self.round is None:
-            index = (epoch * self.run.batches.steps_per_epoch + step) // self.settings.iterations
+        index = (epoch * self.run.batches.steps_per_epoch + step) // self.settings.iterations
+        if self.round is None or self.round.index != index:
             self.round = self._sample(index, [row for micro in loaded for row in micro])
         r = self.round
         return StepBatch(r.micro_batches, r.units, r.work, r.local_labels, r.local_samples)
@@ -186,15 +218,11 @@ class GrpoObjective(Objective):
         prompts = [row["input_ids"] for row in rows]
         completions, order = self._generate(prompts, generation_seed(
             self.config.hyperparameters.seed, index, rank))
-        clipped = [not ids or ids[-1] not in self.eos_ids for ids in completions]
-        texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
         indices = [row["prompt"][0] for row in rows]
-        said = [[{"role": "assistant", "content": t}] for t in texts] if self.chat else texts
-        columns = {name: [self.columns[i][name] for i in indices] for name in self.columns[0]}
-        scores = [reward.score([self.prompts[i] for i in indices], said, completions, columns)
-                  for reward in self.rewards]
-        local = torch.tensor([[*(s[j] for s in scores), len(completions[j]), clipped[j],
-                               len(prompts[j])] for j in range(len(rows))], dtype=torch.float64)
+        texts, scores = self._scored(indices, completions)
+        local = torch.tensor([[*(s[j] for s in scores), len(completions[j]),
+                               self._clipped(completions[j]), len(prompts[j])]
+                              for j in range(len(rows))], dtype=torch.float64)
         gathered = [torch.empty_like(local) for _ in range(world)]
         dist.all_gather(gathered, local, group=self.run.group)
         every = torch.cat(gathered)
@@ -224,7 +252,66 @@ class GrpoObjective(Objective):
                         full_rows=sum(flops.full_row_pairs(n) for n in inputs))
         if grpo.iterations > 1 or grpo.beta:
             self._score_before_steps(batches)
-        return Round(batches, units, work, sum(len(c) for c in completions), len(rows))
+        return Round(index, batches, units, work, sum(len(c) for c in completions), len(rows))
+
+    def _clipped(self, completion: list[int]) -> bool:
+        """Cut at maxCompletionLength, never ended."""
+        return not completion or completion[-1] not in self.eos_ids
+
+    def _scored(self, indices: list[int], completions: list[list[int]]
+                ) -> tuple[list[str], list[list[float]]]:
+        """The completions of the prompts at `indices` as text, and each reward's scores
+        of them (NaN where a reward returned None), handed the records' other columns."""
+        texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
+        said = [[{"role": "assistant", "content": t}] for t in texts] if self.chat else texts
+        columns = {name: [self.columns[i][name] for i in indices] for name in self.columns[0]}
+        return texts, [reward.score([self.prompts[i] for i in indices], said, completions,
+                                    columns) for reward in self.rewards]
+
+    def evaluate(self, sequences) -> Evaluation | None:
+        """The held-out prompts, each answered `numGenerations` times by the weights as they
+        are (sampled as a training round is, from seeds fixed for the run: evaluations at
+        different steps differ by the weights, not the draw) and scored by the rewards; the
+        figures of a training round under TRL's names (`reward`, `rewards/<name>/mean`,
+        `completions/mean_length`, ...). No loss: GRPO's centres on each group's mean and
+        says nothing of progress. Each process answers whole groups, in batches of a
+        round's size; under fsdp and zero3 every process makes as many `generate` calls
+        (each is collective), one without prompts left answering the first one again."""
+        import torch.distributed as dist
+
+        if not sequences:
+            return None
+        grpo, hp = self.settings, self.config.hyperparameters
+        rank, world = dist.get_rank(), dist.get_world_size()
+        groups = grpo.num_generations
+        requests = [row for row in sequences[rank::world] for _ in range(groups)]
+        size = hp.batch_size_per_device * hp.gradient_accumulation_steps
+        most = math.ceil(len(sequences) / world) * groups  # completions: rank 0's share
+        calls = math.ceil(most / size)
+        completions: list[list[int]] = []
+        for call in range(calls):
+            part = requests[call * size:(call + 1) * size]
+            if not part and not self.strategy.shards_weights:
+                break
+            made, _ = self._generate([row["input_ids"] for row in part or sequences[:1]],
+                                     generation_seed(hp.seed + EVAL_SEED, call, rank))
+            completions += made if part else []
+        indices = [row["prompt"][0] for row in requests]
+        _, scores = self._scored(indices, completions)
+        count = len(self.rewards)
+        local = torch.full((most, count + 3), math.nan, dtype=torch.float64)
+        for j, completion in enumerate(completions):  # the last column: a row answered
+            local[j] = torch.tensor([*(s[j] for s in scores), len(completion),
+                                     self._clipped(completion), 1.0], dtype=torch.float64)
+        gathered = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(gathered, local, group=self.run.group)
+        every = torch.cat(gathered)
+        every = every[every[:, count + 2] == 1.0]  # whole groups, each process's in turn
+        scored = grpo_loss.score(every[:, :count], [r.name for r in self.rewards],
+                                 [r.weight for r in self.rewards], groups, grpo.scale_rewards)
+        lengths = grpo_loss.length_figures([int(n) for n in every[:, count]],
+                                           [bool(c) for c in every[:, count + 1]])
+        return Evaluation(None, {**lengths, **scored.figures})
 
     def _keep_samples(self, index: int, prompts: list, texts: list[str],
                       scores: list[list[float]], advantages: list[float]) -> None:
@@ -335,6 +422,38 @@ class GrpoObjective(Objective):
                 logps.new_tensor(float(rows.shape[0])), per_completion(losses.low).min(),
                 per_completion(losses.high).max()]).double())  # to the host at the log step
         return grpo_loss.summed_loss(losses.losses, rows, completions, grpo), None
+
+    def state_dict(self) -> dict:
+        """The round in progress (a checkpoint inside a round of `iterations` > 1 resumes
+        on its completions and their sampling log-probabilities: sampled again, they would
+        come from the moved weights) and what the next log step reports of the rounds and
+        micro-batches since the last one."""
+        import torch.distributed as dist
+
+        if self.round is None:
+            return {}
+        return {"world": dist.get_world_size(), "round": self.round.state_dict(),
+                "figures": dict(self.figures), "micro": [m.cpu() for m in self.micro],
+                "samples": self.samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Taken back only by the same number of ranks (a round is one rank's share of a
+        generation batch); otherwise the round in progress is sampled again, with a line
+        saying so."""
+        import torch.distributed as dist
+
+        if not state:
+            return
+        if state["world"] != dist.get_world_size():
+            if self.run.step % self.settings.iterations:
+                self.run.say(f"resuming inside a generation round with {dist.get_world_size()}"
+                             f" processes where {state['world']} sampled it: the round is "
+                             "sampled again with the resumed weights")
+            return
+        self.round = Round.from_state(state["round"])
+        self.figures.update(state["figures"])
+        self.micro = [m.to(self.strategy.device) for m in state["micro"]]
+        self.samples = state["samples"]
 
     def _write_samples(self, samples: list[dict]) -> None:
         """The latest round's completions appended to `completions.jsonl`; the first

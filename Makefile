@@ -13,7 +13,7 @@ TORCH_INDEX_URL ?=
 PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 
 .PHONY: venv venv-base tools test test-quick lint crds demo clean kind-e2e e2e bench bench-gpu bench-metrics \
-	cluster-bin node-images product-images cluster cluster-install cluster-images cluster-down bench-operator bench-checkpoint \
+	cluster-bin node-images product-images cluster cluster-install cluster-images cluster-pull-secret cluster-down bench-operator bench-checkpoint \
 	bench-loading docs docs-serve
 
 venv: $(VENV)/.installed
@@ -70,7 +70,7 @@ test-quick: venv
 	$(BIN)/python -m pytest -m unit -n $(PYTEST_WORKERS) -q $(PYTEST_ARGS)
 
 lint: venv
-	$(BIN)/ruff check operator trainer tests cluster
+	$(BIN)/ruff check operator trainer tests cluster scripts benchmarks
 	$(BIN)/lint-imports
 	$(BIN)/python cluster/controlplane.py actionlint
 
@@ -111,10 +111,16 @@ cluster-install: venv
 	$(BIN)/python cluster/controlplane.py install
 
 # Our two images built from operator/Dockerfile and trainer/Dockerfile (buildah, from a Debian
-# base: no registry is reachable) and loaded into the real node of `make cluster`; writes
-# .cluster/images.yaml, the chart's values that run them (`helm install -f`).
+# base) and pushed to the registry of `make cluster` (10.250.N.1:5000, TLS and basic auth),
+# which the real node's kubelet pulls from with the pull Secret registry-pull (made in
+# finetune-system, default and ml-team); writes .cluster/images.yaml, the chart's values that
+# run them (`helm install -f`).
 cluster-images: venv
 	$(BIN)/python cluster/controlplane.py images
+
+# The registry's pull Secret in another namespace: make cluster-pull-secret NAMESPACE=team-b
+cluster-pull-secret: venv
+	$(BIN)/python cluster/controlplane.py pull-secret --namespace $(NAMESPACE)
 
 cluster-down: venv
 	$(BIN)/python cluster/controlplane.py down

@@ -9,7 +9,8 @@ kube-controller-manager, kube-scheduler, KWOK playing the kubelets of fake nodes
     python cluster/controlplane.py up        # start in the background: .cluster/
     python cluster/controlplane.py up --no-kueue   # the same without Kueue
     python cluster/controlplane.py install   # CRD, chart, the operator's kubeconfig
-    python cluster/controlplane.py images    # our images, built and loaded into the node
+    python cluster/controlplane.py images    # our images, built and pushed to the registry
+    python cluster/controlplane.py pull-secret --namespace NS   # its pull Secret in NS
     python cluster/controlplane.py down      # stop what `up` started
 
 `make cluster` / `make cluster-down` call this; the tests' `real_cluster` fixture uses the
@@ -43,6 +44,7 @@ from typing import Any
 
 import kueue_manager
 import node_images as images
+import node_registry
 import real_node
 import yaml
 from build_cache import cache_dir
@@ -319,6 +321,8 @@ class ControlPlane:
     end of the node's link instead of 127.0.0.1, and KWOK's CPU node is left out."""
     address: str = "127.0.0.1"
     real_node: real_node.RealNode | None = None
+    registry: node_registry.NodeRegistry | None = None
+    """With the real node: the registry its kubelet pulls our images from (node_registry.py)."""
 
     @property
     def server(self) -> str:
@@ -332,10 +336,12 @@ class ControlPlane:
     def kubectl(self) -> Path:
         return self.bin / "kubectl"
 
-    def spawn(self, name: str, *args: str) -> None:
+    def spawn(self, name: str, *args: str, binary: Path | None = None,
+              env: dict[str, str] | None = None) -> None:
         log = open(self.folder / "logs" / f"{name}.log", "ab")  # noqa: SIM115 (kept open)
         self.processes[name] = subprocess.Popen(
-            [str(self.bin / name), *args], stdout=log, stderr=subprocess.STDOUT,
+            [str(binary or self.bin / name), *args], stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, **env} if env else None,
             stdin=subprocess.DEVNULL, start_new_session=True)
         (self.folder / "pids" / name).write_text(str(self.processes[name].pid))
 
@@ -350,8 +356,10 @@ class ControlPlane:
             network = real_node.free_network()
             network.create()
             self.address = network.host_ip
+            self.registry = node_registry.NodeRegistry(self.folder / "registry", self.address)
             self.real_node = real_node.RealNode(self.folder / "node", self.bin, network,
-                                                sandbox_image=pause)
+                                                sandbox_image=pause,
+                                                registry_hosts=self.folder / "node" / "certs.d")
         make_pki(self.folder / "pki", self.address)
         pki = self.folder / "pki"
         self.ports = {k: free_port() for k in
@@ -359,7 +367,8 @@ class ControlPlane:
                        "kwok", "kueue-webhook", "kueue-health", "kueue-metrics")}
         (self.folder / "state.json").write_text(json.dumps({
             "ports": self.ports, "address": self.address,
-            "node": network.index if network else None}))
+            "node": network.index if network else None,
+            "registry": self.registry.host if self.registry else None}))
         users = [ADMIN_TOKEN_USER, "controller-manager", "scheduler", "kwok",
                  *(real_node.NODE_USERS if self.node else ())]
         tokens = {user: base64.b32encode(os.urandom(20)).decode().lower() for user in users}
@@ -432,6 +441,12 @@ class ControlPlane:
                    "--server-address", f"127.0.0.1:{self.ports['kwok']}",
                    "-c", str(HERE / "kwok-stages.yaml"))
         nodes = yaml.safe_load((HERE / "nodes.yaml").read_text())  # anchors resolved here
+        if self.registry is not None:
+            self.spawn("registry", "serve", str(self.registry.configure(pki)),
+                       binary=registry_tools_dir() / "registry",
+                       env={"OTEL_TRACES_EXPORTER": "none"})  # else: a refused export a minute
+            self.registry.wait_ready(self.processes["registry"])
+            self.registry.containerd_hosts(self.folder / "node" / "certs.d")
         if self.real_node is not None:
             credentials = real_node.NodeCredentials(pki / "ca.crt", {
                 component: self.kubeconfig_for(user, tokens[component])
@@ -570,8 +585,8 @@ class ControlPlane:
             with contextlib.suppress(ValueError):
                 pids[pidfile.name] = int(pidfile.read_text())
             pidfile.unlink()
-        order = ["kueue", "kwok", "kube-scheduler", "kube-controller-manager", "kube-apiserver",
-                 "etcd"]
+        order = ["registry", "kueue", "kwok", "kube-scheduler", "kube-controller-manager",
+                 "kube-apiserver", "etcd"]
         for pid in [pids[n] for n in order if n in pids]:
             terminate(pid)
         # whatever a lost pid file left running (a test session killed while it started one)
@@ -625,14 +640,17 @@ def actionlint(log=_say) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("action", choices=["build", "build-images", "build-product-images",
-                                           "up", "install", "images", "down", "bin",
-                                           "actionlint"])
+                                           "up", "install", "images", "pull-secret", "down",
+                                           "bin", "actionlint"])
     parser.add_argument("--folder", type=Path, default=REPO / ".cluster",
                         help="state folder (default: .cluster in the repository)")
     parser.add_argument("--no-kueue", dest="kueue", action="store_false",
                         help="up: without Kueue (make cluster KUEUE=0)")
     parser.add_argument("--no-node", dest="node", action="store_false",
                         help="up: without the real node, KWOK's nodes only (make cluster NODE=0)")
+    parser.add_argument("--namespace", action="append", default=[],
+                        help="pull-secret: the namespace to make the registry's pull Secret in "
+                             "(repeatable; made if missing)")
     args = parser.parse_args(argv)
     try:
         if args.action == "bin":
@@ -674,6 +692,12 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.action == "images":
             return _images(plane, args.folder)
+        if args.action == "pull-secret":
+            registry, _ = _registry_and_node(plane, args.folder)
+            made = pull_secrets(plane, registry, tuple(args.namespace), create=True)
+            print(f"pull Secret {node_registry.PULL_SECRET} for {registry.host} in "
+                  f"{', '.join(made) or 'no namespace (--namespace NAME)'}")
+            return 0
         if args.action == "down":
             plane.stop()
             print(f"control plane in {args.folder} stopped")
@@ -701,28 +725,62 @@ def main(argv: list[str] | None = None) -> int:
                  "the GPU pools\n" if plane.real_node else "")
               + f"  logs: {args.folder / 'logs'}; stop with {stop_command(args.folder)}")
         return 0
-    except (ControlPlaneError, kueue_manager.KueueError) as error:
+    except (ControlPlaneError, kueue_manager.KueueError, node_registry.RegistryError,
+            images.ImageError) as error:
         print(f"control plane: {error}", file=sys.stderr)
         return 1
 
 
+PULLING_NAMESPACES = (OPERATOR_NAMESPACE, "default", "ml-team")
+"""Where `images` makes the registry's pull Secret: the chart's namespace, and those the
+examples' jobs run in (ml-team where Kueue's queues made it)."""
+
+
 def _images(plane: ControlPlane, folder: Path) -> int:
-    """Build our two images, load them into the running cluster's real node, and write the
-    chart's values that run them."""
-    state = json.loads((folder / "state.json").read_text()) if plane.running() else {}
-    if state.get("node") is None:
-        raise ControlPlaneError(f"no real node runs from {folder}: images are loaded into it "
-                                "(`make cluster` as root, with the packages `make tools` "
-                                "installs)")
-    node = real_node.RealNode(folder / "node", plane.bin, real_node.NodeNetwork(state["node"]))
+    """Build our two images, push them to the running cluster's registry, make its pull
+    Secret where pods pull them, and write the chart's values that run them."""
+    registry, node = _registry_and_node(plane, folder)
     started = time.monotonic()
-    values = images.helm_values(images.product_images(node, _say))
+    values = images.helm_values(images.published(registry, node, _say),
+                                node_registry.PULL_SECRET)
+    made = pull_secrets(plane, registry, PULLING_NAMESPACES)
     (folder / "images.yaml").write_text(yaml.safe_dump(values, sort_keys=False))
-    print(f"images built and loaded into the node in {time.monotonic() - started:.0f} s; "
-          f"their chart values: {folder / 'images.yaml'}\n"
+    print(f"images built and pushed to {registry.host} in {time.monotonic() - started:.0f} s; "
+          f"pull Secret {node_registry.PULL_SECRET} in {', '.join(made)} (another namespace: "
+          f"`make cluster-pull-secret NAMESPACE=...`); their chart values: "
+          f"{folder / 'images.yaml'}\n"
           f"  helm install finetune charts/finetune-operator -n {OPERATOR_NAMESPACE} "
-          f"--create-namespace -f {folder / 'images.yaml'} --wait")
+          f"-f {folder / 'images.yaml'} --wait")
     return 0
+
+
+def _registry_and_node(plane: ControlPlane, folder: Path
+                       ) -> tuple[node_registry.NodeRegistry, real_node.RealNode]:
+    state = json.loads((folder / "state.json").read_text()) if plane.running() else {}
+    if state.get("node") is None or not state.get("registry"):
+        raise ControlPlaneError(f"no real node runs from {folder}: our images are pushed to "
+                                "its registry (`make cluster` as root, with the packages "
+                                "`make tools` installs)")
+    registry = node_registry.NodeRegistry(folder / "registry", state["address"])
+    node = real_node.RealNode(folder / "node", plane.bin, real_node.NodeNetwork(state["node"]))
+    return registry, node
+
+
+def pull_secrets(plane: ControlPlane, registry: node_registry.NodeRegistry,
+                 namespaces: tuple[str, ...], create: bool = False) -> list[str]:
+    """The registry's pull Secret in each of `namespaces` that exists (or is made, where
+    `create` or it is the operator's); the namespaces it is in."""
+    made = []
+    for namespace in namespaces:
+        exists = plane.kubectl_run("get", "namespace", namespace, check=False).returncode == 0
+        if not exists and not (create or namespace == OPERATOR_NAMESPACE):
+            continue
+        if not exists:
+            plane.kubectl_run("create", "namespace", namespace)
+        plane.kubectl_run("apply", "-f", "-", input=json.dumps(
+            registry.pull_secret(namespace)))
+        made.append(namespace)
+    return made
 
 
 def stop_command(folder: Path) -> str:

@@ -1,6 +1,7 @@
-"""Images for the real node, built without a daemon and without a registry: Debian's buildah
-builds them, containerd imports them, pods run them with `imagePullPolicy: Never` (or
-IfNotPresent).
+"""Images for the real node, built without a daemon: Debian's buildah builds them; our two
+are pushed to the cluster's registry (node_registry.py) and the kubelet pulls them as a
+cluster does (`imagePullPolicy: IfNotPresent`, a pull Secret); the pod sandbox (and the
+images of the node's own tests) are imported into containerd, as a node image holds its pause.
 
 - `finetune-pause`: the pod sandbox (cluster/pause, a static Go program, from scratch).
 - `finetune-base`: Debian bookworm from Debian's packages (debootstrap minbase + Python 3.11
@@ -270,17 +271,22 @@ def build_product_images(log) -> dict[str, str]:
                                     base, TRAINER_BUILD_ARGS, log)}
 
 
-def product_images(node, log) -> dict[str, str]:
-    """Our two images, built if need be and loaded into `node`."""
-    built = build_product_images(log)
-    for reference in built.values():
-        load(node, reference, log)
-    return built
+def published(registry, node, log) -> dict[str, str]:
+    """Our two images, built if need be and pushed to the cluster's `registry`:
+    {"operator": reference, "trainer": reference} in the registry. The node's earlier pulls
+    of them go (a trainer build is 6 GB; a pod still running one keeps it)."""
+    pushed = {}
+    for role, local in build_product_images(log).items():
+        pushed[role] = registry.push(local, buildah, log)
+        _drop_earlier_builds(node, pushed[role])
+    return pushed
 
 
-def helm_values(built: dict[str, str]) -> dict:
-    """The chart's values that run these images (`helm install -f`): loaded, never pulled."""
-    repository, tag = built["operator"].rsplit(":", 1)
-    trainer_repository, trainer_tag = built["trainer"].rsplit(":", 1)
-    return {"image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
+def helm_values(pushed: dict[str, str], pull_secret: str) -> dict:
+    """The chart's values that run these images (`helm install -f`): pulled from the
+    registry with the `pull_secret` (the operator's pod and, by default, the workers)."""
+    repository, tag = pushed["operator"].rsplit(":", 1)
+    trainer_repository, trainer_tag = pushed["trainer"].rsplit(":", 1)
+    return {"image": {"repository": repository, "tag": tag, "pullPolicy": "IfNotPresent"},
+            "imagePullSecrets": [{"name": pull_secret}],
             "trainer": {"image": {"repository": trainer_repository, "tag": trainer_tag}}}

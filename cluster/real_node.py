@@ -266,9 +266,12 @@ class RealNode:
     root); containerd's images live in the cache, one store per N, so images load once."""
 
     def __init__(self, folder: Path, bin: Path, network: NodeNetwork,
-                 sandbox_image: str | None = None):
+                 sandbox_image: str | None = None, registry_hosts: Path | None = None):
         self.folder = folder
         self.sandbox_image = sandbox_image
+        self.registry_hosts = registry_hosts
+        """containerd's `config_path` (`certs.d/<host>/hosts.toml`): how to reach the
+        registries the node pulls from (node_registry.py writes the cluster's)."""
         self.bin = bin
         self.network = network
         self.cgroup = network.namespace
@@ -401,7 +404,8 @@ class RealNode:
         for component, kubeconfig in credentials.kubeconfigs.items():
             (config / f"{component}.kubeconfig").write_text(json.dumps(kubeconfig))
         (config / "containerd.toml").write_text(containerd_config(
-            self.containerd_root, self.run_dir, self.folder / "cni", self.sandbox_image))
+            self.containerd_root, self.run_dir, self.folder / "cni", self.sandbox_image,
+            self.registry_hosts))
         (self.folder / "cni" / "10-finetune.conflist").write_text(json.dumps(
             cni_config(net.pod_cidr, self.run_dir / "cni-ipam")))
         (config / "resolv.conf").write_text(f"nameserver {net.node_ip}\n")
@@ -413,11 +417,14 @@ class RealNode:
         (config / "Corefile").write_text(corefile(net.node_ip, config / "coredns.kubeconfig"))
 
 
-def containerd_config(root: Path, run_dir: Path, cni_conf: Path, sandbox_image: str) -> str:
+def containerd_config(root: Path, run_dir: Path, cni_conf: Path, sandbox_image: str,
+                      registry_hosts: Path | None = None) -> str:
     """containerd 1.6's CRI, as the kubelet needs it here: runc with cgroupfs, the sandbox
     image built from cluster/pause, CNI from Debian's plugins, pod network namespaces under
-    the node's run folder (so stopping finds them), no apparmor, and oom_score_adj kept
-    within what root may set without CAP_SYS_RESOURCE."""
+    the node's run folder (so stopping finds them), no apparmor, oom_score_adj kept within
+    what root may set without CAP_SYS_RESOURCE, and the registries' hosts.toml folder."""
+    registries = (f'  [plugins."io.containerd.grpc.v1.cri".registry]\n'
+                  f'    config_path = "{registry_hosts}"\n') if registry_hosts else ""
     return f"""version = 2
 root = "{root}"
 state = "{run_dir / 'containerd'}"
@@ -440,7 +447,7 @@ state = "{run_dir / 'containerd'}"
       runtime_type = "io.containerd.runc.v2"
       [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
         SystemdCgroup = false
-"""
+{registries}"""
 
 
 def cni_config(pod_cidr: str, ipam_dir: Path) -> dict:

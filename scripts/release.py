@@ -73,17 +73,16 @@ def pinned_values(values: str, images: str) -> str:
 
 def package(version: str, images: str, destination: Path, helm: str = "helm") -> Path:
     """The chart as released: its version and appVersion `version`, its images pinned."""
-    work = Path(tempfile.mkdtemp(prefix="finetune-release-"))
-    chart = work / CHART.name
-    shutil.copytree(CHART, chart, ignore=shutil.ignore_patterns("ci"))
-    meta = yaml.safe_load((chart / "Chart.yaml").read_text())
-    meta["version"], meta["appVersion"] = version, version
-    (chart / "Chart.yaml").write_text(yaml.safe_dump(meta, sort_keys=False))
-    (chart / "values.yaml").write_text(pinned_values((chart / "values.yaml").read_text(),
-                                                     images))
-    destination.mkdir(parents=True, exist_ok=True)
-    _run([helm, "package", str(chart), "--destination", str(destination)])
-    shutil.rmtree(work)
+    with tempfile.TemporaryDirectory(prefix="finetune-release-") as work:
+        chart = Path(work) / CHART.name
+        shutil.copytree(CHART, chart, ignore=shutil.ignore_patterns("ci"))
+        meta = yaml.safe_load((chart / "Chart.yaml").read_text())
+        meta["version"], meta["appVersion"] = version, version
+        (chart / "Chart.yaml").write_text(yaml.safe_dump(meta, sort_keys=False))
+        (chart / "values.yaml").write_text(pinned_values((chart / "values.yaml").read_text(),
+                                                         images))
+        destination.mkdir(parents=True, exist_ok=True)
+        _run([helm, "package", str(chart), "--destination", str(destination)])
     return destination / f"{CHART.name}-{version}.tgz"
 
 

@@ -112,7 +112,9 @@ class RunPolicy(ApiModel):
     queued job asks Kueue (v0.20) to wait for its pods a minute longer than this (7200 s at
     most), so that this deadline, not Kueue's eviction, acts on a slow start."""
     stall_timeout_seconds: int = Field(default=1800, ge=0)
-    """Mark the job Stalled, then restart it, when no step completes this long. 0 disables."""
+    """Mark the job Stalled, then restart it, when no step completes this long (not while
+    rank 0 pushes the trained model to `output.export`, each push with its own timeouts and
+    retries). 0 disables."""
     ttl_seconds_after_finished: int | None = Field(default=None, ge=0)
     """Delete the FineTuneJob this long after it succeeds or fails (outputs are kept)."""
     suspend: bool = False
@@ -389,6 +391,9 @@ class Progress(StatusModel):
     exports: list[dict[str, str]] | None = Field(default=None, exclude=True)
     """A finished run's pushes to `spec.output.export`, `{uri, pushed}` or `{uri, error}`
     (not stored: they become the `Exported` condition and an event)."""
+    exporting: bool = Field(default=False, exclude=True)
+    """The steps are over and rank 0 pushes the model to `spec.output.export` (not stored:
+    the stall check waits meanwhile)."""
 
     @classmethod
     def from_record(cls, record: ProgressRecord) -> Progress:
@@ -398,7 +403,8 @@ class Progress(StatusModel):
                    tokens_per_second=record.tokens_per_second,
                    objective_metrics=record.objective_metrics,
                    mfu=record.mfu, eta_seconds=record.eta_seconds, preflight=record.preflight,
-                   stopped_early=record.stopped_early, exports=record.exports)
+                   stopped_early=record.stopped_early, exports=record.exports,
+                   exporting=record.phase == "Exporting")
 
 
 class CheckpointRef(StatusModel):

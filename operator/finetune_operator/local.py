@@ -43,8 +43,8 @@ from finetune_operator.trainer_config import (
 )
 from finetune_operator.validation import InvalidJobError
 from finetune_trainer.config import TrainerConfig
-from finetune_trainer.errors import EXIT_SETUP, NOT_RESTARTED
-from finetune_trainer.errors import STOPPED as EXIT_STOPPED
+from finetune_trainer.exits import EXIT_SETUP, NOT_RESTARTED
+from finetune_trainer.exits import STOPPED as EXIT_STOPPED
 from finetune_trainer.fetch import complete_copy, hub_repo
 from finetune_trainer.layout import (
     CHECKPOINTS,

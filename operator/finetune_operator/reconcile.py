@@ -653,9 +653,12 @@ def _exported(b: _Builder, exports: list[dict[str, str]] | None) -> None:
         return
     failed = [e for e in exports if e.get("error")]
     if failed:
+        merged = {t.uri for t in b.job.spec.output.export if t.merged}
+        folders = dict.fromkeys(f"{b.job.spec.output.uri}/"
+                                f"{'merged' if e['uri'] in merged else 'final'}" for e in failed)
         message = ("; ".join(f"{e['uri']}: {e['error']}" for e in failed)
-                   + f" — the model is in {b.job.spec.output.uri}/final: push it by hand "
-                   "with `finetune export` once fixed")
+                   + f" — the model is in {' and '.join(folders)}: push it by hand with "
+                   "`finetune export` once fixed")
         b.cond("Exported", False, "ExportFailed", message)
         b.event("Warning", "ExportFailed", message)
         return
@@ -863,6 +866,9 @@ def _watch_for_stall(b: _Builder) -> Decision:
         return b.decision
     timeout = b.job.spec.run_policy.stall_timeout_seconds
     progress = b.status.progress
+    if progress is not None and progress.exporting:  # steps over: a long push is no hang
+        b.requeue(30.0)
+        return b.decision
     # measured from the later of the last step and this attempt's launch
     marks = [t for t in (progress.last_step_time if progress else None, b.status.launch_time)
              if t is not None]

@@ -313,6 +313,36 @@ def test_an_image_the_nodes_cannot_pull_is_traced_to_where_it_is_set():
         f"may pull from its registry ({may_pull})")
 
 
+def test_a_pull_the_registry_refuses_or_a_tag_it_lacks_says_which_and_the_fix():
+    """The real kubelet's words (containerd 1.6, seen on the real node against the cluster's
+    registry): a 401 for a pod without credentials, `not found` for a tag the registry lacks."""
+    image = "10.250.1.1:5000/finetune-trainer:abc"
+    refused = (f'demo-0-a: ErrImagePull: failed to pull and unpack image "{image}": failed to '
+               f'resolve reference "{image}": pulling from host 10.250.1.1:5000 failed with '
+               "status code [manifests abc]: 401 Unauthorized")
+    default = FineTuneJob.model_validate(minimal_job())
+    said = named_by_field(default, refused)
+    assert said.startswith(refused + " — the registry 10.250.1.1:5000 refused the pull "
+                           "without credentials it accepts: create a pull Secret (kubectl "
+                           "create secret docker-registry NAME -n default "
+                           "--docker-server=10.250.1.1:5000 "), said
+    assert "spec.kubernetes.imagePullSecrets or the chart's trainer.imagePullSecrets" in said
+    assert said.endswith("no re-apply needed")
+    named = FineTuneJob.model_validate(minimal_job(kubernetes={"imagePullSecrets": ["late"]}))
+    said = named_by_field(named, refused.replace("ErrImagePull", "ImagePullBackOff"))
+    assert ("refused the pull with the credentials of spec.kubernetes.imagePullSecrets (late): "
+            "check that each exists in namespace default" in said), said
+    lacking = (f'demo-0-a: ErrImagePull: rpc error: code = NotFound desc = failed to pull and '
+               f'unpack image "{image}": failed to resolve reference "{image}": {image}: '
+               "not found")
+    own = FineTuneJob.model_validate(minimal_job(kubernetes={"image": image}))
+    assert named_by_field(own, lacking) == (
+        f"{lacking} — the registry has no such image: spec.kubernetes.image names it; check "
+        "its repository and tag against those the registry lists (crane ls REPOSITORY)")
+    assert "it is the operator's trainer image (Helm values trainer.image.repository" in (
+        named_by_field(default, lacking))
+
+
 def test_an_image_not_on_the_node_under_pull_policy_never_names_both_fields():
     """Seen on the real node: `spec.kubernetes.image` with a typo and imagePullPolicy Never
     (images loaded into the node, none pulled): the kubelet's ErrImageNeverPull."""

@@ -25,7 +25,7 @@ from finetune_operator.backends import kubernetes as backend
 from finetune_operator.reconcile import INPUT_REFUSED
 from finetune_operator.settings import OperatorSettings
 from finetune_operator.validation import parse_job
-from finetune_trainer import errors
+from finetune_trainer import exits
 from tests.support import waits
 
 pytestmark = pytest.mark.process
@@ -97,8 +97,8 @@ class PodHere:
             if "value" in variable:
                 env[variable["name"]] = self.here(variable["value"])
         self.termination_log.write_text("")  # each container gets its own, empty
-        if env.get(errors.TERMINATION_LOG_ENV) == container["terminationMessagePath"]:
-            env[errors.TERMINATION_LOG_ENV] = str(self.termination_log)
+        if env.get(exits.TERMINATION_LOG_ENV) == container["terminationMessagePath"]:
+            env[exits.TERMINATION_LOG_ENV] = str(self.termination_log)
         if "PET_MASTER_ADDR" in env:
             env.update(PET_MASTER_ADDR="127.0.0.1", PET_MASTER_PORT=str(free_port()))
         argv = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], part)

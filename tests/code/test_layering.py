@@ -19,6 +19,7 @@ LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 TORCH_BAN = "The operator never imports the training stack"
 LAYERS = "The operator's layers: each imports only the ones below it"
 BACKENDS = "Backends do not import each other"
+TRAINER_PACKAGE = "Importing the trainer package imports no training stack"
 
 
 def _scratch(root: Path) -> Path:
@@ -53,6 +54,8 @@ def test_the_sources_keep_every_contract(pristine):
 PLANTS = [
     # torch reached only indirectly: the operator imports finetune_trainer.flops
     ("finetune_trainer/flops.py", "import torch", TORCH_BAN),
+    # the package the operator's imports of trainer modules run first (passed unseen once)
+    ("finetune_trainer/__init__.py", "import torch", TRAINER_PACKAGE),
     ("finetune_operator/reconcile.py", "import finetune_operator.controller", LAYERS),
     ("finetune_operator/validation.py", "import finetune_operator.backends", LAYERS),
     ("finetune_operator/backends/kubernetes/backend.py",

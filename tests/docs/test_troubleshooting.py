@@ -16,7 +16,7 @@ The reasons are read from the source with `ast`, not by running it:
   condition's reason: the alternatives of `_UNPULLABLE`, `_SAME_CAUSE`, `MOUNT_REASONS`, a
   `Reason: ...` f-string the module writes (`FailedCreate: ...`) and a `.get("reason",
   "Default")` default (`Unschedulable`);
-- the trainer's exit codes: `finetune_trainer/errors.py`'s `EXIT_*` and `STOPPED`;
+- the trainer's exit codes: `finetune_trainer/exits.py`'s `EXIT_*` and `STOPPED`;
 - the phases (`api.Phase`) and the pod reasons read as a preemption (`DISRUPTION_REASONS`).
 
 Each must have its row in its section, and each row must name something the code still sets
@@ -41,7 +41,7 @@ DOCS = REPO / "docs"
 PAGE = DOCS / "troubleshooting.md"
 PACKAGE = REPO / "operator" / "finetune_operator"
 STATES = "backends/kubernetes/states.py"
-ERRORS = REPO / "trainer" / "finetune_trainer" / "errors.py"
+EXITS = REPO / "trainer" / "finetune_trainer" / "exits.py"
 API = PACKAGE / "api.py"
 SWEEP_MODULES = ("sweep.py", "sweep_controller.py")
 
@@ -249,7 +249,7 @@ def _reason_word(node: ast.AST) -> str | None:
 
 
 def exit_codes(source: str) -> dict[int, str]:
-    """errors.py's exit codes: value → constant name."""
+    """exits.py's exit codes: value → constant name."""
     return {value.value: name for node in ast.parse(source).body
             for name, value in [_assigned(node)]
             if name and (name.startswith("EXIT_") or name == "STOPPED")
@@ -391,7 +391,7 @@ def test_every_phase_has_a_row():
 
 
 def test_every_exit_code_of_the_trainer_has_a_row():
-    codes = exit_codes(ERRORS.read_text())
+    codes = exit_codes(EXITS.read_text())
     listed = dict(EXIT_ROW.findall(the_page()[EXIT_CODES]))
     assert set(map(int, listed)) == set(codes) | set(EXTERNAL_EXIT_CODES)
     for value, name in codes.items():

@@ -1,10 +1,12 @@
 """A FineTuneJob end to end on real pods (`make e2e`; part of `make test`): the control plane
 with its real node (cluster/real_node.py), our two images built from their Dockerfiles by
-buildah and loaded into the node (cluster/node_images.py), the chart installed by the helm CLI
-with the operator as a Deployment in the cluster, and example 06 applied as a user applies
-it: two worker pods train the tiny LoRA job from the trainer image, torchrun's rendezvous
-goes through the headless Service, the checkpoints and the adapter land on a ReadWriteMany
-claim, the operator (in its pod) reads the trainer's progress, and the job ends Succeeded.
+buildah and pushed to the cluster's registry (cluster/node_registry.py), which the kubelet
+pulls them from with a pull Secret; the chart released to that registry as a release is
+(scripts/release.py) and installed from `oci://` by the helm CLI, with the operator as a
+Deployment in the cluster, and example 06 applied as a user applies it: two worker pods
+train the tiny LoRA job from the trainer image, torchrun's rendezvous goes through the
+headless Service, the checkpoints and the adapter land on a ReadWriteMany claim, the operator
+(in its pod) reads the trainer's progress, and the job ends Succeeded.
 
 Skipped, saying why, where the machine cannot host the node (no root, no Debian packages)."""
 
@@ -47,9 +49,12 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def built_images(cluster) -> dict[str, str]:
-    """The operator's and the trainer's images, built (cached by their inputs) and loaded,
-    as `make cluster-images` does."""
-    return images.product_images(cluster.real_node, print)
+    """The operator's and the trainer's images, built (cached by their inputs) and pushed to
+    the cluster's registry, with its pull Secret where pods pull them, as `make
+    cluster-images` does: {"operator": reference, "trainer": reference} in the registry."""
+    pushed = images.published(cluster.registry, cluster.real_node, print)
+    controlplane.pull_secrets(cluster, cluster.registry, ("finetune-system", "default"))
+    return pushed
 
 
 def helm(cluster, *args: str) -> subprocess.CompletedProcess:
@@ -60,14 +65,39 @@ def helm(cluster, *args: str) -> subprocess.CompletedProcess:
     return result
 
 
+def released_version() -> str:
+    """The newest version CHANGELOG.md has a section for (a release needs one)."""
+    return re.search(r"^## \[(\d+\.\d+\.\d+[^\]]*)\]", (REPO / "CHANGELOG.md").read_text(),
+                     re.MULTILINE)[1]
+
+
+def released_chart(cluster) -> list[str]:
+    """What `helm install`/`upgrade` take to use the chart the `release` fixture released:
+    its oci:// reference, version, and the registry's CA and credentials."""
+    auth = cluster.folder / "helm-registry.json"
+    auth.write_text(json.dumps(cluster.registry.docker_config()))
+    return [f"oci://{cluster.registry.host}/charts/finetune-operator", "--version",
+            released_version(), "--ca-file", str(cluster.registry.ca), "--registry-config",
+            str(auth)]
+
+
 @pytest.fixture(scope="module")
 def release(cluster, built_images):
-    """`helm install -f <the images' values>`, as the README's cluster section says."""
-    values = cluster.folder / "images.yaml"
-    values.write_text(yaml.safe_dump(images.helm_values(built_images)))
-    helm(cluster, "install", "finetune", str(REPO / "charts" / "finetune-operator"),
-         "-n", "finetune-system", "--create-namespace", "-f", str(values), "--wait",
-         "--timeout", "3m")
+    """The chart released into the cluster's registry as the release workflow releases it
+    (images tagged with the version, then scripts/release.py: packaged with them pinned and
+    `helm push`ed), and installed from there as the chart README says: `helm install
+    oci://… --version V` with the pull Secret, no values file."""
+    chart, _, version, *trust = released_chart(cluster)
+    for reference in built_images.values():
+        cluster.registry.tag(reference, version)
+    published = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "release.py"), "chart", "--version", version,
+         "--to", chart.rsplit("/", 1)[0], "--images", cluster.registry.host,
+         "--helm", str(cluster.bin / "helm"), "--out", str(cluster.folder / "release"),
+         *trust], capture_output=True, text=True, timeout=300)
+    assert published.returncode == 0, published.stderr
+    helm(cluster, "install", "finetune", *released_chart(cluster), "-n", "finetune-system",
+         "--set", "imagePullSecrets[0].name=registry-pull", "--wait", "--timeout", "3m")
     yield "finetune"
     if installed(cluster, "finetune"):  # the last test uninstalls it, as a user would
         helm(cluster, "uninstall", "finetune", "-n", "finetune-system", "--wait")
@@ -209,8 +239,9 @@ def run_to_end(cluster, name: str, release: str, command: list[str]) -> str:
     cluster.kubectl_run("apply", "-f", "-", input=json.dumps({
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
         "spec": {"restartPolicy": "Never", "containers": [{
-            "name": name, "image": trainer, "imagePullPolicy": "Never", "command": command,
+            "name": name, "image": trainer, "command": command,
             "volumeMounts": [{"name": "out", "mountPath": "/out"}]}],
+            "imagePullSecrets": [{"name": "registry-pull"}],
             "volumes": [{"name": "out",
                          "persistentVolumeClaim": {"claimName": "finetune-e2e"}}]}}))
     done = cluster.kubectl_run("wait", f"pod/{name}", "--for=jsonpath={.status.phase}="
@@ -247,9 +278,11 @@ def strategy_job(strategy: str, method: str) -> dict:
 def test_every_strategy_trains_on_two_real_pods_to_succeeded(cluster, release, claim):
     """FSDP (LoRA), ZeRO-2 (full weights) and ZeRO-3 (LoRA), at once: each Succeeded on two
     pods of the CPU trainer image, with no restart, its last step read by the operator and its
-    model on the claim (an adapter, or ZeRO-2's whole weights)."""
+    model on the claim (an adapter, or ZeRO-2's whole weights). FSDP's adapter is exported to
+    the registry too (`output.export`), pulled back with oras and asked a question."""
     began = time.monotonic()
     jobs = [strategy_job(strategy, method) for strategy, method in STRATEGIES.items()]
+    exporting(cluster, jobs[0])  # FSDP's LoRA adapter, pushed to the registry at the end
     for doc in jobs:
         cluster.kubectl_run("apply", "-f", "-", input=json.dumps(doc))
     took = {}
@@ -271,8 +304,51 @@ def test_every_strategy_trains_on_two_real_pods_to_succeeded(cluster, release, c
             (claim / name).rglob("*"))
     print("every strategy on real pods: " + ", ".join(
         f"{name} Succeeded after {seconds:.0f} s" for name, seconds in took.items()))
+    pulled_back_and_answering(cluster, release, claim, "fsdp-lora")
     for doc in jobs:
         remove(cluster, doc["metadata"]["name"])
+
+
+def exporting(cluster, doc: dict) -> dict:
+    """`doc` pushing its adapter to the cluster's (private) registry, as a user whose
+    registry has a CA of its own writes it: `output.export` with the pull Secret's
+    credentials, and the CA mounted from a ConfigMap where the trainer's HTTP client reads
+    it (REQUESTS_CA_BUNDLE)."""
+    name = doc["metadata"]["name"]
+    cluster.kubectl_run("apply", "-f", "-", input=cluster.kubectl_run(
+        "create", "configmap", "registry-ca", "-n", "default",
+        f"--from-file=ca.crt={cluster.registry.ca}", "--dry-run=client", "-o", "json").stdout)
+    doc["spec"]["output"]["export"] = [{"uri": f"oci://{cluster.registry.host}/models/{name}:e2e",
+                                        "secretName": "registry-pull"}]
+    doc["spec"].setdefault("kubernetes", {}).update(
+        env=[{"name": "REQUESTS_CA_BUNDLE", "value": "/etc/registry-ca/ca.crt"}],
+        volumes=[{"name": "registry-ca", "mountPath": "/etc/registry-ca", "readOnly": True,
+                  "configMap": {"name": "registry-ca"}}])
+    return doc
+
+
+def pulled_back_and_answering(cluster, release: str, claim: Path, name: str) -> None:
+    """The job ended `Exported=True`; `oras pull` of its reference (as KAITO's init container
+    pulls an adapter) gives back final/'s files, model card included, byte for byte, and the
+    pulled adapter loads with peft in a pod of the trainer image and answers a prompt."""
+    exported = next(c for c in job_status(cluster, name)["conditions"]
+                    if c["type"] == "Exported")
+    reference = f"{cluster.registry.host}/models/{name}:e2e"
+    assert exported["status"] == "True" and exported["reason"] == "Pushed", exported
+    assert reference in exported["message"], exported
+    pulled = claim / f"pulled-{name}"
+    oras = subprocess.run([str(controlplane.registry_tools_dir() / "oras"), "pull",
+                           "--ca-file", str(cluster.registry.ca), "--registry-config",
+                           str(cluster.folder / "helm-registry.json"), "-o", str(pulled),
+                           reference], capture_output=True, text=True, timeout=300)
+    assert oras.returncode == 0, oras.stderr
+    final, data = claim / name / "final", pulled / "data"  # KAITO's layout: files in data/
+    for file in ("adapter_model.safetensors", "adapter_config.json", "README.md"):
+        assert (data / file).read_bytes() == (final / file).read_bytes(), file
+    answered = run_to_end(cluster, f"ask-{name}", release, [
+        "python", "-m", "finetune_trainer.generate", f"/out/pulled-{name}/data",
+        "What is FSDP?"])
+    assert answered.strip(), "the pulled adapter answered nothing"
 
 
 def test_an_op_the_image_cannot_build_fails_the_job_after_one_restart(cluster, release,
@@ -414,16 +490,39 @@ def test_an_evicted_worker_restarts_the_gang_without_using_the_budget(cluster, r
     remove(cluster, "evicted")
 
 
-def test_an_image_the_node_lacks_is_named_with_its_field(cluster, release, claim):
-    """`spec.kubernetes.image` naming an image no node has (pull policy Never): the kubelet's
-    own reason, and the field to fix, in the status."""
+def test_a_tag_the_registry_lacks_is_named_with_its_field(cluster, release, claim):
+    """`spec.kubernetes.image` naming a tag the registry does not have: the kubelet's own
+    reason and words, the field to fix, in the status."""
+    image = f"{cluster.registry.host}/finetune-trainer:typo"
     cluster.kubectl_run("apply", "-f", "-", input=json.dumps(long_job(
-        "typo", kubernetes={"image": "localhost/finetune-trainer:typo"},
-        runPolicy={"startupDeadlineSeconds": 60})))
-    message = until(lambda: "ErrImageNeverPull" in (m := job_status(cluster, "typo").get(
+        "typo", kubernetes={"image": image}, runPolicy={"startupDeadlineSeconds": 60})))
+    message = until(lambda: "not found" in (m := job_status(cluster, "typo").get(
         "message", "")) and m, "the pull error in the status", cluster=cluster, name="typo")
-    assert "spec.kubernetes.image" in message, message
+    assert re.search(r"(ErrImagePull|ImagePullBackOff): .*" + re.escape(image), message)
+    assert "the registry has no such image: spec.kubernetes.image names it" in message
     remove(cluster, "typo")
+
+
+def test_a_pull_refused_without_its_secret_goes_on_once_the_secret_is_made(
+        cluster, release, claim):
+    """The registry's repositories are private: a job naming a pull Secret its namespace
+    lacks pulls without credentials, the registry says 401, and the status says which Secret
+    to make; made, the kubelet's next retry pulls and the job trains, with no re-apply."""
+    cluster.kubectl_run("apply", "-f", "-", input=json.dumps(long_job(
+        "private", kubernetes={"imagePullSecrets": ["late-pull"]})))
+    message = until(lambda: "401 Unauthorized" in (m := job_status(cluster, "private").get(
+        "message", "")) and m, "the refused pull in the status", cluster=cluster,
+        name="private")
+    assert ("refused the pull with the credentials of spec.kubernetes.imagePullSecrets "
+            "(late-pull)") in message, message
+    assert "kubectl create secret docker-registry" in message, message
+    assert cluster.registry.password not in message
+    cluster.kubectl_run("apply", "-f", "-", input=json.dumps(
+        cluster.registry.pull_secret("default", "late-pull")))
+    until(lambda: trained_past(cluster, "private", 1), "training once the Secret exists",
+          cluster=cluster, name="private")
+    assert job_status(cluster, "private").get("restarts", 0) == 0
+    remove(cluster, "private")
 
 
 def test_a_memory_limit_too_small_is_said_plainly_with_the_fix(cluster, release, claim):
@@ -516,18 +615,18 @@ def operator_pods(cluster, release: str) -> list[dict]:
             if not p["metadata"].get("deletionTimestamp")]
 
 
-def next_operator_image(reference: str) -> str:
+def next_operator_image(cluster, local: str) -> str:
     """A new operator image, as a new release publishes one: the built image with a layer
     of metadata more (its own digest), under a name of its own so that the first stays
-    loaded for the next run."""
-    container = images.buildah("from", "--pull=never", reference).strip()
+    for the next run, pushed to the cluster's registry."""
+    container = images.buildah("from", "--pull=never", local).strip()
     try:
         images.buildah("config", "--label", "finetune.dev/release=next", container)
-        name = f"localhost/finetune-operator-next:{reference.rsplit(':', 1)[1]}"
+        name = f"localhost/finetune-operator-next:{local.rsplit(':', 1)[1]}"
         images.buildah("commit", "--quiet", container, name)
     finally:
         images.buildah("rm", container)
-    return name
+    return cluster.registry.push(name, images.buildah, print)
 
 
 def test_helm_upgrade_mid_job_rolls_a_new_operator_and_the_job_trains_on(
@@ -540,10 +639,11 @@ def test_helm_upgrade_mid_job_rolls_a_new_operator_and_the_job_trains_on(
           name="upgraded")
     before = cluster.kubectl_run("get", "job", "upgraded", "-o",
                                  "jsonpath={.metadata.uid}").stdout
-    new = next_operator_image(built_images["operator"])
-    images.load(cluster.real_node, new, print)
+    local = "localhost/" + built_images["operator"].split("/", 1)[1]
+    new = next_operator_image(cluster, local)
     repository, tag = new.rsplit(":", 1)
-    helm(cluster, "upgrade", release, str(CHART), "-n", "finetune-system", "--reuse-values",
+    helm(cluster, "upgrade", release, *released_chart(cluster), "-n", "finetune-system",
+         "--reuse-values",
          "--set", f"image.repository={repository},image.tag={tag},logLevel=debug", "--wait",
          "--timeout", "3m")
     pods = until(lambda: (p := operator_pods(cluster, release)) and all(
@@ -595,7 +695,8 @@ def test_helm_upgrade_leaves_the_crd_and_the_readmes_command_upgrades_it(
     cluster.kubectl_run("wait", "--for=condition=Established",
                         "crd/finetunejobs.finetune.dev", "--timeout=60s")
     repository, tag = built_images["operator"].rsplit(":", 1)
-    helm(cluster, "upgrade", release, str(CHART), "-n", "finetune-system", "--reuse-values",
+    helm(cluster, "upgrade", release, *released_chart(cluster), "-n", "finetune-system",
+         "--reuse-values",
          "--set", f"image.repository={repository},image.tag={tag},reconcilers=12", "--wait",
          "--timeout", "3m")
     served = json.loads(cluster.kubectl_run("get", "crd", "finetunejobs.finetune.dev", "-o",

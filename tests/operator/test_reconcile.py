@@ -144,6 +144,17 @@ def test_a_stalled_gang_is_marked_and_restarted():
     assert d.status.phase == "Restarting"
 
 
+def test_a_push_to_output_export_longer_than_the_stall_timeout_is_no_stall():
+    """After the last step rank 0 pushes the model (a 16 GB push can take longer than
+    stallTimeoutSeconds): the trainer says Exporting, and the stall check waits."""
+    status = launched("Running")
+    status.progress = Progress(step=10, last_step_time=at(100))
+    seen = Observation(exists=True, running=True, progress=Progress(step=10, exporting=True))
+    d = reconcile(job(status, runPolicy={"stallTimeoutSeconds": 600}), seen, at(5000))
+    assert condition(d.status, "Stalled") is None and kinds(d) == []
+    assert d.status.phase == "Running" and d.requeue_after == 30.0
+
+
 def test_a_worker_failure_restarts_the_gang_once_and_counts():
     seen = Observation(exists=True, failure=Failure("worker", "demo-1-abcde exited 1 (OOMKilled)"))
     d = reconcile(job(launched("Running")), seen, at(50))
@@ -202,6 +213,26 @@ def test_every_push_taken_is_said_once_with_its_digest():
     plain = reconcile(job(launched("Running")), Observation(exists=True, succeeded=True),
                       at(500))
     assert condition(plain.status, "Exported") is None  # nothing asked, nothing said
+
+
+def test_a_failed_push_names_the_folder_its_target_pushes():
+    """A `merged` target pushes merged/, the others final/: the fix names the folder the
+    failed one would have pushed (`finetune export` of that one)."""
+    merged, adapter = "oci://r.example.com/m/merged:v1", "oci://r.example.com/m/adapter:v1"
+    spec = {"output": {"uri": "pvc://ckpt/demo", "mergeAdapter": True,
+                       "export": [{"uri": merged, "merged": True}, {"uri": adapter}]}}
+    refused = "the registry refused the push (401: unauthorized); give it credentials"
+    one = Observation(exists=True, succeeded=True, progress=Progress(step=6, exports=[
+        {"uri": merged, "error": refused}, {"uri": adapter, "pushed": "r/m@sha256:0"}]))
+    said = condition(reconcile(job(launched("Running", **spec), **spec), one, at(500)).status,
+                     "Exported").message
+    assert said.endswith("the model is in pvc://ckpt/demo/merged: push it by hand with "
+                         "`finetune export` once fixed"), said
+    both = Observation(exists=True, succeeded=True, progress=Progress(step=6, exports=[
+        {"uri": merged, "error": refused}, {"uri": adapter, "error": refused}]))
+    said = condition(reconcile(job(launched("Running", **spec), **spec), both, at(500)).status,
+                     "Exported").message
+    assert "the model is in pvc://ckpt/demo/merged and pvc://ckpt/demo/final:" in said, said
 
 
 def test_suspend_and_resume():

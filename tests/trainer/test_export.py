@@ -192,6 +192,10 @@ def test_a_job_pushes_its_model_to_each_export_target_after_training(
         assert sorted(p.relative_to(where / oci.DATA_DIR) for p in oci.model_files(
             where / oci.DATA_DIR)) == sorted(p.relative_to(folder)
                                               for p in oci.model_files(folder))
+    # the model card travels with it: ours, written before the push (peft's template once
+    # went, the card replacing it after the push)
+    card = (tmp_path / "pulled" / "final" / oci.DATA_DIR / "README.md").read_text()
+    assert card == (output / "final" / "README.md").read_text() and "finetune-operator" in card
     assert registry.oras("manifest", "fetch", targets[2]["uri"][6:]).returncode != 0
 
 

@@ -121,7 +121,7 @@ def test_a_finished_run_leaves_its_final_record_as_the_termination_message(tmp_p
     reads when /progress has gone with the trainer. A run stopped by SIGTERM leaves it empty
     (its exit code says what happened); a rerun of a finished run, which trains nothing,
     leaves the record it finished with."""
-    from finetune_trainer.errors import TERMINATION_LOG_ENV
+    from finetune_trainer.exits import TERMINATION_LOG_ENV
     from finetune_trainer.record import ProgressRecord
 
     message = tmp_path / "termination-log"
@@ -153,7 +153,7 @@ def test_a_final_record_too_long_for_the_kubelet_still_reads_with_its_exports(tm
     """The kubelet keeps 4 KB of a termination message: a GRPO run's many figures and eight
     failed pushes would pass that, and cut JSON reads as nothing. The figures the operator
     polled already go first, then the errors are shortened: the exports still arrive."""
-    from finetune_trainer.errors import TERMINATION_LIMIT, TERMINATION_LOG_ENV
+    from finetune_trainer.exits import TERMINATION_LIMIT, TERMINATION_LOG_ENV
     from finetune_trainer.record import ProgressRecord
 
     message = tmp_path / "termination-log"
@@ -173,3 +173,29 @@ def test_a_final_record_too_long_for_the_kubelet_still_reads_with_its_exports(tm
     assert final.phase == "Succeeded" and final.step == 20
     full = json.loads((tmp_path / "out" / "progress.json").read_text())
     assert len(full["objectiveMetrics"]) == 60 and full["exports"] == exports  # all there
+
+
+def test_the_push_after_the_last_step_is_said_as_exporting_then_the_run_ends(tmp_path):
+    """Rank 0 pushes to `output.export` after the last step: the record says Exporting
+    meanwhile (the operator's stall check waits on it; api.Progress.exporting), with the
+    run's final figures (the model card, written before the push, reads them), then
+    Succeeded with the outcome. Without targets it concludes still Running."""
+    from finetune_operator.api import Progress
+    from finetune_trainer.record import ProgressRecord
+
+    reporter = Reporter(tmp_path, total_steps=20, start_step=0, enabled=True)
+    reporter.report(step=20, epoch=1.0, loss=0.1, lr=1e-5)
+    reporter.conclude("stopped early at step 20 of 40: ...", eval_loss=0.3, exporting=True)
+    record = ProgressRecord.model_validate_json((tmp_path / "progress.json").read_text())
+    assert (record.phase, record.step, record.loss, record.eval_loss) == (
+        "Exporting", 20, 0.1, 0.3)
+    assert record.stopped_early.startswith("stopped early") and record.eta_seconds == 0
+    assert Progress.from_record(record).exporting
+    reporter.finish("Succeeded", exports=[{"uri": "oci://r/m:v1", "pushed": "r/m:v1@sha256:0"}])
+    final = ProgressRecord.model_validate_json((tmp_path / "progress.json").read_text())
+    assert final.phase == "Succeeded" and not Progress.from_record(final).exporting
+    quiet = Reporter(tmp_path / "b", total_steps=20, start_step=0, enabled=True)
+    quiet.report(step=20, epoch=1.0, loss=0.1, lr=1e-5)
+    quiet.conclude()
+    assert ProgressRecord.model_validate_json(
+        (tmp_path / "b" / "progress.json").read_text()).phase == "Running"

@@ -32,16 +32,14 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from finetune_trainer.errors import (
+from finetune_trainer.errors import failed, record_failure, setup_failure
+from finetune_trainer.exits import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
     EXIT_NETWORK,
     EXIT_OTHER_CHECKPOINTS,
     EXIT_SETUP,
     STOPPED,
-    failed,
-    record_failure,
-    setup_failure,
 )
 
 if TYPE_CHECKING:
@@ -211,17 +209,16 @@ def _main(argv: list[str] | None) -> int:
     except (OSError, ValueError) as error:
         source = "--config-base64" if args.config_base64 else args.config
         return failed(f"{source}: {error}", EXIT_BAD_INPUT)
-    from finetune_trainer.fetch import name_hub_model, with_local_copy
+    from finetune_trainer.fetch import with_local_copy
     from finetune_trainer.layout import resolve_output
 
     output = resolve_output(config.output.uri, base_dir)
     if args.fetch_model:  # before torch is imported: the init container stays light
         return _fetch(config, output)
 
-    from finetune_trainer import model_card, trained_with
+    from finetune_trainer import trained_with
     from finetune_trainer.checkpoint import CheckpointError
     from finetune_trainer.data import DataError
-    from finetune_trainer.layout import FINAL_DIR
     from finetune_trainer.model import ModelError
     from finetune_trainer.network_preflight import PreflightError
     from finetune_trainer.train import preflight, run
@@ -248,11 +245,7 @@ def _main(argv: list[str] | None) -> int:
             for note in prepared.notes:
                 print(f"preflight: {note}")
             return 0
-        code = run(config, base_dir)
-        if code == 0 and os.environ.get("RANK", "0") == "0":
-            model_card.write(output, config)
-            name_hub_model(output / FINAL_DIR, config)
-        return code
+        return run(config, base_dir)  # rank 0 writes the model card (train.describe_export)
     except (DataError, ModelError) as error:
         return failed(str(error), EXIT_BAD_INPUT)
     except PreflightError as error:

@@ -1,6 +1,6 @@
-"""How a worker ends: its exit codes, and the one line that says why, left where torchrun's
-launcher (`finetune_trainer.launch`) and the kubelet read it. No torch import: the pods'
-init containers use it too."""
+"""How a worker ends: the one line that says why, left where torchrun's launcher
+(`finetune_trainer.launch`) and the kubelet read it (the exit codes: exits.py). No torch
+import: the pods' init containers use it too."""
 
 from __future__ import annotations
 
@@ -13,25 +13,13 @@ import time
 import traceback
 from pathlib import Path
 
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
-EXIT_NETWORK = 3
-EXIT_OTHER_CHECKPOINTS = 4
-EXIT_SETUP = 5
-"""The worker could not set itself up in this image (`setup_failure`): an import that fails,
-an op that DeepSpeed or torch cannot build or load. The same on every rank and every attempt
-until the image changes: restarted once at most (the operator, `finetune run`)."""
-STOPPED = 143  # 128 + SIGTERM: what Kubernetes and torchrun expect after SIGTERM
-NOT_RESTARTED = (EXIT_BAD_INPUT, EXIT_OTHER_CHECKPOINTS)
-"""Refusals no attempt would change: the model or the data, another training's
-checkpoints or model in the output folder. Every launcher ends the job on them at once."""
-
-TERMINATION_LOG = "/dev/termination-log"
-TERMINATION_LIMIT = 4000
-"""The most of a termination message written (the kubelet keeps 4096 bytes)."""
-TERMINATION_LOG_ENV = "FINETUNE_TERMINATION_LOG"
-"""The container's `terminationMessagePath`, which the operator's pod spec sets beside it
-(the kubelet's default, TERMINATION_LOG, where it is unset)."""
+from finetune_trainer import tracking
+from finetune_trainer.exits import (
+    EXIT_FAILED,
+    TERMINATION_LIMIT,
+    TERMINATION_LOG,
+    TERMINATION_LOG_ENV,
+)
 
 
 def termination_message(text: str) -> None:
@@ -53,8 +41,6 @@ def record_failure(text: str, code: int = EXIT_FAILED) -> None:
     if path:
         with contextlib.suppress(OSError):
             Path(path).write_text(json.dumps({"message": text, "timestamp": int(time.time())}))
-    from finetune_trainer import tracking
-
     tracking.record_failure(text, code)
 
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 import gc
 import sys
 
-from finetune_trainer import errors
+from finetune_trainer import errors, exits
 
-PASSED_ON = (*errors.NOT_RESTARTED, errors.EXIT_NETWORK, errors.EXIT_SETUP)
+PASSED_ON = (*exits.NOT_RESTARTED, exits.EXIT_NETWORK, exits.EXIT_SETUP)
 """Worker exit codes the launcher ends with itself: each means the same on every rank and
 every attempt. Others (a crash, a kill) become 1."""
 
@@ -60,7 +60,7 @@ def _summary(message: str) -> str:
 
 
 def exit_code(exitcode: int) -> int:
-    return exitcode if exitcode in PASSED_ON else errors.EXIT_FAILED
+    return exitcode if exitcode in PASSED_ON else exits.EXIT_FAILED
 
 
 def _signal_name(number: int) -> str:

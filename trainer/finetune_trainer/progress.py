@@ -126,6 +126,21 @@ class Reporter:
         for tracker in self.trackers:
             tracker.evaluated(step, loss, self.eval_figures)
 
+    def conclude(self, stopped_early: str | None = None, eval_loss: float | None = None,
+                 exporting: bool = False) -> None:
+        """The steps are over: the record with the run's final figures (what the model card
+        reads, before any push takes the card along), phase Exporting where rank 0 pushes
+        the model next (`output.export`): a 16 GB push can outlast `stallTimeoutSeconds`,
+        which counts from the last step."""
+        if self.enabled:
+            record = (self.last or self._untrained()).model_copy()
+            record.eta_seconds, record.stopped_early = 0, stopped_early
+            if eval_loss is not None:
+                record.eval_loss = eval_loss
+            if exporting:
+                record.phase = "Exporting"
+            self._write(record)
+
     def finish(self, phase: str, stopped_early: str | None = None,
                eval_loss: float | None = None,
                exports: list[dict[str, str]] | None = None) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
 
-from finetune_trainer.errors import TERMINATION_LIMIT
+from finetune_trainer.exits import TERMINATION_LIMIT
 
 MLFLOW_METRICS: dict[str, str] = {
     "loss": "loss",
@@ -93,7 +93,8 @@ class ProgressRecord(BaseModel):
     peak_memory_bytes: int | None = None
     """Rank 0's peak memory (the CUDA allocator's on a GPU, resident set on CPU)."""
     phase: str = "Running"
-    """Running, then Succeeded or Stopped."""
+    """Running; Exporting while rank 0 pushes the trained model to `output.export` (no step
+    is due: the operator's stall check waits); then Succeeded or Stopped."""
     stopped_early: str | None = None
     """Why a Succeeded run ended before its last step (hyperparameters.earlyStoppingPatience)."""
     update_time: str = ""

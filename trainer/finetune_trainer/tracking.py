@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from finetune_trainer.exits import EXIT_SETUP, NOT_RESTARTED
 from finetune_trainer.record import MLFLOW_METRICS
 
 if TYPE_CHECKING:
@@ -106,8 +107,6 @@ def record_failure(text: str, code: int) -> None:
     again backoffLimit times (each time provisioning the compute), and any other failure
     is quoted in its status. The tracking client, not the fluent API: no run is started
     or ended here. Inside Azure ML only; a tag not sent is said, never raised."""
-    from finetune_trainer.errors import EXIT_SETUP, NOT_RESTARTED
-
     environ = os.environ
     if not in_azureml(environ):
         return

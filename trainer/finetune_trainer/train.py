@@ -266,6 +266,17 @@ def export(strategy, tokenizer, config: TrainerConfig, output_dir: Path, base_di
     return final
 
 
+def describe_export(output_dir: Path, config: TrainerConfig) -> None:
+    """final/ made to stand on its own, before a push (`output.export`) takes it along: the
+    model card in place of peft's template (from the record `Reporter.conclude` wrote) and,
+    for a model fetched from the hub, the hub's name in place of the local copy's path."""
+    from finetune_trainer import model_card
+    from finetune_trainer.fetch import name_hub_model
+
+    model_card.write(output_dir, config)
+    name_hub_model(output_dir / FINAL_DIR, config)
+
+
 def merge_adapter(config: TrainerConfig, adapter_dir: Path, out: Path, base_dir: Path) -> None:
     import torch
     from peft import PeftModel
@@ -777,11 +788,15 @@ class Trainer:
         _say(f"exported {final}")
         dist.destroy_process_group()  # no rank waits on rank 0's pushes
         pushed = None
-        if self.rank == 0 and self.config.output.export:
-            from finetune_trainer.export import export_trained
+        if self.rank == 0:
+            targets = self.config.output.export
+            self.reporter.conclude(stopped_early, exported_loss, exporting=bool(targets))
+            describe_export(self.output_dir, self.config)  # before a push takes final/
+            if targets:
+                from finetune_trainer.export import export_trained
 
-            pushed = export_trained(self.output_dir, self.config.output.export,
-                                    say=lambda text: print(text, flush=True))
+                pushed = export_trained(self.output_dir, targets,
+                                        say=lambda text: print(text, flush=True))
         self.reporter.finish("Succeeded", stopped_early, eval_loss=exported_loss,
                              exports=pushed)
         return 0

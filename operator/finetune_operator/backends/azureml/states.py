@@ -16,7 +16,7 @@ from typing import Any
 from finetune_operator.api import BackendRef, FineTuneJob, Progress
 from finetune_operator.backends.azureml.jobspec import attempt_of
 from finetune_operator.reconcile import INPUT_REFUSED, Failure, Observation
-from finetune_trainer.errors import EXIT_BAD_INPUT, EXIT_OTHER_CHECKPOINTS, EXIT_SETUP
+from finetune_trainer.exits import EXIT_BAD_INPUT, EXIT_OTHER_CHECKPOINTS, EXIT_SETUP
 from finetune_trainer.record import ProgressRecord
 from finetune_trainer.tracking import (
     EXPORT_EVAL_LOSS_TAG,

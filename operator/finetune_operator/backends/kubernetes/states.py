@@ -207,9 +207,36 @@ _NO_NODE_MATCHES = "didn't match Pod's node affinity/selector"
 _INSUFFICIENT = re.compile(r"Insufficient ([\w./-]+)")
 
 
+_PULL_REFUSED = re.compile(  # containerd's words; the Docker engine's: "no basic auth"
+    r'(?:pulling from host (?P<host>[^\s/]+) failed with status code [^:]*: '
+    r'(?:401 Unauthorized|403 Forbidden))|(?:no basic auth credentials)'
+    r'|(?:unauthorized: authentication required)')
+_NO_SUCH_IMAGE = re.compile(r'failed to resolve reference "[^"]+": \S+: not found|'
+                            r'manifest unknown')
 CHART_TRAINER_IMAGE = "Helm values trainer.image.repository and .tag"
 MAY_PULL = ("on AKS: az aks update --attach-acr; else a pull Secret in "
             "spec.kubernetes.imagePullSecrets or the chart's trainer.imagePullSecrets")
+
+
+def _pull_refused(job: FineTuneJob, host: str | None) -> str:
+    """The registry wants credentials the pods did not give: which Secret to make, and
+    where to name it. The kubelet keeps retrying: no re-apply is needed once it exists."""
+    k8s, ns = job.spec.kubernetes, job.namespace
+    registry = host or "REGISTRY"
+    named = k8s.image_pull_secrets if k8s is not None else None
+    make = (f"kubectl create secret docker-registry NAME -n {ns} --docker-server={registry} "
+            "--docker-username=USER --docker-password=TOKEN")
+    if named:
+        secrets = ", ".join(named)
+        return (f"the registry {registry} refused the pull with the credentials of "
+                f"spec.kubernetes.imagePullSecrets ({secrets}): check that each exists in "
+                f"namespace {ns} (the kubelet pulls without a missing one: kubectl get secret "
+                f"-n {ns} {named[0]}) and holds credentials for {registry} ({make}); the "
+                "workers start once a pull works, no re-apply needed")
+    return (f"the registry {registry} refused the pull without credentials it accepts: "
+            f"create a pull Secret ({make}) and name it in spec.kubernetes.imagePullSecrets "
+            "or the chart's trainer.imagePullSecrets (on AKS: az aks update --attach-acr); the "
+            "workers start once a pull works, no re-apply needed")
 
 
 def named_by_field(job: FineTuneJob, waiting: str | None) -> str | None:
@@ -245,7 +272,15 @@ def named_by_field(job: FineTuneJob, waiting: str | None) -> str | None:
             return (f"{waiting} — {where}, and spec.kubernetes.imagePullPolicy Never lets "
                     "the kubelet use only images already on the node: load it there, or name "
                     "one the nodes hold")
-        if job.spec.kubernetes is not None and job.spec.kubernetes.image:
+        if refused := _PULL_REFUSED.search(waiting):
+            return f"{waiting} — {_pull_refused(job, refused['host'])}"
+        own = job.spec.kubernetes is not None and bool(job.spec.kubernetes.image)
+        if _NO_SUCH_IMAGE.search(waiting):
+            where = ("spec.kubernetes.image names it" if own else
+                     f"it is the operator's trainer image ({CHART_TRAINER_IMAGE})")
+            return (f"{waiting} — the registry has no such image: {where}; check its "
+                    "repository and tag against those the registry lists (crane ls REPOSITORY)")
+        if own:
             return (f"{waiting} — spec.kubernetes.image names the image: check its name and "
                     f"tag, and that the nodes may pull from its registry ({MAY_PULL})")
         return (f"{waiting} — the operator's trainer image ({CHART_TRAINER_IMAGE}): set "

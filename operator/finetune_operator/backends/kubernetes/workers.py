@@ -18,7 +18,7 @@ from finetune_operator.validation import (
     Problem,
     placeholder_image,
 )
-from finetune_trainer import errors
+from finetune_trainer import exits
 from finetune_trainer.config import TrainerConfig
 from finetune_trainer.layout import export_credentials
 from finetune_trainer.uris import SCHEME_EXAMPLES, SECTION_SCHEMES, Location, Unreachable
@@ -42,18 +42,18 @@ FETCH_MODEL_CONTAINER = "fetch-model"
 DOCKER_CONFIG_KEY = ".dockerconfigjson"
 """The key of a `kubernetes.io/dockerconfigjson` Secret (`kubectl create secret
 docker-registry`)."""
-STOPPED_EXIT_CODE = errors.STOPPED
+STOPPED_EXIT_CODE = exits.STOPPED
 """The trainer's exit after SIGTERM, once it has written a checkpoint."""
-OTHER_CHECKPOINTS_EXIT_CODE = errors.EXIT_OTHER_CHECKPOINTS
+OTHER_CHECKPOINTS_EXIT_CODE = exits.EXIT_OTHER_CHECKPOINTS
 """finetune-train's refusal: the output folder holds checkpoints trained with other
 settings. No restart can help."""
-BAD_INPUT_EXIT_CODE = errors.EXIT_BAD_INPUT
+BAD_INPUT_EXIT_CODE = exits.EXIT_BAD_INPUT
 """The trainer's refusal of the model or the data, passed on by the launcher; no restart
 can help."""
-SETUP_EXIT_CODE = errors.EXIT_SETUP
+SETUP_EXIT_CODE = exits.EXIT_SETUP
 """The trainer could not set itself up in the image (an import, an op that cannot be built):
 the gang is restarted once at most (reconcile), as every attempt would fail the same way."""
-FETCH_REFUSED_EXIT_CODE = errors.EXIT_BAD_INPUT
+FETCH_REFUSED_EXIT_CODE = exits.EXIT_BAD_INPUT
 """The fetch-model step's refusal: the hub has no such model or revision, or refuses the
 token. No restart can help."""
 
@@ -188,7 +188,7 @@ def _env(job: FineTuneJob, settings: OperatorSettings) -> list[dict[str, Any]]:
         {"name": "NCCL_DEBUG", "value": "WARN"},
         # where the kubelet reads how the container ended: a failure's reason, a finished
         # run's final record (terminationMessagePath, below)
-        {"name": errors.TERMINATION_LOG_ENV, "value": errors.TERMINATION_LOG},
+        {"name": exits.TERMINATION_LOG_ENV, "value": exits.TERMINATION_LOG},
         # the trainer's finetune_restarts series: which attempt this is
         {"name": "FINETUNE_RESTARTS", "value": str(job.status.restarts if job.status else 0)},
         # the node in every metric's `node` label and the preflight's per-node figures
@@ -327,7 +327,7 @@ def _trainer_container(job: FineTuneJob, settings: OperatorSettings,
                   *_metrics_ports(job.spec.resources.processes(), settings.metrics_port)],
         "resources": resources,
         # a failed worker's last log lines land in its status, and so in our message
-        "terminationMessagePath": errors.TERMINATION_LOG,
+        "terminationMessagePath": exits.TERMINATION_LOG,
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": mounts,
         "securityContext": {
@@ -359,7 +359,7 @@ def _resume_check_container(trainer: dict[str, Any]) -> dict[str, Any]:
     """Runs before torchrun (which reports any worker's failure as its own exit 1): a job
     changed after its first run must not resume from the old settings' checkpoints."""
     return _step_container(trainer, RESUME_CHECK_CONTAINER, "--check-resume",
-                           {"FINETUNE_CONFIG", "HF_HOME", errors.TERMINATION_LOG_ENV})
+                           {"FINETUNE_CONFIG", "HF_HOME", exits.TERMINATION_LOG_ENV})
 
 
 def _fetches_model(job: FineTuneJob) -> bool:
@@ -378,7 +378,7 @@ def _fetch_model_container(job: FineTuneJob, trainer: dict[str, Any]) -> dict[st
     # the hub token, the caches on the scratch volume, and the user's own (HF_ENDPOINT,
     # proxies); none of torchrun's
     return _step_container(trainer, FETCH_MODEL_CONTAINER, "--fetch-model", {
-        "FINETUNE_CONFIG", "HF_HOME", "XDG_CACHE_HOME", "HF_TOKEN", errors.TERMINATION_LOG_ENV,
+        "FINETUNE_CONFIG", "HF_HOME", "XDG_CACHE_HOME", "HF_TOKEN", exits.TERMINATION_LOG_ENV,
         *(e.name for e in (k8s.env if k8s else []))})
 
 

@@ -119,9 +119,10 @@ class NodeRegistry:
         while True:
             if process.poll() is not None:
                 raise RegistryError(f"the registry exited with {process.returncode}; is port "
-                                    f"{self.port} on {self.address} taken? See its log")
+                                    f"{self.port} on {self.address} taken? See "
+                                    f"{self.folder.parent / 'logs' / 'registry.log'}")
             with contextlib.suppress(OSError):
-                if self.request("GET", "/v2/", auth=False) == 401:
+                if self.request("GET", "/v2/", auth=False)[0] == 401:
                     return
             if time.monotonic() > deadline:
                 raise RegistryError(f"the registry did not answer on {self.host} within "
@@ -156,10 +157,8 @@ class NodeRegistry:
 
     # --- the API -------------------------------------------------------------------------------
     def request(self, method: str, path: str, auth: bool = True, body: bytes | None = None,
-                content_type: str | None = None
-                ) -> int | tuple[int, dict[str, str], bytes]:
-        """One call of the distribution API; the status alone where `auth` is False, else
-        (status, headers with lower-case names, body)."""
+                content_type: str | None = None) -> tuple[int, dict[str, str], bytes]:
+        """One call of the distribution API: (status, headers with lower-case names, body)."""
         context = ssl.create_default_context(cafile=str(self.ca))
         request = urllib.request.Request(f"https://{self.host}{path}", method=method,
                                          data=body, headers={"Accept": ", ".join(MEDIA_TYPES)})
@@ -173,8 +172,6 @@ class NodeRegistry:
                 status, headers, answer = response.status, response.headers, response.read()
         except urllib.error.HTTPError as error:
             status, headers, answer = error.code, error.headers, error.read()
-        if not auth:
-            return status
         return status, {k.lower(): v for k, v in headers.items()}, answer
 
     def digest(self, repository: str, tag: str) -> str | None:

@@ -989,14 +989,17 @@ says none has (and goes on waiting: one may be starting)."""
               help="Export merged/ (the base with the adapter merged in, from "
               "spec.output.mergeAdapter) instead of final/.")
 @click.option("--plain-http", is_flag=True,
-              help="Talk to the registry over plain HTTP (a local registry without TLS).")
+              help="Talk to the registry over plain HTTP (a local registry without TLS; "
+              "oci:// only).")
 def export_command(output: Path, target: str, merged: bool, plain_http: bool) -> None:
     """Push a trained model to TARGET: `oci://registry/repository:tag`, one image that
-    KAITO's adapters and `oras pull` read (files under data/, the model card with them).
+    KAITO's adapters and `oras pull` read (files under data/, the model card with them), or
+    `hf://owner/name`, a commit to that Hugging Face Hub repository (created private when
+    it does not exist; its README.md the model card).
 
     OUTPUT: a job's output folder (its final/ is pushed) or a model folder. Credentials:
-    Docker's config (`docker login`, `oras login`, REGISTRY_AUTH_FILE); a private CA:
-    REQUESTS_CA_BUNDLE.
+    Docker's config (`docker login`, `oras login`, REGISTRY_AUTH_FILE), or for the hub
+    HF_TOKEN (or `hf auth login`); another hub: HF_ENDPOINT; a private CA: REQUESTS_CA_BUNDLE.
     """
     from finetune_trainer.export import ExportError, export, model_folder
 

@@ -653,12 +653,13 @@ def _exported(b: _Builder, exports: list[dict[str, str]] | None) -> None:
         return
     failed = [e for e in exports if e.get("error")]
     if failed:
-        merged = {t.uri for t in b.job.spec.output.export if t.merged}
-        folders = dict.fromkeys(f"{b.job.spec.output.uri}/"
-                                f"{'merged' if e['uri'] in merged else 'final'}" for e in failed)
-        message = ("; ".join(f"{e['uri']}: {e['error']}" for e in failed)
-                   + f" — the model is in {' and '.join(folders)}: push it by hand with "
-                   "`finetune export` once fixed")
+        targets = {t.uri: t for t in b.job.spec.output.export if t.pushed_by_trainer}
+        folders = dict.fromkeys(
+            f"{b.job.spec.output.uri}/{'merged' if targets[e['uri']].merged else 'final'}"
+            for e in failed if e["uri"] in targets)  # a registration says its own fix
+        message = "; ".join(f"{e['uri']}: {e['error']}" for e in failed) + (
+            f" — the model is in {' and '.join(folders)}: push it by hand with `finetune "
+            "export` once fixed" if folders else "")
         b.cond("Exported", False, "ExportFailed", message)
         b.event("Warning", "ExportFailed", message)
         return
@@ -745,7 +746,9 @@ def _running(b: _Builder) -> bool:
         return False
     if b.status.phase != "Running":
         b.cond("Running", True, "WorkersRunning", "")
-        b.phase("Running", "training")
+    exporting = b.seen.progress is not None and b.seen.progress.exporting
+    b.phase("Running", "steps done; pushing the model to " + ", ".join(
+        t.uri for t in b.job.spec.output.export) if exporting else "training")
     _watch_for_stall(b)
     return True
 

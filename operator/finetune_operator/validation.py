@@ -33,7 +33,7 @@ from finetune_operator.api import (
 from finetune_operator.planner import catalog
 from finetune_operator.settings import OperatorSettings
 from finetune_trainer import objectives
-from finetune_trainer.config import OCI_TARGET_PATTERN, ObjectiveConfig
+from finetune_trainer.config import EXPORT_TARGET_PATTERN, WORKSPACE_MODEL, ObjectiveConfig
 from finetune_trainer.uris import ONE_DATA_FILE, Location, UriError
 
 # torchrun / torch.distributed rendezvous and the names Kubeflow users know: set by the
@@ -318,19 +318,29 @@ def objective_matches_data(job: FineTuneJob) -> Iterator[Problem]:
               "spec.output.mergeAdapter writes — set mergeAdapter: true, or remove merged",
               ".export"))
 def exports_can_be_pushed(job: FineTuneJob) -> Iterator[Problem]:
-    """Each target a registry would take (checked now, not after hours of training), its
-    folder one the run writes."""
+    """Each target a registry or the hub would take (checked now, not after hours of
+    training), its folder one the run writes."""
     from finetune_trainer.export import ExportError
+    from finetune_trainer.export.hub import HubRepo
     from finetune_trainer.export.oci import Reference
 
     output, seen = job.spec.output, set()
     for index, target in enumerate(output.export):
         where = f"spec.output.export[{index}]"
+        if not target.pushed_by_trainer:  # the backend registers it (its own rules)
+            if not re.match(WORKSPACE_MODEL, target.uri):
+                yield Problem(f"{where}.uri", "is not an Azure ML model name", "write "
+                              "azureml://models/NAME (letters, digits, '-', '_' and '.')")
+            continue
+        hub = target.uri.startswith("hf://")
         try:
-            reference = Reference.parse(target.uri)
+            reference = HubRepo.parse(target.uri) if hub else Reference.parse(target.uri)
         except ExportError as error:
             yield Problem(f"{where}.uri", error.problem, error.fix)
             continue
+        if hub and target.plain_http:
+            yield Problem(f"{where}.plainHttp", "is for an OCI registry; the hub is reached "
+                          "at HF_ENDPOINT", "remove `plainHttp`")
         if target.merged and not output.merge_adapter:
             yield Problem(f"{where}.merged", "pushes merged/, which only "
                           "spec.output.mergeAdapter writes", "set `mergeAdapter: true`, or "
@@ -627,8 +637,9 @@ _PATTERN_HINTS = {
     QUANTITY_PATTERN: ("is not a Kubernetes quantity", "write e.g. 8, 500m, 64Gi"),
     r"^/\S*$": ("is not an absolute path", "start it with /"),
     GUID_PATTERN: ("is not a GUID", "copy the id from `az account show --query id`"),
-    OCI_TARGET_PATTERN: ("is not an OCI reference", "write oci://registry/repository[:tag] "
-                         "(only OCI registries are pushed to yet)"),
+    EXPORT_TARGET_PATTERN: ("is not an export target", "write oci://registry/repository[:tag] "
+                            "(an OCI registry), hf://owner/name (the Hugging Face Hub) or "
+                            "azureml://models/NAME (the Azure ML workspace)"),
 }
 _TYPE_NAMES = {"int": "an integer", "float": "a number", "bool": "true or false",
                "string": "a string", "dict": "a mapping", "list": "a list", "model": "a mapping"}

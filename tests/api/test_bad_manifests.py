@@ -120,8 +120,14 @@ CASES = [
     Case("azureml-bad-subscription", {"spec.backend": "azureml", "spec.azureml": {
         **AML, "subscriptionId": "my-subscription"}}, "spec.azureml.subscriptionId",
          "is not a GUID", "schema"),
-    Case("export-to-the-hub", {"spec.output.export": [{"uri": "hf://org/my-adapter"}]},
-         "spec.output.export[0].uri", "is not an OCI reference", "schema"),
+    Case("export-to-a-bucket", {"spec.output.export": [{"uri": "s3://bucket/my-adapter"}]},
+         "spec.output.export[0].uri", "hf://owner/name (the Hugging Face Hub)", "schema"),
+    Case("export-to-a-hub-name-the-hub-refuses", {"spec.output.export": [
+        {"uri": "hf://org/my--adapter"}]}, "spec.output.export[0].uri",
+         "is not a hub repository name", None),
+    Case("export-to-the-hub-over-plain-http", {"spec.output.export": [
+        {"uri": "hf://org/my-adapter", "plainHttp": True}]}, "spec.output.export[0].plainHttp",
+         "the hub is reached at HF_ENDPOINT", None),
     Case("export-uppercase-repository", {"spec.output.export": [
         {"uri": "oci://myreg.azurecr.io/Adapters/demo:v1"}]}, "spec.output.export[0].uri",
          "names the repository 'Adapters/demo', which a registry refuses", None),
@@ -131,7 +137,14 @@ CASES = [
     Case("export-from-azureml", {"spec.backend": "azureml", "spec.azureml": AML,
                                  "spec.output.export": [
                                      {"uri": "oci://myreg.azurecr.io/adapters/demo:v1"}]},
-         "spec.output.export", "is not pushed from Azure ML workers yet", None),
+         "spec.output.export[0].uri", "register the model in the workspace instead", None),
+    Case("register-in-azureml-from-kubernetes", {"spec.output.export": [
+        {"uri": "azureml://models/support-bot"}]}, "spec.output.export[0].uri",
+         "which only the azureml backend has", None),
+    Case("register-a-bad-azureml-name", {"spec.backend": "azureml", "spec.azureml": AML,
+                                         "spec.output.export": [
+                                             {"uri": "azureml://models/-support bot"}]},
+         "spec.output.export[0].uri", "is not an Azure ML model name", None),
     Case("unknown-backend", {"spec.backend": "slurm"}, "spec.backend",
          "use one of: azureml, kubernetes", None),
     Case("epochs-and-max-steps", {"spec.hyperparameters": {"epochs": 1, "maxSteps": 5}},

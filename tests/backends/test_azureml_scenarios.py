@@ -193,6 +193,44 @@ async def test_launching_queued_running_succeeded(cluster, aml_operator, azure):
     assert not azure.requests_to("POST", "/cancel")
 
 
+@pytest.mark.parametrize("workspace", ["takes it", "refuses it"])
+async def test_a_succeeded_job_registers_its_model_in_the_workspace_once(
+        cluster, aml_operator, azure, workspace):
+    """`output.export: [azureml://models/NAME]`: once the Azure ML job has completed, the
+    operator registers the output's final/ (on its datastore: nothing uploaded) as the next
+    version of NAME, said by `Exported` and an event; refused (no role on the workspace),
+    the job stays Succeeded and the status says how to register it by hand."""
+    doc = azureml_job()
+    doc["spec"]["output"]["export"] = [{"uri": "azureml://models/support-bot"}]
+    await apply(cluster, doc)
+    name = await submitted(cluster, azure)
+    if workspace == "refuses it":
+        azure.fail("PUT", "/models/support-bot/versions/", 403, "AuthorizationFailed",
+                   "no write permission on models")
+    azure.set_state(name, "Completed")
+    await eventually(lambda: condition(cluster, "Exported").get("status") in ("True", "False"),
+                     what="Exported")
+    exported = condition(cluster, "Exported")
+    assert status(cluster)["phase"] == "Succeeded"
+    final = "azureml://datastores/workspaceblobstore/paths/out/aml/final"
+    if workspace == "refuses it":
+        assert exported["status"] == "False" and exported["reason"] == "ExportFailed"
+        assert "AuthorizationFailed" in exported["message"] or "403" in exported["message"]
+        assert (f"az ml model create --name support-bot --path {final}"
+                in exported["message"])
+        assert not azure.models.get("support-bot")
+        return
+    assert exported["status"] == "True" and exported["reason"] == "Pushed"
+    assert exported["message"] == "pushed azureml://models/support-bot/versions/1"
+    (version,) = azure.models["support-bot"].values()
+    sent = version["properties"]
+    assert sent["modelType"] == "custom_model" and sent["modelUri"].endswith(
+        "/datastores/workspaceblobstore/paths/out/aml/final")
+    assert sent["tags"]["finetune.dev/job"] == "default/aml"
+    await asyncio.sleep(2)  # more reconciles of the succeeded job register nothing again
+    assert len(azure.requests_to("PUT", "/models/support-bot/versions/")) == 1
+
+
 async def test_deleting_a_running_job_cancels_it_then_releases_the_finalizer(
         cluster, aml_operator, azure):
     await apply(cluster, azureml_job())

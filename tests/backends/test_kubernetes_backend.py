@@ -156,25 +156,30 @@ def test_claims_are_mounted_where_the_trainer_config_points():
 
 
 def test_each_export_secret_is_mounted_where_the_trainer_reads_a_targets_credentials():
-    """`output.export[].secretName`: each Secret once, its Docker config only, read-only,
-    at layout.export_credentials (what the trainer reads for that target)."""
+    """`output.export[].secretName`: each Secret once, only the keys its targets read (an
+    OCI target's Docker config, an hf:// target's `token`), read-only, at
+    layout.export_credentials (what the trainer reads for that target)."""
     from finetune_trainer.layout import export_credentials
 
     doc = minimal_job(output={"uri": "pvc://data/runs/demo", "export": [
         {"uri": "oci://myreg.azurecr.io/adapters/demo:v1", "secretName": "regcred"},
         {"uri": "oci://myreg.azurecr.io/adapters/demo:latest", "secretName": "regcred"},
         {"uri": "oci://ghcr.io/team/demo:v1", "secretName": "ghcr"},
+        {"uri": "hf://team/demo", "secretName": "hub"},
+        {"uri": "hf://team/demo-copy", "secretName": "ghcr"},
         {"uri": "oci://registry.internal:5000/demo:v1", "plainHttp": True}]})
     spec = objects(doc)["Job"]["spec"]["template"]["spec"]
     secrets = {v["name"]: v["secret"] for v in spec["volumes"] if "secret" in v}
-    assert sorted(s["secretName"] for s in secrets.values()) == ["ghcr", "regcred"]
-    assert all(s["items"] == [{"key": ".dockerconfigjson", "path": ".dockerconfigjson"}]
-               for s in secrets.values())
+    keys = {s["secretName"]: [item["key"] for item in s["items"]] for s in secrets.values()}
+    assert keys == {"ghcr": [".dockerconfigjson", "token"], "hub": ["token"],
+                    "regcred": [".dockerconfigjson"]}
+    assert all(item["key"] == item["path"] for s in secrets.values() for item in s["items"])
     mounts = {m["name"]: m for m in spec["containers"][0]["volumeMounts"]}
     for name, secret in secrets.items():
         assert mounts[name]["readOnly"] is True
-        assert (Path(mounts[name]["mountPath"]) / ".dockerconfigjson"
-                == export_credentials(secret["secretName"]))
+        for key in keys[secret["secretName"]]:
+            assert (Path(mounts[name]["mountPath"]) / key
+                    == export_credentials(secret["secretName"], key))
     trainer = load_yaml_text(objects(doc)["ConfigMap"]["data"]["trainer.yaml"])
     assert [t["uri"] for t in trainer["output"]["export"]] == [
         t["uri"] for t in doc["spec"]["output"]["export"]]

@@ -401,15 +401,32 @@ def job_status(cluster, name: str) -> dict:
 
 
 def until(check, what: str, timeout: float = 180, cluster=None, name: str = ""):
-    """Poll `check()` until it returns something true; fail naming `what` and the status."""
-    deadline = time.monotonic() + timeout
+    """Poll `check()` until it returns something true; fail naming `what` and the status.
+
+    With a job named, `timeout` is how long its status may stand still: a busy machine is slow,
+    not stuck, so every step, phase, restart or condition it records gives the wait another
+    `timeout`, up to four in all (CI's machine once took 143 s from running pods to the
+    preflight's figure)."""
+    start = time.monotonic()
+    deadline, seen = start + timeout, None
     while not (value := check()):
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if cluster and name and (moved := status_mark(job_status(cluster, name))) != seen:
+            seen, deadline = moved, min(now + timeout, start + 4 * timeout)
+        if now > deadline:
             status = job_status(cluster, name) if cluster and name else {}
-            raise AssertionError(f"not within {timeout:.0f} s: {what}\n"
+            raise AssertionError(f"not within {now - start:.0f} s: {what}\n"
                                  f"{json.dumps(status, indent=1)[-3000:]}")
         time.sleep(1)
     return value
+
+
+def status_mark(status: dict) -> tuple:
+    """What of a job's status moves while it makes headway."""
+    return (status.get("phase"), status.get("restarts"),
+            (status.get("progress") or {}).get("step"),
+            tuple((c.get("type"), c.get("status"), c.get("reason"))
+                  for c in status.get("conditions") or ()))
 
 
 def running_worker(cluster, job: str, index: int, not_in: set[str] = frozenset()) -> str | None:

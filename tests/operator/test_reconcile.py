@@ -146,13 +146,18 @@ def test_a_stalled_gang_is_marked_and_restarted():
 
 def test_a_push_to_output_export_longer_than_the_stall_timeout_is_no_stall():
     """After the last step rank 0 pushes the model (a 16 GB push can take longer than
-    stallTimeoutSeconds): the trainer says Exporting, and the stall check waits."""
-    status = launched("Running")
+    stallTimeoutSeconds): the trainer says Exporting, the status message says where to (what
+    `finetune status` shows), and the stall check waits."""
+    spec = {"runPolicy": {"stallTimeoutSeconds": 600}, "output": {
+        "uri": "pvc://data/out", "export": [{"uri": "hf://team/demo"}]}}
+    status = launched("Running", **spec)
     status.progress = Progress(step=10, last_step_time=at(100))
     seen = Observation(exists=True, running=True, progress=Progress(step=10, exporting=True))
-    d = reconcile(job(status, runPolicy={"stallTimeoutSeconds": 600}), seen, at(5000))
+    d = reconcile(job(status, **spec), seen, at(5000))
     assert condition(d.status, "Stalled") is None and kinds(d) == []
     assert d.status.phase == "Running" and d.requeue_after == 30.0
+    assert d.status.message == "steps done; pushing the model to hf://team/demo"
+    assert not d.events  # the same phase: no event
 
 
 def test_a_worker_failure_restarts_the_gang_once_and_counts():

@@ -2,8 +2,10 @@
 (request building, serialization, its retry policy, error mapping), only the network is
 replaced. It keeps a workspace's jobs in memory and answers as the service does for the
 calls the azureml backend makes: PUT an anonymous environment, PUT / GET a job, POST
-`.../cancel`, and the MLflow `runs/get` of the job's run. A test moves a job through
-Azure ML's states (`set_state`) and scripts failures (`fail`: 401, 403, 429, 5xx, ...).
+`.../cancel`, the MLflow `runs/get` of the job's run, and a model's registration (GET its
+newest version and its container, PUT the next version; `models` keeps what was sent). A
+test moves a job through Azure ML's states (`set_state`) and scripts failures (`fail`: 401,
+403, 429, 5xx, ...).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ TRACKING = (f"azureml://{REGION}.api.azureml.ms/mlflow/v1.0/subscriptions/{SUBSC
             f"resourceGroups/{RESOURCE_GROUP}/providers/Microsoft.MachineLearningServices/"
             f"workspaces/{WORKSPACE}")
 JOB_PATH = re.compile(r".*/workspaces/[^/]+/jobs/(?P<name>[^/]+)(?P<cancel>/cancel)?$")
+MODEL_PATH = re.compile(r".*/workspaces/[^/]+/models/(?P<name>[^/]+)(?P<versions>/versions)?"
+                        r"(?:/(?P<version>[^/]+))?$")
 ENVIRONMENT_PATH = re.compile(r".*/workspaces/[^/]+/environments/(?P<name>[^/]+)/versions/"
                               r"(?P<version>[^/]+)$")
 
@@ -107,6 +111,7 @@ class FakeAzureML(HttpTransport):
         self.jobs: dict[str, dict[str, Any]] = {}
         self.metrics: dict[str, list[dict[str, Any]]] = {}
         self.tags: dict[str, dict[str, str]] = {}
+        self.models: dict[str, dict[str, dict[str, Any]]] = {}  # name → version → as sent
         self.calls: list[Call] = []
         self.failures: list[Failure] = []
         self.lock = threading.Lock()
@@ -185,6 +190,8 @@ class FakeAzureML(HttpTransport):
             return CannedResponse(request, 200, {
                 "id": path, "name": env["version"], "type": "environments/versions",
                 "properties": body["properties"]})
+        if model := MODEL_PATH.match(path):
+            return self._model(request, path, model, body)
         if path.endswith("/api/2.0/mlflow/runs/get") and request.method == "GET":
             run_id = query.get("run_id", [""])[0]
             if run_id not in self.jobs:
@@ -219,6 +226,32 @@ class FakeAzureML(HttpTransport):
                 "Tracking": {"jobServiceType": "Tracking", "endpoint": TRACKING}}}
             self.jobs[name] = job
             return CannedResponse(request, 201, job)
+        return _not_found(request, f"no fake for {request.method} {path}")
+
+
+    def _model(self, request: Any, path: str, match: re.Match, body: Any) -> CannedResponse:
+        """A model's versions, as the workspace keeps them: the newest first, the container
+        saying the next version, a version once registered never changed."""
+        versions = self.models.setdefault(match["name"], {})
+        newest = max(versions, key=int, default=None)
+        if request.method == "GET" and match["version"] is None and match["versions"]:
+            return CannedResponse(request, 200, {"value": [versions[newest]] if newest else []})
+        if request.method == "GET" and not match["versions"]:
+            if newest is None:
+                return _not_found(request, f"model {match['name']} not found")
+            return CannedResponse(request, 200, {"id": path, "name": match["name"], "properties": {
+                "latestVersion": newest, "nextVersion": str(int(newest) + 1)}})
+        if request.method == "PUT" and match["version"]:
+            if match["version"] in versions:
+                return CannedResponse(request, 409, {"error": {
+                    "code": "UserError", "message": f"model {match['name']}:"
+                    f"{match['version']} exists and cannot be changed"}})
+            versions[match["version"]] = {"id": path, "name": match["version"],
+                                          "type": "Microsoft.MachineLearningServices/"
+                                          "workspaces/models/versions",
+                                          "properties": {"flavors": {}, **body["properties"],
+                                                         "provisioningState": "Succeeded"}}
+            return CannedResponse(request, 201, versions[match["version"]])
         return _not_found(request, f"no fake for {request.method} {path}")
 
 

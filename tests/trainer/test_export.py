@@ -1,6 +1,9 @@
 """`finetune export`: a trained model pushed to a real OCI registry (distribution, TLS from a
 CA of the test's, htpasswd basic auth) and pulled back with the real oras CLI, as a user and
-KAITO's puller read it; refused pushes said with the fix, nothing half-pushed."""
+KAITO's puller read it; committed to a Hugging Face Hub through the real huggingface_hub
+client, against a stand-in of the hub's upload API (tests/support/hub_fake.py: no hub is
+reachable here; it speaks git-LFS, so those runs set HF_HUB_DISABLE_XET=1), and read back
+with snapshot_download; refused pushes said with the fix, nothing half-pushed."""
 
 from __future__ import annotations
 
@@ -17,16 +20,33 @@ from pathlib import Path
 
 import pytest
 
-from finetune_trainer.export import ExportError, model_folder, oci
+from finetune_trainer.export import ExportError, hub, model_folder, oci
 from tests.support import registry as registries
 from tests.support import waits
+from tests.support.hub_fake import FakeHub
 from tests.trainer.test_training import shared_run
+
+HUB_TOKEN = "hf_stand-in-write-token"
 
 
 @pytest.fixture()
 def trained(tiny_model_dir, shared) -> Path:
     """The output folder of the session's DDP LoRA run of the tiny model (test_training's)."""
     return shared_run(shared, tiny_model_dir, "ddp", "lora")
+
+
+@pytest.fixture()
+def hub_stand_in():
+    """An empty hub that takes uploads with HUB_TOKEN."""
+    with FakeHub({}, writer=HUB_TOKEN) as started:
+        yield started
+
+
+def hub_env(stand_in: FakeHub, token: str | None = HUB_TOKEN) -> dict[str, str]:
+    """What a user of another hub sets (HF_ENDPOINT), its token, and hf_xet switched off (the
+    stand-in speaks git-LFS, not Xet)."""
+    return {"HF_ENDPOINT": stand_in.url, "HF_HUB_DISABLE_XET": "1",
+            **({"HF_TOKEN": token} if token else {})}
 
 
 @pytest.fixture(scope="module")
@@ -36,11 +56,13 @@ def registry(tmp_path_factory):
 
 
 def finetune_export(*args: str, home: Path, docker_config: Path | None = None,
-                    ca: Path | None = None) -> subprocess.CompletedProcess:
+                    ca: Path | None = None, hub_at: dict[str, str] | None = None
+                    ) -> subprocess.CompletedProcess:
     """`finetune export` as a user runs it, with only the credentials given here."""
     env = {key: value for key, value in os.environ.items()
-           if key not in ("DOCKER_CONFIG", "REGISTRY_AUTH_FILE", "REQUESTS_CA_BUNDLE")}
-    env["HOME"] = str(home)
+           if key not in ("DOCKER_CONFIG", "REGISTRY_AUTH_FILE", "REQUESTS_CA_BUNDLE",
+                          "HF_TOKEN", "HF_ENDPOINT")}
+    env.update(HOME=str(home), **(hub_at or {}))
     if docker_config is not None:
         env["DOCKER_CONFIG"] = str(docker_config)
     if ca is not None:
@@ -96,6 +118,83 @@ def test_an_exported_adapter_comes_back_with_oras_and_answers_as_before(
 
 
 @pytest.mark.process
+def test_an_adapter_committed_to_the_hub_comes_back_with_snapshot_download_and_answers(
+        hub_stand_in, trained, tiny_model_dir, tmp_path):
+    """`finetune export OUTPUT hf://team/name`: the repository created private, final/'s
+    files committed (weights by LFS, the rest inline) with the card as README.md, read back
+    by huggingface_hub as a user would; a second export is a new commit that uploads no
+    weights again."""
+    from huggingface_hub import snapshot_download
+
+    final = trained / "final"
+    pushed = finetune_export(str(trained), "hf://team/tiny-adapter", home=tmp_path,
+                             hub_at=hub_env(hub_stand_in))
+    assert pushed.returncode == 0, pushed.stderr
+    repo = hub_stand_in.repos["team/tiny-adapter"]
+    assert repo.private and f"pushed hf://team/tiny-adapter@{repo.commit}" in pushed.stdout
+    assert HUB_TOKEN not in pushed.stdout + pushed.stderr
+    (commit,) = hub_stand_in.commits
+    assert sorted(commit.files) == sorted(str(p.relative_to(final))
+                                          for p in oci.model_files(final))
+    by_lfs = {name for name, data in repo.files.items() if _sha_of(data) in hub_stand_in.lfs}
+    assert by_lfs == {"adapter_model.safetensors"}
+
+    pulled = Path(snapshot_download("team/tiny-adapter", endpoint=hub_stand_in.url,
+                                    token=HUB_TOKEN, local_dir=tmp_path / "pulled"))
+    for path in oci.model_files(final):
+        assert filecmp.cmp(path, pulled / path.relative_to(final), shallow=False), path
+    assert generated(tiny_model_dir, pulled) == generated(tiny_model_dir, final)
+
+    uploads = [path for method, path in hub_stand_in.requests if method == "PUT"]
+    again = finetune_export(str(trained), "hf://team/tiny-adapter", home=tmp_path,
+                            hub_at=hub_env(hub_stand_in))
+    assert again.returncode == 0, again.stderr
+    assert len(hub_stand_in.commits) == 2 and f"@{repo.commit}" in again.stdout
+    assert [path for method, path in hub_stand_in.requests if method == "PUT"] == uploads
+
+
+def _sha_of(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("token", [None, "hf_not-the-writers"])
+def test_a_hub_that_refuses_the_token_is_said_with_the_fix_and_nothing_is_made(
+        hub_stand_in, trained, tmp_path, token):
+    pushed = finetune_export(str(trained), "hf://team/refused", home=tmp_path,
+                             hub_at=hub_env(hub_stand_in, token))
+    assert pushed.returncode == 1
+    assert "export to hf://team/refused: the hub refused the token (401" in pushed.stderr
+    assert "give a token with write access to team" in pushed.stderr
+    assert "--from-literal=token=" in pushed.stderr
+    assert "hf_not-the-writers" not in pushed.stdout + pushed.stderr
+    assert "team/refused" not in hub_stand_in.repos and not hub_stand_in.commits
+    assert (trained / "final" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.process
+def test_a_targets_mounted_token_is_the_one_sent_not_hf_token(hub_stand_in, tmp_path):
+    """In a worker, an hf:// target's Secret is a file (layout.export_credentials): its token
+    pushes, while HF_TOKEN (the base model's read token) is not used for it."""
+    folder = tmp_path / "final"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    mounted = tmp_path / "token"
+    mounted.write_text(HUB_TOKEN + "\n")  # as `kubectl create secret --from-file` keeps it
+    script = ("import sys; from pathlib import Path; from finetune_trainer.export import "
+              "export; print(export(Path(sys.argv[1]), 'hf://team/mounted', "
+              "credentials=Path(sys.argv[2])))")
+    env = {**os.environ, **hub_env(hub_stand_in, token="hf_a-read-token")}
+    pushed = subprocess.run([sys.executable, "-c", script, str(folder), str(mounted)],
+                            capture_output=True, text=True, env=env,
+                            timeout=waits.seconds_left())
+    assert pushed.returncode == 0, pushed.stderr
+    assert hub_stand_in.repos["team/mounted"].files["config.json"] == b"{}"
+
+
+@pytest.mark.process
 @pytest.mark.parametrize("credentials", ["none", "wrong password"])
 def test_a_refused_push_says_so_with_the_fix_and_pushes_nothing(registry, trained, tmp_path,
                                                                   credentials):
@@ -144,6 +243,9 @@ def test_a_registry_without_tls_takes_plain_http_when_asked(trained, tmp_path):
     ("oci://Registry.example.com/Models/X:v1", "not a location this API understands"),
     ("pvc://claim/models", "PersistentVolumeClaim (pvc://) locations are not accepted here"),
     ("oci://registry.example.com", "oci://registry.example.com/models/name:tag"),
+    ("hf://team/my--adapter", "is not a hub repository name; write hf://owner/name"),
+    ("hf://team/adapters/v1", "use oci://registry.example.com/models/name:tag or "
+                              "hf://org/name"),
 ])
 def test_a_bad_target_is_named_with_the_form_to_write(tmp_path, target, said):
     (tmp_path / "final").mkdir()
@@ -155,31 +257,40 @@ def test_a_bad_target_is_named_with_the_form_to_write(tmp_path, target, said):
 
 @pytest.mark.process
 def test_a_job_pushes_its_model_to_each_export_target_after_training(
-        registry, tiny_model_dir, tmp_path):
+        registry, hub_stand_in, tiny_model_dir, tmp_path):
     """`spec.output.export` under `finetune run`, 2 processes: once the model is written,
     rank 0 pushes final/ and merged/ to the registry with the user's own Docker login (the
-    target's secretName is a cluster's, said so), and a target the registry refuses (plain
-    HTTP to a TLS port) is recorded with its error while the run still succeeds, its model
-    in the folder; each outcome in the final record, nothing secret said."""
+    target's secretName is a cluster's, said so) and final/ to the hub with HF_TOKEN, and a
+    target the registry refuses (plain HTTP to a TLS port) is recorded with its error while
+    the run still succeeds, its model in the folder; each outcome in the final record,
+    nothing secret said."""
     from tests.trainer.test_training import finetune_run, manifest
 
     output = tmp_path / "out"
     job = manifest(tiny_model_dir, output, steps=2, merge=True)
     targets = [{"uri": f"oci://{registry.host}/models/job:v1", "secretName": "regcred"},
                {"uri": f"oci://{registry.host}/models/job-merged:v1", "merged": True},
-               {"uri": f"oci://{registry.host}/models/refused:v1", "plainHttp": True}]
+               {"uri": f"oci://{registry.host}/models/refused:v1", "plainHttp": True},
+               {"uri": "hf://team/job", "secretName": "hf-token"}]
     job["spec"]["output"]["export"] = targets
     result = finetune_run(job, tmp_path, env={
         "HOME": str(tmp_path), "DOCKER_CONFIG": str(registry.docker_config(tmp_path / "d")),
-        "REQUESTS_CA_BUNDLE": str(registry.ca)})
+        "REQUESTS_CA_BUNDLE": str(registry.ca), **hub_env(hub_stand_in)})
     said = result.stdout + result.stderr
     assert result.returncode == 0, said[-3000:]
-    assert registries.PASSWORD not in said
+    assert registries.PASSWORD not in said and HUB_TOKEN not in said
     assert (f"secret regcred is not mounted here: pushing to {targets[0]['uri']} with your "
             "own Docker login") in said
+    assert ("secret hf-token is not mounted here: pushing to hf://team/job with HF_TOKEN or "
+            "your hub login") in said
     final = json.loads((output / "progress.json").read_text())
     assert final["phase"] == "Succeeded"
-    pushed, merged, refused = final["exports"]
+    pushed, merged, refused, committed = final["exports"]
+    repo = hub_stand_in.repos["team/job"]
+    assert committed == {"uri": "hf://team/job", "pushed": f"hf://team/job@{repo.commit}"}
+    assert {name: data for name, data in repo.files.items() if name != ".gitattributes"} == {
+        str(p.relative_to(output / "final")): p.read_bytes()
+        for p in oci.model_files(output / "final")}
     assert pushed["uri"] == targets[0]["uri"] and pushed["pushed"].startswith(
         f"{registry.host}/models/job:v1@sha256:")
     assert merged["pushed"].startswith(f"{registry.host}/models/job-merged:v1@sha256:")
@@ -293,6 +404,22 @@ def test_a_registry_that_does_not_answer_is_tried_again_then_named(tmp_path):
                            "registry is up"):
             oci.push(folder, reference, plain_http=True, say=lambda _: None,
                      sleep=slept.append)
+    assert slept == [2, 4, 8]
+
+
+@pytest.mark.unit
+def test_a_hub_that_does_not_answer_is_tried_again_then_named(tmp_path):
+    """No hub listens at the endpoint: 4 tries, 2, 4 and 8 s apart, then what to check."""
+    folder = tmp_path / "final"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    slept: list[float] = []
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        with pytest.raises(ExportError, match=r"hf://team/x: the hub did not answer "
+                           r"\(ConnectError\) \(4 tries\); check that the hub \(HF_ENDPOINT\)"):
+            hub.push(folder, hub.HubRepo.parse("hf://team/x"), token="t", say=lambda _: None,
+                     sleep=slept.append, endpoint=f"http://127.0.0.1:{taken.getsockname()[1]}")
     assert slept == [2, 4, 8]
 
 

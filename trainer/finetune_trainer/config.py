@@ -307,26 +307,50 @@ class Hyperparameters(ApiModel):
         return 2e-5 if method == "full" else 2e-4
 
 
-OCI_TARGET_PATTERN = r"^oci://[^/]+/.+"
-"""What `output.export[].uri` must look like to the API server (the rest: oci.Reference)."""
+EXPORT_TARGET_PATTERN = r"^(oci://[^/]+/.+|hf://[^/]+(/[^/]+)?|azureml://models/[^/]+)$"
+"""What `output.export[].uri` must look like to the API server (the rest: oci.Reference,
+hub.HubRepo, WORKSPACE_MODEL)."""
+WORKSPACE_MODEL = r"^azureml://models/(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]{0,254})$"
+"""A model name in the job's Azure ML workspace, as Azure ML names assets."""
+
+DOCKER_CONFIG_KEY = ".dockerconfigjson"
+"""The key of a `kubernetes.io/dockerconfigjson` Secret: an OCI target's credentials."""
+HUB_TOKEN_KEY = "token"
+"""The key of the Secret holding a Hugging Face token: an hf:// target's credentials (the
+same key `spec.model.tokenSecretRef` reads by default)."""
 
 
 class ExportTarget(ApiModel):
     """Where the trained model is pushed once training has ended (`output.export`)."""
 
-    uri: str = Field(min_length=7, max_length=512, pattern=OCI_TARGET_PATTERN)
+    uri: str = Field(min_length=5, max_length=512, pattern=EXPORT_TARGET_PATTERN)
     """`oci://registry/repository[:tag]` (the tag defaults to `latest`): the model folder as
-    one OCI image that KAITO's adapters and `oras pull` read (guides/serving.md)."""
+    one OCI image that KAITO's adapters and `oras pull` read; `hf://owner/name`: a commit to
+    that Hugging Face Hub model repository, created private when it does not exist;
+    `azureml://models/NAME` (backend azureml): the next version of model NAME registered in
+    the job's workspace, by the operator, from the output datastore (guides/serving.md)."""
     secret_name: str | None = Field(default=None, min_length=1, max_length=253)
-    """A `kubernetes.io/dockerconfigjson` Secret in the job's namespace holding the
-    registry's credentials (`kubectl create secret docker-registry`), mounted read-only into
-    the workers. Unset: the registry takes the push without credentials; under `finetune
-    run`, your own Docker login (`docker login`, `oras login`) is used."""
+    """A Secret in the job's namespace holding the target's credentials, mounted read-only
+    into the workers: for oci://, a `kubernetes.io/dockerconfigjson` one (`kubectl create
+    secret docker-registry`); for hf://, a hub token with write access under the key `token`
+    (`kubectl create secret generic NAME --from-literal=token=hf_...`). Unset: the registry
+    takes the push without credentials; under `finetune run`, your own login is used
+    (`docker login` or `oras login`; `HF_TOKEN` or `hf auth login`)."""
     merged: bool = False
     """Push `merged/` (the base with the adapter merged in; needs `mergeAdapter`) rather than
     `final/`."""
     plain_http: bool = False
-    """Talk plain HTTP to the registry (one inside the cluster without TLS)."""
+    """Talk plain HTTP to the registry (one inside the cluster without TLS; oci:// only)."""
+
+    @property
+    def pushed_by_trainer(self) -> bool:
+        """Rank 0 pushes it after training; an Azure ML registration is the operator's."""
+        return not self.uri.startswith("azureml://")
+
+    @property
+    def secret_key(self) -> str:
+        """The key of `secret_name` this target's credentials are under."""
+        return HUB_TOKEN_KEY if self.uri.startswith("hf://") else DOCKER_CONFIG_KEY
 
 
 class OutputConfig(ApiModel):

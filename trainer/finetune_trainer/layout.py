@@ -100,7 +100,12 @@ def model_copy_dir(output_dir: Path, repo: str, revision: str | None) -> Path:
     return output_dir / MODEL_CACHE / f"{repo.replace('/', '--')}@{pinned}"
 
 
-def export_credentials(secret_name: str) -> Path:
-    """The Docker config a `kubernetes.io/dockerconfigjson` Secret holds, where the workers
-    have it mounted (the kubernetes backend's render mounts it there)."""
-    return Path(EXPORT_SECRETS) / secret_name / ".dockerconfigjson"
+def export_secret_dir(secret_name: str) -> Path:
+    """Where the workers have an export target's Secret mounted (the kubernetes backend's
+    render mounts it there)."""
+    return Path(EXPORT_SECRETS) / secret_name
+
+
+def export_credentials(secret_name: str, key: str) -> Path:
+    """Key `key` of an export target's Secret (its Docker config, or a hub token)."""
+    return export_secret_dir(secret_name) / key

@@ -2,8 +2,9 @@
 
 `export(folder, target)` sends a model folder (a job's `final/`: a peft adapter or whole
 weights, with its model card) to a target named by a URI; one module per kind of target:
-`oci.py` (`oci://registry/repository:tag`, an image KAITO and `oras pull` read). Torch-free:
-`finetune export` runs it on a laptop as well as in the trainer.
+`oci.py` (`oci://registry/repository:tag`, an image KAITO and `oras pull` read), `hub.py`
+(`hf://owner/name`, a commit to a Hugging Face Hub repository). Torch-free: `finetune
+export` runs it on a laptop as well as in the trainer.
 """
 
 from __future__ import annotations
@@ -20,6 +21,21 @@ class ExportError(RuntimeError):
     def __init__(self, target: str, problem: str, fix: str) -> None:
         super().__init__(f"export to {target}: {problem}; {fix}")
         self.target, self.problem, self.fix = target, problem, fix
+
+
+ATTEMPTS = 4
+"""Tries of a push that met a transient fault (no answer, 5xx, 429), 2, 4, 8 s apart."""
+
+
+def wait_to_try_again(attempt: int, fault: object, target: str, where: str, say,
+                      sleep) -> None:
+    """After a transient `fault` on try `attempt`: wait 2**attempt s; after the last try,
+    raise ExportError saying to check `where` (the registry, the hub)."""
+    if attempt == ATTEMPTS:
+        raise ExportError(target, f"{fault} ({ATTEMPTS} tries)", f"check that {where} is "
+                          "up and reachable from here, then export again")
+    say(f"  {fault}; trying again in {2 ** attempt} s")
+    sleep(2 ** attempt)
 
 
 def model_folder(output: Path, merged: bool = False) -> Path:
@@ -46,18 +62,24 @@ def model_folder(output: Path, merged: bool = False) -> Path:
 
 
 def export(folder: Path, target: str, *, plain_http: bool = False, say=print,
-           credentials: list[Path] | None = None) -> str:
-    """Push `folder` to `target`; returns what was pushed (the reference with its digest).
-    `credentials`: the Docker configs to read (None: the user's, `oci.docker_configs`).
-    Raises ExportError (a bad target, a refused or unreachable registry, an empty folder)."""
+           credentials: Path | None = None) -> str:
+    """Push `folder` to `target`; returns what was pushed (the reference with its digest, or
+    the repository with its commit). `credentials`: the file holding the target's (a Docker
+    config, or a hub token; None: the user's own, `oci.docker_configs` or HF_TOKEN). Raises
+    ExportError (a bad target, a refused or unreachable registry or hub, an empty folder)."""
     try:
-        uri = parse_uri(target, ("oci",))
+        uri = parse_uri(target, ("oci", "hf"))
     except UriError as error:
         raise ExportError(target, error.what, error.fix) from None
+    if uri.scheme == "hf":
+        from finetune_trainer.export import hub
+
+        token = credentials.read_text().strip() if credentials else None
+        return hub.push(folder, hub.HubRepo.parse(uri.raw), token=token, say=say)
     from finetune_trainer.export import oci
 
     return oci.push(folder, oci.Reference.parse(uri.raw), plain_http=plain_http, say=say,
-                    configs=credentials)
+                    configs=[credentials] if credentials else None)
 
 
 def export_trained(output: Path, targets: list, say=print) -> list[dict[str, str]]:
@@ -66,19 +88,25 @@ def export_trained(output: Path, targets: list, say=print) -> list[dict[str, str
     `exports`). A failed push is said and recorded, never raised: the model is in the output
     folder whatever happens here. A target's `secretName` is read where the workers have it
     mounted (layout.export_credentials); where it is not (`finetune run`), the user's own
-    Docker login is."""
+    login is (Docker's, or HF_TOKEN)."""
     from finetune_trainer.layout import export_credentials
 
     outcomes = []
     for target in targets:
+        if not target.pushed_by_trainer:
+            say(f"{target.uri}: registered in the Azure ML workspace by the operator once the "
+                "job has succeeded")
+            continue
         credentials = None
         if target.secret_name:
-            mounted = export_credentials(target.secret_name)
+            mounted = export_credentials(target.secret_name, target.secret_key)
             if mounted.is_file():
-                credentials = [mounted]
+                credentials = mounted
             else:
+                own = ("HF_TOKEN or your hub login" if target.uri.startswith("hf://")
+                       else "your own Docker login")
                 say(f"secret {target.secret_name} is not mounted here: pushing to "
-                    f"{target.uri} with your own Docker login")
+                    f"{target.uri} with {own}")
         try:
             pushed = export(model_folder(output, target.merged), target.uri,
                             plain_http=target.plain_http, say=say, credentials=credentials)

@@ -40,7 +40,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import urljoin
 
-from finetune_trainer.export import ExportError
+from finetune_trainer.export import ATTEMPTS, ExportError, wait_to_try_again
 
 MANIFEST_TYPE = "application/vnd.oci.image.manifest.v1+json"
 CONFIG_TYPE = "application/vnd.oci.image.config.v1+json"
@@ -54,8 +54,6 @@ TAR_DIGEST = "io.deis.oras.content.digest"
 CREATED = "org.opencontainers.image.created"
 DESCRIPTION = "org.opencontainers.image.description"
 BASE_MODEL = "dev.finetune.base-model"
-ATTEMPTS = 4
-"""Tries of a push that met a transient fault (no answer, 5xx, 429), 2, 4, 8 s apart."""
 
 
 _HOST = re.compile(r"^(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?"
@@ -429,12 +427,7 @@ def push(folder: Path, reference: Reference, *, plain_http: bool = False,
                 digest = registry.put_manifest(packed.manifest)
                 break
             except Transient as fault:
-                if attempt == ATTEMPTS:
-                    raise ExportError(str(reference), f"{fault} ({ATTEMPTS} tries)",
-                                      "check that the registry is up and reachable from "
-                                      "here, then export again") from None
-                say(f"  {fault}; trying again in {2 ** attempt} s")
-                sleep(2 ** attempt)
+                wait_to_try_again(attempt, fault, str(reference), "the registry", say, sleep)
     pushed = f"{reference}@{digest}"
     say(f"pushed {pushed}")
     return pushed

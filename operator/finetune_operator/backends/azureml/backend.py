@@ -14,9 +14,10 @@ import logging
 import re
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
-from finetune_operator.api import FineTuneJob
+from finetune_operator.api import FineTuneJob, Progress
 from finetune_operator.backends import BackendContext, BackendError
 from finetune_operator.backends.azureml import jobspec, states
 from finetune_operator.backends.azureml.client import (
@@ -102,6 +103,8 @@ class AzureMLBackend:
         self._clients: dict[Workspace, AzureMLClient] = {}
         self._refused: dict[str, tuple[int, str]] = {}
         """FineTuneJob uid → the attempt Azure ML last refused to run, and why."""
+        self._registrations: dict[str, list[dict[str, str]]] = {}
+        """FineTuneJob uid → how its `azureml://models/` registrations went."""
 
     # --- offline ---
 
@@ -144,7 +147,25 @@ class AzureMLBackend:
                     unread = self.gate.why.get(workspace_of(job), "no answer")
         data = data or {}
         progress = states.progress_from_metrics(data.get("metrics") or [])
-        return states.observe(job, current, progress, states.tags_of(data), unread)
+        seen = states.observe(job, current, progress, states.tags_of(data), unread)
+        if seen.succeeded and jobspec.workspace_models(job) and not any(
+                c.type == "Exported" for c in (job.status.conditions if job.status else [])):
+            seen = replace(seen, progress=(seen.progress or Progress()).model_copy(
+                update={"exports": await self._registered(job)}))
+        return seen
+
+    async def _registered(self, job: FineTuneJob) -> list[dict[str, str]]:
+        """The job's `azureml://models/` targets registered, once (the outcomes kept until
+        the status says `Exported`): each `{uri, pushed}` or `{uri, error}`."""
+        key = job.metadata.uid or job.name
+        if key not in self._registrations:
+            try:
+                outcomes = await self._call(job, self._register, job)
+            except BackendError as error:
+                outcomes = [{"uri": m.uri, "error": f"{error}; {m.by_hand()}"}
+                            for m in jobspec.workspace_models(job)]
+            self._registrations[key] = outcomes or []
+        return self._registrations[key]
 
     async def launch(self, job: FineTuneJob) -> None:
         await self._submit_next(job)
@@ -168,6 +189,7 @@ class AzureMLBackend:
         """The FineTuneJob is being deleted: cancel what runs; outputs stay in the datastore.
         A job never launched is let go even when Azure cannot be asked (no identity yet)."""
         self._refused.pop(job.metadata.uid or job.name, None)
+        self._registrations.pop(job.metadata.uid or job.name, None)
         try:
             await self._cancel_newest(job)
         except BackendError:
@@ -210,6 +232,22 @@ class AzureMLBackend:
             return
         self._refused.pop(job.metadata.uid or job.name, None)
         logger.info("submitted Azure ML job %s (%s)", created.name, created.status)
+
+    def _register(self, job: FineTuneJob) -> list[dict[str, str]]:
+        description, tags = jobspec.model_description(job)
+        outcomes = []
+        for model in jobspec.workspace_models(job):
+            try:
+                version = self._client(job).register_model(model.name, model.path,
+                                                           description, tags)
+            except (Refused, BackendError) as error:
+                outcomes.append({"uri": model.uri, "error": f"Azure ML refused the "
+                                 f"registration: {error}; {model.by_hand()}"})
+                continue
+            logger.info("registered %s:%s from %s", model.name, version, model.path)
+            outcomes.append({"uri": model.uri,
+                             "pushed": f"azureml://models/{model.name}/versions/{version}"})
+        return outcomes
 
     def _cancel(self, job: FineTuneJob) -> None:
         current = self._newest_attempt(job)

@@ -1,4 +1,5 @@
-"""One Azure ML workspace through azure-ai-ml's MLClient: get, create, cancel, metrics.
+"""One Azure ML workspace through azure-ai-ml's MLClient: get, create, cancel, metrics, and
+registering a trained model.
 
 Blocking (the SDK is synchronous): the backend calls these from a worker thread. Errors
 leave here in three kinds the backend acts on: `Refused` (Azure ML will not run this job
@@ -209,6 +210,21 @@ class AzureMLClient:
             return
         except Exception as error:
             raise self._translate(error) from error
+
+    def register_model(self, name: str, path: str, description: str,
+                       tags: dict[str, str]) -> str:
+        """Register `path` (a datastore folder, nothing uploaded) as the next version of
+        model `name`; returns that version."""
+        from azure.ai.ml.constants import AssetTypes
+        from azure.ai.ml.entities import Model
+
+        try:
+            model = self.ml.models.create_or_update(Model(
+                name=name, path=path, type=AssetTypes.CUSTOM_MODEL, description=description,
+                tags=tags))
+        except Exception as error:
+            raise self._translate(error) from error
+        return str(model.version)
 
     def run_data(self, job: AzureJob) -> dict[str, Any]:
         """The MLflow run's data (the run id is the job name): its latest `metrics` and its

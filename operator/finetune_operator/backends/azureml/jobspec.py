@@ -18,13 +18,15 @@ import contextlib
 import json
 import logging
 import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from finetune_operator.api import FineTuneJob
 from finetune_operator.settings import OperatorSettings
 from finetune_operator.trainer_config import build_trainer_config, unreachable_locations
 from finetune_operator.validation import PUSH_THE_TRAINER_IMAGE, Problem, placeholder_image
-from finetune_trainer.config import TrainerConfig
+from finetune_trainer.config import WORKSPACE_MODEL, TrainerConfig
+from finetune_trainer.layout import FINAL_DIR, MERGED_DIR
 from finetune_trainer.uris import Location, Unreachable, data_file_builder, job_placeholder
 
 if TYPE_CHECKING:
@@ -309,11 +311,13 @@ def _refusals(job: FineTuneJob) -> list[Problem]:
             "spec.model.tokenSecretRef", "Kubernetes Secrets do not reach Azure ML workers",
             "register the model in Azure ML and use its azureml:// URI, or remove "
             "tokenSecretRef for a public hub model"))
-    if spec.output.export:
-        problems.append(Problem(
-            "spec.output.export", "is not pushed from Azure ML workers yet (the registry's "
-            "Kubernetes Secret cannot reach them)", "remove it, and push the job's output "
-            "once it has ended: finetune export <output> oci://registry/repository:tag"))
+    for index, target in enumerate(spec.output.export):
+        if target.pushed_by_trainer:
+            problems.append(Problem(
+                f"spec.output.export[{index}].uri", "is pushed from the workers, which no "
+                "Kubernetes Secret reaches on Azure ML", "register the model in the workspace "
+                "instead (uri: azureml://models/NAME), or push the output once the job has "
+                f"ended: finetune export <output> {target.uri}"))
     aml = spec.azureml
     if aml is not None and aml.shm_size is not None:
         try:
@@ -348,3 +352,38 @@ def sdk_problems(job: FineTuneJob) -> list[Problem]:
     return [Problem(f"spec.azureml ({path})", " ".join(str(message).split()),
                     "see the Azure ML command job schema")
             for path, message in result.error_messages.items()]
+
+
+@dataclass(frozen=True)
+class WorkspaceModel:
+    """An `azureml://models/NAME` export target: what the operator registers once the job
+    has succeeded, from the output datastore (nothing uploaded)."""
+
+    uri: str
+    name: str
+    path: str
+
+    def by_hand(self) -> str:
+        return (f"register it by hand: az ml model create --name {self.name} --path "
+                f"{self.path} --type custom_model")
+
+
+def workspace_models(job: FineTuneJob) -> list[WorkspaceModel]:
+    """The job's Azure ML model registrations, each with the output folder it registers
+    (`final/`, or `merged/` for a `merged` target)."""
+    output = job.spec.output.uri.rstrip("/")
+    return [WorkspaceModel(target.uri, re.match(WORKSPACE_MODEL, target.uri)["name"],
+                           f"{output}/{MERGED_DIR if target.merged else FINAL_DIR}")
+            for target in job.spec.output.export
+            if not target.pushed_by_trainer and re.match(WORKSPACE_MODEL, target.uri)]
+
+
+def model_description(job: FineTuneJob) -> tuple[str, dict[str, str]]:
+    """A registered model's description and tags: the job that trained it, from what."""
+    spec = job.spec
+    return (f"{spec.method.type} {spec.objective.type} fine-tune of {spec.model.uri} by "
+            f"FineTuneJob {job.namespace}/{job.name}",
+            {"finetune.dev/job": f"{job.namespace}/{job.name}",
+             "finetune.dev/base-model": spec.model.uri,
+             "finetune.dev/method": spec.method.type,
+             "finetune.dev/objective": spec.objective.type})

@@ -15,7 +15,6 @@ from finetune_operator.backends.children import CONTROLLER_UID_KEY, ORPHANED
 from finetune_operator.backends.kubernetes.workers import (
     BAD_INPUT_EXIT_CODE,
     COMPLETION_INDEX_KEY,
-    DOCKER_CONFIG_KEY,
     FETCH_MODEL_CONTAINER,
     FETCH_REFUSED_EXIT_CODE,
     OTHER_CHECKPOINTS_EXIT_CODE,
@@ -24,6 +23,7 @@ from finetune_operator.backends.kubernetes.workers import (
     TRAINER_CONTAINER,
 )
 from finetune_operator.reconcile import INPUT_REFUSED, Failure, Observation
+from finetune_trainer.config import DOCKER_CONFIG_KEY
 from finetune_trainer.record import ProgressRecord
 
 logger = logging.getLogger("finetune_operator.kubernetes")
@@ -346,7 +346,7 @@ def _object_refs(job: FineTuneJob, kind: str, name: str) -> list[tuple[str, str 
             refs.append((f"spec.kubernetes.env[{index}] ({variable.name})", ref.key))
     for index, target in enumerate(job.spec.output.export):
         if kind == "Secret" and target.secret_name == name:
-            refs.append((f"spec.output.export[{index}].secretName", DOCKER_CONFIG_KEY))
+            refs.append((f"spec.output.export[{index}].secretName", target.secret_key))
     for index, volume in enumerate(k8s.volumes if k8s else []):
         if (kind == "Secret" and volume.secret is not None
                 and volume.secret.secret_name == name) or (

@@ -20,7 +20,7 @@ from finetune_operator.validation import (
 )
 from finetune_trainer import exits
 from finetune_trainer.config import TrainerConfig
-from finetune_trainer.layout import export_credentials
+from finetune_trainer.layout import export_secret_dir
 from finetune_trainer.uris import SCHEME_EXAMPLES, SECTION_SCHEMES, Location, Unreachable
 
 QUEUE_LABEL = KUEUE_QUEUE_LABEL
@@ -39,9 +39,6 @@ WORKER_UID = 1000
 TRAINER_CONTAINER = "trainer"
 RESUME_CHECK_CONTAINER = "resume-check"
 FETCH_MODEL_CONTAINER = "fetch-model"
-DOCKER_CONFIG_KEY = ".dockerconfigjson"
-"""The key of a `kubernetes.io/dockerconfigjson` Secret (`kubectl create secret
-docker-registry`)."""
 STOPPED_EXIT_CODE = exits.STOPPED
 """The trainer's exit after SIGTERM, once it has written a checkpoint."""
 OTHER_CHECKPOINTS_EXIT_CODE = exits.EXIT_OTHER_CHECKPOINTS
@@ -75,7 +72,12 @@ def validate(job: FineTuneJob, settings: OperatorSettings | None = None) -> list
     from the environment, where `finetune render` and the operator read them)."""
     k8s = job.spec.kubernetes
     image = None if k8s and k8s.image else placeholder_image(job, settings)
-    return unreachable_locations(job, mount) + ([] if image is None else [Problem(
+    registrations = [Problem(
+        f"spec.output.export[{index}].uri", "registers a model in an Azure ML workspace, "
+        "which only the azureml backend has", "push it to oci:// or hf://, or run the job "
+        "with backend: azureml") for index, target in enumerate(job.spec.output.export)
+        if not target.pushed_by_trainer]
+    return unreachable_locations(job, mount) + registrations + ([] if image is None else [Problem(
         "spec.kubernetes.image", "is not set, so the workers run the trainer image of the "
         f"operator's settings, here {image}: a placeholder that no registry serves",
         f"{PUSH_THE_TRAINER_IMAGE}, or set spec.kubernetes.image", "warning",
@@ -242,17 +244,19 @@ def _user_volumes(job: FineTuneJob) -> tuple[list[dict[str, Any]], list[dict[str
 
 def _export_secret_volumes(job: FineTuneJob
                            ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Each `output.export[].secretName` Secret's Docker config, read-only where the trainer
-    reads a target's credentials (layout.export_credentials)."""
-    names = sorted({t.secret_name for t in job.spec.output.export if t.secret_name})
+    """Each `output.export[].secretName` Secret's keys its targets read (a Docker config, a
+    hub token), read-only where the trainer reads them (layout.export_secret_dir)."""
+    keys: dict[str, set[str]] = {}
+    for target in job.spec.output.export:
+        if target.secret_name:
+            keys.setdefault(target.secret_name, set()).add(target.secret_key)
     volumes, mounts = [], []
-    for index, name in enumerate(names):
+    for index, (name, wanted) in enumerate(sorted(keys.items())):
         volume = f"export-secret-{index}"
         volumes.append({"name": volume, "secret": {
-            "secretName": name, "items": [{"key": DOCKER_CONFIG_KEY,
-                                           "path": DOCKER_CONFIG_KEY}]}})
+            "secretName": name, "items": [{"key": key, "path": key} for key in sorted(wanted)]}})
         mounts.append({"name": volume, "readOnly": True,
-                       "mountPath": str(export_credentials(name).parent)})
+                       "mountPath": str(export_secret_dir(name))})
     return volumes, mounts
 
 

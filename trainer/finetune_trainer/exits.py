@@ -5,6 +5,8 @@ record) all read it without reading each other."""
 
 from __future__ import annotations
 
+import re
+
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_NETWORK = 3
@@ -24,3 +26,10 @@ TERMINATION_LIMIT = 4000
 TERMINATION_LOG_ENV = "FINETUNE_TERMINATION_LOG"
 """The container's `terminationMessagePath`, which the operator's pod spec sets beside it
 (the kubelet's default, TERMINATION_LOG, where it is unset)."""
+
+LOST_PEER = re.compile(r"closed by peer|reset by peer|Broken pipe|remote worker|"
+                       r"NCCL communicator was aborted|ProcessGroupNCCL.*[Ww]atchdog")
+"""gloo's and NCCL's words when another rank stopped answering (torch 2.13: "Connection
+closed by peer ... This is typically caused by a remote worker crashing"): such a rank
+failed because another one went, and that one's own failure says why (the launcher and the
+operator both name it first)."""

@@ -17,8 +17,13 @@ the PET_* environment defaults) and ends with:
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import os
+import re
 import sys
+from pathlib import Path
+from typing import Any
 
 from finetune_trainer import errors, exits
 
@@ -30,9 +35,7 @@ every attempt. Others (a crash, a kill) become 1."""
 def failure_line(rank: int, exitcode: int, message: object) -> str:
     """What one failed worker said, for a person: its own message for the exit codes that
     name the input, else the rank, how it ended and its message."""
-    if isinstance(message, dict):  # torch's ErrorHandler nests it with the traceback
-        message = message.get("message", "")
-    text = _summary(str(message or ""))
+    text = _summary(str(_message(message) or ""))  # torch's ErrorHandler nests it
     if text.startswith(("To enable traceback", "Signal ")):  # torch's, where the worker said
         text = ""                                             # nothing (no error file)
     if exitcode < 0:
@@ -59,6 +62,82 @@ def _summary(message: str) -> str:
     return said[0] if said else ""
 
 
+def first_cause(failures: dict[int, Any]) -> int:
+    """The rank whose failure the launcher names: torch's `get_first_failure` takes the
+    earliest error file by the second, and a rank that lost its peer (gloo's "Connection
+    closed by peer") often writes in the same second as the peer it lost, or before the
+    agent sees that one's kill. A rank's own failure outranks a lost connection, and both
+    a load of an op another rank failed to build; then the earliest, then the lowest rank."""
+    def order(rank: int) -> tuple[bool, bool, float, int]:
+        failure = failures[rank]  # torch's ProcessFailure
+        said = _summary(str(_message(failure.message)))
+        return (exits.LOST_PEER.search(said) is not None,
+                _NOT_BUILT_HERE.search(said) is not None, failure.timestamp, rank)
+
+    return min(failures, key=order)
+
+
+_NOT_BUILT_HERE = re.compile(r"cannot open shared object file")
+"""torch's JIT build runs on one rank while the others wait for its lock and then load what
+it built: where the build failed, they fail loading a library that is not there, and the
+builder's own line says why."""
+
+
+def _message(message: object) -> object:
+    return message.get("message", "") if isinstance(message, dict) else message
+
+
+def stale_build_locks(root: Path) -> list[Path]:
+    """The lock files under `root` (torch's extensions folder) that no process holds open.
+
+    torch's JIT build of an op (DeepSpeed's shm op on CPU workers) creates `NAME/lock` and
+    holds it open while it compiles; every other process that needs the op waits, without
+    end and without a word, while the file exists. A build killed midway (SIGKILL, a run
+    or pod stopped while it compiled) leaves the file, and every later run on the machine
+    would wait forever. A lock no process holds open, seen twice a moment apart (a build
+    that just finished closes it before removing it), is such a leftover."""
+    import time
+
+    def unheld() -> set[Path]:
+        locks = {lock.resolve() for pattern in ("*/lock", "*/*/lock")
+                 for lock in root.glob(pattern)}
+        return locks - _open_files() if locks else set()
+
+    first = unheld()
+    if not first:
+        return []
+    time.sleep(0.5)
+    return sorted(first & unheld())
+
+
+def _open_files() -> set[Path]:
+    """The files this machine's processes (those this user may look into) hold open."""
+    held = set()
+    for fds in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            for fd in fds.iterdir():
+                held.add(Path(os.readlink(fd)))
+        except OSError:  # gone meanwhile, or another user's
+            continue
+    return held
+
+
+def clear_stale_build_locks() -> None:
+    """Remove the leftover build locks (`stale_build_locks`) of this machine's extensions
+    folder, saying so: the op is then built again, where it would have waited forever."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    if not root.is_dir() or not Path("/proc/self/fd").is_dir():
+        return
+    for lock in stale_build_locks(root):
+        with contextlib.suppress(FileNotFoundError):
+            lock.unlink()
+            print(f"finetune-train: removed {lock}, left by a build of the op that was "
+                  "stopped midway (no process holds it): the op is built again",
+                  file=sys.stderr, flush=True)
+
+
 def exit_code(exitcode: int) -> int:
     return exitcode if exitcode in PASSED_ON else exits.EXIT_FAILED
 
@@ -82,10 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     gc.enable()
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    clear_stale_build_locks()
     try:
         run(args)
     except ChildFailedError as error:
-        rank, failure = error.get_first_failure()
+        rank = first_cause(error.failures)
+        failure = error.failures[rank]
         line = failure_line(rank, failure.exitcode, failure.message)
         print(f"finetune-train: {line}", file=sys.stderr, flush=True)
         errors.termination_message(line)

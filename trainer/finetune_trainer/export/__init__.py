@@ -89,6 +89,7 @@ def export_trained(output: Path, targets: list, say=print) -> list[dict[str, str
     folder whatever happens here. A target's `secretName` is read where the workers have it
     mounted (layout.export_credentials); where it is not (`finetune run`), the user's own
     login is (Docker's, or HF_TOKEN)."""
+    from finetune_trainer.config import HUB_TOKEN_KEY
     from finetune_trainer.layout import export_credentials
 
     outcomes = []
@@ -103,7 +104,7 @@ def export_trained(output: Path, targets: list, say=print) -> list[dict[str, str
             if mounted.is_file():
                 credentials = mounted
             else:
-                own = ("HF_TOKEN or your hub login" if target.uri.startswith("hf://")
+                own = ("HF_TOKEN or your hub login" if target.secret_key == HUB_TOKEN_KEY
                        else "your own Docker login")
                 say(f"secret {target.secret_name} is not mounted here: pushing to "
                     f"{target.uri} with {own}")

@@ -31,7 +31,7 @@ from finetune_operator.backends.azureml.client import (
 )
 from finetune_operator.backends.azureml.states import AzureJob
 from finetune_operator.output_folders import folder_key
-from finetune_operator.reconcile import Failure, Observation
+from finetune_operator.reconcile import Failure, Observation, condition
 from finetune_operator.validation import Problem
 from finetune_trainer.uris import Location
 
@@ -148,8 +148,8 @@ class AzureMLBackend:
         data = data or {}
         progress = states.progress_from_metrics(data.get("metrics") or [])
         seen = states.observe(job, current, progress, states.tags_of(data), unread)
-        if seen.succeeded and jobspec.workspace_models(job) and not any(
-                c.type == "Exported" for c in (job.status.conditions if job.status else [])):
+        if seen.succeeded and jobspec.workspace_models(job) and not (
+                job.status and condition(job.status, "Exported")):
             seen = replace(seen, progress=(seen.progress or Progress()).model_copy(
                 update={"exports": await self._registered(job)}))
         return seen

@@ -24,6 +24,7 @@ from finetune_operator.backends.kubernetes.workers import (
 )
 from finetune_operator.reconcile import INPUT_REFUSED, Failure, Observation
 from finetune_trainer.config import DOCKER_CONFIG_KEY
+from finetune_trainer.exits import LOST_PEER
 from finetune_trainer.record import ProgressRecord
 
 logger = logging.getLogger("finetune_operator.kubernetes")
@@ -119,15 +120,10 @@ PEER_LOSS_GRACE_SECONDS = 30.0
 own word, while the peer still runs: about a second when a rank was killed; a node that
 died says nothing, and the lost connection is the cause given after this."""
 
-_LOST_PEER = re.compile(r"closed by peer|reset by peer|Broken pipe|remote worker|"
-                        r"NCCL communicator was aborted|ProcessGroupNCCL.*[Ww]atchdog")
-"""gloo's and NCCL's words when another rank stopped answering (torch 2.13: "Connection
-closed by peer ... This is typically caused by a remote worker crashing")."""
-
 
 def lost_a_peer(failure: Failure) -> bool:
     """The worker failed because another rank went, not on its own account."""
-    return failure.kind == "worker" and bool(_LOST_PEER.search(failure.message))
+    return failure.kind == "worker" and bool(LOST_PEER.search(failure.message))
 
 
 def _peer_still_ending(pods: list[dict[str, Any]], ended: str, now: datetime) -> bool:

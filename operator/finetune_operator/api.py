@@ -93,6 +93,13 @@ class Resources(ApiModel):
     memory: Quantity | None = None
     """Memory request per node (e.g. `64Gi`)."""
 
+    @property
+    def on_gpus(self) -> bool:
+        """The workers are GPU processes, one per GPU; else CPU processes over gloo
+        (`gpusPerNode: 0`). Decided here only: the planner, local runs, the renderers, the
+        backends and the rules read it (tests/code/test_placement.py)."""
+        return self.gpus_per_node > 0
+
     def processes(self) -> int:
         """Training processes per node."""
         return self.gpus_per_node or self.processes_per_node or 1

@@ -140,7 +140,7 @@ def _summary(job: FineTuneJob, where: str | None = None, on_gpus: bool = True) -
     `on_gpus`: False where `finetune run` trains a GPU job's workers on CPUs."""
     spec, r = job.spec, job.spec.resources
     count = r.processes()
-    unit = ("GPU" if count == 1 else "GPUs") if r.gpus_per_node and on_gpus else (
+    unit = ("GPU" if count == 1 else "GPUs") if r.on_gpus and on_gpus else (
         "CPU process" if count == 1 else "CPU processes")
     nodes = "1 node" if r.nodes == 1 else f"{r.nodes} nodes"
     return (f"{KIND} {job.namespace}/{job.name}: {spec.method.type} on {where or spec.backend}, "
@@ -564,9 +564,9 @@ def _check_gpu_type_option(gpu_type: str, job: FineTuneJob) -> None:
     """`plan --gpu-type`, typed on the command line: a name the catalog does not know
     (a typo planned as `verdict: unknown`, exit 0) or a job of CPU workers (the option was
     ignored without a word) is refused, exit 2."""
-    from finetune_operator.planner import catalog
+    from finetune_operator import gpu_catalog as catalog
 
-    if not job.spec.resources.gpus_per_node:
+    if not job.spec.resources.on_gpus:
         click.echo(f"--gpu-type {gpu_type}: the job's workers are CPU processes "
                    "(spec.resources.gpusPerNode: 0) — set gpusPerNode to plan it on GPUs",
                    err=True)
@@ -631,7 +631,7 @@ def run_command(file: str, nproc: int | None, fresh: bool, metrics_port: int | N
         click.echo(f"{doc.source}: {error}", err=True)
         sys.exit(EXIT_INVALID)
     here = local.as_run_here(job, processes, accumulation)
-    machine = local.this_machine(processes) if gpus and job.spec.resources.gpus_per_node else None
+    machine = local.this_machine(processes) if gpus and job.spec.resources.on_gpus else None
     config, step_settings, serving, ports = _config_here(doc, here, model, machine,
                                                          metrics_port)
     output_dir = Path(config.output.uri)
@@ -669,7 +669,7 @@ def run_command(file: str, nproc: int | None, fresh: bool, metrics_port: int | N
 
     code = local.run_trainer(config_path, processes, run_log(output_dir),
                              max_restarts=restarts, verbose=verbose, lock=lock,
-                             on_gpus=bool(job.spec.resources.gpus_per_node))
+                             on_gpus=job.spec.resources.on_gpus)
     ports.close()  # held for the workers until now, restarts included
     if code == 0:
         click.echo(f"done: model in {output_dir / layout.FINAL_DIR}, checkpoints in "

@@ -24,6 +24,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TextIO
 
+from finetune_operator import gpu_catalog as catalog
 from finetune_operator.api import FineTuneJob
 from finetune_operator.follow import read_progress
 from finetune_operator.planner import (
@@ -31,7 +32,6 @@ from finetune_operator.planner import (
     ModelConfigs,
     StepSettings,
     VmSize,
-    catalog,
     fetch_from_hub,
 )
 from finetune_operator.planner.plan import gib
@@ -166,7 +166,7 @@ def local_mount(base_dir: Path) -> Mount:
 def default_processes(job: FineTuneJob, gpus: int) -> int:
     """Processes on this machine: the spec's CPU workers, or the `gpus` that are visible."""
     resources = job.spec.resources
-    if resources.gpus_per_node == 0:
+    if not resources.on_gpus:
         return resources.nodes * resources.processes()
     return max(1, min(gpus, resources.nodes * resources.gpus_per_node))
 
@@ -183,14 +183,14 @@ def fit_to_machine(job: FineTuneJob, processes: int, gpus: int) -> tuple[int, li
     spec, resources = job.spec, job.spec.resources
     hp = spec.hyperparameters
     world = resources.nodes * resources.processes()
-    if resources.gpus_per_node and processes > gpus > 0:  # a worker each; the rest would fail
+    if resources.on_gpus and processes > gpus > 0:  # a worker each; the rest would fail
         raise MachineMismatch(
             f"--nproc {processes}: this machine shows {gpus} GPU{'s' if gpus > 1 else ''} "
             f"(CUDA_VISIBLE_DEVICES, else nvidia-smi) and each GPU worker needs one of its "
             f"own — pass --nproc {gpus} or fewer (more gradientAccumulationSteps keep the "
             "global batch)")
     notes = []
-    if resources.gpus_per_node and gpus == 0:
+    if resources.on_gpus and gpus == 0:
         if refused := on_cpus_refused(job, processes):
             raise MachineMismatch(
                 f"{refused} — no GPU is visible here (CUDA_VISIBLE_DEVICES, else nvidia-smi), so "
@@ -239,7 +239,7 @@ def as_run_here(job: FineTuneJob, processes: int, accumulation: int) -> FineTune
     with the checkpoints' settings, so a run resumes on the machine it ran on."""
     spec = job.spec
     hp, resources = spec.hyperparameters, spec.resources
-    here = ({"nodes": 1, "gpus_per_node": processes} if resources.gpus_per_node else
+    here = ({"nodes": 1, "gpus_per_node": processes} if resources.on_gpus else
             {"nodes": 1, "processes_per_node": processes})
     step = {"gradient_accumulation_steps": accumulation}
     if hp.micro_batch_size is not None:

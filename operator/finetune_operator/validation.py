@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
+from finetune_operator import gpu_catalog as catalog
 from finetune_operator.api import (
     API_VERSION,
     DNS_1035_LABEL,
@@ -30,7 +31,6 @@ from finetune_operator.api import (
     FineTuneJob,
     FineTuneJobSpec,
 )
-from finetune_operator.planner import catalog
 from finetune_operator.settings import OperatorSettings
 from finetune_trainer import objectives
 from finetune_trainer.config import EXPORT_TARGET_PATTERN, WORKSPACE_MODEL, ObjectiveConfig
@@ -193,7 +193,7 @@ def qlora_needs_gpus_and_half_precision(job: FineTuneJob) -> Iterator[Problem]:
     spec = job.spec
     if spec.method.type != "qlora":
         return
-    if spec.resources.gpus_per_node == 0:
+    if not spec.resources.on_gpus:
         yield Problem("spec.method.type", "qlora needs GPUs (bitsandbytes 4-bit kernels), and "
                       "CPU workers (gpusPerNode: 0) have none",
                       "set spec.resources.gpusPerNode >= 1, or use `method.type: lora` on CPU")
@@ -221,7 +221,7 @@ def no_fp16_full_fsdp(job: FineTuneJob) -> Iterator[Problem]:
               "fp32 on CPU workers, or strategy ddp or fsdp", ".strategy.precision"))
 def deepspeed_fp16_needs_gpus(job: FineTuneJob) -> Iterator[Problem]:
     spec = job.spec
-    if (spec.resources.gpus_per_node == 0 and spec.strategy.precision == "fp16"
+    if (not spec.resources.on_gpus and spec.strategy.precision == "fp16"
             and spec.strategy.type in ("zero1", "zero2", "zero3")):
         yield Problem("spec.strategy.precision", f"fp16 under DeepSpeed ({spec.strategy.type}) "
                       "needs GPUs: its CPU accelerator has no fp16, and CPU workers "
@@ -435,7 +435,7 @@ def eval_split_needs_splits(job: FineTuneJob) -> Iterator[Problem]:
               "process per GPU; remove it", ".processesPerNode"))
 def processes_only_for_cpu(job: FineTuneJob) -> Iterator[Problem]:
     r = job.spec.resources
-    if r.processes_per_node is not None and r.gpus_per_node > 0:
+    if r.processes_per_node is not None and r.on_gpus:
         yield Problem("spec.resources.processesPerNode",
                       f"is set with gpusPerNode: {r.gpus_per_node}",
                       "remove it: with GPUs there is one training process per GPU")

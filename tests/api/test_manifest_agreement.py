@@ -216,8 +216,9 @@ def test_the_run_notes_come_from_the_trainer_configs_own_decision(tmp_path):
 
 
 def test_the_planner_asks_the_validator_only_about_options_that_fit(monkeypatch):
+    from finetune_operator import gpu_catalog as catalog
     from finetune_operator.api import FineTuneJob
-    from finetune_operator.planner import catalog, plan
+    from finetune_operator.planner import plan
     from finetune_operator.planner.memory import estimate_memory
 
     asked = []

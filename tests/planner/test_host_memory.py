@@ -11,7 +11,8 @@ import sys
 import pytest
 import yaml
 
-from finetune_operator.planner import catalog, plan_job
+from finetune_operator import gpu_catalog as catalog
+from finetune_operator.planner import plan_job
 from finetune_operator.planner.architecture import from_hf_config
 from finetune_operator.planner.host import PROCESS_BYTES, estimate_host_memory
 from finetune_operator.planner.known_models import KNOWN_MODELS

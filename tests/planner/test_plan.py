@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from finetune_operator.planner import catalog, plan_job, recommend, resolve_strategy
+from finetune_operator import gpu_catalog as catalog
+from finetune_operator.planner import plan_job, recommend, resolve_strategy
 from finetune_operator.planner.architecture import from_hf_config
 from finetune_operator.planner.known_models import KNOWN_MODELS
 from finetune_operator.planner.plan import HEADROOM, fallback_strategy

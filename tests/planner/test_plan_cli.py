@@ -199,7 +199,7 @@ def test_offline_says_the_hub_was_not_asked_and_what_the_plan_used_instead():
 
 
 def test_the_known_gpus_and_models_are_listed():
-    from finetune_operator.planner import catalog
+    from finetune_operator import gpu_catalog as catalog
     from finetune_operator.planner.known_models import KNOWN_MODELS
 
     gpus = finetune("plan", "--list-gpus")

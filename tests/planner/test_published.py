@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from finetune_operator.gpu_catalog import find
 from finetune_operator.planner import plan_job, resolve_strategy
 from finetune_operator.planner.architecture import from_hf_config
-from finetune_operator.planner.catalog import find
 from finetune_operator.planner.compute import estimate_throughput
 from finetune_operator.planner.known_models import KNOWN_MODELS
 from finetune_operator.planner.memory import TrainingSetup, estimate_memory

@@ -3,8 +3,8 @@ catalog holds (#19, items 4 and 5)."""
 
 from __future__ import annotations
 
+from finetune_operator import gpu_catalog as catalog
 from finetune_operator.api import FineTuneJob
-from finetune_operator.planner import catalog
 from finetune_operator.planner.plan import as_recommended, plan_job, refused, resolve_strategy
 from finetune_operator.planner.sources import from_table
 from finetune_operator.validation import check_document

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from finetune_operator import gpu_catalog as catalog
 from finetune_operator.api import FineTuneJob
-from finetune_operator.planner import catalog, choose_step_settings, resolve_strategy
+from finetune_operator.planner import choose_step_settings, resolve_strategy
 from finetune_operator.planner.plan import AUTO_ORDER, TOKENS_PER_PASS
 from finetune_operator.planner.render import plan_with_notes, table
 from finetune_operator.planner.sources import from_table

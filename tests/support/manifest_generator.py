@@ -27,8 +27,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
+from finetune_operator import gpu_catalog as catalog
 from finetune_operator.api import KIND, FineTuneJobSpec
-from finetune_operator.planner import catalog
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE_FILES = sorted((REPO / "examples").rglob("*.yaml"))

@@ -1,12 +1,14 @@
 """The resource planner: per-GPU memory, step time and the cheapest fitting setup.
 
 Pure functions over a model's config.json (`architecture`, `memory`, `compute`,
-`plan`), a GPU catalog kept as data (`catalog`), and the one module that reads files or
-the network to find a config (`sources`).
+`plan`) and the GPU catalog (`finetune_operator.gpu_catalog`, data below the planner and
+validation both: the planner never recommends what validation refuses, and validation
+checks a gpuType against the catalog), and the one module that reads files or the network
+to find a config (`sources`).
 """
 
+from finetune_operator.gpu_catalog import VM_SIZES, VmSize, find
 from finetune_operator.planner.architecture import ModelShape, from_hf_config
-from finetune_operator.planner.catalog import VM_SIZES, VmSize, find
 from finetune_operator.planner.memory import MemoryEstimate, TrainingSetup, estimate_memory
 from finetune_operator.planner.plan import (
     JobPlan,

@@ -14,8 +14,8 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
 
+from finetune_operator.gpu_catalog import VmSize
 from finetune_operator.planner.architecture import ModelShape
-from finetune_operator.planner.catalog import VmSize
 from finetune_operator.planner.memory import TrainingSetup, trainable_params
 from finetune_trainer import flops
 

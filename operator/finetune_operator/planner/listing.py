@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from finetune_operator.planner import catalog, known_models
+from finetune_operator import gpu_catalog as catalog
+from finetune_operator.planner import known_models
 from finetune_operator.planner.architecture import ConfigError, from_hf_config
 from finetune_operator.planner.compute import EXPECTED_MFU
 from finetune_operator.planner.plan import gib

@@ -11,10 +11,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from finetune_operator import gpu_catalog as catalog
 from finetune_operator.api import FineTuneJob
-from finetune_operator.planner import catalog
+from finetune_operator.gpu_catalog import VmSize
 from finetune_operator.planner.architecture import ConfigError, ModelShape, from_hf_config
-from finetune_operator.planner.catalog import VmSize
 from finetune_operator.planner.compute import COMPILE_SPEEDUP, Throughput, estimate_throughput
 from finetune_operator.planner.disk import estimate_disk, stored_bytes_per_param
 from finetune_operator.planner.host import HostMemoryEstimate, estimate_host_memory
@@ -27,6 +27,7 @@ from finetune_operator.planner.memory import (
     estimate_memory,
 )
 from finetune_operator.planner.sources import ModelConfig, from_table
+from finetune_operator.validation import setting_errors
 from finetune_trainer import layout
 from finetune_trainer.config import Hyperparameters, LoraConfig, StrategyConfig
 from finetune_trainer.objectives import spec_of
@@ -196,7 +197,7 @@ def setup_for(job: FineTuneJob, strategy: Strategy, world_size: int | None = Non
         compile=spec.strategy.compile is True,  # unset: planned eager (the larger)
         fused_loss=spec.strategy.fused_loss,
         gradient_accumulation=passes,
-        world_size=world, device="cuda" if resources.gpus_per_node else "cpu", **plans)
+        world_size=world, device="cuda" if resources.on_gpus else "cpu", **plans)
 
 
 def allowed_strategies(job: FineTuneJob) -> list[Strategy]:
@@ -307,8 +308,6 @@ def with_changes(recommendation: Recommendation, planned: dict[str, bool | int |
 def refused(job: FineTuneJob) -> str | None:
     """Why the validator would refuse `job` (its first error), or None: the planner never
     recommends a setup `finetune validate` or the API server turns down."""
-    from finetune_operator.validation import setting_errors  # validation uses the catalog
-
     errors = setting_errors(job)
     return f"{errors[0].message} — {errors[0].fix}" if errors else None
 
@@ -419,7 +418,7 @@ def _ranked_strategies(job: FineTuneJob, model: ModelConfig | None,
     shape, _ = shape_of(model)
     resources = job.spec.resources
     vm = _vm_of(job, machine)
-    if shape is None or vm is None or resources.gpus_per_node == 0:
+    if shape is None or vm is None or not resources.on_gpus:
         return []
     world = resources.nodes * resources.gpus_per_node
     precision = _precision_on(vm.gpu.bf16, job.spec.strategy.precision)
@@ -526,7 +525,7 @@ def _gpu_and_shape(job: FineTuneJob, model: ModelConfig | None, machine: VmSize 
     """The model's shape and the job's VM size (`machine`, else its gpuType's), or why the
     planner cannot tell."""
     resources = job.spec.resources
-    if resources.gpus_per_node == 0:
+    if not resources.on_gpus:
         return None, None, "CPU workers: the planner estimates GPU memory only"
     shape, error = shape_of(model or from_table(job.spec.model.uri))
     if shape is None:
@@ -593,7 +592,7 @@ def planned_peak(job: FineTuneJob, model: ModelConfig | None, strategy: Strategy
     `choose_step_settings` sized them by); None for a CPU job, or where the model or the
     GPU is not known."""
     shape, vm, _ = _gpu_and_shape(job, model, machine)
-    if shape is None or vm is None or not job.spec.resources.gpus_per_node:
+    if shape is None or vm is None or not job.spec.resources.on_gpus:
         return None
     resources, hp = job.spec.resources, job.spec.hyperparameters
     precision = _precision_on(vm.gpu.bf16, job.spec.strategy.precision)
@@ -683,7 +682,7 @@ def _passes(per_device: int, micro: int) -> str:
 def _compile_by_length(job: FineTuneJob, strategy: Strategy, setup: TrainingSetup | None,
                        shape: ModelShape | None, vm: VmSize | None,
                        unknown: str | None) -> tuple[bool, str]:
-    if job.spec.resources.gpus_per_node == 0:
+    if not job.spec.resources.on_gpus:
         return False, "CPU workers"
     if job.spec.method.type == "qlora":
         return False, "4-bit layers are not compiled"
@@ -763,7 +762,7 @@ def _plan_on(job: FineTuneJob, model: ModelConfig | None, strategy: Strategy,
                   breakdown=estimate.breakdown, temporary_buffers=estimate.temporary_buffers,
                   peak_phase=estimate.peak_phase, notes=notes, disk_bytes=disk.total,
                   disk_breakdown=disk.breakdown, warnings=[warning] if warning else [])
-    if resources.gpus_per_node == 0:
+    if not resources.on_gpus:
         return JobPlan(fits=None, verdict="unknown", gpu_type=None, reason=(
             f"CPU workers: about {gib(estimate.total)} of memory per process "
             "(the planner checks GPU memory)"), **common)

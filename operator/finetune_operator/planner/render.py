@@ -5,7 +5,7 @@ differently (it never reads the hub for that)."""
 from __future__ import annotations
 
 from finetune_operator.api import FineTuneJob
-from finetune_operator.planner.catalog import VmSize
+from finetune_operator.gpu_catalog import VmSize
 from finetune_operator.planner.plan import (
     JobPlan,
     Option,
@@ -114,7 +114,7 @@ def table(job: FineTuneJob, plan: JobPlan) -> str:
     spec, r = job.spec, job.spec.resources
     lines = [f"{job.namespace}/{job.name}: {spec.method.type}, {plan.strategy}, "
              f"{plan.precision or spec.strategy.precision}, {r.nodes} node"
-             f"{'s' if r.nodes > 1 else ''} x {r.processes()} {'GPU' if r.gpus_per_node else 'CPU'}"
+             f"{'s' if r.nodes > 1 else ''} x {r.processes()} {'GPU' if r.on_gpus else 'CPU'}"
              f" process{'es' if r.processes() > 1 else ''}, micro-batch "
              f"{_micro_batch(job, plan)} x {spec.dataset.max_seq_length} "
              f"tokens, {_step_settings(job, plan)}"]
@@ -125,7 +125,7 @@ def table(job: FineTuneJob, plan: JobPlan) -> str:
         lines.append("")
         moment = {"forwardBackward": "forward/backward", "generation": "generation"}.get(
             plan.peak_phase or "", "the optimizer step")
-        lines.append(f"per {'GPU' if r.gpus_per_node else 'process'} (peak during {moment}):")
+        lines.append(f"per {'GPU' if r.on_gpus else 'process'} (peak during {moment}):")
         for key, value in plan.breakdown.items():
             extra = ""
             if key == "temporaryBuffers" and plan.temporary_buffers:

@@ -249,7 +249,7 @@ def build_command_job(job: FineTuneJob, settings: OperatorSettings, attempt: int
         # torchrun sets: the background checkpoint write sizes its host memory by it
         "LOCAL_WORLD_SIZE": str(processes),
     }
-    if not spec.resources.gpus_per_node:  # CPU workers on a GPU instance: none takes a GPU
+    if not spec.resources.on_gpus:  # CPU workers on a GPU instance: none takes a GPU
         environment_variables["CUDA_VISIBLE_DEVICES"] = ""
     command_job = sdk.command(
         name=attempt_name(job, attempt),

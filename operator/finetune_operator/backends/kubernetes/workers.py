@@ -196,7 +196,7 @@ def _env(job: FineTuneJob, settings: OperatorSettings) -> list[dict[str, Any]]:
         # the node in every metric's `node` label and the preflight's per-node figures
         {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
     ]
-    if not resources.gpus_per_node:
+    if not resources.on_gpus:
         # CPU workers: a GPU node's devices can be visible without a limit (an NVIDIA image's
         # NVIDIA_VISIBLE_DEVICES=all), and the trainer takes any GPU it sees
         env.append({"name": "CUDA_VISIBLE_DEVICES", "value": ""})
@@ -270,7 +270,7 @@ def _container_resources(job: FineTuneJob, settings: OperatorSettings
         requests["cpu"] = resources.cpu
     if resources.memory is not None:
         requests["memory"] = limits["memory"] = resources.memory
-    if resources.gpus_per_node:
+    if resources.on_gpus:
         limits[settings.gpu_resource] = str(resources.gpus_per_node)
     capabilities: dict[str, Any] = {"drop": ["ALL"]}
     if k8s and k8s.infiniband:
@@ -408,7 +408,7 @@ def _placement(job: FineTuneJob, settings: OperatorSettings) -> dict[str, Any]:
     k8s = job.spec.kubernetes
     placement: dict[str, Any] = {}
     tolerations = []
-    if job.spec.resources.gpus_per_node and settings.gpu_taint is not None:
+    if job.spec.resources.on_gpus and settings.gpu_taint is not None:
         tolerations.append(_toleration(settings.gpu_taint))
     if k8s:
         if k8s.spot:

@@ -93,6 +93,12 @@ def test_a_ranks_own_failure_is_named_before_the_peer_that_lost_it(tmp_path):
                      "cannot open shared object file: No such file or directory (an op this "
                      "image cannot build or load)", 1000)
     assert first_cause({0: built, 1: waited}) == 0
+    # rank 1 refused the data first; torchrun then ended rank 0, which had written the same
+    # refusal in the same second: rank 1's exit (2) is the one that names the cause
+    data = "chats.jsonl:2: is not valid JSON (Expecting value, column 15) — fix that line"
+    refused, ended = failure(1, 2, data, 1000), failure(0, -15, data, 1000)
+    assert first_cause({1: refused, 0: ended}) == 1
+    assert first_cause({0: ended, 1: refused}) == 1
 
 
 BATON_USER = '''

@@ -66,13 +66,16 @@ def first_cause(failures: dict[int, Any]) -> int:
     """The rank whose failure the launcher names: torch's `get_first_failure` takes the
     earliest error file by the second, and a rank that lost its peer (gloo's "Connection
     closed by peer") often writes in the same second as the peer it lost, or before the
-    agent sees that one's kill. A rank's own failure outranks a lost connection, and both
-    a load of an op another rank failed to build; then the earliest, then the lowest rank."""
-    def order(rank: int) -> tuple[bool, bool, float, int]:
+    agent sees that one's kill. A rank's own failure outranks one torchrun ended itself
+    (SIGTERM to the others once one failed), a lost connection, and a load of an op another
+    rank failed to build; then the earliest, then the first torchrun saw (its order)."""
+    import signal
+
+    def order(rank: int) -> tuple[bool, bool, bool, float]:
         failure = failures[rank]  # torch's ProcessFailure
         said = _summary(str(_message(failure.message)))
-        return (exits.LOST_PEER.search(said) is not None,
-                _NOT_BUILT_HERE.search(said) is not None, failure.timestamp, rank)
+        return (failure.exitcode == -signal.SIGTERM, exits.LOST_PEER.search(said) is not None,
+                _NOT_BUILT_HERE.search(said) is not None, failure.timestamp)
 
     return min(failures, key=order)
 

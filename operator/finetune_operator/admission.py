@@ -1,9 +1,10 @@
 """Admission: whether a FineTuneJob may run, decided in one place.
 
 The operator, `finetune validate`, `finetune render`, `finetune plan` and `finetune run`
-all ask `admit`, so none accepts what another refuses: the API's own rules (`validation`,
-most of them compiled into the CRD too), whether the job's backend is there to run it, and
-that backend's own rules. Only the caller's backends differ: the ones the operator serves,
+all ask `admit`, so none accepts what another refuses: the manifest's rules (the API's,
+`validation`, and each installed backend's of its own section, `backends.check_manifest`;
+most compiled into the CRD too), whether the job's backend is there to run it, and that
+backend's refusals of this job. Only the caller's backends differ: the ones the operator serves,
 or every installed one offline (`offline_backends`).
 """
 
@@ -14,9 +15,19 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from finetune_operator.api import FineTuneJob
-from finetune_operator.backends import Backend, BackendContext, installed_names, load_backends
+from finetune_operator.backends import (
+    Backend,
+    BackendContext,
+    check_manifest,
+    installed_names,
+    load_backends,
+)
 from finetune_operator.settings import OperatorSettings
-from finetune_operator.validation import Problem, check_document, relative_locations
+from finetune_operator.validation import (
+    PUSH_THE_TRAINER_IMAGE,
+    Problem,
+    relative_locations,
+)
 
 Where = Literal["cluster", "here"]
 """cluster: the job runs on its backend (the operator, `validate`, `render`). here: on this
@@ -54,7 +65,7 @@ def admit(doc: Any, backends: Mapping[str, Backend], where: Where = "cluster") -
     run, on one of `backends` (`here`: one of the installed backends' names, none loaded).
     A backend's refusal of a relative path is `cluster_only`: validation says already that
     those paths are for `finetune run` on one machine."""
-    job, problems = check_document(doc)
+    job, problems = check_manifest(doc)
     if where == "here":
         problems = [p for p in problems if not p.cluster_only]
         if job is not None and job.spec.backend not in installed_names():
@@ -71,6 +82,15 @@ def admit(doc: Any, backends: Mapping[str, Backend], where: Where = "cluster") -
     refusals = [replace(p, cluster_only=True) if p.path in relative else p
                 for p in backend.validate(job)]
     return Admission(job, problems + refusals, backend)
+
+
+def said_by_validate(problems: list[Problem]) -> list[Problem]:
+    """`admit`'s problems (`cluster`) as `finetune validate` says them: without a backend's
+    refusal of a relative path (validation's own warning says once that those are for
+    `finetune run`), nor the trainer image the operator's settings name (the cluster's, not
+    this machine's: `finetune render` says it)."""
+    return [p for p in problems if not (p.cluster_only and p.severity == "error")
+            and PUSH_THE_TRAINER_IMAGE not in p.fix]
 
 
 def _not_there(name: str, backends: Collection[str]) -> Problem:

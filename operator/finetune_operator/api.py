@@ -65,6 +65,9 @@ Quantity = Annotated[
 StringMap = Annotated[
     dict[str, Annotated[str, Field(max_length=4096, description="Value.")]], Field(max_length=64)]
 
+DEFAULT_BACKEND = "kubernetes"
+"""`spec.backend` when a manifest leaves it out."""
+
 Phase = Literal[
     "Pending", "Queued", "Launching", "Running", "Restarting", "Suspended", "Succeeded", "Failed"
 ]
@@ -300,7 +303,7 @@ class AzureMLSpec(ApiModel):
 class FineTuneJobSpec(ApiModel):
     """What to fine-tune, on what, and how."""
 
-    backend: str = Field(default="kubernetes", pattern=DNS_1035_LABEL, max_length=63)
+    backend: str = Field(default=DEFAULT_BACKEND, pattern=DNS_1035_LABEL, max_length=63)
     """Where the job runs: `kubernetes` (torchrun pods on this cluster), `azureml` (an Azure
     ML command job), or the name of an installed backend plugin."""
     model: ModelSource

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import click
 
+from finetune_operator.cli import main as finetune
+
 CLI_REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "cli-reference.md"
 
 WIDTH = 100
@@ -45,8 +47,6 @@ def render_markdown(root: click.Group) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """`--write` the reference (`make crds` does), or `--check` that it is current."""
-    from finetune_operator.cli import main as finetune
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true")
     parser.add_argument("--check", action="store_true")

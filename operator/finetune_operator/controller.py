@@ -36,6 +36,7 @@ from finetune_operator import crd, kube
 from finetune_operator.admission import admit
 from finetune_operator.api import (
     API_GROUP,
+    DEFAULT_BACKEND,
     KIND,
     PLURAL,
     SWEEP_KIND,
@@ -49,6 +50,7 @@ from finetune_operator.backends import (
     BackendContext,
     BackendError,
     LaunchBlocked,
+    check_manifest,
     load_backends,
 )
 from finetune_operator.backends.children import MANAGED, RESOURCES, owner_key
@@ -66,6 +68,7 @@ from finetune_operator.output_folders import OutputUser, holder
 from finetune_operator.pacing import LAUNCH_BURST, LAUNCH_RATE, LaunchPacer
 from finetune_operator.planner import ModelConfigs, plan_job
 from finetune_operator.planner.sources import hub_offline
+from finetune_operator.reasons import EventReason
 from finetune_operator.reconcile import (
     Action,
     Decision,
@@ -80,7 +83,6 @@ from finetune_operator.settings import OperatorSettings
 from finetune_operator.sweep import LABEL as SWEEP_LABEL
 from finetune_operator.sweep_controller import Sweeps
 from finetune_operator.trainer_config import launch_plan
-from finetune_operator.validation import check_document
 from finetune_operator.workqueue import WorkQueue
 
 FINALIZER = f"{API_GROUP}/finalizer"
@@ -239,7 +241,7 @@ def _blocked(body: Any, blocked: LaunchBlocked) -> Look:
     if old.get("phase") in (None, "Pending"):
         new["phase"] = "Pending"
     events = [] if old.get("message") == message else [
-        Event("Warning", "LaunchBlocked", message)]
+        Event("Warning", EventReason.LAUNCH_BLOCKED, message)]
     return Look(merge_patch(old, new), blocked.retry_after, events)
 
 
@@ -368,9 +370,9 @@ class Controller:
         stamp = (meta.get("uid"), meta.get("generation"))
         if (known := self._folders.get(key)) is not None and known[0] == stamp:
             return known[1]
-        # the API's own rules only (kopf calls this on its event loop: no backend's checks,
-        # which may build an Azure ML job); the reconcile says the rest
-        job, problems = check_document(_document(body))
+        # the manifest's rules only (kopf calls this on its event loop: no backend's checks
+        # of a job, which may build an Azure ML job); the reconcile says the rest
+        job, problems = check_manifest(_document(body))
         launched = bool((body.get("status") or {}).get("launchedSpec"))
         folder = None
         errors = any(problem.severity == "error" for problem in problems)
@@ -495,7 +497,7 @@ class Controller:
         except _Retry as error:
             wait = self._retry_delay(key, error)
             logger.error("%s/%s: %s", *key, error.message(wait))
-            await self._post(body, Event("Warning", "Retrying", error.message(wait)))
+            await self._post(body, Event("Warning", EventReason.RETRYING, error.message(wait)))
             await self._not_launched_yet(key, body, error)
             self.queue.hold(key, wait)
             return
@@ -524,7 +526,7 @@ class Controller:
             patched = await self.runtime.kube.patch_finetunejob_status(
                 *key, {"phase": "Pending", "message": message})
         except KubeError as refused:  # the same outage, likely: the events say it
-            backend = (body.get("spec") or {}).get("backend", "kubernetes")
+            backend = (body.get("spec") or {}).get("backend", DEFAULT_BACKEND)
             self.runtime.metrics.backend_errors.labels(backend, "status").inc()
             logger.warning("%s/%s: status not updated: %s", *key, refused)
             return
@@ -535,7 +537,7 @@ class Controller:
                     ) -> tuple[Look, dict[str, Any] | None]:
         """`look` and the status patch; a failure that may pass is a _Retry."""
         runtime = self.runtime
-        backend = (body.get("spec") or {}).get("backend", "kubernetes")
+        backend = (body.get("spec") or {}).get("backend", DEFAULT_BACKEND)
         try:
             with runtime.metrics.reconcile_seconds.labels(backend).time():
                 result = await look(runtime, body, output_holder)
@@ -798,7 +800,7 @@ def register(registry: kopf.OperatorRegistry, runtime: Runtime) -> Controller:
 
     def needs_cleanup(spec: kopf.Spec, **_: Any) -> bool:
         """A finalizer only where the garbage collector cannot clean up (Azure ML's jobs)."""
-        backend = runtime.backends.get(spec.get("backend", "kubernetes"))
+        backend = runtime.backends.get(spec.get("backend", DEFAULT_BACKEND))
         return backend is not None and getattr(backend, "cleanup_on_delete", True)
 
     async def cleanup(body: kopf.Body, retry: int, **_: Any) -> None:

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from finetune_operator import api, apidoc, yamlio
-from finetune_operator.validation import CelRule, cel_rules, in_sweep_template
+from finetune_operator.backends import all_cel_rules
+from finetune_operator.validation import CelRule, in_sweep_template
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 API_REFERENCE = REPO_ROOT / "docs" / "api-reference.md"
@@ -175,7 +176,7 @@ def openapi_schema() -> dict[str, Any]:
     """The structural openAPIV3Schema of FineTuneJob."""
     root = _root((api.FineTuneJob.__doc__ or "").strip(), _job_spec_schema(),
                  _schema_of(api.FineTuneJobStatus, mode="serialization"))
-    _attach(root, cel_rules())
+    _attach(root, all_cel_rules())
     _filled_defaults(root)
     return root
 
@@ -193,7 +194,7 @@ def sweep_openapi_schema() -> dict[str, Any]:
         {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["number"]})
     _attach(root, [replace(c, scope="spec.template" + c.scope[len("spec"):],
                            message=in_sweep_template(c.message))
-                   for c in cel_rules() if c.scope.split(".")[0] == "spec"])
+                   for c in all_cel_rules() if c.scope.split(".")[0] == "spec"])
     _attach(root, [CelRule("", f"self.metadata.name.size() <= {api.MAX_SWEEP_NAME_LENGTH}",
                            f"metadata.name: too long — a sweep's name takes at most "
                            f"{api.MAX_SWEEP_NAME_LENGTH} characters (its trials are named "

@@ -14,6 +14,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import pydantic
+import yaml
+
 from finetune_operator import run_lock
 from finetune_operator.api import (
     KIND,
@@ -173,8 +176,6 @@ def read_progress(output_dir: Path) -> ProgressRecord | None:
 def _job_name(folder: Path) -> str:
     """The job a `finetune run` output folder belongs to, as its trainer config names it;
     the folder's name where it has none (not written by `finetune run`)."""
-    import yaml
-
     try:
         return yaml.safe_load((folder / LOCAL_CONFIG).read_text())["job"]["name"]
     except (OSError, UnicodeDecodeError, yaml.YAMLError, TypeError, KeyError):
@@ -199,9 +200,6 @@ def output_folder(target: str) -> tuple[str, Path] | None:
         return _job_name(path.resolve()), path.resolve()
     looks_local = "/" in target or path.suffix.lower() in MANIFEST_SUFFIXES
     if path.is_file():
-        import pydantic
-        import yaml
-
         try:
             job = FineTuneJob.model_validate(yaml.safe_load(path.read_text()))
         except (OSError, UnicodeDecodeError, yaml.YAMLError, pydantic.ValidationError):
@@ -359,16 +357,3 @@ def not_started(pod: dict[str, Any], container: str) -> str | None:
     if unscheduled is not None:
         return f"not on a node: {unscheduled.get('reason')}: {unscheduled.get('message')}"
     return status.get("phase") or "Pending"
-
-
-def azureml_logs_hint(obj: dict[str, Any]) -> str:
-    """Where an Azure ML job's logs are read (its Studio page, or the az CLI)."""
-    spec = obj.get("spec", {}).get("azureml") or {}
-    ref = (obj.get("status") or {}).get("backendRef") or {}
-    if not ref.get("name"):
-        return "the Azure ML job is not submitted yet: nothing to read"
-    command = (f"az ml job stream --name {ref['name']} --resource-group "
-               f"{spec.get('resourceGroup', '<group>')} --workspace-name "
-               f"{spec.get('workspace', '<workspace>')}")
-    return f"Azure ML job {ref['name']}: {command}" + (
-        f"\n  or in Studio: {ref['url']}" if ref.get("url") else "")

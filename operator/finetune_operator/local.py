@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TextIO
 
 from finetune_operator import gpu_catalog as catalog
+from finetune_operator import yamlio
 from finetune_operator.api import FineTuneJob
 from finetune_operator.follow import read_progress
 from finetune_operator.planner import (
@@ -41,7 +42,7 @@ from finetune_operator.trainer_config import (
     trainer_config_and_step_settings,
     unreachable_locations,
 )
-from finetune_operator.validation import InvalidJobError
+from finetune_operator.validation import InvalidJobError, setting_errors
 from finetune_trainer.config import TrainerConfig
 from finetune_trainer.exits import EXIT_SETUP, NOT_RESTARTED
 from finetune_trainer.exits import STOPPED as EXIT_STOPPED
@@ -222,8 +223,6 @@ def on_cpus_refused(job: FineTuneJob, processes: int) -> str | None:
     """Why a GPU job cannot train on `processes` CPU workers (QLoRA's 4-bit kernels,
     DeepSpeed's fp16): the rules a manifest of CPU workers meets, asked of this one, so the
     trainer is not started to refuse it once per restart."""
-    from finetune_operator.validation import setting_errors
-
     on_cpus = job.spec.resources.model_copy(update={
         "nodes": 1, "gpus_per_node": 0, "processes_per_node": processes})
     problems = setting_errors(job.model_copy(update={
@@ -415,8 +414,6 @@ def _choosing() -> Iterator[None]:
 
 
 def write_config(config: TrainerConfig, output_dir: Path) -> Path:
-    from finetune_operator import yamlio
-
     path = output_dir / LOCAL_CONFIG
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yamlio.dump(config.to_dict()))
@@ -694,3 +691,15 @@ def stopped_message(output_dir: Path) -> str:
         return "interrupted before the first checkpoint; run the same command to start again"
     return (f"interrupted; checkpoint at step {step_of(latest)} in {latest.parent}; run the "
             "same command to resume")
+
+
+def failure_hint(code: int) -> str:
+    """What `finetune run` adds to `training failed (exit CODE)`: where the cause was said,
+    and why `run_trainer` restarted the workers as often as it did."""
+    if code in NOT_RESTARTED:
+        return "the line above names the setting; no restart would change it, so none was made"
+    if code == EXIT_SETUP:
+        return ("the line above says what the workers could not set up in this environment "
+                "(an import, an op that cannot be built); restarts meet it again, so at most "
+                "one was made")
+    return "the line above names the rank and the cause; the log above has the rest"

@@ -10,15 +10,23 @@ the folder: one already launched, else the one made first (then by namespace/nam
 made in the same second agree on which one it is).
 
 Pure: the controller reads the index and the job; the reconciler says the refusal.
+`finetune validate` warns of it before a cluster does (`shared_folder_warnings`).
 """
 
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from finetune_operator.api import TERMINAL_PHASES
+from finetune_operator.validation import Problem
+
+if TYPE_CHECKING:  # the backends import this module: their names only
+    from finetune_operator.api import FineTuneJob
+    from finetune_operator.backends import Backend
+    from finetune_operator.manifests import Document
 
 
 @dataclass(frozen=True)
@@ -60,3 +68,38 @@ def folder_key(*parts: str) -> str:
     and its path: `pvc://c/out/`, `pvc://c/./out` and `pvc://c/out` are one folder."""
     *where, path = parts
     return "|".join([*where, posixpath.normpath("/" + path)])
+
+
+def shared_folder_warnings(jobs: Iterable[tuple[Document, FineTuneJob]],
+                           backends: Mapping[str, Backend]) -> list[tuple[str, Problem]]:
+    """A warning (with the manifest it is about) for each job whose output folder an earlier
+    job of `jobs` writes too: on a cluster the operator launches one live job per folder and
+    refuses the other (OutputInUse); run one after the other, the second resumes or refuses
+    the first's."""
+    first: dict[str, tuple[Document, FineTuneJob]] = {}
+    warnings = []
+    for doc, job in jobs:
+        if (folder := _output_folder(job, doc, backends)) is None:
+            continue
+        if folder not in first:
+            first[folder] = (doc, job)
+            continue
+        other_doc, other = first[folder]
+        warnings.append((doc.source, Problem(
+            "spec.output.uri", f"{job.spec.output.uri} is also the output folder of "
+            f"FineTuneJob {other.namespace}/{other.name} ({other_doc.source}): one folder "
+            "holds one job's checkpoints and model, so the operator launches only one of "
+            "them and refuses the other (OutputInUse)", "give each job a folder of its own",
+            severity="warning")))
+    return warnings
+
+
+def _output_folder(job: FineTuneJob, doc: Document, backends: Mapping[str, Backend]
+                   ) -> str | None:
+    """Where the job's output lands, as its backend names the folder (`output_folder`); a
+    relative path (`finetune run`) by where it is on this machine."""
+    location = job.spec.output.location
+    if location.scheme == "relative":
+        return f"here|{(doc.folder / location.raw).resolve()}"
+    find = getattr(backends.get(job.spec.backend), "output_folder", None)
+    return find(job) if find is not None else None

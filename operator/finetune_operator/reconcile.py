@@ -28,6 +28,22 @@ from finetune_operator.api import (
     Progress,
     RunPolicy,
 )
+from finetune_operator.reasons import (
+    AdmittedReason,
+    CollectivePreflightReason,
+    CompleteReason,
+    ConditionType,
+    DegradedReason,
+    EventReason,
+    ExportedReason,
+    FailedReason,
+    FeasibleReason,
+    RunningReason,
+    SpecChangeRefusedReason,
+    StalledReason,
+    SuspendedReason,
+    ValidatedReason,
+)
 
 # Spec sections that may change while a job runs; any other change is refused.
 MUTABLE_SECTIONS = frozenset({"runPolicy"})
@@ -41,29 +57,18 @@ holds another training's checkpoints or model; the hub refused the model) — th
 no budget used."""
 
 
-OUTPUT_IN_USE = "OutputInUse"
-"""The Failed condition's reason for a job refused before launch because another live job
-holds its output folder (`output_folders`); an edit of its spec admits it again."""
-INPUT_REFUSED = "InputRefused"
-"""The Failed condition's reason when the trainer refused the model or the data (its exit
-2): no attempt would differ."""
-SETUP_FAILED = "WorkerSetupFailed"
-"""The Failed condition's reason when the workers could not set themselves up in their image
-(`Failure.setup`) again after a restart, and the job never trained."""
-
-
 @dataclass(frozen=True)
 class Failure:
     kind: FailureKind
     message: str
     """Which pod, and why, as the user should read it."""
-    reason: str = "OtherSettingsCheckpoints"
+    reason: FailedReason = FailedReason.OTHER_SETTINGS_CHECKPOINTS
     """The Failed condition's reason, for a refusal."""
     setup: bool = False
     """A worker failure the image causes before any training (the trainer's exit 5: an import
     that fails, an op that cannot be built): the same on every rank and every attempt. The
     gang restarts once, in case it was not (a node's fault); a job that still has not
-    trained when it fails so again fails: SETUP_FAILED."""
+    trained when it fails so again fails: WorkerSetupFailed."""
 
 
 @dataclass(frozen=True)
@@ -152,7 +157,11 @@ class Action:
 class Event:
     type: Literal["Normal", "Warning"]
     reason: str
+    """A member of one of `reasons`' enums (or the kubelet's word it passes on)."""
     message: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "reason", str(self.reason))  # the word: events are dumped
 
 
 @dataclass
@@ -219,11 +228,13 @@ def _spec_at_launch(job: FineTuneJob) -> dict:
     return {k: v for k, v in job.spec.to_dict().items() if k not in MUTABLE_SECTIONS}
 
 
-def set_condition(status: FineTuneJobStatus, type_: str, value: bool | None, reason: str,
-                  message: str, now: datetime, generation: int | None) -> None:
+def set_condition(status: FineTuneJobStatus, type_: ConditionType, value: bool | None,
+                  reason: str, message: str, now: datetime, generation: int | None) -> None:
     """Add or update a condition (None: Unknown); its transition time moves only when its
-    status does."""
+    status does. `reason`: a member of the type's enum in `reasons` (or, on Running, a
+    FailedReason or the kubelet's word)."""
     text = "Unknown" if value is None else "True" if value else "False"
+    type_, reason = str(type_), str(reason)  # the words, not the enums: statuses are dumped
     for condition in status.conditions:
         if condition.type == type_:
             if condition.status != text:
@@ -236,7 +247,7 @@ def set_condition(status: FineTuneJobStatus, type_: str, value: bool | None, rea
                                        observed_generation=generation))
 
 
-def condition(status: FineTuneJobStatus, type_: str) -> Condition | None:
+def condition(status: FineTuneJobStatus, type_: ConditionType) -> Condition | None:
     return next((c for c in status.conditions if c.type == type_), None)
 
 
@@ -266,7 +277,8 @@ class _Builder:
         self.status.phase = phase  # type: ignore[assignment]
         self.status.message = message
 
-    def cond(self, type_: str, value: bool | None, reason: str, message: str = "") -> None:
+    def cond(self, type_: ConditionType, value: bool | None, reason: str,
+             message: str = "") -> None:
         set_condition(self.status, type_, value, reason, message, self.now, self.generation)
 
     def act(self, kind: ActionKind, reason: str = "") -> None:
@@ -279,9 +291,9 @@ class _Builder:
         current = self.decision.requeue_after
         self.decision.requeue_after = seconds if current is None else min(current, seconds)
 
-    def fail(self, reason: str, message: str, stop_workload: bool) -> Decision:
-        self.cond("Failed", True, reason, message)
-        self.cond("Running", False, reason, "")
+    def fail(self, reason: FailedReason, message: str, stop_workload: bool) -> Decision:
+        self.cond(ConditionType.FAILED, True, reason, message)
+        self.cond(ConditionType.RUNNING, False, reason, "")
         self.phase("Failed", message)
         self.status.completion_time = self.status.completion_time or self.now
         if stop_workload:
@@ -315,12 +327,13 @@ def _preflight_condition(b: _Builder, record: dict) -> None:
     if record.get("transport"):
         summary += f"; NCCL transport {record['transport']}"
     if slow:
-        b.cond("CollectivePreflight", False, "SlowNodes",
+        b.cond(ConditionType.COLLECTIVE_PREFLIGHT, False, CollectivePreflightReason.SLOW_NODES,
                f"{', '.join(slow)} below 0.8x the median of the other nodes: {summary}. "
                "Cordon the node and delete the job's pods to restart elsewhere, or check its "
                "network card and NVLink")
     else:
-        b.cond("CollectivePreflight", True, "Measured", summary)
+        b.cond(ConditionType.COLLECTIVE_PREFLIGHT, True, CollectivePreflightReason.MEASURED,
+               summary)
 
 
 def reconcile(job: FineTuneJob, seen: Observation, now: datetime,
@@ -351,16 +364,17 @@ def _finished(b: _Builder) -> bool:
     before it launched is admitted again once its spec is edited."""
     if b.status.phase not in TERMINAL_PHASES:
         return False
-    refused = condition(b.status, "Failed")
+    refused = condition(b.status, ConditionType.FAILED)
     if (not b.status.launched_spec and refused is not None
-            and refused.reason in ("InvalidSpec", OUTPUT_IN_USE)
+            and refused.reason in (FailedReason.INVALID_SPEC, FailedReason.OUTPUT_IN_USE)
             and refused.observed_generation not in (None, b.generation)):
-        b.cond("Failed", False, "SpecEdited", "")
+        b.cond(ConditionType.FAILED, False, FailedReason.SPEC_EDITED, "")
         b.status.phase, b.status.message, b.status.completion_time = None, None, None
         return False
     seen_before = b.asked.status.observed_generation if b.asked.status else None
     if seen_before not in (None, b.generation):  # observedGeneration alone read as applied
-        b.event("Warning", "SpecChangeIgnored", f"the job has ended ({b.status.phase}): an "
+        b.event("Warning", EventReason.SPEC_CHANGE_IGNORED,
+                f"the job has ended ({b.status.phase}): an "
                 "edit starts nothing (only spec.runPolicy.ttlSecondsAfterFinished still "
                 "applies); apply it under a new name, or delete and re-create the job, to "
                 "train again")
@@ -379,14 +393,14 @@ def _admitted(b: _Builder) -> bool:
     allowed."""
     status, problems = b.status, b.problems
     if problems:
-        b.cond("Validated", False, "InvalidSpec", "; ".join(problems))
+        b.cond(ConditionType.VALIDATED, False, ValidatedReason.INVALID_SPEC, "; ".join(problems))
         if not status.launched_spec:
-            b.fail("InvalidSpec", "the spec is invalid: " + "; ".join(problems),
+            b.fail(FailedReason.INVALID_SPEC, "the spec is invalid: " + "; ".join(problems),
                    stop_workload=False)
             return True
         # after launch: what was launched keeps running; the condition says why
     else:
-        b.cond("Validated", True, "Valid", "")
+        b.cond(ConditionType.VALIDATED, True, ValidatedReason.VALID, "")
     if b.feasibility is not None and not status.launched_spec and not _feasible(
             b, b.feasibility):
         return True
@@ -396,8 +410,9 @@ def _admitted(b: _Builder) -> bool:
                 return _relaunch_as_edited(b, changed)
             _refuse_change(b, changed)
         else:
-            if condition(status, "SpecChangeRefused"):
-                b.cond("SpecChangeRefused", False, "SpecMatchesLaunch", "")
+            if condition(status, ConditionType.SPEC_CHANGE_REFUSED):
+                b.cond(ConditionType.SPEC_CHANGE_REFUSED, False,
+                       SpecChangeRefusedReason.SPEC_MATCHES_LAUNCH)
             if not status.spec_at_launch:  # launched by an operator that kept only hashes
                 status.spec_at_launch = _spec_at_launch(b.asked)
             # the same spec, hashed by this version (a field it added shows in the hash)
@@ -410,7 +425,8 @@ def _output_in_use(b: _Builder) -> bool:
     one folder would resume each other's checkpoints or replace each other's model."""
     if b.output_holder is None or b.status.launched_spec:
         return False
-    b.fail(OUTPUT_IN_USE, f"spec.output.uri {b.job.spec.output.uri} is the output folder of "
+    b.fail(FailedReason.OUTPUT_IN_USE,
+           f"spec.output.uri {b.job.spec.output.uri} is the output folder of "
            f"FineTuneJob {b.output_holder} — give this job a folder of its own (another "
            "spec.output.uri); to train on from that job's checkpoints, apply this one again "
            "once it has ended", stop_workload=False)
@@ -434,11 +450,13 @@ def _relaunch_as_edited(b: _Builder, changed: list[str]) -> bool:
     # launched no more: once the workload is gone, the edited spec is planned and launched
     # as a new job's is (phase Restarting holds the launch until then)
     status.launched_spec, status.spec_at_launch, status.plan = {}, {}, None
-    if condition(status, "SpecChangeRefused"):
-        b.cond("SpecChangeRefused", False, "SpecMatchesLaunch", "")
-    b.event("Normal", "SpecChangeApplied",
+    if condition(status, ConditionType.SPEC_CHANGE_REFUSED):
+        b.cond(ConditionType.SPEC_CHANGE_REFUSED, False,
+               SpecChangeRefusedReason.SPEC_MATCHES_LAUNCH)
+    b.event("Normal", EventReason.SPEC_CHANGE_APPLIED,
             f"{sections} changed before any worker ran: launching the workers again with it")
-    b.cond("Running", False, "Relaunching", f"{sections} changed before any worker ran")
+    b.cond(ConditionType.RUNNING, False, RunningReason.RELAUNCHING,
+           f"{sections} changed before any worker ran")
     b.act("delete-workload", "spec changed before any worker ran")
     b.phase("Restarting", f"{sections} changed before any worker ran: launching the "
             "workers again with it")
@@ -450,11 +468,12 @@ def _refuse_change(b: _Builder, changed: list[str]) -> None:
     """What runs keeps running; the condition, a Warning event once per generation and the
     message say so (`kubectl get ftj` and a GitOps tool's sync show the spec as applied)."""
     sections = f"spec.{', spec.'.join(changed)}"
-    before = condition(b.status, "SpecChangeRefused")
+    before = condition(b.status, ConditionType.SPEC_CHANGE_REFUSED)
     if before is None or before.status != "True" or before.observed_generation != b.generation:
-        b.event("Warning", "SpecChangeRefused", f"{sections} cannot change after launch: "
+        b.event("Warning", EventReason.SPEC_CHANGE_REFUSED,
+                f"{sections} cannot change after launch: "
                 "the workers go on with the spec they were launched with")
-    b.cond("SpecChangeRefused", True, "ImmutableAfterLaunch",
+    b.cond(ConditionType.SPEC_CHANGE_REFUSED, True, SpecChangeRefusedReason.IMMUTABLE_AFTER_LAUNCH,
            f"{sections} cannot change after launch; only spec.runPolicy can (suspend, "
            "deadlines, budget). Revert the change, or delete and re-create the job to start "
            "over")
@@ -467,18 +486,19 @@ def _backend_health(b: _Builder) -> bool:
     if seen.backend_ref is not None:
         status.backend_ref = seen.backend_ref
     if seen.unreachable:
-        _degraded(b, "BackendUnreachable", seen.unreachable)
+        _degraded(b, DegradedReason.BACKEND_UNREACHABLE, seen.unreachable)
         status.phase = status.phase or "Pending"
         status.message = f"cannot reach the backend: {seen.unreachable}"
         b.requeue(60)
         return True
     if seen.degraded:
-        _degraded(b, "BackendDegraded", seen.degraded)
+        _degraded(b, DegradedReason.BACKEND_DEGRADED, seen.degraded)
     elif seen.progress_unreadable:
-        _degraded(b, "ProgressUnreadable", f"{seen.progress_unreadable}; the stall check "
+        _degraded(b, DegradedReason.PROGRESS_UNREADABLE,
+                  f"{seen.progress_unreadable}; the stall check "
                   "waits until it can be read")
-    elif (degraded := condition(status, "Degraded")) and degraded.status == "True":
-        b.cond("Degraded", False, "Recovered", "")
+    elif (degraded := condition(status, ConditionType.DEGRADED)) and degraded.status == "True":
+        b.cond(ConditionType.DEGRADED, False, DegradedReason.RECOVERED, "")
     return False
 
 
@@ -486,7 +506,8 @@ def _active_deadline(b: _Builder) -> bool:
     """activeDeadlineSeconds ends the job whatever the workers do."""
     limit, started = b.job.spec.run_policy.active_deadline_seconds, b.status.start_time
     if limit and started and _seconds_since(started, b.now) > limit:
-        b.fail("DeadlineExceeded", f"the job ran longer than activeDeadlineSeconds ({limit}s)",
+        b.fail(FailedReason.DEADLINE_EXCEEDED,
+               f"the job ran longer than activeDeadlineSeconds ({limit}s)",
                stop_workload=b.seen.exists)
         return True
     return False
@@ -500,14 +521,16 @@ def _suspended(b: _Builder) -> bool:
     seen, status = b.seen, b.status
     if seen.queue_active or (seen.exists and not seen.suspended and seen.queue_active is None):
         b.act("suspend", "spec.runPolicy.suspend")
-    admitted = condition(status, "Admitted")
+    admitted = condition(status, ConditionType.ADMITTED)
     if queued(b.job) and admitted is not None and admitted.status == "True":
-        b.cond("Admitted", False, "Suspended", "suspended by spec.runPolicy.suspend: Kueue "
+        b.cond(ConditionType.ADMITTED, False, AdmittedReason.SUSPENDED,
+               "suspended by spec.runPolicy.suspend: Kueue "
                "frees the job's quota, and it queues again when resumed")
     if status.phase != "Suspended" and (status.launched_spec or not seen.exists):
         freed = " and Kueue frees the job's quota" if queued(b.job) else ""
-        b.cond("Running", False, "Suspended", "")
-        b.cond("Suspended", True, "SuspendedByUser", f"workers checkpoint and stop{freed}; "
+        b.cond(ConditionType.RUNNING, False, RunningReason.SUSPENDED, "")
+        b.cond(ConditionType.SUSPENDED, True, SuspendedReason.SUSPENDED_BY_USER,
+               f"workers checkpoint and stop{freed}; "
                "set spec.runPolicy.suspend=false to resume")
         b.phase("Suspended", "suspended by spec.runPolicy.suspend")
     return True
@@ -524,7 +547,7 @@ def _resumed(b: _Builder) -> bool:
                           "a checkpoint first)")
         b.requeue(2)
         return True
-    b.cond("Suspended", False, "Resumed", "")
+    b.cond(ConditionType.SUSPENDED, False, SuspendedReason.RESUMED, "")
     if seen.queue_active is False or (seen.exists and seen.suspended and not queued(b.job)):
         b.act("resume", "spec.runPolicy.suspend cleared")
     if queued(b.job) and seen.exists:  # back in the queue: Kueue resumes it on admission
@@ -576,7 +599,7 @@ def _launch(b: _Builder) -> bool:
     if not status.launched_spec and b.feasibility is not None:
         status.plan = b.feasibility.plan  # what this and every later launch renders
         for warning in b.feasibility.warnings:
-            b.event("Warning", "PlanWarning", warning)
+            b.event("Warning", EventReason.PLAN_WARNING, warning)
     status.launched_spec = spec_fingerprint(job)
     status.spec_at_launch = _spec_at_launch(job)
     status.launch_time = b.now
@@ -588,7 +611,7 @@ def _launch(b: _Builder) -> bool:
         b.phase("Launching", "creating workers")
     elif edited and queued(job):
         _wait_for_queue(b, "the edited spec is a new Job, which Kueue admits like any other",
-                        reason="RequeuedByEdit")
+                        reason=AdmittedReason.REQUEUED_BY_EDIT)
     elif edited:
         b.phase("Launching", "creating workers with the edited spec")
     elif status.phase == "Restarting" and queued(job):
@@ -596,14 +619,14 @@ def _launch(b: _Builder) -> bool:
         # gang is not restarted inside the admitted Job)
         _wait_for_queue(b, f"the gang restarts (restart {status.restarts}) as a new Job, "
                         "which Kueue admits like any other; it resumes from the last "
-                        "checkpoint", reason="RequeuedByRestart")
+                        "checkpoint", reason=AdmittedReason.REQUEUED_BY_RESTART)
     elif status.phase == "Restarting":
         b.phase("Launching", f"restarting the gang (restart {status.restarts}); it resumes "
                 "from the last checkpoint")
     else:  # launched, not finished, and nothing there: removed outside the operator
         message = ("the workers were deleted outside the operator; launching them again "
                    "(not counted against backoffLimit); they resume from the last checkpoint")
-        b.event("Warning", "WorkersMissing", message)
+        b.event("Warning", EventReason.WORKERS_MISSING, message)
         b.phase("Launching", message)
     b.requeue(5)
     return True
@@ -632,12 +655,12 @@ def _succeeded(b: _Builder) -> bool:
     status = b.status
     where = f"the model is in {b.job.spec.output.uri}/final"
     early = b.seen.progress.stopped_early if b.seen.progress else None
-    b.cond("Running", False, "Completed", "")
+    b.cond(ConditionType.RUNNING, False, RunningReason.COMPLETED, "")
     if early:
-        b.cond("Complete", True, "StoppedEarly", early)
+        b.cond(ConditionType.COMPLETE, True, CompleteReason.STOPPED_EARLY, early)
         b.phase("Succeeded", f"training {early}; {where}")
     else:
-        b.cond("Complete", True, "TrainingFinished", where)
+        b.cond(ConditionType.COMPLETE, True, CompleteReason.TRAINING_FINISHED, where)
         b.phase("Succeeded", f"training finished; {where}")
     status.completion_time = b.now
     if status.progress:
@@ -660,19 +683,19 @@ def _exported(b: _Builder, exports: list[dict[str, str]] | None) -> None:
         message = "; ".join(f"{e['uri']}: {e['error']}" for e in failed) + (
             f" — the model is in {' and '.join(folders)}: push it by hand with `finetune "
             "export` once fixed" if folders else "")
-        b.cond("Exported", False, "ExportFailed", message)
-        b.event("Warning", "ExportFailed", message)
+        b.cond(ConditionType.EXPORTED, False, ExportedReason.EXPORT_FAILED, message)
+        b.event("Warning", ExportedReason.EXPORT_FAILED, message)
         return
     message = "pushed " + ", ".join(e.get("pushed", e["uri"]) for e in exports)
-    b.cond("Exported", True, "Pushed", message)
-    b.event("Normal", "Pushed", message)
+    b.cond(ConditionType.EXPORTED, True, ExportedReason.PUSHED, message)
+    b.event("Normal", ExportedReason.PUSHED, message)
 
 
 def _admitted_by_kueue(b: _Builder) -> bool:
     """Kueue unsuspended the Job (before a failure is judged, so a failed job's conditions
     are current); the startup deadline counts from here."""
     if queued(b.job) and not b.seen.suspended:
-        b.cond("Admitted", True, "Admitted", "")
+        b.cond(ConditionType.ADMITTED, True, AdmittedReason.ADMITTED, "")
         if b.status.phase == "Queued":
             b.phase("Launching", "admitted by Kueue; starting the workers")
             b.status.launch_time = b.now
@@ -691,7 +714,8 @@ def _parts_missing(b: _Builder) -> bool:
     was deleted by hand (launch is idempotent)."""
     if b.seen.missing:
         what = ", ".join(b.seen.missing)
-        b.event("Warning", "ChildRecreated", f"{what} deleted outside the operator; recreating it")
+        b.event("Warning", EventReason.CHILD_RECREATED,
+                f"{what} deleted outside the operator; recreating it")
         b.act("launch", f"recreate {what}")
     return False
 
@@ -700,7 +724,7 @@ def _in_backend_queue(b: _Builder) -> bool:
     """The backend's own queue (Azure ML waiting for compute)."""
     if not b.seen.queued:
         return False
-    b.cond("Admitted", False, "WaitingForCapacity", b.seen.queued)
+    b.cond(ConditionType.ADMITTED, False, AdmittedReason.WAITING_FOR_CAPACITY, b.seen.queued)
     b.phase("Queued", b.seen.queued)
     b.status.launch_time = b.now  # the startup deadline counts from leaving the queue
     b.requeue(15)
@@ -713,7 +737,7 @@ def _held_suspended(b: _Builder) -> bool:
     seen, job = b.seen, b.job
     if not seen.suspended:
         return False
-    admitted = condition(b.status, "Admitted")
+    admitted = condition(b.status, ConditionType.ADMITTED)
     if queued(job) and admitted is not None and admitted.status == "True":
         said = seen.queue_evicted or seen.queue_message
         why = f" ({said})" if said else ""
@@ -721,18 +745,19 @@ def _held_suspended(b: _Builder) -> bool:
                    f"and stop; it waits in queue {job.spec.kubernetes.queue_name} to be "
                    "admitted again and resumes from the last checkpoint (not counted against "
                    "backoffLimit)")
-        b.event("Warning", "Preempted", message)
-        b.cond("Admitted", False, "Preempted", message)
-        b.cond("Running", False, "Preempted", message)
+        b.event("Warning", AdmittedReason.PREEMPTED, message)
+        b.cond(ConditionType.ADMITTED, False, AdmittedReason.PREEMPTED, message)
+        b.cond(ConditionType.RUNNING, False, RunningReason.PREEMPTED, message)
         b.phase("Queued", message)
     elif queued(job) and admitted is not None and admitted.reason in (
-            "Preempted", "RequeuedByRestart"):
+            AdmittedReason.PREEMPTED, AdmittedReason.REQUEUED_BY_RESTART):
         if seen.queue_message:  # Kueue's latest word; the reason says why it queues again
             _wait_for_queue(b, seen.queue_message, reason=admitted.reason)
     elif queued(job):
         _wait_for_queue(b, seen.queue_message)
     else:  # suspended by someone else: the startup deadline counts once it runs
-        b.cond("Admitted", False, "WaitingForQueue", "the workload is suspended")
+        b.cond(ConditionType.ADMITTED, False, AdmittedReason.WAITING_FOR_QUEUE,
+               "the workload is suspended")
         b.phase("Queued", "waiting in the queue")
         b.status.launch_time = b.now
     b.requeue(15)  # under Kueue the startup deadline counts from admission (see above)
@@ -740,12 +765,12 @@ def _held_suspended(b: _Builder) -> bool:
 
 
 def _running(b: _Builder) -> bool:
-    if condition(b.status, "Admitted"):
-        b.cond("Admitted", True, "Admitted", "")
+    if condition(b.status, ConditionType.ADMITTED):
+        b.cond(ConditionType.ADMITTED, True, AdmittedReason.ADMITTED, "")
     if not (b.seen.running or b.seen.progress is not None):
         return False
     if b.status.phase != "Running":
-        b.cond("Running", True, "WorkersRunning", "")
+        b.cond(ConditionType.RUNNING, True, RunningReason.WORKERS_RUNNING, "")
     exporting = b.seen.progress is not None and b.seen.progress.exporting
     b.phase("Running", "steps done; pushing the model to " + ", ".join(
         t.uri for t in b.job.spec.output.export) if exporting else "training")
@@ -763,16 +788,16 @@ def _starting(b: _Builder) -> bool:
     waited = _seconds_since(b.status.launch_time, b.now)
     if deadline and waited > deadline:
         why = b.seen.waiting or "workers did not start"
-        b.fail("StartupDeadlineExceeded", f"workers did not start within "
+        b.fail(FailedReason.STARTUP_DEADLINE_EXCEEDED, f"workers did not start within "
                f"startupDeadlineSeconds ({deadline}s): {why}", stop_workload=True)
         return True
     if b.seen.waiting:
-        reason = b.seen.blocked or "WorkersWaiting"
-        before = condition(b.status, "Running")
+        reason = b.seen.blocked or RunningReason.WORKERS_WAITING
+        before = condition(b.status, ConditionType.RUNNING)
         if b.seen.blocked and (before is None or before.reason != reason):
             # `kubectl describe`, kubectl get events and event exporters see what to fix
             b.event("Warning", reason, f"workers cannot start: {b.seen.waiting}")
-        b.cond("Running", False, reason, b.seen.waiting)
+        b.cond(ConditionType.RUNNING, False, reason, b.seen.waiting)
         b.status.message = f"waiting for workers: {b.seen.waiting}"
     b.requeue(min(10.0, max(1.0, deadline - waited)) if deadline else 10.0)
     return True
@@ -785,31 +810,32 @@ GUARDS: tuple[Callable[[_Builder], bool], ...] = (
 """`reconcile`'s questions, in order."""
 
 
-def _degraded(b: _Builder, reason: str, message: str) -> None:
-    before = condition(b.status, "Degraded")
+def _degraded(b: _Builder, reason: DegradedReason, message: str) -> None:
+    before = condition(b.status, ConditionType.DEGRADED)
     if before is None or before.status != "True" or before.message != message:
-        b.event("Warning", "Degraded", message)
-    b.cond("Degraded", True, reason, message)
+        b.event("Warning", EventReason.DEGRADED, message)
+    b.cond(ConditionType.DEGRADED, True, reason, message)
 
 
 def _feasible(b: _Builder, plan: Feasibility) -> bool:
     """Record the planner's verdict; False when the job must not launch."""
     if plan.fits is None:
-        b.cond("Feasible", None, "Unknown", plan.message)
+        b.cond(ConditionType.FEASIBLE, None, FeasibleReason.UNKNOWN, plan.message)
         return True
     if plan.fits:
-        b.cond("Feasible", True, "Fits", plan.message)
+        b.cond(ConditionType.FEASIBLE, True, FeasibleReason.FITS, plan.message)
         return True
     if b.job.spec.resources.skip_feasibility_check:
-        b.cond("Feasible", False, "CheckSkipped", f"{plan.message}; launched anyway because "
+        b.cond(ConditionType.FEASIBLE, False, FeasibleReason.CHECK_SKIPPED,
+               f"{plan.message}; launched anyway because "
                "spec.resources.skipFeasibilityCheck is true")
         return True
-    before = condition(b.status, "Feasible")
+    before = condition(b.status, ConditionType.FEASIBLE)
     message = (f"{plan.message}. Change the spec as suggested (or another gpuType), or set "
                "spec.resources.skipFeasibilityCheck: true to launch anyway")
     if before is None or before.status != "False" or before.message != message:
-        b.event("Warning", "Infeasible", message)
-    b.cond("Feasible", False, "DoesNotFit", message)
+        b.event("Warning", EventReason.INFEASIBLE, message)
+    b.cond(ConditionType.FEASIBLE, False, FeasibleReason.DOES_NOT_FIT, message)
     b.status.phase = "Pending"
     b.status.message = "not launched: predicted not to fit its gpuType (see Feasible)"
     return False
@@ -821,13 +847,13 @@ def queued(job: FineTuneJob) -> bool:
 
 
 def _wait_for_queue(b: _Builder, why: str | None = None,
-                    reason: str = "WaitingForQueue") -> None:
+                    reason: AdmittedReason = AdmittedReason.WAITING_FOR_QUEUE) -> None:
     """Phase Queued; `why`: Kueue's own words, or ours, shown in the status and describe."""
     queue = b.job.spec.kubernetes.queue_name if b.job.spec.kubernetes else None
     message = f"waiting for Kueue to admit the job from queue {queue}"
     if why:
         message += f": {why}"
-    b.cond("Admitted", False, reason, message)
+    b.cond(ConditionType.ADMITTED, False, reason, message)
     b.phase("Queued", message)
 
 
@@ -838,17 +864,19 @@ def _restart_or_fail(b: _Builder, failure: Failure) -> Decision:
     counted = failure.kind == "worker"
     if failure.setup and _never_trained(status) and status.restarts >= min(limit, 1):
         tries = f"after {status.restarts} restart{'s' * (status.restarts != 1)}"
-        return b.fail(SETUP_FAILED, f"{failure.message} ({tries}, never having trained: "
+        return b.fail(FailedReason.WORKER_SETUP_FAILED,
+                      f"{failure.message} ({tries}, never having trained: "
                       "every attempt would fail the same way until the workers' image "
                       "changes)", stop_workload=True)
     if counted and status.restarts >= limit:
-        return b.fail("BackoffLimitExceeded", f"{failure.message} (restart budget of {limit} "
+        return b.fail(FailedReason.BACKOFF_LIMIT_EXCEEDED,
+                      f"{failure.message} (restart budget of {limit} "
                       "used up)", stop_workload=True)
     if counted:
         status.restarts += 1
     cause = {"worker": "a worker failed", "preempted": "a worker was preempted",
              "stopped": "workers were stopped"}[failure.kind]
-    b.cond("Running", False, "Restarting", failure.message)
+    b.cond(ConditionType.RUNNING, False, RunningReason.RESTARTING, failure.message)
     b.act("delete-workload", failure.kind)
     budget = f"restart {status.restarts} of {limit}" if counted else "not counted"
     if failure.setup and _never_trained(status):
@@ -878,12 +906,13 @@ def _watch_for_stall(b: _Builder) -> Decision:
     quiet = _seconds_since(max(marks) if marks else None, b.now)
     if timeout and quiet > timeout:
         step = progress.step if progress else None
-        b.cond("Stalled", True, "NoProgress", f"no step completed for {int(quiet)}s "
+        b.cond(ConditionType.STALLED, True, StalledReason.NO_PROGRESS,
+               f"no step completed for {int(quiet)}s "
                f"(stallTimeoutSeconds {timeout}) at step {step}")
         return _restart_or_fail(b, Failure("worker", f"no progress for {int(quiet)}s at step "
                                            f"{step}: the gang looks hung"))
-    if condition(b.status, "Stalled") and condition(b.status, "Stalled").status == "True":
-        b.cond("Stalled", False, "Progressing", "")
+    if (stalled := condition(b.status, ConditionType.STALLED)) and stalled.status == "True":
+        b.cond(ConditionType.STALLED, False, StalledReason.PROGRESSING, "")
     b.requeue(min(30.0, max(1.0, timeout - quiet)) if timeout else 30.0)
     return b.decision
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from finetune_operator.api import KIND, SWEEP_KIND, TERMINAL_PHASES, FineTuneSweep, TrialStatus
 from finetune_operator.kube import Kube, KubeError, merge_patch, newer, slim
+from finetune_operator.reasons import SweepReason
 from finetune_operator.reconcile import Event
 from finetune_operator.sweep import (
     ENDED,
@@ -143,7 +144,7 @@ class Sweeps:
             if old.get("phase") != "Failed" or old.get("message") != message:
                 await self._patch(body, {**old, "phase": "Failed", "message": message,
                                          "observedGeneration": generation})
-                await self._post(body, Event("Warning", "Invalid", message))
+                await self._post(body, Event("Warning", SweepReason.INVALID, message))
             return None
         if old.get("phase") == "Failed" and not old.get("trials") and edited:
             # refused as invalid before any trial was made: the edit that fixed it starts it
@@ -151,7 +152,8 @@ class Sweeps:
         elif old.get("phase") in TERMINAL_PHASES and edited:
             await self._patch(body, {**old, "observedGeneration": generation})
             await self._post(body, Event(
-                "Warning", "SpecChangeIgnored", f"the sweep has ended ({old['phase']}): a "
+                "Warning", SweepReason.SPEC_CHANGE_IGNORED,
+                f"the sweep has ended ({old['phase']}): a "
                 "change of its spec starts nothing — create a FineTuneSweep of another name "
                 "to search again (its trials and their models stay)"))
             return None
@@ -177,7 +179,7 @@ class Sweeps:
             for trial, why in zip(decision.create, refused, strict=True):
                 if why:
                     _refused(next(t for t in status.trials if t.number == trial.number), why)
-                    decision.events.append(Event("Warning", "TrialRefused",
+                    decision.events.append(Event("Warning", SweepReason.TRIAL_REFUSED,
                                                  f"{trial.name}: {why}"))
             body = await self._patch(body, status.to_dict()) or body
         for trial_name in decision.delete:

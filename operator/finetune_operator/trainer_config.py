@@ -134,8 +134,6 @@ def trainer_config_and_step_settings(job: FineTuneJob, mount: Mount = keep_locat
         workers=spec.resources.nodes * spec.resources.processes(),
         preflight=TrainerPreflight(
             **spec.preflight.model_dump(),
-            require_infiniband=bool(spec.kubernetes and spec.kubernetes.infiniband
-                                    and spec.backend == "kubernetes"),
             planned_peak_bytes=planner.planned_peak(job, model, chosen, settings, machine)),
     )
     return config, settings

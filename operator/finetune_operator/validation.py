@@ -36,16 +36,6 @@ from finetune_trainer import objectives
 from finetune_trainer.config import EXPORT_TARGET_PATTERN, WORKSPACE_MODEL, ObjectiveConfig
 from finetune_trainer.uris import ONE_DATA_FILE, Location, UriError
 
-# torchrun / torch.distributed rendezvous and the names Kubeflow users know: set by the
-# backend for every worker, so a user value would silently split or hang the gang.
-RESERVED_ENV_NAMES = (
-    "MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-    "FINETUNE_RESTARTS", "NODE_NAME",
-    "GROUP_RANK", "NODE_RANK", "NNODES", "NPROC_PER_NODE", "TORCHELASTIC_RUN_ID",
-    "FINETUNE_CONFIG", "FINETUNE_TERMINATION_LOG",
-)
-RESERVED_ENV_PREFIXES = ("PET_",)
-
 
 @dataclass(frozen=True)
 class Problem:
@@ -320,7 +310,7 @@ def objective_matches_data(job: FineTuneJob) -> Iterator[Problem]:
 def exports_can_be_pushed(job: FineTuneJob) -> Iterator[Problem]:
     """Each target a registry or the hub would take (checked now, not after hours of
     training), its folder one the run writes."""
-    from finetune_trainer.export import ExportError
+    from finetune_trainer.export import ExportError  # requests, ~17 ms: only a job that exports
     from finetune_trainer.export.hub import HubRepo
     from finetune_trainer.export.oci import Reference
 
@@ -441,58 +431,6 @@ def processes_only_for_cpu(job: FineTuneJob) -> Iterator[Problem]:
                       "remove it: with GPUs there is one training process per GPU")
 
 
-@rule(CelRule("spec", "self.backend != 'azureml' || has(self.azureml)",
-              "backend azureml needs spec.azureml (subscriptionId, resourceGroup, workspace, "
-              "compute)", ".azureml"))
-def backend_section_present(job: FineTuneJob) -> Iterator[Problem]:
-    spec = job.spec
-    if spec.backend == "azureml" and spec.azureml is None:
-        yield Problem("spec.azureml", "is required by backend azureml",
-                      "add `azureml: {subscriptionId, resourceGroup, workspace, compute}`")
-    if spec.backend == "azureml" and spec.kubernetes is not None:
-        yield Problem("spec.kubernetes", "is ignored by backend azureml",
-                      "remove it, or set `backend: kubernetes`", "warning")
-    if spec.backend == "kubernetes" and spec.azureml is not None:
-        yield Problem("spec.azureml", "is ignored by backend kubernetes",
-                      "remove it, or set `backend: azureml`", "warning")
-
-
-KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
-"""Kueue's queue label: the operator puts it on the worker Job from spec.kubernetes.queueName."""
-
-
-def queue_is_in_the_spec(job: FineTuneJob) -> Iterator[Problem]:
-    """Kueue's queue label on the FineTuneJob itself (the habit of Kubeflow's TrainJob and
-    JobSet, which Kueue knows): Kueue reads it only on the workloads it integrates, so the
-    job ran unqueued. An error: a job meant to wait for its quota must not start at once.
-    No CEL rule: the API server's rules cannot see metadata.labels."""
-    meta, spec = job.metadata, job.spec
-    for where, values in ("metadata.labels", meta.labels), ("metadata.annotations",
-                                                            meta.annotations):
-        if KUEUE_QUEUE_LABEL not in values:
-            continue
-        queue = values[KUEUE_QUEUE_LABEL]
-        shown = queue if queue.isprintable() and len(queue) <= 63 else short_repr(queue)
-        spec_queue = spec.kubernetes.queue_name if spec.kubernetes else None
-        if spec.backend == "azureml":
-            yield Problem(where, f"{KUEUE_QUEUE_LABEL} is for Kueue, which queues only "
-                          "backend kubernetes jobs", "remove it: Azure ML queues the job on "
-                          "its compute (spec.azureml.compute)")
-        elif spec_queue is None:
-            yield Problem(where, f"{KUEUE_QUEUE_LABEL}: Kueue reads it only on the kinds it "
-                          "integrates (Job, JobSet, TrainJob, ...), not here: the workers would "
-                          f"start without waiting in queue {shown}",
-                          f"did you mean `spec.kubernetes.queueName: {shown}`?")
-        elif spec_queue != queue:
-            yield Problem(where, f"{KUEUE_QUEUE_LABEL} says {shown}, and "
-                          f"spec.kubernetes.queueName is {spec_queue}: the worker Job waits in "
-                          f"{spec_queue}", "remove the label (spec.kubernetes.queueName is "
-                          "the job's queue), or set queueName to the queue meant")
-
-
-RULES.append(Rule("queue_is_in_the_spec", queue_is_in_the_spec))
-
-
 def gpu_type_is_known(job: FineTuneJob) -> Iterator[Problem]:
     """A gpuType the planner knows, with the GPUs per node it has: a warning otherwise (the
     job may still run on nodes the catalog does not list)."""
@@ -568,48 +506,6 @@ def locations_are_supported(job: FineTuneJob) -> Iterator[Problem]:
 
 
 RULES.append(Rule("locations_are_supported", locations_are_supported))
-
-_RESERVED_CEL = ("!(e.name in [" + ", ".join(f"'{n}'" for n in RESERVED_ENV_NAMES) + "]) && "
-                 + " && ".join(f"!e.name.startsWith('{p}')" for p in RESERVED_ENV_PREFIXES))
-
-
-@rule(
-    CelRule("spec.kubernetes", f"!has(self.env) || self.env.all(e, {_RESERVED_CEL})",
-            "spec.kubernetes.env sets a reserved rendezvous variable (MASTER_ADDR, "
-            "MASTER_PORT, RANK, WORLD_SIZE, PET_*, ...) — remove it; the backend sets these",
-            ".env"),
-    CelRule("spec.kubernetes.env[*]", "!(has(self.value) && has(self.valueFrom))",
-            "an env entry has both value and valueFrom — keep one"),
-    CelRule("spec.kubernetes.volumes[*]",
-            "[has(self.persistentVolumeClaim), has(self.configMap), has(self.secret), "
-            "has(self.emptyDir)].filter(x, x).size() == 1",
-            "a volume needs exactly one of persistentVolumeClaim, configMap, secret or emptyDir"),
-)
-def kubernetes_pod_settings(job: FineTuneJob) -> Iterator[Problem]:
-    k8s = job.spec.kubernetes
-    if k8s is None:
-        return
-    seen: set[str] = set()
-    for i, env in enumerate(k8s.env):
-        path = f"spec.kubernetes.env[{i}]"
-        if env.name in RESERVED_ENV_NAMES or env.name.startswith(RESERVED_ENV_PREFIXES):
-            yield Problem(f"{path}.name", f"{env.name} is reserved: the backend sets it for "
-                          "the rendezvous of every worker", f"remove {env.name} from env")
-        if env.value is not None and env.value_from is not None:
-            yield Problem(path, "has both value and valueFrom", "keep one of them")
-        if env.name in seen:
-            yield Problem(f"{path}.name", f"{env.name} is set twice", "keep one entry")
-        seen.add(env.name)
-    names: set[str] = set()
-    for i, volume in enumerate(k8s.volumes):
-        path = f"spec.kubernetes.volumes[{i}]"
-        if len(volume.sources()) != 1:
-            yield Problem(path, f"has {len(volume.sources())} sources",
-                          "set exactly one of persistentVolumeClaim, configMap, secret, emptyDir")
-        if volume.name in names:
-            yield Problem(f"{path}.name", f"{volume.name} is used twice", "give it another name")
-        names.add(volume.name)
-
 
 # --- shared by the backends' own rules --------------------------------------------------
 

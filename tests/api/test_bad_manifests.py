@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from finetune_operator.admission import admit, offline_backends
+from finetune_operator.backends import check_manifest
 from finetune_operator.validation import check_document
 from tests.conftest import minimal_job
 from tests.support.crd_schema import cel_failures, schema_errors
@@ -340,7 +341,7 @@ def test_non_mapping_document():
 def test_warnings_do_not_fail_a_manifest():
     doc = edit(minimal_job(), {"spec.dataset.uri": "./data/train.jsonl",
                                "spec.azureml": AML})
-    job, problems = check_document(doc)
+    job, problems = check_manifest(doc)
     assert job is not None
     assert {p.severity for p in problems} == {"warning"}
     assert {p.path for p in problems} == {"spec.dataset.uri", "spec.azureml"}
@@ -360,12 +361,12 @@ def test_a_kueue_label_on_a_job_of_another_queue_or_backend_says_what_queues_it(
     assert "spec.kubernetes.queueName is team-b" in problem.message
     azureml = edit(minimal_job(), {"metadata.labels": {"kueue.x-k8s.io/queue-name": "team-a"},
                                    "spec.backend": "azureml", "spec.azureml": AML})
-    problem = next(p for p in check_document(azureml)[1] if p.path == "metadata.labels")
+    problem = next(p for p in check_manifest(azureml)[1] if p.path == "metadata.labels")
     assert problem.severity == "error" and "Azure ML" in problem.fix
     # Kueue's older spelling, an annotation: the same
     annotated = edit(minimal_job(), {"metadata.annotations": {
         "kueue.x-k8s.io/queue-name": "team-a"}})
-    (problem,) = check_document(annotated)[1]
+    (problem,) = check_manifest(annotated)[1]
     assert problem.path == "metadata.annotations"
     assert problem.fix == "did you mean `spec.kubernetes.queueName: team-a`?"
 

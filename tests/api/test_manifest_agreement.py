@@ -16,7 +16,8 @@ import yaml
 from click.testing import CliRunner
 
 from finetune_operator.admission import admit, offline_backends
-from finetune_operator.cli import local_path_problems, main
+from finetune_operator.cli import main
+from finetune_operator.local_paths import local_path_problems
 from finetune_operator.manifests import read_documents
 from finetune_operator.validation import parse_job
 from tests.cli.demo_tree import examples_in

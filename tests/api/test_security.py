@@ -19,14 +19,11 @@ import copy
 
 import pytest
 
-from finetune_operator.backends import kubernetes as backend
+from finetune_operator.backends import check_manifest
+from finetune_operator.backends.kubernetes import workers
+from finetune_operator.backends.kubernetes.rules import RESERVED_ENV_NAMES, RESERVED_ENV_PREFIXES
 from finetune_operator.settings import OperatorSettings
-from finetune_operator.validation import (
-    RESERVED_ENV_NAMES,
-    RESERVED_ENV_PREFIXES,
-    check_document,
-    parse_job,
-)
+from finetune_operator.validation import parse_job
 from tests.conftest import CLUSTER_EXAMPLES, load_yaml, minimal_job
 from tests.install.test_chart import MONITORING, NON_DEFAULT, by_kind, render
 from tests.support.crd_schema import cel_failures, schema_errors
@@ -115,7 +112,7 @@ JOBS = {
 def test_trainer_pods_are_locked_down_whatever_the_job(doc):
     job = parse_job(copy.deepcopy(doc))
     infiniband = bool(job.spec.kubernetes and job.spec.kubernetes.infiniband)
-    rendered = backend.render(job, SETTINGS)
+    rendered = workers.render(job, SETTINGS)
     pod = next(o for o in rendered if o["kind"] == "Job")["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["runAsUser"] != 0
@@ -140,7 +137,7 @@ def test_trainer_pods_are_locked_down_whatever_the_job(doc):
 def test_nothing_in_the_api_loosens_the_pod(section, field, committed_crd):
     """What could weaken the pod is not a field: refused by name, here and by the CRD."""
     doc = minimal_job(**{section: {field: True}})
-    job, problems = check_document(doc)
+    job, problems = check_manifest(doc)
     assert job is None
     assert [(p.path, p.message) for p in problems] == [
         (f"spec.{section}.{field}", "is not a known field")]
@@ -150,7 +147,7 @@ def test_nothing_in_the_api_loosens_the_pod(section, field, committed_crd):
 def test_a_host_path_volume_is_not_a_field(committed_crd):
     doc = minimal_job(kubernetes={"volumes": [{"name": "host", "mountPath": "/host",
                                                "hostPath": {"path": "/"}}]})
-    job, problems = check_document(doc)
+    job, problems = check_manifest(doc)
     assert job is None
     assert ("spec.kubernetes.volumes[0].hostPath", "is not a known field") in [
         (p.path, p.message) for p in problems]
@@ -167,7 +164,7 @@ def test_every_reserved_variable_is_refused_naming_it(name, how, committed_crd):
     entry = ({"name": name, "value": "1"} if how == "value" else
              {"name": name, "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}})
     doc = minimal_job(kubernetes={"env": [{"name": "HF_HUB_OFFLINE", "value": "1"}, entry]})
-    job, problems = check_document(doc)
+    job, problems = check_manifest(doc)
     errors = [p for p in problems if p.severity == "error"]
     assert [p.path for p in errors] == ["spec.kubernetes.env[1].name"]
     assert f"{name} is reserved" in errors[0].message
@@ -190,7 +187,7 @@ def test_every_variable_the_backend_sets_is_reserved_or_a_known_tunable():
     job = parse_job(JOBS["infiniband"] | {"spec": {
         **JOBS["infiniband"]["spec"],
         "model": {"uri": "hf://org/model", "tokenSecretRef": {"name": "hf", "key": "t"}}}})
-    pod = next(o for o in backend.render(job, SETTINGS) if o["kind"] == "Job")
+    pod = next(o for o in workers.render(job, SETTINGS) if o["kind"] == "Job")
     names = {e["name"] for e in pod["spec"]["template"]["spec"]["containers"][0]["env"]}
     unclassified = {n for n in names - TUNABLE
                     if n not in RESERVED_ENV_NAMES and not n.startswith(RESERVED_ENV_PREFIXES)}

@@ -10,7 +10,7 @@ import pytest
 
 from finetune_operator.api import BackendRef, FineTuneJobStatus
 from finetune_operator.backends import BackendContext, BackendError
-from finetune_operator.backends.azureml import AzureMLBackend
+from finetune_operator.backends.azureml.backend import AzureMLBackend
 from finetune_operator.backends.azureml.client import ARM_SCOPE, RetrySettings
 from finetune_operator.settings import OperatorSettings
 from finetune_operator.validation import parse_job

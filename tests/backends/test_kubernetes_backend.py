@@ -12,7 +12,8 @@ import pytest
 
 from finetune_operator.api import FineTuneJobStatus
 from finetune_operator.backends import BackendContext
-from finetune_operator.backends import kubernetes as backend
+from finetune_operator.backends.kubernetes import backend as k8s_backend
+from finetune_operator.backends.kubernetes import states, workers
 from finetune_operator.reconcile import Observation
 from finetune_operator.settings import OperatorSettings, Taint
 from finetune_operator.validation import parse_job
@@ -26,7 +27,7 @@ K8S_EXAMPLES = [p for p in CLUSTER_EXAMPLES
 
 
 def objects(doc, settings=SETTINGS):
-    rendered = backend.render(parse_job(doc), settings)
+    rendered = workers.render(parse_job(doc), settings)
     return {o["kind"]: o for o in rendered}
 
 
@@ -44,7 +45,7 @@ def env(doc) -> dict:
 def test_rendered_objects_are_valid_kubernetes(path, version):
     doc = load_yaml(path)
     doc["metadata"]["uid"] = "6c1f0d52-1c1a-4a8e-9d47-0f6a1b2c3d4e"
-    for obj in backend.render(parse_job(doc), SETTINGS):
+    for obj in workers.render(parse_job(doc), SETTINGS):
         kubernetes_validate.validate(obj, version, strict=True)
 
 
@@ -61,7 +62,7 @@ def test_torchrun_rendezvous_at_rank_zero():
     doc = minimal_job(resources={"nodes": 2, "gpusPerNode": 8})
     values = env(doc)
     assert values["PET_NNODES"] == "2" and values["PET_NPROC_PER_NODE"] == "8"
-    assert values["PET_NODE_RANK"] == {"fieldRef": {"fieldPath": backend.COMPLETION_INDEX}}
+    assert values["PET_NODE_RANK"] == {"fieldRef": {"fieldPath": workers.COMPLETION_INDEX}}
     assert values["PET_MASTER_ADDR"] == "demo-0.demo.default.svc"
     container = pod(doc)["containers"][0]
     assert container["command"] == ["python", "-m", "finetune_trainer.launch"]
@@ -226,7 +227,7 @@ def test_hub_token_comes_from_the_secret_and_user_env_follows():
 def test_children_are_owned_by_the_job():
     doc = minimal_job()
     doc["metadata"]["uid"] = "uid-1"
-    for obj in backend.render(parse_job(doc), SETTINGS):
+    for obj in workers.render(parse_job(doc), SETTINGS):
         owner = obj["metadata"]["ownerReferences"][0]
         assert owner["kind"] == "FineTuneJob" and owner["uid"] == "uid-1"
         assert owner["controller"] is True
@@ -250,7 +251,7 @@ def test_user_pod_settings_pass_through():
 
 
 def test_locations_pods_cannot_reach_are_refused():
-    problems = backend.validate(parse_job(minimal_job(
+    problems = workers.validate(parse_job(minimal_job(
         dataset={"uri": "./data.jsonl"},
         output={"uri": "azureml://datastores/blob/paths/out"})), PUSHED)
     assert [p.path for p in problems] == ["spec.dataset.uri", "spec.output.uri"]
@@ -274,7 +275,7 @@ def test_every_local_rank_has_a_named_metrics_port_and_the_node_and_attempt():
     assert env(doc)["FINETUNE_RESTARTS"] == "0"
     job = parse_job(doc)
     job.status = FineTuneJobStatus(restarts=2)
-    rendered = {o["kind"]: o for o in backend.render(job, SETTINGS)}
+    rendered = {o["kind"]: o for o in workers.render(job, SETTINGS)}
     container = rendered["Job"]["spec"]["template"]["spec"]["containers"][0]
     assert {"name": "FINETUNE_RESTARTS", "value": "2"} in container["env"]
 
@@ -282,7 +283,7 @@ def test_every_local_rank_has_a_named_metrics_port_and_the_node_and_attempt():
 def test_the_trainers_mfu_and_preflight_reach_the_observation():
     record = {"step": 5, "totalSteps": 10, "mfu": 0.43, "tokensPerSecond": 5e4,
               "preflight": {"busBandwidthGBps": 180.5, "slowNodes": []}}
-    progress = backend.progress_from_record(record)
+    progress = states.progress_from_record(record)
     assert progress.mfu == 0.43 and progress.preflight["busBandwidthGBps"] == 180.5
     assert "preflight" not in progress.to_dict()  # a condition, not status.progress
 
@@ -357,7 +358,7 @@ def test_pods_with_and_without_the_fetch_are_valid_kubernetes(uri, version):
                                             if uri.startswith("hf://") else {})},
                       resources={"nodes": 2, "gpusPerNode": 8})
     doc["metadata"]["uid"] = "6c1f0d52-1c1a-4a8e-9d47-0f6a1b2c3d4e"
-    for obj in backend.render(parse_job(doc), SETTINGS):
+    for obj in workers.render(parse_job(doc), SETTINGS):
         kubernetes_validate.validate(obj, version, strict=True)
 
 
@@ -426,13 +427,13 @@ def test_kueues_word_on_a_queued_job_is_read_from_its_workload():
     why = "couldn't assign flavors to pod set main: insufficient quota for nvidia.com/gpu"
     waiting = {"spec": {"active": True}, "status": {"conditions": [
         {"type": "QuotaReserved", "status": "False", "reason": "Pending", "message": why}]}}
-    assert backend.queue_state(waiting, 5.0) == (True, why, None)
+    assert states.queue_state(waiting, 5.0) == (True, why, None)
     admitted = {"spec": {}, "status": {"conditions": [
         {"type": "QuotaReserved", "status": "True", "reason": "QuotaReserved", "message": "x"}]}}
-    assert backend.queue_state(admitted, 5.0) == (True, None, None)  # active unless set false
-    assert backend.queue_state({"spec": {"active": False}}, 5.0) == (False, None, None)
-    assert backend.queue_state(None, 5.0) == (None, None, None)  # Kueue makes it in a second
-    active, message, _ = backend.queue_state(None, 300.0)
+    assert states.queue_state(admitted, 5.0) == (True, None, None)  # active unless set false
+    assert states.queue_state({"spec": {"active": False}}, 5.0) == (False, None, None)
+    assert states.queue_state(None, 5.0) == (None, None, None)  # Kueue makes it in a second
+    active, message, _ = states.queue_state(None, 300.0)
     assert active is None and "is Kueue installed" in message
 
 
@@ -466,7 +467,7 @@ def test_kueues_eviction_is_told_apart_from_why_it_waits(active, evicted, reserv
                   {"type": "QuotaReserved", "status": reserved[0], "reason": "Pending",
                    "message": reserved[1]}]
     workload = {"spec": {"active": active}, "status": {"conditions": conditions}}
-    assert backend.queue_state(workload, 500.0) == (active, *concluded)
+    assert states.queue_state(workload, 500.0) == (active, *concluded)
 
 
 def test_a_queued_jobs_workload_is_read_seldom_once_kueue_has_had_its_minute():
@@ -481,7 +482,7 @@ def test_a_queued_jobs_workload_is_read_seldom_once_kueue_has_had_its_minute():
                 "kueue.x-k8s.io/job-uid": uid}}, "spec": {"active": True}}
 
     kube = CountingKube()
-    k8s = backend.KubernetesBackend(BackendContext(settings=OperatorSettings(), kube=kube))
+    k8s = k8s_backend.KubernetesBackend(BackendContext(settings=OperatorSettings(), kube=kube))
     queued = parse_job(minimal_job(kubernetes={"queueName": "team-a"}))
     created = (datetime.now(UTC) - timedelta(minutes=10)).isoformat()
     workload = {"metadata": {"uid": "u1", "creationTimestamp": created}}
@@ -517,7 +518,7 @@ def test_an_earlier_jobs_children_are_not_taken_for_this_ones_before_the_watches
         async def events(self, namespace, kind, name, uid):
             return []
 
-    k8s = backend.KubernetesBackend(BackendContext(settings=OperatorSettings(),
+    k8s = k8s_backend.KubernetesBackend(BackendContext(settings=OperatorSettings(),
                                                    kube=LeftoversKube()))
     manifest = minimal_job()
     manifest["metadata"]["uid"] = "new-uid"
@@ -548,7 +549,7 @@ def test_the_placeholder_trainer_image_is_a_warning_naming_the_setting(monkeypat
     """`finetune render` printed `image: finetune-trainer:0.1.0`, an image no registry
     serves, without a word: the workers would never start (ErrImagePull)."""
     job = parse_job(minimal_job())
-    (warning,) = backend.validate(job, SETTINGS)
+    (warning,) = workers.validate(job, SETTINGS)
     assert (warning.path, warning.severity) == ("spec.kubernetes.image", "warning")
     assert warning.message == ("is not set, so the workers run the trainer image of the "
                                "operator's settings, here finetune-trainer:0.1.0: a "
@@ -557,16 +558,16 @@ def test_the_placeholder_trainer_image_is_a_warning_naming_the_setting(monkeypat
         "set FINETUNE_TRAINER_IMAGE to the image you pushed, built from trainer/Dockerfile "
         "(the chart sets it for the operator from trainer.image.repository and "
         "trainer.image.tag), or set spec.kubernetes.image")
-    assert backend.validate(job, PUSHED) == []
+    assert workers.validate(job, PUSHED) == []
     own = parse_job(minimal_job(kubernetes={"image": "registry.example/mine:1"}))
-    assert backend.validate(own, SETTINGS) == []
+    assert workers.validate(own, SETTINGS) == []
     here = parse_job(minimal_job(output={"uri": "./out"}))  # `finetune run`'s: no image
-    assert [p.path for p in backend.validate(here, SETTINGS)] == ["spec.output.uri"]
+    assert [p.path for p in workers.validate(here, SETTINGS)] == ["spec.output.uri"]
     # without settings, those `finetune render` and the operator read from the environment
     monkeypatch.setenv("FINETUNE_TRAINER_IMAGE", "registry.example/finetune-trainer:1.2.3")
-    assert backend.validate(job) == []
+    assert workers.validate(job) == []
     monkeypatch.delenv("FINETUNE_TRAINER_IMAGE")
-    assert backend.validate(job) == [warning]
+    assert workers.validate(job) == [warning]
 
 
 def test_the_operator_acts_on_errors_only_so_the_placeholder_image_is_not_its_word(

@@ -549,7 +549,7 @@ def test_the_hubs_refusal_of_the_model_fails_the_job_at_once():
         containerStatuses=[{"name": "trainer", "state": {"waiting": {
             "reason": "PodInitializing"}}}])
     failure = pod_failure(refused)
-    assert (failure.kind, failure.reason) == ("refused", "ModelRefused")
+    assert (failure.kind, failure.reason) == ("refused", "InputRefused")
     assert failure.message == GATED.removeprefix("finetune-train: ")
     by_policy = failed_by_policy("Container fetch-model for pod t-1/demo-0-a failed with "
                                  "exit code 2 matching FailJob rule at index 4")

@@ -21,8 +21,8 @@ import pytest
 import yaml
 
 from finetune_operator import naming
-from finetune_operator.backends import kubernetes as backend
-from finetune_operator.reconcile import INPUT_REFUSED
+from finetune_operator.backends.kubernetes import states, workers
+from finetune_operator.reasons import FailedReason
 from finetune_operator.settings import OperatorSettings
 from finetune_operator.validation import parse_job
 from finetune_trainer import exits
@@ -66,7 +66,7 @@ class PodHere:
     command and args expanded as the kubelet does, `python` this interpreter."""
 
     def __init__(self, doc: dict[str, Any], where: Path):
-        objects = {o["kind"]: o for o in backend.render(parse_job(doc), SETTINGS)}
+        objects = {o["kind"]: o for o in workers.render(parse_job(doc), SETTINGS)}
         self.pod = objects["Job"]["spec"]["template"]["spec"]
         self.policy = objects["Job"]["spec"]["podFailurePolicy"]["rules"]
         trainer = self.pod["containers"][0]
@@ -135,9 +135,9 @@ class PodHere:
         if not message and code:
             message = "\n".join(self.log.read_text().splitlines()[-80:])[-2048:]
         return {"metadata": {"name": "pod-here-0-x",
-                             "annotations": {backend.COMPLETION_INDEX_KEY: "0"}},
+                             "annotations": {workers.COMPLETION_INDEX_KEY: "0"}},
                 "status": {"phase": "Failed" if code else "Succeeded", "containerStatuses": [{
-                    "name": backend.TRAINER_CONTAINER,
+                    "name": workers.TRAINER_CONTAINER,
                     "state": {"terminated": {"exitCode": code,
                                              "reason": "Error" if code else "Completed",
                                              "message": message}}}]}}
@@ -147,7 +147,7 @@ class PodHere:
         rule whose onExitCodes matches (container named or any), else Count."""
         for rule in self.policy:
             match = rule.get("onExitCodes")
-            if match and match.get("containerName") in (None, backend.TRAINER_CONTAINER) and (
+            if match and match.get("containerName") in (None, workers.TRAINER_CONTAINER) and (
                     (code in match["values"]) == (match["operator"] == "In")):
                 return rule["action"]
         return "Count"
@@ -185,12 +185,12 @@ def test_bad_data_ends_the_pod_once_with_the_line_that_names_it(tiny_model_dir, 
     trainer = pod.start_trainer()
     code = trainer.wait(timeout=waits.seconds_left())
     said = pod.log.read_text()
-    assert code == backend.BAD_INPUT_EXIT_CODE, said[-3000:]
+    assert code == workers.BAD_INPUT_EXIT_CODE, said[-3000:]
     last = said.strip().splitlines()[-1]
     assert last.startswith(f"finetune-train: {data}:2: is not valid JSON"), said[-3000:]
     assert pod.rule_for(code) == "FailJob"
-    failure = backend.pod_failure(pod.terminated(code))
-    assert failure.kind == "refused" and failure.reason == INPUT_REFUSED
+    failure = states.pod_failure(pod.terminated(code))
+    assert failure.kind == "refused" and failure.reason == FailedReason.INPUT_REFUSED
     assert failure.message.startswith(f"{data}:2: is not valid JSON")
 
 
@@ -208,7 +208,7 @@ def test_a_run_that_stops_early_leaves_its_final_record_for_the_status(tiny_mode
     code = pod.start_trainer().wait(timeout=waits.seconds_left())
     assert code == 0, pod.log.read_text()[-3000:]
     rank0 = pod.terminated(code)
-    progress = backend.final_progress([rank0])
+    progress = states.final_progress([rank0])
     assert progress is not None, rank0
     assert progress.step == 2 and progress.total_steps == 20 and progress.eval_loss > 0
     assert progress.stopped_early.startswith(
@@ -216,7 +216,7 @@ def test_a_run_that_stops_early_leaves_its_final_record_for_the_status(tiny_mode
     assert progress.stopped_early in pod.log.read_text()  # what the log said
     workload = {"metadata": {"name": "pod-here", "uid": "u"},
                 "status": {"conditions": [{"type": "Complete", "status": "True"}]}}
-    seen = backend.observe(workload, [rank0], nodes=1)
+    seen = states.observe(workload, [rank0], nodes=1)
     assert seen.succeeded and seen.progress == progress
 
 
@@ -229,7 +229,7 @@ def sigterm_after(pod: PodHere, trainer: subprocess.Popen, step: int) -> int:
         time.sleep(0.2)
     trainer.send_signal(signal.SIGTERM)
     code = trainer.wait(timeout=waits.seconds_left())
-    assert code == backend.STOPPED_EXIT_CODE, pod.log.read_text()[-3000:]
+    assert code == workers.STOPPED_EXIT_CODE, pod.log.read_text()[-3000:]
     stopped_at = re.search(r"stopped by SIGTERM after step (\d+)", pod.log.read_text())
     assert stopped_at, pod.log.read_text()[-3000:]
     return int(stopped_at[1])
@@ -251,8 +251,8 @@ def test_sigterm_ends_the_pod_143_and_a_job_re_created_on_fewer_workers_resumes(
     pod.init_containers()
     stopped = sigterm_after(pod, pod.start_trainer(), 2)  # ended 143
     assert (pod.output / "checkpoints" / f"step-{stopped:08d}").is_dir()
-    assert pod.rule_for(backend.STOPPED_EXIT_CODE) == "Ignore"
-    assert backend.pod_failure(pod.terminated(backend.STOPPED_EXIT_CODE)).kind == "stopped"
+    assert pod.rule_for(workers.STOPPED_EXIT_CODE) == "Ignore"
+    assert states.pod_failure(pod.terminated(workers.STOPPED_EXIT_CODE)).kind == "stopped"
 
     one = json.loads(json.dumps(two))
     one["spec"]["resources"]["processesPerNode"] = 1
@@ -262,7 +262,7 @@ def test_sigterm_ends_the_pod_143_and_a_job_re_created_on_fewer_workers_resumes(
     sigterm_after(pod, trainer := pod.start_trainer(), stopped + 1)
     said = pod.log.read_text()
     assert f"step-{stopped:08d}" in said and "resuming from" in said, said[-3000:]
-    assert "on 1 process" in said and trainer.returncode == backend.STOPPED_EXIT_CODE
+    assert "on 1 process" in said and trainer.returncode == workers.STOPPED_EXIT_CODE
 
 
 def test_an_op_that_cannot_build_ends_the_pod_5_with_the_builds_own_line(
@@ -282,11 +282,11 @@ def test_an_op_that_cannot_build_ends_the_pod_5_with_the_builds_own_line(
     pod.init_containers()
     code = pod.start_trainer().wait(timeout=waits.seconds_left())
     said = pod.log.read_text()
-    assert code == backend.SETUP_EXIT_CODE, said[-3000:]
+    assert code == workers.SETUP_EXIT_CODE, said[-3000:]
     last = said.strip().splitlines()[-1]
     assert last.startswith("finetune-train: op 'deepspeed_shm_comm' could not be built in "
                            "this image: /bin/sh: 1: c++-missing: not found"), said[-3000:]
     assert pod.rule_for(code) == "FailJob"
-    failure = backend.pod_failure(pod.terminated(code))
+    failure = states.pod_failure(pod.terminated(code))
     assert failure.kind == "worker" and failure.setup
     assert "c++-missing: not found" in failure.message and "-MMD" not in failure.message

@@ -575,7 +575,7 @@ def test_the_ports_a_run_names_are_held_for_its_workers_until_it_ends():
 def test_a_long_path_is_named_whole_in_the_refusal(tmp_path):
     """A path longer than 80 characters was quoted and cut in the middle: the path the fix
     names could not be copied. (One with a line break is refused as no location at all.)"""
-    from finetune_operator.cli import local_path_problems
+    from finetune_operator.local_paths import local_path_problems
 
     deep = tmp_path / ("a-rather-long-folder-name-" * 5) / "tiny-lama"
     job = FineTuneJob.model_validate(minimal_job(model={"uri": str(deep)}))
@@ -586,7 +586,7 @@ def test_a_long_path_is_named_whole_in_the_refusal(tmp_path):
 def test_a_relative_path_that_is_not_there_is_an_error_an_absolute_one_a_warning(tmp_path):
     """A relative path means this machine (only `finetune run` reads one), so a missing one
     is wrong wherever it is checked; an absolute one may exist only inside the image."""
-    from finetune_operator.cli import local_path_problems
+    from finetune_operator.local_paths import local_path_problems
 
     job = FineTuneJob.model_validate(minimal_job(model={"uri": "/models/llama"},
                                                  dataset={"uri": "./data/train.jsonl"}))
@@ -603,7 +603,7 @@ def test_a_relative_path_that_is_not_there_is_an_error_an_absolute_one_a_warning
 def test_the_demo_model_not_built_yet_says_make_demo_builds_it(tmp_path):
     """Examples 01 and 08 train the tiny model `make demo` builds: before it ran, their
     model path is missing, and the fix says what makes it (not "fix the path")."""
-    from finetune_operator.cli import local_path_problems
+    from finetune_operator.local_paths import local_path_problems
     from finetune_trainer import layout
 
     examples = tmp_path / "examples"
@@ -631,7 +631,8 @@ def test_a_lora_adapter_as_the_model_is_named_with_the_way_to_a_whole_model(tmp_
     """SFT, then DPO from its export: final/ of a LoRA job is an adapter (no config.json),
     which `finetune run` and the trainer refused as `not a saved model` without saying what
     it is or how to get the model the DPO job needs (#58). Both say it in one wording."""
-    from finetune_operator.cli import _unusable, local_path_problems
+    from finetune_operator.local_paths import local_path_problems
+    from finetune_operator.local_paths import unusable as _unusable
     from finetune_trainer import layout
     from finetune_trainer.config import ModelSource
     from finetune_trainer.model import ModelError, model_location

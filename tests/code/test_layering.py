@@ -75,6 +75,68 @@ def test_a_planted_import_breaks_its_contract(tmp_path, module, line, contract):
     assert f"{contract} BROKEN" in result.stdout, result.stdout[-3000:]
 
 
+CYCLES = """
+import sys
+import grimp
+graph = grimp.build_graph("finetune_operator", "finetune_trainer",
+                          exclude_type_checking_imports=True, cache_dir=None)
+modules = set(graph.modules)
+edges = {m: set(graph.find_modules_directly_imported_by(m)) & modules for m in modules}
+index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+sys.setrecursionlimit(10_000)
+
+def visit(module):  # Tarjan: each strongly connected component of more than one module
+    index[module] = low[module] = len(index)
+    stack.append(module)
+    on_stack.add(module)
+    for other in edges[module]:
+        if other not in index:
+            visit(other)
+            low[module] = min(low[module], low[other])
+        elif other in on_stack:
+            low[module] = min(low[module], index[other])
+    if low[module] == index[module]:
+        component = []
+        while not component or component[-1] != module:
+            component.append(stack.pop())
+            on_stack.discard(component[-1])
+        if len(component) > 1:
+            cycles.append(" <-> ".join(sorted(component)))
+
+for module in sorted(modules):
+    if module not in index:
+        visit(module)
+print("\\n".join(sorted(cycles)))
+"""
+
+
+def import_cycles(root: Path) -> list[str]:
+    """The circles of the import graph of the packages under `root`: every import counted,
+    those inside functions too (they run, only later), but for `if TYPE_CHECKING:` ones
+    (annotations: nothing runs them). grimp is the graph import-linter reads."""
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    result = subprocess.run([sys.executable, "-c", CYCLES], cwd=root, env=env,
+                            capture_output=True, text=True, timeout=waits.seconds_left())
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [line for line in result.stdout.splitlines() if line]
+
+
+@pytest.mark.process
+def test_no_import_goes_round_in_a_circle(pristine):
+    """#62: a function-level import kept out of the layers' sight (`errors` <-> `tracking`,
+    `planner.plan` -> `validation`) was a circle all the same."""
+    assert import_cycles(pristine) == []
+
+
+@pytest.mark.process
+def test_a_function_level_import_that_closes_a_circle_is_found(tmp_path):
+    root = _scratch(tmp_path)
+    path = root / "finetune_trainer" / "layout.py"
+    path.write_text(path.read_text() + "\n\ndef _planted():\n"
+                    "    from finetune_trainer import train  # planted by the test\n")
+    assert any("finetune_trainer.layout" in cycle for cycle in import_cycles(root))
+
+
 @pytest.mark.process
 def test_the_gpu_session_runs_the_gpu_tests_with_the_training_stack_alone(tmp_path):
     """`scripts/gpu-session.sh tests` on a GPU box given only the trainer's wheels: the

@@ -48,7 +48,7 @@ def test_the_operator_install_has_what_it_imports(operator_install):
     assert help_text.returncode == 0, help_text.stderr
     imports = subprocess.run([python, "-c", (
         "import importlib.util, finetune_operator.controller, finetune_operator.backends."
-        "kubernetes; from finetune_operator.cli import operator_command as c;"
+        "kubernetes; from finetune_operator.cli.operate import operator_command as c;"
         "print(importlib.util.find_spec('torch') is None,"
         "     [p.name for p in c.params if getattr(p, 'hidden', False)])")],
         capture_output=True, text=True)

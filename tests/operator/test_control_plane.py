@@ -343,7 +343,7 @@ async def test_a_model_the_hub_refuses_fails_the_job_at_once_through_the_job_con
     await bed.fail_init_container("demo", 0, "fetch-model", said, exit_code=2)
     await bed.until_phase("Failed")
     failed = bed.condition("Failed")
-    assert failed["reason"] == "ModelRefused", failed
+    assert failed["reason"] == "InputRefused", failed
     assert "does not exist on the hub" in failed["message"]
     job = bed.get("batch/v1/jobs", "demo")
     # the Job controller's own verdict: FailureTarget, then Failed once the pods are gone

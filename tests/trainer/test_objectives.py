@@ -9,12 +9,12 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
 from finetune_trainer import objectives
 from finetune_trainer.config import ObjectiveConfig
+from tests.support import plugins
 
 
 def test_sft_dpo_and_grpo_are_registered_with_what_the_operator_reads():
@@ -101,14 +101,8 @@ def test_a_new_objective_is_its_package_and_one_entry_point(tmp_path):
     """Installed as a user installs one (a distribution declaring the entry point), it is
     in the CRD's enum with its settings section and rules, `finetune validate` applies its
     formats and rules, and the planner sizes its rows: nothing else was edited."""
-    package = tmp_path / "echo_objective"
-    package.mkdir()
-    (package / "__init__.py").write_text(textwrap.dedent(PLUGIN))
-    info = tmp_path / "echo_objective-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: echo-objective\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text(
-        f"[{objectives.ENTRY_POINT_GROUP}]\necho = echo_objective:SPEC\n")
+    plugins.install(tmp_path, "echo_objective", PLUGIN, objectives.ENTRY_POINT_GROUP,
+                    "echo = echo_objective:SPEC")
     from tests.conftest import REPO
 
     result = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True,

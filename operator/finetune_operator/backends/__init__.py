@@ -4,24 +4,32 @@ A backend is a class with the `Backend` interface, found through the
 `finetune_operator.backends` entry-point group: a plugin package adds one by declaring
 `[project.entry-points."finetune_operator.backends"] name = "module:Class"`, without
 touching this code. The class is built with a `BackendContext`.
+
+What a backend says of a manifest before anything runs (its spec section, that section's
+rules, where its logs are) is a `BackendRules` in a light module of its own, found through
+the `finetune_operator.backend_rules` group under the same name: validating a manifest, on
+a machine given only the training stack too, loads none of its clients.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from finetune_operator.validation import CelRule, Problem, Rule, cel_rules, check_document
 
 if TYPE_CHECKING:
     from finetune_operator.api import FineTuneJob
     from finetune_operator.kube import Kube
     from finetune_operator.reconcile import Observation
     from finetune_operator.settings import OperatorSettings
-    from finetune_operator.validation import Problem
     from finetune_trainer.uris import Location
 
 ENTRY_POINT_GROUP = "finetune_operator.backends"
+RULES_ENTRY_POINT_GROUP = "finetune_operator.backend_rules"
 
 # Backends this distribution ships whose implementation has not landed yet: manifests may
 # name them (they validate), the operator reports them as not served.
@@ -122,3 +130,48 @@ def installed_names() -> frozenset[str]:
 def load_backends(context: BackendContext) -> dict[str, Backend]:
     """Every installed backend, built for this operator."""
     return {ep.name: ep.load()(context) for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+@dataclass(frozen=True)
+class BackendRules:
+    """A backend's word on a manifest before anything runs (`RULES_ENTRY_POINT_GROUP`)."""
+
+    section: str | None = None
+    """The spec field only this backend reads (`azureml`): on a job of another backend it is
+    ignored, and validation says so."""
+    rules: tuple[Rule, ...] = ()
+    """Its rules of a manifest; those with CEL are compiled into the CRD too."""
+    logs_hint: Callable[[dict[str, Any]], str] | None = None
+    """Where its workers' logs are read, from the FineTuneJob as the API server returns it;
+    None: in the job's pods (`finetune logs` reads them)."""
+
+
+@functools.cache
+def installed_rules() -> dict[str, BackendRules]:
+    """Each installed backend's rules, by its name."""
+    return {ep.name: ep.load() for ep in entry_points(group=RULES_ENTRY_POINT_GROUP)}
+
+
+def backend_problems(job: FineTuneJob) -> Iterator[Problem]:
+    """Every installed backend's rules of `job` (each says when its rules apply), and a
+    warning for each section of a backend other than the job's."""
+    for name, backend in sorted(installed_rules().items()):
+        for rule in backend.rules:
+            yield from rule.check(job)
+        section = backend.section
+        if section and name != job.spec.backend and getattr(job.spec, section, None) is not None:
+            yield Problem(f"spec.{section}", f"is ignored by backend {job.spec.backend}",
+                          f"remove it, or set `backend: {name}`", "warning")
+
+
+def check_manifest(doc: Any) -> tuple[FineTuneJob | None, list[Problem]]:
+    """`validation.check_document` and the installed backends' rules: every problem of one
+    manifest that needs no backend to be running (`admission.admit` adds theirs)."""
+    job, problems = check_document(doc)
+    return job, problems + list(backend_problems(job)) if job is not None else problems
+
+
+def all_cel_rules() -> list[CelRule]:
+    """The API's CEL rules and the installed backends', for the CRD generator."""
+    return cel_rules() + [c for name, backend in sorted(installed_rules().items())
+                          for rule in backend.rules for c in rule.cel]

@@ -3,7 +3,8 @@
 `export(folder, target)` sends a model folder (a job's `final/`: a peft adapter or whole
 weights, with its model card) to a target named by a URI; one module per kind of target:
 `oci.py` (`oci://registry/repository:tag`, an image KAITO and `oras pull` read), `hub.py`
-(`hf://owner/name`, a commit to a Hugging Face Hub repository). Torch-free: `finetune
+(`hf://owner/name`, a commit to a Hugging Face Hub repository), and `retry.py` what
+they share (ExportError, the tries of a push). Torch-free: `finetune
 export` runs it on a laptop as well as in the trainer.
 """
 
@@ -11,31 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from finetune_trainer.export.retry import ExportError
 from finetune_trainer.uris import UriError, parse_uri
-
-
-class ExportError(RuntimeError):
-    """An export that did not happen: what went wrong at `target`, and what to do. The
-    model folder is untouched whatever happened."""
-
-    def __init__(self, target: str, problem: str, fix: str) -> None:
-        super().__init__(f"export to {target}: {problem}; {fix}")
-        self.target, self.problem, self.fix = target, problem, fix
-
-
-ATTEMPTS = 4
-"""Tries of a push that met a transient fault (no answer, 5xx, 429), 2, 4, 8 s apart."""
-
-
-def wait_to_try_again(attempt: int, fault: object, target: str, where: str, say,
-                      sleep) -> None:
-    """After a transient `fault` on try `attempt`: wait 2**attempt s; after the last try,
-    raise ExportError saying to check `where` (the registry, the hub)."""
-    if attempt == ATTEMPTS:
-        raise ExportError(target, f"{fault} ({ATTEMPTS} tries)", f"check that {where} is "
-                          "up and reachable from here, then export again")
-    say(f"  {fault}; trying again in {2 ** attempt} s")
-    sleep(2 ** attempt)
 
 
 def model_folder(output: Path, merged: bool = False) -> Path:

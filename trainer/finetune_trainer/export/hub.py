@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from finetune_trainer.export import ATTEMPTS, ExportError, wait_to_try_again
 from finetune_trainer.export.oci import model_files
+from finetune_trainer.export.retry import ATTEMPTS, ExportError, wait_to_try_again
 
 REPO_ID = re.compile(r"^hf://(?P<repo>(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95})$")
 """The hub's repository names: an optional owner and a name, letters, digits, `-`, `_`, `.`."""

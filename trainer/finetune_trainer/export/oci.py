@@ -40,7 +40,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import urljoin
 
-from finetune_trainer.export import ATTEMPTS, ExportError, wait_to_try_again
+from finetune_trainer.export.retry import ATTEMPTS, ExportError, wait_to_try_again
 
 MANIFEST_TYPE = "application/vnd.oci.image.manifest.v1+json"
 CONFIG_TYPE = "application/vnd.oci.image.config.v1+json"

@@ -31,6 +31,7 @@ from finetune_operator.backends.azureml.client import (
 )
 from finetune_operator.backends.azureml.states import AzureJob
 from finetune_operator.output_folders import folder_key
+from finetune_operator.reasons import ConditionType
 from finetune_operator.reconcile import Failure, Observation, condition
 from finetune_operator.validation import Problem
 from finetune_trainer.uris import Location
@@ -149,7 +150,7 @@ class AzureMLBackend:
         progress = states.progress_from_metrics(data.get("metrics") or [])
         seen = states.observe(job, current, progress, states.tags_of(data), unread)
         if seen.succeeded and jobspec.workspace_models(job) and not (
-                job.status and condition(job.status, "Exported")):
+                job.status and condition(job.status, ConditionType.EXPORTED)):
             seen = replace(seen, progress=(seen.progress or Progress()).model_copy(
                 update={"exports": await self._registered(job)}))
         return seen
@@ -272,6 +273,7 @@ class AzureMLBackend:
 
     def _credential_or_default(self) -> Any:
         if self._credential is None:
+            # azure-ai-ml: the optional `azure` extra
             from azure.identity import DefaultAzureCredential
 
             self._credential = DefaultAzureCredential()

@@ -74,7 +74,7 @@ class RunUnreadable(Exception):
 
 
 def _retry_policy(settings: RetrySettings) -> Any:
-    from azure.core.pipeline.policies import RetryPolicy
+    from azure.core.pipeline.policies import RetryPolicy  # azure-ai-ml: the optional `azure` extra
 
     class PatientRetryPolicy(RetryPolicy):
         """azure-core's policy, except that a Retry-After longer than `longest_wait` ends
@@ -113,7 +113,7 @@ def _first_line(error: BaseException, limit: int = 300, whole: bool = False) -> 
 
 def translate(error: Exception, workspace: Workspace) -> Exception:
     """An SDK / azure-core error as the backend's kind of error."""
-    from azure.core.exceptions import (
+    from azure.core.exceptions import (  # azure-ai-ml: the optional `azure` extra
         AzureError,
         ClientAuthenticationError,
         HttpResponseError,
@@ -180,6 +180,7 @@ class AzureMLClient:
 
     def get(self, name: str) -> AzureJob | None:
         """The job, or None when the workspace has none by that name."""
+        # azure-ai-ml: the optional `azure` extra
         from azure.core.exceptions import ResourceNotFoundError
 
         try:
@@ -202,6 +203,7 @@ class AzureMLClient:
 
     def cancel(self, name: str) -> None:
         """Ask Azure ML to cancel (without waiting); a job that is gone needs nothing."""
+        # azure-ai-ml: the optional `azure` extra
         from azure.core.exceptions import ResourceNotFoundError
 
         try:
@@ -215,7 +217,7 @@ class AzureMLClient:
                        tags: dict[str, str]) -> str:
         """Register `path` (a datastore folder, nothing uploaded) as the next version of
         model `name`; returns that version."""
-        from azure.ai.ml.constants import AssetTypes
+        from azure.ai.ml.constants import AssetTypes  # azure-ai-ml: the optional `azure` extra
         from azure.ai.ml.entities import Model
 
         try:
@@ -232,7 +234,7 @@ class AzureMLClient:
         tracking service cannot say: never a reason to fail the job."""
         if not job.tracking_uri:
             raise RunUnreadable("Azure ML names no tracking service for the job")
-        from azure.core import PipelineClient
+        from azure.core import PipelineClient  # azure-ai-ml: the optional `azure` extra
         from azure.core.pipeline.policies import BearerTokenCredentialPolicy
         from azure.core.rest import HttpRequest
 

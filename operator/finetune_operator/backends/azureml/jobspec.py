@@ -62,7 +62,7 @@ def require_sdk() -> Any:
     # "This is an experimental class" on every import and use of queue settings: noise
     logging.getLogger("azure.ai.ml._utils._experimental").setLevel(logging.ERROR)
     try:
-        import azure.ai.ml as sdk
+        import azure.ai.ml as sdk  # azure-ai-ml: the optional `azure` extra
     except ImportError as error:
         raise AzureSdkMissing(f"the azureml backend needs the Azure ML SDK (azure-ai-ml), "
                               f"which is not installed — {INSTALL_HINT}") from error
@@ -194,7 +194,7 @@ def _versioned(environment: str) -> bool:
 
 def job_environment(job: FineTuneJob, settings: OperatorSettings) -> Any:
     """A named Azure ML environment, or an anonymous one built on the trainer image."""
-    from azure.ai.ml.entities import Environment
+    from azure.ai.ml.entities import Environment  # azure-ai-ml: the optional `azure` extra
 
     aml = job.spec.azureml
     if aml is not None and aml.environment:
@@ -227,7 +227,7 @@ def build_command_job(job: FineTuneJob, settings: OperatorSettings, attempt: int
                       ) -> Command:
     """The azure-ai-ml command job for one attempt of `job`."""
     sdk = require_sdk()
-    from azure.ai.ml import Input, Output
+    from azure.ai.ml import Input, Output  # azure-ai-ml: the optional `azure` extra
     from azure.ai.ml.entities import JobResourceConfiguration, QueueSettings
 
     spec, aml = job.spec, job.spec.azureml

@@ -15,7 +15,8 @@ from typing import Any
 
 from finetune_operator.api import BackendRef, FineTuneJob, Progress
 from finetune_operator.backends.azureml.jobspec import attempt_of
-from finetune_operator.reconcile import INPUT_REFUSED, Failure, Observation
+from finetune_operator.reasons import FailedReason
+from finetune_operator.reconcile import Failure, Observation
 from finetune_trainer.exits import EXIT_BAD_INPUT, EXIT_OTHER_CHECKPOINTS, EXIT_SETUP
 from finetune_trainer.record import ProgressRecord
 from finetune_trainer.tracking import (
@@ -107,7 +108,7 @@ def _observe(job: FineTuneJob, azure: AzureJob | None, progress: Progress | None
         return Observation(exists=True, backend_ref=ref, failure=Failure(
             "refused", f"{where} was cancelled outside the operator (Azure ML Studio or the "
             "CLI), so the job ends here; to stop a job and resume it later, set "
-            "spec.runPolicy.suspend", reason="CancelledInAzureML"))
+            "spec.runPolicy.suspend", reason=FailedReason.CANCELLED_IN_AZURE_ML))
     if state in QUEUED:
         on = f" on compute {azure.compute}" if azure.compute else ""
         return Observation(exists=True, backend_ref=ref,
@@ -167,7 +168,8 @@ def failure(where: str, azure: AzureJob, tags: dict[str, str]) -> Failure:
                                                   if azure.studio_url else "")
     code, _, line = tags.get(REFUSED_TAG, "").partition(" ")
     if code == str(EXIT_BAD_INPUT):
-        return Failure("refused", f"{where} failed: {line} ({studio})", reason=INPUT_REFUSED)
+        return Failure("refused", f"{where} failed: {line} ({studio})",
+                       reason=FailedReason.INPUT_REFUSED)
     if code == str(EXIT_OTHER_CHECKPOINTS):
         return Failure("refused", f"{where} failed: {line} ({studio})")
     if code == str(EXIT_SETUP):  # submitted again once at most (reconcile)

@@ -22,7 +22,8 @@ from finetune_operator.backends.kubernetes.workers import (
     STOPPED_EXIT_CODE,
     TRAINER_CONTAINER,
 )
-from finetune_operator.reconcile import INPUT_REFUSED, Failure, Observation
+from finetune_operator.reasons import FailedReason, WaitingReason
+from finetune_operator.reconcile import Failure, Observation
 from finetune_trainer.config import DOCKER_CONFIG_KEY
 from finetune_trainer.exits import LOST_PEER
 from finetune_trainer.record import ProgressRecord
@@ -34,9 +35,6 @@ when the Workload's `spec.active` is false: a suspension the operator asked for.
 NO_WORKLOAD_GRACE_SECONDS = 30.0
 """How long a queued Job may wait for Kueue to make its Workload before the status asks
 whether Kueue is there at all."""
-
-MODEL_REFUSED = "ModelRefused"
-"""The Failed condition's reason when the hub refused the model."""
 
 # Pod conditions and reasons that mean the pod was taken away, not that training failed.
 DISRUPTION_REASONS = frozenset({"Evicted", "NodeLost", "Preempting", "Shutdown", "Terminated",
@@ -97,11 +95,11 @@ def pod_failure(pod: dict[str, Any]) -> Failure | None:
     if (container, code) == (TRAINER_CONTAINER, BAD_INPUT_EXIT_CODE):
         return Failure("refused", tail[0].removeprefix("finetune-train: ")[:1000]
                        or f"{name}: the trainer refused the model or the data (its log "
-                       "says which field)", reason=INPUT_REFUSED)
+                       "says which field)", reason=FailedReason.INPUT_REFUSED)
     if (container, code) == (FETCH_MODEL_CONTAINER, FETCH_REFUSED_EXIT_CODE):
         return Failure("refused", tail[0].removeprefix("finetune-train: ")[:1000]
                        or f"{name}: the hub refused spec.model (its name, revision or token)",
-                       reason=MODEL_REFUSED)
+                       reason=FailedReason.INPUT_REFUSED)
     if (container, code) == (TRAINER_CONTAINER, SETUP_EXIT_CODE):
         # the trainer's own line (errors.setup_failure), not a traceback's or a command's
         said = tail[0].removeprefix("finetune-train: ")[:1000] or (
@@ -174,7 +172,8 @@ def pod_waiting(pod: dict[str, Any]) -> str | None:
     scheduled = next((c for c in status.get("conditions") or []
                       if c.get("type") == "PodScheduled"), None)
     if scheduled and scheduled.get("status") == "False":
-        return f"{name}: {scheduled.get('reason', 'Unschedulable')}: {scheduled.get('message', '')}"
+        why = scheduled.get("reason", WaitingReason.UNSCHEDULABLE)
+        return f"{name}: {why}: {scheduled.get('message', '')}"
     for container in status.get("initContainerStatuses") or []:
         state = container.get("state") or {}
         if container.get("name") == FETCH_MODEL_CONTAINER and "running" in state:
@@ -193,8 +192,12 @@ def _said(waiting: dict[str, Any]) -> str:
     return f"{waiting['reason']}: {waiting.get('message', '')}".rstrip(": ")
 
 
-_UNPULLABLE = re.compile(
-    r"^[^:]+: (ErrImagePull|ImagePullBackOff|InvalidImageName|ErrImageNeverPull):")
+_SAME_CAUSE = {"ImagePullBackOff": WaitingReason.ERR_IMAGE_PULL,
+               "InvalidImageName": WaitingReason.ERR_IMAGE_PULL}
+"""The kubelet's retries of one pull alternate ErrImagePull and ImagePullBackOff: one cause."""
+_PULL_WORDS = "|".join([WaitingReason.ERR_IMAGE_PULL, *_SAME_CAUSE,
+                        WaitingReason.ERR_IMAGE_NEVER_PULL])
+_UNPULLABLE = re.compile(rf"^[^:]+: ({_PULL_WORDS}):")
 _MISSING_CLAIM = re.compile(r'persistentvolumeclaim "([^"]+)" not found')
 _MISSING_OBJECT = re.compile(r'(secret|configmap)s? "([^"]+)" not found')
 _MISSING_KEY = re.compile(r"couldn't find key (\S+) in (Secret|ConfigMap) [^/\s]+/([^\s:]+)")
@@ -262,7 +265,7 @@ def named_by_field(job: FineTuneJob, waiting: str | None) -> str | None:
                 f"lack: check it against their labels (kubectl get nodes -L "
                 f"{','.join(k8s.node_selector)})")
     if match := _UNPULLABLE.search(waiting):
-        if match[1] == "ErrImageNeverPull":  # imagePullPolicy Never: only what nodes hold
+        if match[1] == WaitingReason.ERR_IMAGE_NEVER_PULL:  # pull policy Never: what nodes hold
             where = ("spec.kubernetes.image names it" if k8s and k8s.image else
                      f"it is the operator's trainer image ({CHART_TRAINER_IMAGE})")
             return (f"{waiting} — {where}, and spec.kubernetes.imagePullPolicy Never lets "
@@ -368,7 +371,7 @@ def job_failure(failed: dict[str, Any]) -> Failure:
             f"Container {TRAINER_CONTAINER} " in message
             and f"exit code {BAD_INPUT_EXIT_CODE}" in message):
         return Failure("refused", f"{text}: the trainer refused the model or the data — "
-                       "its log names the field", reason=INPUT_REFUSED)
+                       "its log names the field", reason=FailedReason.INPUT_REFUSED)
     if reason == "PodFailurePolicy" and (
             f"Container {TRAINER_CONTAINER} " in message
             and f"exit code {SETUP_EXIT_CODE}" in message):
@@ -378,7 +381,7 @@ def job_failure(failed: dict[str, Any]) -> Failure:
     if reason == "PodFailurePolicy" and f"Container {FETCH_MODEL_CONTAINER} " in message:
         return Failure("refused", f"{text}: the hub refused spec.model (no such model or "
                        "revision, or a token it does not accept) — the fetch-model "
-                       "container's log names the field", reason=MODEL_REFUSED)
+                       "container's log names the field", reason=FailedReason.INPUT_REFUSED)
     return Failure("worker", text)
 
 
@@ -402,11 +405,12 @@ def output_claim_problem(job: FineTuneJob, claim: dict[str, Any] | None) -> str 
 def creation_failure(events: list[dict[str, Any]]) -> str | None:
     """The Job controller's newest `FailedCreate` event: why it could not create the pods
     (a missing PriorityClass, a quota, a policy), which no pod can say, as none exists."""
-    failed = [e for e in events if e.get("reason") == "FailedCreate"]
+    failed = [e for e in events if e.get("reason") == WaitingReason.FAILED_CREATE]
     if not failed:
         return None
     newest = max(failed, key=_event_time)
-    return f"FailedCreate: {newest.get('message') or newest.get('note') or ''}".rstrip(": ")
+    said = newest.get("message") or newest.get("note") or ""
+    return f"{WaitingReason.FAILED_CREATE}: {said}".rstrip(": ")
 
 
 def _event_time(event: dict[str, Any]) -> str:
@@ -427,7 +431,7 @@ def mounting(pod: dict[str, Any]) -> bool:
         pod_waiting(pod) is None
 
 
-MOUNT_REASONS = ("FailedMount", "FailedAttachVolume")
+MOUNT_REASONS = (WaitingReason.FAILED_MOUNT, WaitingReason.FAILED_ATTACH_VOLUME)
 """The kubelet's and the attach controller's events for a volume a pod cannot have."""
 
 
@@ -517,8 +521,7 @@ def _observe_job(workload: dict[str, Any], pods: list[dict[str, Any]], nodes: in
 
 
 _REASON = re.compile(r"^(?:[a-z0-9][a-z0-9.-]*: )?([A-Z][A-Za-z]+)(?::|$)")
-_SAME_CAUSE = {"ImagePullBackOff": "ErrImagePull", "InvalidImageName": "ErrImagePull"}
-"""The kubelet's retries of one pull alternate ErrImagePull and ImagePullBackOff: one cause."""
+_KNOWN_WAITS = frozenset(WaitingReason)
 
 
 def blocking_reason(waiting: str | None) -> str | None:
@@ -526,7 +529,10 @@ def blocking_reason(waiting: str | None) -> str | None:
     writes (`[pod: ]Reason: message`: pod_waiting, mount_failure, creation_failure); None
     for one on its way (`pod: fetching the model ...`)."""
     match = _REASON.match(waiting or "")
-    return _SAME_CAUSE.get(match[1], match[1]) if match else None
+    if match is None:
+        return None
+    word = _SAME_CAUSE.get(match[1], match[1])
+    return WaitingReason(word) if word in _KNOWN_WAITS else word  # theirs: passed on
 
 
 def waiting_for_leftovers(job: FineTuneJob, leftovers: list[str]) -> Observation:

@@ -10,14 +10,10 @@ from typing import Any
 
 from finetune_operator import naming, yamlio
 from finetune_operator.api import API_VERSION, KIND, FineTuneJob
+from finetune_operator.backends.kubernetes.rules import KUEUE_QUEUE_LABEL
 from finetune_operator.settings import OperatorSettings, Taint
 from finetune_operator.trainer_config import build_trainer_config, unreachable_locations
-from finetune_operator.validation import (
-    KUEUE_QUEUE_LABEL,
-    PUSH_THE_TRAINER_IMAGE,
-    Problem,
-    placeholder_image,
-)
+from finetune_operator.validation import PUSH_THE_TRAINER_IMAGE, Problem, placeholder_image
 from finetune_trainer import exits
 from finetune_trainer.config import TrainerConfig
 from finetune_trainer.layout import export_secret_dir
@@ -523,5 +519,8 @@ def worker_job(job: FineTuneJob, settings: OperatorSettings) -> dict[str, Any]:
 def render(job: FineTuneJob, settings: OperatorSettings) -> list[dict[str, Any]]:
     """Everything this backend creates for `job`, in creation order."""
     config = build_trainer_config(job, mount)
+    if job.spec.kubernetes and job.spec.kubernetes.infiniband:  # the NCCL preflight checks it
+        config = config.model_copy(update={"preflight": config.preflight.model_copy(
+            update={"require_infiniband": True})})
     return [trainer_config_map(job, config), headless_service(job, settings),
             worker_job(job, settings)]

@@ -1,0 +1,177 @@
+"""What several commands share: reading manifests into admitted jobs (`jobs_in`), saying a
+problem, the one-line summary of a job, and the lines of a failed call to a cluster."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+import click
+
+from finetune_operator.admission import admit, offline_backends, said_by_validate
+from finetune_operator.api import KIND, SWEEP_KIND, FineTuneJob
+from finetune_operator.manifests import Document, ManifestError, read_documents
+from finetune_operator.sweep import check_sweep
+from finetune_operator.validation import Problem, short_repr
+
+KUBECONFIG_HELP = "Kubeconfig to use (default: KUBECONFIG, then ~/.kube/config)."
+NAMESPACE_HELP = "Namespace of the FineTuneJob (default: the kubeconfig context's)."
+
+
+def say_problem(source: str, problem: Problem) -> None:
+    if not problem.path:  # the file itself (cannot be read, not YAML): says where already
+        click.echo(problem.message, err=True)
+        return
+    prefix = "warning: " if problem.severity == "warning" else ""
+    click.echo(f"{source}: {prefix}{problem}", err=True)
+
+
+Use = Literal["validate", "render", "here"]
+
+
+def _sweep_valid(doc: Document, say: Callable[[str, Problem], None]) -> bool:
+    """`validate` of a FineTuneSweep: its own fields, its template, and every searched
+    value set into the template (`sweep.check_sweep`, what the operator checks)."""
+    sweep, problems = check_sweep(doc.data)
+    for problem in problems:
+        say(doc.source, problem)
+    if sweep is None or any(p.severity == "error" for p in problems):
+        return False
+    spec = sweep.spec
+    click.echo(f"{doc.source}: valid {SWEEP_KIND} {sweep.name}: up to {spec.max_trials} "
+               f"trials, {min(spec.parallel_trials, spec.max_trials)} at once, "
+               f"{spec.sampling} sampling of {', '.join(spec.search_space)}",
+               err=say is not say_problem)  # `-o json` keeps standard output JSON
+    return True
+
+
+def jobs_in(paths: tuple[str, ...], use: Use, backend: str | None = None,
+            say: Callable[[str, Problem], None] = say_problem,
+            ) -> tuple[list[tuple[Document, FineTuneJob]], int]:
+    """Check every FineTuneJob in `paths`, telling `say` each problem; returns the valid
+    jobs and the number of invalid documents. `use`: `validate` and `render` check what the
+    operator checks, the backend's refusals included (`admission.admit`), so the
+    two agree; `validate` leaves out the backend's refusal of relative paths, which it
+    reports as one warning (they are for `finetune run`). `here`: `finetune run` and
+    `finetune plan` on this machine, without the cluster-only rules. `backend`: check them
+    as if `spec.backend` said so (`render --backend`)."""
+    valid: list[tuple[Document, FineTuneJob]] = []
+    invalid = 0
+    installed = offline_backends() if use != "here" else {}  # `here` needs their names only
+    for path in paths:
+        try:
+            documents = read_documents(path)
+        except ManifestError as error:
+            say(path, Problem("", str(error), "fix the file"))
+            invalid += 1
+            continue
+        jobs_here = 0
+        for doc in documents:
+            if use == "validate" and isinstance(doc.data, dict) and (
+                    doc.data.get("kind") == SWEEP_KIND):
+                jobs_here += 1
+                invalid += not _sweep_valid(doc, say)
+                continue
+            if isinstance(doc.data, dict) and doc.data.get("kind") not in (None, KIND):
+                _say_skipped(doc)
+                continue
+            jobs_here += 1
+            if backend and isinstance(doc.data, dict) and isinstance(doc.data.get("spec"), dict):
+                doc.data["spec"]["backend"] = backend
+            admission = admit(doc.data, installed, "here" if use == "here" else "cluster")
+            job, problems = admission.job, admission.problems
+            if use == "validate":
+                problems = said_by_validate(problems)
+            errors = [p for p in problems if p.severity == "error"]
+            for problem in problems:
+                say(doc.source, problem)
+            if errors or job is None:
+                invalid += 1
+            else:
+                valid.append((doc, job))
+        if jobs_here == 0:  # a problem of the file: in `validate -o json` too
+            say(path, Problem("", f"{path}: no {KIND} found — check `kind: {KIND}`",
+                              f"check `kind: {KIND}`"))
+            invalid += 1
+    return valid, invalid
+
+
+def _say_skipped(doc: Document) -> None:
+    """A document of another kind than the command takes: one line, then the next."""
+    kind = doc.data.get("kind")
+    meant = next((k for k in (KIND, SWEEP_KIND) if isinstance(kind, str)
+                  and kind.lower() == k.lower()), None)
+    if kind == SWEEP_KIND:  # spelled right, but this command takes jobs
+        click.echo(f"{doc.source}: skipped {SWEEP_KIND} (this command takes "
+                   f"{KIND}s; `finetune validate` checks a sweep, whose trials "
+                   "are its spec.template with the searched values set)",
+                   err=True)
+        return
+    click.echo(f"{doc.source}: skipped {plain(kind)} (not a {KIND}"
+               + (f"; kinds are case-sensitive: `kind: {meant}`?" if meant else "")
+               + ")", err=True)
+
+
+def plain(value: object, longest: int = 80) -> str:
+    """`value` as it is when printable and at most `longest` characters, else quoted and cut
+    short: a value from the manifest may hold a newline (a forged line), escapes, or
+    megabytes."""
+    is_plain = isinstance(value, str) and value.isprintable() and len(value) <= longest
+    return value if is_plain else short_repr(value)
+
+
+def summary(job: FineTuneJob, where: str | None = None, on_gpus: bool = True) -> str:
+    """One line about the job; `where`: `here` for `finetune run`, else its backend;
+    `on_gpus`: False where `finetune run` trains a GPU job's workers on CPUs."""
+    spec, r = job.spec, job.spec.resources
+    count = r.processes()
+    unit = ("GPU" if count == 1 else "GPUs") if r.on_gpus and on_gpus else (
+        "CPU process" if count == 1 else "CPU processes")
+    nodes = "1 node" if r.nodes == 1 else f"{r.nodes} nodes"
+    return (f"{KIND} {job.namespace}/{job.name}: {spec.method.type} on {where or spec.backend}, "
+            f"{nodes} x {count} {unit}, strategy {spec.strategy.type}, "
+            f"{spec.strategy.precision}")
+
+
+def printable(text: str) -> str:
+    """`text` with what a terminal cannot show or should not obey escaped: lone surrogates
+    (valid in YAML strings, not in UTF-8) and control characters other than newlines."""
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return "".join(c if c == "\n" or c.isprintable() else c.encode("unicode_escape").decode()
+                   for c in text)
+
+
+def local_target(command: str, target: str, namespace: str | None,
+                 kubeconfig: str | None) -> tuple[str, Path] | None:
+    """`follow.output_folder` unless a cluster was named; a path that names no run: exit 1."""
+    from finetune_operator import follow  # ~8 ms at every start: only status and logs read it
+
+    if namespace is not None or kubeconfig is not None:
+        return None
+    try:
+        return follow.output_folder(target)
+    except follow.NotARun as error:
+        click.echo(f"finetune {command}: {error}", err=True)
+        sys.exit(1)
+
+
+def cluster_error(command: str, error: Exception) -> str:
+    """The line for a failed call to the cluster; one that could not log in at all also
+    says how a `finetune run` on this machine is named instead."""
+    from finetune_operator import kube  # the cluster's client (aiohttp): not for `run`, `plan`
+
+    line = f"finetune {command}: {error}"
+    if isinstance(error, kube.KubeError) and error.status == 401:
+        line += f" — {kube.EXPIRED_TOKEN}"
+    elif isinstance(error, kube.KubeError) and error.status == 403:
+        line += (" — your identity may not read FineTuneJobs there: ask for a Role allowing "
+                 "get and list on finetunejobs, pods and pods/log (`kubectl auth can-i get "
+                 "finetunejobs -n <namespace>` checks)")
+    elif isinstance(error, kube.KubeError) and error.status is None:
+        line += f" — {kube.UNREACHABLE}"
+    if isinstance(error, kube.LoginError):
+        line += (f"; or, for a `finetune run` on this machine, name its manifest or output "
+                 f"folder (`finetune {command} job.yaml`)")
+    return line

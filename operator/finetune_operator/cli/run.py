@@ -1,0 +1,203 @@
+"""`finetune run`: a FineTuneJob trained on this machine. The steps are `local`'s (the
+config for this machine, fetching, preflight, torchrun and its restarts) and the path
+checks `local_paths`'; here they are called in order and each outcome said."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import click
+
+from finetune_operator.api import FineTuneJob
+from finetune_operator.cli.common import jobs_in, summary
+from finetune_operator.cli.group import EXIT_INVALID, main
+from finetune_operator.local_paths import local_path_problems
+from finetune_operator.manifests import Document
+from finetune_operator.validation import InvalidJobError
+from finetune_trainer import layout
+
+if TYPE_CHECKING:
+    from finetune_trainer.config import TrainerConfig
+
+
+@main.command(name="run")
+@click.argument("file", metavar="FILE")
+@click.option("--nproc", type=click.IntRange(min=1), default=None,
+              help="Training processes on this machine. Default: the spec's CPU workers "
+                   "(nodes x processesPerNode), or the visible GPUs.")
+@click.option("--fresh", is_flag=True,
+              help="Start over instead of resuming: the earlier run's checkpoints, model and "
+                   "progress are moved aside (into before-<time>/ in the output folder), "
+                   "never deleted.")
+@click.option("--metrics-port", type=click.IntRange(min=1, max=65535), default=None,
+              help="Serve each process's /metrics and /progress on 127.0.0.1 from this port "
+                   "(process k on PORT+k). Default: 9108, or the next free ports when another "
+                   "run holds them.")
+@click.option("--verbose", "-v", is_flag=True,
+              help="Show every line torchrun and the workers print (library warnings, "
+                   "loading progress bars, torchrun's own log).")
+def run_command(file: str, nproc: int | None, fresh: bool, metrics_port: int | None,
+                verbose: bool) -> None:
+    """Train a FineTuneJob on this machine with torchrun, no cluster needed.
+
+    Validates first, checks the model and data before any process starts, then trains
+    and prints where the outputs went. Relative paths start at the manifest's folder.
+    Ctrl-C (or SIGTERM) checkpoints at the next step and exits 143 with one line saying
+    where; running the same command again resumes from that checkpoint. A worker that
+    fails (an exception, an OOM kill, kill -9) restarts all of them from the newest
+    complete checkpoint, up to spec.runPolicy.backoffLimit times; a model or data the
+    trainer refuses is said once and not restarted. An output folder belongs to one
+    training: checkpoints of another (another objective, model, dataset, LoRA rank,
+    strategy, ...) are never resumed, and a model exported there is never replaced by a run
+    from step 0; the run is refused, naming what differs (--fresh sets them aside).
+    """
+    # local runs (the planner, process handling): loaded only by the command that trains
+    from finetune_operator import local
+    from finetune_operator.follow import mark_failed, run_log
+    from finetune_trainer import trained_with
+
+    doc, job = _the_job_to_run(file)
+    model = local.model_config(job, doc.folder)
+    gpus = local.visible_gpus()
+    processes = nproc or local.default_processes(job, gpus)
+    try:
+        accumulation, differences = local.fit_to_machine(job, processes, gpus)
+    except local.MachineMismatch as error:
+        click.echo(f"{doc.source}: {error}", err=True)
+        sys.exit(EXIT_INVALID)
+    here = local.as_run_here(job, processes, accumulation)
+    machine = local.this_machine(processes) if gpus and job.spec.resources.on_gpus else None
+    config, step_settings, serving, ports = _config_here(doc, here, model, machine,
+                                                         metrics_port)
+    output_dir = Path(config.output.uri)
+    lock = _hold_output(doc.source, output_dir)  # before anything in the folder changes
+    if fresh and (moved := local.set_earlier_run_aside(output_dir)) is not None:
+        aside, names = moved
+        click.echo(f"--fresh: the earlier run's {', '.join(names)} are kept in {aside}; "
+                   "starting over")
+    if refused := trained_with.refusal(output_dir, config, local.START_OVER, doc.folder):
+        click.echo(f"{doc.source}: {refused}", err=True)
+        sys.exit(EXIT_INVALID)
+    if not fresh and (done := local.already_done(output_dir, config)):
+        click.echo(f"{doc.source}: {done}")
+        sys.exit(0)
+    config_path = local.write_config(config, output_dir)
+    click.echo(f"{doc.source}: {summary(here, 'this machine', on_gpus=bool(gpus))}")
+    for difference in differences:
+        click.echo(f"{doc.source}: {difference}", err=True)
+    if machine is not None:
+        click.echo(f"{doc.source}: step settings sized for this machine's "
+                   f"{local.described(machine)}, not for spec.resources.gpuType")
+    for note in step_settings.notes:
+        click.echo(f"{doc.source}: {note}")
+    for warning in local.plan_warnings(here if machine else job, model, machine):
+        click.echo(f"{doc.source}: {warning}", err=True)
+    click.echo(f"trainer config: {config_path}")
+    click.echo(serving)
+
+    _fetch_and_check(config, config_path, output_dir, verbose)
+    restarts = job.spec.run_policy.backoff_limit
+    click.echo(f"starting {processes} training process{'es' if processes > 1 else ''} "
+               f"(a failed worker restarts them all from the newest checkpoint, up to "
+               f"{restarts} time{'' if restarts == 1 else 's'}: spec.runPolicy.backoffLimit)")
+
+    code = local.run_trainer(config_path, processes, run_log(output_dir),
+                             max_restarts=restarts, verbose=verbose, lock=lock,
+                             on_gpus=job.spec.resources.on_gpus)
+    ports.close()  # held for the workers until now, restarts included
+    if code == 0:
+        click.echo(f"done: model in {output_dir / layout.FINAL_DIR}, checkpoints in "
+                   f"{layout.checkpoint_root(output_dir)}, progress in "
+                   f"{output_dir / layout.PROGRESS_FILE}")
+    elif code == local.EXIT_STOPPED:
+        click.echo(local.stopped_message(output_dir), err=True)
+    else:
+        mark_failed(output_dir)
+        click.echo(f"training failed (exit {code}): {local.failure_hint(code)}", err=True)
+    sys.exit(code)
+
+
+def _the_job_to_run(file: str) -> tuple[Document, FineTuneJob]:
+    """The manifest's one FineTuneJob, valid, with the model and data paths it reads on
+    this machine there; else the problems said and exit 2."""
+    valid, invalid = jobs_in((file,), "here")
+    if invalid:
+        sys.exit(EXIT_INVALID)
+    if len(valid) != 1:
+        click.echo(f"{file}: holds {len(valid)} FineTuneJobs — `finetune run` takes one", err=True)
+        sys.exit(EXIT_INVALID)
+    doc, job = valid[0]
+    if missing := local_path_problems(job, doc.folder, runs_here=True):
+        for problem in missing:
+            click.echo(f"{doc.source}: {problem}", err=True)
+        sys.exit(EXIT_INVALID)
+    return doc, job
+
+
+def _config_here(doc: Document, here: FineTuneJob, model, machine, metrics_port: int | None):
+    """The trainer config of the job run `here`, its step settings, the line saying where
+    its metrics are served and the hold on those ports (`local.PortHold`, kept until the
+    run ends); or its problems said and exit 2."""
+    from finetune_operator import local  # as in run_command
+
+    try:
+        manifest = None if doc.path == "-" else str(Path(doc.path).resolve())
+        config, step_settings = local.local_config(here, doc.folder, model, machine, manifest)
+        config, serving, ports = local.serving_here(config, here.spec.resources.processes(),
+                                                    metrics_port)
+    except InvalidJobError as error:
+        for problem in error.problems:
+            click.echo(f"{doc.source}: {problem}", err=True)
+        sys.exit(EXIT_INVALID)
+    except local.PortTaken as error:
+        click.echo(f"{doc.source}: {error}", err=True)
+        sys.exit(EXIT_INVALID)
+    return config, step_settings, serving, ports
+
+
+def _fetch_and_check(config: TrainerConfig, config_path: Path, output_dir: Path,
+                     verbose: bool) -> None:
+    """Before any worker: an hf:// model fetched into the output folder, then the model and
+    data checked (the trainer's preflight); exits with their code when one fails, the run
+    marked Failed (`finetune status` of the folder says so, not Stopped)."""
+    from finetune_operator import local  # as in run_command
+    from finetune_operator.follow import run_log
+
+    log = run_log(output_dir)
+    local.RunLog(log).begin("finetune run")  # where this run's lines start
+    if local.needs_fetch(config) and (fetched := local.run_step(
+            local.fetch_command(config_path), log, verbose)) != 0:
+        _stop_before_training(fetched, output_dir)
+        sys.exit(fetched)  # 2: the name, revision or token; 1: the network or the disk
+    if (checked := local.run_step(local.preflight_command(config_path), log, verbose)) != 0:
+        _stop_before_training(checked, output_dir)
+        sys.exit(checked)  # 2: the model or the data; 1: anything else (the traceback said)
+
+
+def _stop_before_training(code: int, output_dir: Path) -> None:
+    """A step before the workers failed (the run is marked Failed: `finetune status` says
+    so) or was interrupted (Ctrl-C: nothing failed; one line, exit 143 as in training)."""
+    from finetune_operator import local  # as in run_command
+    from finetune_operator.follow import mark_failed
+
+    if code == local.EXIT_STOPPED:
+        click.echo(local.stopped_message(output_dir), err=True)
+        sys.exit(code)
+    mark_failed(output_dir)
+
+
+def _hold_output(source: str, output_dir: Path) -> int | None:
+    """The output folder's lock for this run (`run_lock.hold`), or exit 2 naming the run
+    that writes it."""
+    from finetune_operator import run_lock  # as in run_command
+
+    try:
+        return run_lock.hold(output_dir)
+    except run_lock.FolderInUse as error:
+        click.echo(f"{source}: spec.output.uri: {error} — wait for it to end, stop it (Ctrl-C "
+                   "where it runs: it checkpoints first), or give this run another "
+                   "spec.output.uri", err=True)
+        sys.exit(EXIT_INVALID)
+

@@ -1,0 +1,89 @@
+"""`finetune validate` and `finetune render`: what the operator would accept, and what it
+would create, without a cluster."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from finetune_operator import yamlio
+from finetune_operator.admission import offline_backends
+from finetune_operator.cli.common import jobs_in, say_problem, summary
+from finetune_operator.cli.group import EXIT_INVALID, main
+from finetune_operator.local_paths import local_path_problems
+from finetune_operator.output_folders import shared_folder_warnings
+from finetune_operator.render import render
+from finetune_operator.validation import Problem
+
+
+@main.command()
+@click.argument("files", nargs=-1, required=True, metavar="FILE...")
+@click.option("-o", "--output", type=click.Choice(["text", "json"]), default="text",
+              show_default=True, help="json: one object with every problem, for tools and CI.")
+def validate(files: tuple[str, ...], output: str) -> None:
+    """Check FineTuneJob and FineTuneSweep manifests (`-` reads stdin).
+
+    Prints one line per problem, `FILE: path.to.field: what is wrong — how to fix`, and
+    exits 2 when any manifest is invalid. It checks what the operator checks, the
+    backend's own refusals included (what `finetune render` refuses). Warnings (an
+    absolute local path that does not exist on this machine, relative paths that only
+    `finetune run` can use, two jobs writing one output folder) do not change the exit
+    code; a relative model or data path that is not on this machine is an error.
+    """
+    found: list[dict] = []
+
+    def collect(source: str, problem: Problem) -> None:
+        found.append({"source": source, "field": problem.path, "message": problem.message,
+                      "fix": problem.fix, "severity": problem.severity})
+
+    say = collect if output == "json" else say_problem
+    valid, invalid = jobs_in(files, "validate", say=say)
+    usable = []
+    for doc, job in valid:
+        here = local_path_problems(job, doc.folder)
+        for problem in here:
+            say(doc.source, problem)
+        if any(p.severity == "error" for p in here):  # a relative path not on this machine
+            invalid += 1
+        else:
+            usable.append((doc, job))
+    valid = usable
+    for source, problem in shared_folder_warnings(valid, offline_backends()):
+        say(source, problem)
+    if output == "json":
+        click.echo(json.dumps({
+            "valid": invalid == 0,
+            "jobs": [{"source": doc.source, "name": job.name, "namespace": job.namespace}
+                     for doc, job in valid],
+            "problems": found}, indent=2))
+    else:
+        for doc, job in valid:
+            click.echo(f"{doc.source}: valid {summary(job)}")
+    if invalid:
+        sys.exit(EXIT_INVALID)
+
+
+@main.command(name="render")
+@click.argument("file", metavar="FILE")
+@click.option("-o", "--output", type=click.Choice(["yaml", "json"]), default="yaml",
+              show_default=True, help="Output format.")
+@click.option("--backend", default=None, metavar="NAME",
+              help="Render for this backend instead of the manifest's spec.backend.")
+def render_command(file: str, output: str, backend: str | None) -> None:
+    """Print the objects the operator would create for a FineTuneJob, without a cluster.
+
+    \b
+    kubernetes: the ConfigMap, headless Service and Indexed Job
+    azureml:    the command job YAML, for `az ml job create --file`
+    """
+    valid, invalid = jobs_in((file,), "render", backend=backend)
+    if invalid:
+        sys.exit(EXIT_INVALID)
+    objects = [obj for _, job in valid for obj in render(job)]
+    if output == "json":
+        click.echo(json.dumps(objects[0] if len(objects) == 1 else
+                              {"apiVersion": "v1", "kind": "List", "items": objects}, indent=2))
+    else:
+        click.echo(yamlio.dump_all(objects).rstrip())

@@ -344,7 +344,7 @@ def reconcile(job: FineTuneJob, seen: Observation, now: datetime,
     """Decide what to do about `job`. `problems` are validation errors found by the caller
     (the API's rules and the backend's own), each `path: what — fix`. `feasibility` is the
     planner's verdict, computed by the caller before the first launch. `launch_at`: the
-    job's turn to launch comes then (launches are paced, `pacing.py`; the time is fixed when
+    job's turn to launch comes then (launches are paced, `controller.pacing`; the time is fixed when
     the turn is promised), so a launch due now waits for it. `output_holder`: the other
     live job that holds this one's output folder (`output_folders.holder`), as
     `namespace/name (phase)`.

@@ -14,11 +14,12 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from finetune_operator import controller, planner
+from finetune_operator import planner
 from finetune_operator.backends import BackendContext, load_backends
 from finetune_operator.backends.azureml.jobspec import CONFIG_INPUT, require_sdk
+from finetune_operator.controller import reconcilers
+from finetune_operator.controller.pacing import LaunchPacer
 from finetune_operator.kube import Kube
-from finetune_operator.pacing import LaunchPacer
 from finetune_operator.settings import OperatorSettings
 from tests.conftest import minimal_job
 from tests.support import waits
@@ -70,7 +71,7 @@ async def aml_operator(cluster: ApiServer, rank0, azure: FakeAzureML, request):
     kube = Kube(running.kubeconfig)
     context = BackendContext(settings=OperatorSettings(), kube=kube,
                              azure_credential=StaticCredential(), azure_transport=azure)
-    running.runtime = controller.Runtime(backends=load_backends(context), kube=kube,
+    running.runtime = reconcilers.Runtime(backends=load_backends(context), kube=kube,
                                          interval=0.3)
     if (paced := getattr(request, "param", None)) is not None:
         running.clock = StoppableClock()

@@ -14,7 +14,7 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 
 from finetune_operator import crd
-from finetune_operator.controller import CRD_UPGRADE
+from finetune_operator.controller.reconcilers import CRD_UPGRADE
 from tests.conftest import REPO
 from tests.support import waits
 from tests.support.cluster_fixtures import (
@@ -47,8 +47,9 @@ def test_the_operator_install_has_what_it_imports(operator_install):
                                capture_output=True, text=True)
     assert help_text.returncode == 0, help_text.stderr
     imports = subprocess.run([python, "-c", (
-        "import importlib.util, finetune_operator.controller, finetune_operator.backends."
-        "kubernetes; from finetune_operator.cli.operate import operator_command as c;"
+        "import importlib.util, finetune_operator.controller.reconcilers, "
+        "finetune_operator.backends.kubernetes.backend; "
+        "from finetune_operator.cli.operate import operator_command as c;"
         "print(importlib.util.find_spec('torch') is None,"
         "     [p.name for p in c.params if getattr(p, 'hidden', False)])")],
         capture_output=True, text=True)

@@ -23,8 +23,8 @@ import pytest
 import pytest_asyncio
 from azure.core.credentials import AccessToken
 
-from finetune_operator import controller
 from finetune_operator.backends import BackendContext, load_backends
+from finetune_operator.controller import reconcilers
 from finetune_operator.kube import Kube
 from finetune_operator.settings import OperatorSettings
 from tests.backends.test_azureml_scenarios import FTJ, azureml_job, phase_is, submitted
@@ -123,7 +123,7 @@ async def aml_operator(cluster: ApiServer, rank0, azure: FakeAzureML):
     context = BackendContext(settings=OperatorSettings(), kube=kube,
                              azure_credential=CanaryCredential(), azure_transport=azure)
     backends = load_backends(context)
-    running.runtime = controller.Runtime(backends=backends, kube=kube, interval=0.3)
+    running.runtime = reconcilers.Runtime(backends=backends, kube=kube, interval=0.3)
     await running.start()
     yield running
     await running.stop()

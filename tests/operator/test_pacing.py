@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from finetune_operator.pacing import LaunchPacer
+from finetune_operator.controller.pacing import LaunchPacer
 from tests.operator.test_event_driven import FakeClock
 
 

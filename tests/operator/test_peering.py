@@ -14,8 +14,8 @@ import logging
 import aiohttp
 import pytest
 
-from finetune_operator import controller
-from finetune_operator.controller import Peering
+from finetune_operator.controller import reconcilers
+from finetune_operator.controller.reconcilers import Peering
 from finetune_operator.kube import Kube
 from finetune_operator.settings import OperatorSettings
 from finetune_trainer.record import ProgressRecord
@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.kmock(cls=ApiServer), pytest.mark.asyncio, pytest.mark
 PEERINGS = "/apis/kopf.dev/v1/clusterkopfpeerings"
 LIFETIME = 4
 STANDING_BY = "another replica leads: standing by"
-"""What a replica logs when it stops acting (controller.follow_peering)."""
+"""What a replica logs when it stops acting (reconcilers.follow_peering)."""
 
 
 async def test_a_standby_replica_takes_over_when_the_acting_one_dies(cluster, kubelet, rank0):
@@ -76,7 +76,7 @@ async def test_without_the_peering_object_a_replica_stops_and_says_why(cluster, 
     """Otherwise kopf waits, idle and silent, for an object nobody creates."""
     replica = Operator(cluster, rank0, Peering("finetune-operator", identity="replica-b"))
     with pytest.raises(Exception, match="handlers failed") as failure:  # kopf's ActivityError
-        await asyncio.wait_for(controller.run(
+        await asyncio.wait_for(reconcilers.run(
             replica.runtime, kubeconfig=replica.kubeconfig, spare=NotKopfs(),
             peering=replica.peering),
             timeout=waits.seconds_left())
@@ -130,17 +130,17 @@ async def test_who_leads_follows_kopfs_rule():
     def peer(priority: int, lastseen: str) -> dict:
         return {"priority": priority, "lifetime": 60, "lastseen": lastseen}
 
-    assert controller.leads(None, "b", 100, now)
-    assert controller.leads({"b": peer(100, fresh), "a": peer(50, fresh)}, "b", 100, now)
-    assert not controller.leads({"a": peer(200, fresh)}, "b", 100, now)
-    assert not controller.leads({"a": peer(100, fresh)}, "b", 100, now)  # kopf pauses both
-    assert controller.leads({"a": peer(200, stale)}, "b", 100, now)  # its record expired
+    assert reconcilers.leads(None, "b", 100, now)
+    assert reconcilers.leads({"b": peer(100, fresh), "a": peer(50, fresh)}, "b", 100, now)
+    assert not reconcilers.leads({"a": peer(200, fresh)}, "b", 100, now)
+    assert not reconcilers.leads({"a": peer(100, fresh)}, "b", 100, now)  # kopf pauses both
+    assert reconcilers.leads({"a": peer(200, stale)}, "b", 100, now)  # its record expired
 
 
 async def test_a_standby_stops_at_once(cluster):
     """A reconciler of a standby that was handed a key waits to act again; a stop must not
     wait for that (a rolling update's grace period is 30 s)."""
-    standby = controller.Controller(controller.Runtime.build(
+    standby = reconcilers.Controller(reconcilers.Runtime.build(
         Kube(cluster.kubeconfig), OperatorSettings(), interval=0.3))
     standby.acting.clear()
     standby.start()
@@ -152,7 +152,7 @@ async def test_a_standby_stops_at_once(cluster):
 async def test_a_namespaced_replica_taking_over_lists_only_its_namespaces(cluster):
     """It listed every namespace, which a namespaced install may not: a 403 logged at each
     takeover."""
-    standby = controller.Controller(controller.Runtime.build(
+    standby = reconcilers.Controller(reconcilers.Runtime.build(
         Kube(cluster.kubeconfig), OperatorSettings(), interval=0.3))
     standby.acting.clear()
     asked = []

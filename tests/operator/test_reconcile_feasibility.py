@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 from types import SimpleNamespace
 
 from finetune_operator.api import FineTuneJobStatus
-from finetune_operator.controller import feasibility
+from finetune_operator.controller.reconcilers import feasibility
 from finetune_operator.planner import ModelConfigs
 from finetune_operator.reconcile import Feasibility, Observation, condition, reconcile
 from finetune_operator.validation import parse_job

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from finetune_operator.workqueue import WorkQueue
+from finetune_operator.controller.workqueue import WorkQueue
 from tests.support import waits
 
 pytestmark = pytest.mark.asyncio

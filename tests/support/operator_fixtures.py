@@ -10,7 +10,7 @@ from collections.abc import Collection
 import pytest
 import pytest_asyncio
 
-from finetune_operator import controller
+from finetune_operator.controller import reconcilers
 from finetune_operator.kube import Kube
 from finetune_operator.settings import OperatorSettings
 from finetune_trainer.progress import ProgressServer
@@ -70,17 +70,17 @@ class Operator:
     """Starts and stops the real controller; a test may kill and restart it."""
 
     def __init__(self, cluster: ApiServer, rank0: ProgressServer,
-                 peering: controller.Peering | None = None):
+                 peering: reconcilers.Peering | None = None):
         self.kubeconfig = cluster.kubeconfig
         self.peering = peering
-        self.runtime = controller.Runtime.build(Kube(self.kubeconfig), OperatorSettings(),
+        self.runtime = reconcilers.Runtime.build(Kube(self.kubeconfig), OperatorSettings(),
                                                 interval=0.3, progress_port=rank0.port)
         self.task: asyncio.Task | None = None
         self.stop_flag: asyncio.Event | None = None
 
     async def start(self) -> None:
         self.stop_flag, ready = asyncio.Event(), asyncio.Event()
-        self.task = asyncio.create_task(controller.run(
+        self.task = asyncio.create_task(reconcilers.run(
             self.runtime, kubeconfig=self.kubeconfig, stop_flag=self.stop_flag, ready_flag=ready,
             spare=NotKopfs(), peering=self.peering))
         await asyncio.wait_for(ready.wait(), waits.seconds_left())

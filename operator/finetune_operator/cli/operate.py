@@ -9,7 +9,7 @@ import sys
 import click
 
 from finetune_operator.cli.group import main
-from finetune_operator.pacing import LAUNCH_BURST, LAUNCH_RATE
+from finetune_operator.controller.pacing import LAUNCH_BURST, LAUNCH_RATE
 
 
 @main.command(name="operator")
@@ -53,7 +53,8 @@ def operator_command(all_namespaces: bool, namespaces: tuple[str, ...], log_leve
     import logging
 
     # kopf, the cluster's client, the planner: loaded only by the command that runs them
-    from finetune_operator import controller, kube, planner
+    from finetune_operator import kube, planner
+    from finetune_operator.controller import reconcilers
     from finetune_operator.settings import OperatorSettings
 
     if all_namespaces and namespaces:
@@ -61,7 +62,7 @@ def operator_command(all_namespaces: bool, namespaces: tuple[str, ...], log_leve
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     client = kube.Kube()
-    runtime = controller.Runtime.build(client, OperatorSettings.from_env(), interval=interval,
+    runtime = reconcilers.Runtime.build(client, OperatorSettings.from_env(), interval=interval,
                                        reconcilers=reconcilers, launch_rate=launch_rate,
                                        launch_burst=launch_burst)
     # the planner reads config.json from the hub (HF_HUB_OFFLINE=1 turns that off)
@@ -82,8 +83,8 @@ def operator_command(all_namespaces: bool, namespaces: tuple[str, ...], log_leve
                            f"another with {option}", err=True)
                 sys.exit(1)
         runtime.metrics.serve(metrics_port)
-        await controller.run(runtime, namespaces=namespaces, liveness_port=health_port,
-                             peering=controller.Peering(peering) if peering else None)
+        await reconcilers.run(runtime, namespaces=namespaces, liveness_port=health_port,
+                             peering=reconcilers.Peering(peering) if peering else None)
 
     asyncio.run(serve())
 

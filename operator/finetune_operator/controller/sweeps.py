@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from finetune_operator.api import KIND, SWEEP_KIND, TERMINAL_PHASES, FineTuneSweep, TrialStatus
+from finetune_operator.controller.workqueue import WorkQueue
 from finetune_operator.kube import Kube, KubeError, merge_patch, newer, slim
 from finetune_operator.reasons import SweepReason
 from finetune_operator.reconcile import Event
@@ -30,7 +31,6 @@ from finetune_operator.sweep import (
     decide,
     trial_manifest,
 )
-from finetune_operator.workqueue import WorkQueue
 
 logger = logging.getLogger("finetune_operator")
 

@@ -2,14 +2,14 @@
 
 kopf watches the FineTuneJobs and, for the kubernetes backend, their children (Jobs, pods,
 Services, ConfigMaps, held in kopf indexes: `backends/children.py`). A watch event only puts
-the job's key in the work queue (`workqueue.py`), as controller-runtime's informers do: a new
+the job's key in the work queue (`workqueue`), as controller-runtime's informers do: a new
 job, a new generation (a spec change), a change of one of its children. A fixed number of
 reconcilers (`Runtime.reconcilers`) take keys from the queue, one job at a time each, and do the
 same four things: observe the backend, ask `reconcile` what to do (pure, table-tested), do it,
 and patch the status if it changed. A job is looked at again without a change only when a
 deadline falls due or something no watch reports may have moved (`Runtime.interval`).
 
-FineTuneSweeps share the queue and the reconcilers (`sweep_controller.py`): a change of a
+FineTuneSweeps share the queue and the reconcilers (`sweeps`): a change of a
 trial's FineTuneJob wakes its sweep.
 
 No task per job, and no finalizer for a job whose children the garbage collector removes
@@ -54,6 +54,9 @@ from finetune_operator.backends import (
     load_backends,
 )
 from finetune_operator.backends.children import MANAGED, RESOURCES, owner_key
+from finetune_operator.controller.pacing import LAUNCH_BURST, LAUNCH_RATE, LaunchPacer
+from finetune_operator.controller.sweeps import Sweeps
+from finetune_operator.controller.workqueue import WorkQueue
 from finetune_operator.kube import (
     Kube,
     KubeError,
@@ -65,7 +68,6 @@ from finetune_operator.kube import (
 )
 from finetune_operator.metrics import RESTART_CAUSES, OperatorMetrics
 from finetune_operator.output_folders import OutputUser, holder
-from finetune_operator.pacing import LAUNCH_BURST, LAUNCH_RATE, LaunchPacer
 from finetune_operator.planner import ModelConfigs, plan_job
 from finetune_operator.planner.sources import hub_offline
 from finetune_operator.reasons import EventReason
@@ -81,9 +83,7 @@ from finetune_operator.reconcile import (
 )
 from finetune_operator.settings import OperatorSettings
 from finetune_operator.sweep import LABEL as SWEEP_LABEL
-from finetune_operator.sweep_controller import Sweeps
 from finetune_operator.trainer_config import launch_plan
-from finetune_operator.workqueue import WorkQueue
 
 FINALIZER = f"{API_GROUP}/finalizer"
 OUTPUTS_INDEX = "output_folders"

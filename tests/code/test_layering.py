@@ -20,6 +20,7 @@ TORCH_BAN = "The operator never imports the training stack"
 LAYERS = "The operator's layers: each imports only the ones below it"
 BACKENDS = "Backends do not import each other"
 TRAINER_PACKAGE = "Importing the trainer package imports no training stack"
+TRAINER_LAYERS = "The trainer's layers: its entry points, its loop, then its components"
 
 
 def _scratch(root: Path) -> Path:
@@ -60,6 +61,9 @@ PLANTS = [
     ("finetune_operator/validation.py", "import finetune_operator.backends", LAYERS),
     ("finetune_operator/backends/kubernetes/backend.py",
      "import finetune_operator.backends.azureml", BACKENDS),
+    # a component importing the loop it is a part of (a function-level import counts)
+    ("finetune_trainer/checkpoint.py", "def _planted():\n    import finetune_trainer.train",
+     TRAINER_LAYERS),
 ]
 
 

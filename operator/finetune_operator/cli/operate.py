@@ -54,7 +54,7 @@ def operator_command(all_namespaces: bool, namespaces: tuple[str, ...], log_leve
 
     # kopf, the cluster's client, the planner: loaded only by the command that runs them
     from finetune_operator import kube, planner
-    from finetune_operator.controller import reconcilers
+    from finetune_operator.controller.reconcilers import Peering, Runtime, run
     from finetune_operator.settings import OperatorSettings
 
     if all_namespaces and namespaces:
@@ -62,9 +62,9 @@ def operator_command(all_namespaces: bool, namespaces: tuple[str, ...], log_leve
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     client = kube.Kube()
-    runtime = reconcilers.Runtime.build(client, OperatorSettings.from_env(), interval=interval,
-                                       reconcilers=reconcilers, launch_rate=launch_rate,
-                                       launch_burst=launch_burst)
+    runtime = Runtime.build(client, OperatorSettings.from_env(), interval=interval,
+                            reconcilers=reconcilers, launch_rate=launch_rate,
+                            launch_burst=launch_burst)
     # the planner reads config.json from the hub (HF_HUB_OFFLINE=1 turns that off)
     runtime.model_configs = planner.ModelConfigs(fetch=planner.fetch_from_hub)
 
@@ -83,8 +83,8 @@ def operator_command(all_namespaces: bool, namespaces: tuple[str, ...], log_leve
                            f"another with {option}", err=True)
                 sys.exit(1)
         runtime.metrics.serve(metrics_port)
-        await reconcilers.run(runtime, namespaces=namespaces, liveness_port=health_port,
-                             peering=reconcilers.Peering(peering) if peering else None)
+        await run(runtime, namespaces=namespaces, liveness_port=health_port,
+                  peering=Peering(peering) if peering else None)
 
     asyncio.run(serve())
 

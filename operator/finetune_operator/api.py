@@ -68,6 +68,10 @@ StringMap = Annotated[
 DEFAULT_BACKEND = "kubernetes"
 """`spec.backend` when a manifest leaves it out."""
 
+BY_NAME = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]}
+"""A list whose items are keyed by `name` (kubebuilder's `+listType=map`, `+listMapKey=name`):
+the API server refuses two items of one name by itself, and server-side apply merges by it."""
+
 Phase = Literal[
     "Pending", "Queued", "Launching", "Running", "Restarting", "Suspended", "Succeeded", "Failed"
 ]
@@ -263,9 +267,9 @@ class KubernetesSpec(ApiModel):
     """Kueue LocalQueue: the Job is created suspended and starts when Kueue admits it."""
     service_account_name: str | None = Field(default=None, max_length=253)
     """Service account of the worker pods (e.g. one bound to an Azure workload identity)."""
-    volumes: list[Volume] = Field(default_factory=list, max_length=32)
+    volumes: list[Volume] = Field(default_factory=list, max_length=32, json_schema_extra=BY_NAME)
     """Extra volumes mounted into every worker."""
-    env: list[EnvVar] = Field(default_factory=list, max_length=128)
+    env: list[EnvVar] = Field(default_factory=list, max_length=128, json_schema_extra=BY_NAME)
     """Extra environment for training processes. Rendezvous names (MASTER_ADDR, RANK,
     WORLD_SIZE, PET_*, ...) are reserved."""
     labels: StringMap = Field(default_factory=dict)

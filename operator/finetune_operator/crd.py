@@ -164,11 +164,6 @@ def _root(description: str, spec: dict[str, Any], status: dict[str, Any]) -> dic
 def _job_spec_schema() -> dict[str, Any]:
     spec = _schema_of(api.FineTuneJobSpec)
     spec["description"] = (api.FineTuneJobSpec.__doc__ or "").strip()
-    # list-map semantics let the API server refuse duplicate names by itself
-    k8s = spec["properties"]["kubernetes"]["properties"]
-    for key in ("env", "volumes"):
-        k8s[key]["x-kubernetes-list-type"] = "map"
-        k8s[key]["x-kubernetes-list-map-keys"] = ["name"]
     return spec
 
 

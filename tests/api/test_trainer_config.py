@@ -27,6 +27,26 @@ def test_config_module_imports_without_torch():
     assert result.stdout.strip() == "ok", result.stderr
 
 
+@pytest.mark.process
+@pytest.mark.parametrize(("step", "said"), [
+    ("--check-resume", ""), ("--fetch-model", "is not an hf:// model: nothing to fetch")])
+def test_the_init_containers_steps_never_import_torch(tmp_path, step, said):
+    """The pods' init containers (`--check-resume`, `--fetch-model`) start in a moment: the
+    trainer's torch-heavy modules are imported only after them (#62), so here, with torch
+    unimportable, each still does its step and exits 0."""
+    config = build_trainer_config(parse_job(minimal_job())).to_dict()
+    config["model"]["uri"] = str(tmp_path / "model")
+    config["output"]["uri"] = str(tmp_path / "out")
+    path = tmp_path / "trainer.yaml"
+    path.write_text(yaml.safe_dump(config))
+    code = ("import sys; sys.modules['torch'] = None; "
+            "from finetune_trainer.__main__ import main; sys.exit(main(sys.argv[1:]))")
+    result = subprocess.run([sys.executable, "-c", code, "--config", str(path), step],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert said in result.stdout
+
+
 def test_rendered_config_round_trips_through_the_trainer_loader(tmp_path):
     job = parse_job(minimal_job(method={"type": "lora"}))
     config_map = render(job)[0]

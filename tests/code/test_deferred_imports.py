@@ -1,7 +1,11 @@
-"""#62: an import inside a function of the operator says why it waits. Deferred, an import
-is a cost moved from every start of a light command (`finetune validate`, `--help`) to the
-call that needs it, or a package the operator may not have (azure-ai-ml, the optional
-`azure` extra); without a reason on its line it is only a hidden edge of the import graph.
+"""#62: an import inside a function says why it waits. Deferred, an import is a cost moved
+from every start of a light process to the call that needs it: in the operator, from
+`finetune validate` and `--help`; in the trainer, torch kept out of what the operator
+imports and of the pods' light init containers, deepspeed and peft out of the jobs that do
+not use them. Or it is a package that may be missing (azure-ai-ml, the optional `azure`
+extra; a module only some torch releases have). Without a reason on its line it is only a
+hidden edge of the import graph; a module that only a training process loads imports torch
+at its top.
 
 The reason is a comment on the import's first line, on the line above it, or on any line of
 the block of imports it starts (one comment may speak for the imports that follow it)."""
@@ -16,7 +20,7 @@ from tests.conftest import REPO
 
 pytestmark = pytest.mark.unit
 
-PACKAGE = REPO / "operator" / "finetune_operator"
+PACKAGES = [REPO / "operator" / "finetune_operator", REPO / "trainer" / "finetune_trainer"]
 
 
 def _blocks(function: ast.FunctionDef | ast.AsyncFunctionDef) -> list[list[ast.stmt]]:
@@ -62,10 +66,11 @@ def unexplained(source: str) -> list[tuple[int, str]]:
     return sorted(set(found))
 
 
-def test_each_deferred_import_of_the_operator_says_why():
-    paths = sorted(PACKAGE.rglob("*.py"))
-    assert paths, "the package moved: point PACKAGE at it"
-    found = [f"{path.relative_to(PACKAGE)}:{line}: {text}" for path in paths
+@pytest.mark.parametrize("package", PACKAGES, ids=lambda package: package.name)
+def test_each_deferred_import_says_why(package):
+    paths = sorted(package.rglob("*.py"))
+    assert paths, f"{package} moved: point PACKAGES at it"
+    found = [f"{path.relative_to(package)}:{line}: {text}" for path in paths
              for line, text in unexplained(path.read_text())]
     assert found == []
 

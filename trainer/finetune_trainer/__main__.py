@@ -30,8 +30,9 @@ import signal
 import sys
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from finetune_trainer import fetch, trained_with
+from finetune_trainer.config import TrainerConfig
 from finetune_trainer.errors import failed, record_failure, setup_failure
 from finetune_trainer.exits import (
     EXIT_BAD_INPUT,
@@ -41,9 +42,8 @@ from finetune_trainer.exits import (
     EXIT_SETUP,
     STOPPED,
 )
-
-if TYPE_CHECKING:
-    from finetune_trainer.config import TrainerConfig
+from finetune_trainer.layout import checkpoint_root, resolve_output
+from finetune_trainer.uris import bind_placeholders
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
@@ -51,8 +51,6 @@ DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 def bind_locations(config, pairs: list[str]):
     """The config with `${{inputs.x}}` placeholders in its locations replaced by the paths
     given as `inputs.x=PATH` (where Azure ML mounted them)."""
-    from finetune_trainer.uris import bind_placeholders
-
     bindings = {}
     for pair in pairs:
         key, sep, path = pair.partition("=")
@@ -78,8 +76,6 @@ def _fetch(config: TrainerConfig, output_dir: Path) -> int:
     """`--fetch-model`: the model's copy in the output folder, downloaded unless complete
     already. SIGTERM (the pod deleted, a gang restart) gives the lock back and exits at once,
     without waiting for the downloads in flight: the next attempt keeps the finished files."""
-    from finetune_trainer import fetch
-
     if fetch.hub_repo(config.model) is None:
         print(f"fetch-model: {config.model.uri} is not an hf:// model: nothing to fetch")
         return 0
@@ -88,7 +84,8 @@ def _fetch(config: TrainerConfig, output_dir: Path) -> int:
         raise SystemExit(STOPPED)
 
     signal.signal(signal.SIGTERM, stop)
-    from huggingface_hub.utils import disable_progress_bars
+    from huggingface_hub.utils import disable_progress_bars  # the hub's client: this step's
+
 
     disable_progress_bars()  # one line per weight file instead, readable in `kubectl logs`
     try:
@@ -141,8 +138,6 @@ def _parser() -> argparse.ArgumentParser:
 def _load(args) -> tuple[TrainerConfig, Path]:
     """The trainer config with its Azure ML locations bound, and the folder relative paths
     start from. Raises OSError, ValueError (pydantic's ValidationError among them)."""
-    from finetune_trainer.config import TrainerConfig
-
     if args.config_base64:
         config = TrainerConfig.model_validate_json(base64.b64decode(args.config_base64))
     else:
@@ -177,8 +172,6 @@ def _import_training_stack(config: TrainerConfig, worker: bool) -> None:
 
 
 def _disk_full(error: OSError, output: Path) -> int:
-    from finetune_trainer.layout import checkpoint_root
-
     where = f" ({error.filename})" if error.filename else ""
     return failed(f"{output}: {error.strerror}{where} — free space on the output volume or "
                   "point spec.output.uri at a larger one, then run the job again: it resumes "
@@ -209,19 +202,9 @@ def _main(argv: list[str] | None) -> int:
     except (OSError, ValueError) as error:
         source = "--config-base64" if args.config_base64 else args.config
         return failed(f"{source}: {error}", EXIT_BAD_INPUT)
-    from finetune_trainer.fetch import with_local_copy
-    from finetune_trainer.layout import resolve_output
-
     output = resolve_output(config.output.uri, base_dir)
     if args.fetch_model:  # before torch is imported: the init container stays light
         return _fetch(config, output)
-
-    from finetune_trainer import trained_with
-    from finetune_trainer.checkpoint import CheckpointError
-    from finetune_trainer.data import DataError
-    from finetune_trainer.model import ModelError
-    from finetune_trainer.network_preflight import PreflightError
-    from finetune_trainer.train import preflight, run
 
     # before any download or process group: a job changed after its first run must not
     # resume from (and fail on, at every restart) the checkpoints of the old settings
@@ -233,8 +216,17 @@ def _main(argv: list[str] | None) -> int:
     if args.check_resume:
         return 0
     _import_training_stack(config, worker=not args.preflight)
+    # torch comes with these: imported after the light steps above (--fetch-model and
+    # --check-resume, the pods' init containers), inside main's guard (a module this
+    # image cannot import is said in one line, exit 5: errors.setup_failure)
+    from finetune_trainer.checkpoint import CheckpointError
+    from finetune_trainer.data import DataError
+    from finetune_trainer.model import ModelError
+    from finetune_trainer.network_preflight import PreflightError
+    from finetune_trainer.train import preflight, run
+
     # the copy fetched into the output folder, where there is one: no hub request at all
-    config = with_local_copy(config, output)
+    config = fetch.with_local_copy(config, output)
     try:
         if args.preflight:
             prepared = preflight(config, base_dir)

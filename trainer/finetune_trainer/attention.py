@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+from transformers import AttentionInterface
 
 NAME = "finetune_packed"
 """The attention implementation's name in transformers' registry."""
@@ -42,7 +43,7 @@ def sequence_bounds(position_ids: torch.Tensor) -> torch.Tensor:
 
 def _find_kernel():
     try:
-        from torch.nn.attention.varlen import varlen_attn
+        from torch.nn.attention.varlen import varlen_attn  # not in every torch release
     except ImportError:
         return None, frozenset()
     return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
@@ -86,7 +87,6 @@ def why_not(model, device: torch.device, precision: str) -> str | None:
 def install(model) -> None:
     """Make `model` (a transformers model, not wrapped) attend through `packed_attention`;
     every forward must then pass `cu_seq_lens_q` (see `forward_kwargs`)."""
-    from transformers import AttentionInterface
 
     AttentionInterface.register(NAME, packed_attention)
     model.set_attn_implementation(NAME)

@@ -23,6 +23,7 @@ import contextlib
 import errno
 import json
 import os
+import random
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -30,6 +31,11 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from finetune_trainer import trained_with
 from finetune_trainer.config import AsyncCheckpoints
@@ -151,8 +157,6 @@ class Checkpointer:
         `background=False` (SIGTERM: the pod is about to go) completes it before returning,
         as does `output.asyncCheckpoints` off: a checkpoint that is written is made
         complete at once. Returns its folder, which exists once it is complete."""
-        import torch
-        import torch.distributed as dist
 
         self.finish()
         rank = dist.get_rank()
@@ -195,7 +199,6 @@ class Checkpointer:
         """Collective: complete the checkpoint in flight, if one is. Waits for this rank's
         write (its failure raised here), then for every rank's (a barrier); then rank 0
         names it complete and prunes the oldest. Returns its folder."""
-        import torch.distributed as dist
 
         pending, self._pending = self._pending, None
         if pending is None:
@@ -219,8 +222,6 @@ class Checkpointer:
         written (#22 had made the synchronous write stream it one tensor at a time), so it
         goes behind only where that copy is affordable (`staging_refused`), unless
         `output.asyncCheckpoints` says `on` or `off`."""
-        import torch
-        import torch.distributed as dist
 
         if self._behind is not None:
             return self._behind
@@ -284,7 +285,6 @@ class Checkpointer:
 
     def _guarded(self, partial: Path, write: Callable[[], Any]) -> Any:
         """`write()`, a storage failure turned into a CheckpointError naming the folder."""
-        from torch.distributed.checkpoint.api import CheckpointException
 
         try:
             return write()
@@ -369,7 +369,6 @@ words): not the storage's fault, and not worth a message about the output folder
 def peer_failure(error: BaseException) -> bool:
     """The save failed because another rank died or hung, not because of the output folder
     (#25, item 6): a torch.distributed error, or DCP's per-rank failures all of that kind."""
-    import torch.distributed as dist
 
     failures = getattr(error, "_failures", None)  # DCP: {rank: (exception, traceback)}
     if failures:
@@ -423,9 +422,6 @@ def _size(count: int) -> str:
 
 
 def load(strategy, scheduler, checkpoint: Path) -> TrainerState:
-    import torch
-    import torch.distributed as dist
-
     strategy.load(checkpoint / MODEL_DIR)
     configured = list(scheduler.base_lrs)
     scheduler.load_state_dict(torch.load(checkpoint / SCHEDULER_FILE, weights_only=True))
@@ -439,8 +435,6 @@ def load(strategy, scheduler, checkpoint: Path) -> TrainerState:
 def objective_state(checkpoint: Path) -> dict:
     """This rank's objective state in `checkpoint` (empty when none was saved, or when
     the world size changed and this rank saved none)."""
-    import torch
-    import torch.distributed as dist
 
     saved = checkpoint / OBJECTIVE_FILE.format(rank=dist.get_rank())
     return torch.load(saved, weights_only=True) if saved.exists() else {}
@@ -463,11 +457,6 @@ def keep_learning_rate(scheduler, configured: list[float]) -> None:
 
 
 def rng_state() -> dict:
-    import random
-
-    import numpy as np
-    import torch
-
     state = {"python": random.getstate(), "numpy": np.random.get_state(),
              "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -476,11 +465,6 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    import random
-
-    import numpy as np
-    import torch
-
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])

@@ -19,6 +19,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+import torch.distributed as dist
+
 from finetune_trainer.timing import Clock
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -129,7 +131,6 @@ class CollectiveLog:
 
 def ddp_hook(log: CollectiveLog):
     """A DDP communication hook: the default mean all-reduce, timed."""
-    import torch.distributed as dist
 
     def hook(state, bucket):
         tensor = bucket.buffer()
@@ -146,6 +147,7 @@ def time_fsdp(model, log: CollectiveLog) -> bool:
     """Replace every FSDP2 module's all-gather and reduce-scatter with timed ones;
     False where this torch has no such hooks (then FSDP runs untimed)."""
     try:
+        # FSDP2's private collectives: where this torch has them (else FSDP runs untimed)
         from torch.distributed.fsdp import FSDPModule
         from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
             DefaultAllGather,
@@ -188,13 +190,13 @@ class DeepSpeedSampler:
         return step == 2 or (step > 2 and step % self.every == 0)
 
     def begin(self) -> None:
-        import deepspeed.comm as ds_comm
+        import deepspeed.comm as ds_comm  # a ZeRO job's: only it imports deepspeed
 
         ds_comm.comms_logger.comms_dict.clear()
         ds_comm.configure(enabled=True, prof_all=True, verbose=False)
 
     def end(self) -> Window:
-        import deepspeed.comm as ds_comm
+        import deepspeed.comm as ds_comm  # a ZeRO job's: only it imports deepspeed
 
         ds_comm.configure(enabled=False)
         window = Window()
@@ -215,8 +217,6 @@ class DeepSpeedSampler:
 
 
 def _world() -> int:
-    import torch.distributed as dist
-
     return dist.get_world_size()
 
 

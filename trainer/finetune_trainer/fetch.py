@@ -216,7 +216,7 @@ def _download(source: ModelSource, repo: str, folder: Path, endpoint: str | None
 
 def _model_info(hub: _Hub):
     """The repository at the spec's revision: its commit and its files with their sizes."""
-    from huggingface_hub import HfApi
+    from huggingface_hub import HfApi  # the hub's client: the operator imports this module
 
     api = HfApi(endpoint=hub.endpoint, token=hub.token)
     try:
@@ -228,7 +228,7 @@ def _model_info(hub: _Hub):
 def _hub_error(source: ModelSource, error: Exception) -> FetchError:
     """The hub's refusal as an error naming the field to change; anything else (refused,
     reset, timed out, 5xx) as the network's."""
-    from huggingface_hub.errors import (
+    from huggingface_hub.errors import (  # the hub's client, as in _model_info
         GatedRepoError,
         HfHubHTTPError,
         RepositoryNotFoundError,
@@ -283,7 +283,7 @@ def _get(hub: _Hub, names: list[str], folder: Path, sizes: dict[str, int | None]
          say: Say) -> None:
     """Download `names` at the pinned commit into `folder`, a few at a time. A file
     huggingface_hub recorded as complete at this commit is skipped without a request."""
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub import hf_hub_download  # the hub's client, as in _model_info
 
     def one(name: str) -> str:
         hf_hub_download(hub.repo, name, revision=hub.commit, local_dir=folder,

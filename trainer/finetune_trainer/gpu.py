@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import torch
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 THROTTLE_REASONS = {
@@ -104,7 +105,7 @@ def register(registry, labels: dict[str, str], device) -> GpuCollector | None:
     if getattr(device, "type", "cpu") != "cuda":
         return None
     try:
-        import pynvml as nvml
+        import pynvml as nvml  # NVML: a GPU machine's; a CPU run has no driver for it
 
         nvml.nvmlInit()
         handle = _handle(nvml, device)
@@ -118,7 +119,6 @@ def register(registry, labels: dict[str, str], device) -> GpuCollector | None:
 def _handle(nvml, device):
     """NVML numbers GPUs by PCI order and CUDA may not (CUDA_VISIBLE_DEVICES, fastest
     first): match them by UUID."""
-    import torch
 
     uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
     if uuid is not None:

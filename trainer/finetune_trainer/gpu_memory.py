@@ -14,6 +14,8 @@ ways out, so an out-of-memory error that follows explains itself.
 
 from __future__ import annotations
 
+import torch
+
 HELD_ELSEWHERE = 2 * 2**30
 """In use on a GPU before this process allocated anything, beyond which it is worth saying
 (this process's own CUDA context is about 0.5 GiB of what is in use then)."""
@@ -47,7 +49,6 @@ def check_room(device, rank: int, planned: int | None) -> str | None:
     returned. Nothing on CPU workers."""
     if device.type != "cuda":
         return None
-    import torch
 
     free, total = torch.cuda.mem_get_info(device)
     warning = room_warning(f"rank {rank}'s GPU {device.index or 0}", free, total, planned)

@@ -21,7 +21,9 @@ import contextlib
 import gc
 import os
 import re
+import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -69,8 +71,6 @@ def first_cause(failures: dict[int, Any]) -> int:
     agent sees that one's kill. A rank's own failure outranks one torchrun ended itself
     (SIGTERM to the others once one failed), a lost connection, and a load of an op another
     rank failed to build; then the earliest, then the first torchrun saw (its order)."""
-    import signal
-
     def order(rank: int) -> tuple[bool, bool, bool, float]:
         failure = failures[rank]  # torch's ProcessFailure
         said = _summary(str(_message(failure.message)))
@@ -99,8 +99,6 @@ def stale_build_locks(root: Path) -> list[Path]:
     or pod stopped while it compiled) leaves the file, and every later run on the machine
     would wait forever. A lock no process holds open, seen twice a moment apart (a build
     that just finished closes it before removing it), is such a leftover."""
-    import time
-
     def unheld() -> set[Path]:
         locks = {lock.resolve() for pattern in ("*/lock", "*/*/lock")
                  for lock in root.glob(pattern)}
@@ -128,6 +126,7 @@ def _open_files() -> set[Path]:
 def clear_stale_build_locks() -> None:
     """Remove the leftover build locks (`stale_build_locks`) of this machine's extensions
     folder, saying so: the op is then built again, where it would have waited forever."""
+    # torch's: never at this module's import (main loads torch with the collector off)
     from torch.utils.cpp_extension import get_default_build_root
 
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
@@ -146,8 +145,6 @@ def exit_code(exitcode: int) -> int:
 
 
 def _signal_name(number: int) -> str:
-    import signal
-
     try:
         return signal.Signals(number).name
     except ValueError:
@@ -156,6 +153,7 @@ def _signal_name(number: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     gc.disable()  # while torch imports: see finetune_trainer.__main__._import_training_stack
+    # torch, here with the collector off; never at this module's import
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run

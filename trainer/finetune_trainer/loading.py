@@ -37,7 +37,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from torch.distributed.tensor import DTensor, Shard
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, cached_file
+
 from finetune_trainer.config import CheckpointPolicy, MethodConfig, ModelSource, Precision
+from finetune_trainer.loss import base_causal_lm
+from finetune_trainer.model import _hub_kwargs, load_model, model_location, read_base_model
 
 Layout = list[tuple[str, tuple[int, ...], Any]]
 """(name, shape, dtype) of every tensor rank 0 sends, in the order it sends them."""
@@ -49,9 +57,6 @@ def load_for(strategy, source: ModelSource, method: MethodConfig, precision: Pre
     """The model as `strategy` has it read (`load_model` with the strategy's `loading`),
     and the weights rank 0 sends in `strategy.setup` when every rank built it empty
     (None elsewhere): what each caller of `setup` needs, together."""
-    import torch.distributed as dist
-
-    from finetune_trainer.model import load_model
 
     how = strategy.loading(method.type)
     model = load_model(source, method, precision, gradient_checkpointing, base_dir,
@@ -71,8 +76,6 @@ class CheckpointWeights:
         self.files, self.keys, self.layout = files, keys, layout
 
     def take(self, name: str):
-        from safetensors import safe_open
-
         key = self.keys[name]
         with safe_open(self.files[key], framework="pt") as checkpoint:
             return checkpoint.get_tensor(key)  # maps the file until the tensor is freed
@@ -94,7 +97,6 @@ def open_weights(source: ModelSource, model, method: MethodConfig, precision: Pr
     """Rank 0: the weights of `model` (built empty by load_model's "meta" or "zero3"), to
     be sent: every parameter on the meta device and every buffer the checkpoint holds,
     under `model`'s names."""
-    from finetune_trainer.model import model_location
 
     location = model_location(source, base_dir)
     names = checkpoint_names(model)
@@ -109,7 +111,6 @@ def checkpoint_names(model) -> dict[str, str]:
     """Each parameter's and buffer's name in the checkpoint, by its name in `model`: the
     transformers model's own names (under a peft wrapper, without its prefix and without
     `base_layer`, the module LoRA wraps)."""
-    from finetune_trainer.loss import base_causal_lm
 
     base = base_causal_lm(model)
     by_id = {id(t): n.replace(".base_layer.", ".") for n, t in base.named_parameters()}
@@ -122,10 +123,6 @@ def checkpoint_names(model) -> dict[str, str]:
 def _safetensors_files(location: str, source: ModelSource) -> dict[str, str] | None:
     """Each checkpoint key's safetensors file (downloaded for a hub model), or None when
     the checkpoint has none."""
-    from safetensors import safe_open
-    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, cached_file
-
-    from finetune_trainer.model import _hub_kwargs
 
     def find(filename: str) -> str | None:
         return cached_file(location, filename, revision=source.revision,
@@ -146,7 +143,6 @@ def _streamable(model, names: dict[str, str], files: dict[str, str]) -> bool:
     """Whether the files hold every empty parameter under its checkpoint name, in its
     shape, and the model keeps no module in fp32 apart (from_pretrained would cast
     those, the config alone does not)."""
-    from finetune_trainer.loss import base_causal_lm
 
     base = base_causal_lm(model)
     if getattr(base, "_keep_in_fp32_modules", None) or getattr(
@@ -158,8 +154,6 @@ def _streamable(model, names: dict[str, str], files: dict[str, str]) -> bool:
 
 
 def _checkpoint_shapes(files: dict[str, str]) -> dict[str, tuple[int, ...]]:
-    from safetensors import safe_open
-
     shapes: dict[str, tuple[int, ...]] = {}
     for path in set(files.values()):
         with safe_open(path, framework="pt") as checkpoint:
@@ -182,9 +176,6 @@ def _copied_weights(source: ModelSource, model, method: MethodConfig, precision:
                     base_dir: Path | None, names: dict[str, str]) -> CopiedWeights:
     """A whole copy read by from_pretrained (its random draws, if any, undone: the other
     ranks drew none), its tensors under `model`'s names in their own dtypes."""
-    import torch
-
-    from finetune_trainer.model import read_base_model
 
     state = torch.get_rng_state()
     copy = read_base_model(source, method, precision, base_dir)
@@ -212,7 +203,6 @@ def agree_on_layout(model, weights: CheckpointWeights | CopiedWeights | None) ->
 
 def _agreed(weights: CheckpointWeights | CopiedWeights | None) -> Layout:
     """Collective: rank 0's layout, on every rank."""
-    import torch.distributed as dist
 
     shared = [weights.layout if weights is not None else None]
     dist.broadcast_object_list(shared, src=0)
@@ -220,8 +210,6 @@ def _agreed(weights: CheckpointWeights | CopiedWeights | None) -> Layout:
 
 
 def _take_on(model, layout: Layout) -> None:
-    import torch
-
     mine = _built_alike(model, layout)
     for name, shape, dtype in layout:
         tensor = mine[name]
@@ -250,7 +238,6 @@ def partition_from_rank0(model, weights: CheckpointWeights | CopiedWeights | Non
     module's weights is broadcast whole, then `partition(module)` keeps this rank's part
     and frees the rest. Buffers the checkpoint holds are broadcast whole (ZeRO-3 does not
     partition them)."""
-    import torch
 
     layout = _agreed(weights)
     _built_alike(model, layout)
@@ -294,7 +281,6 @@ def receive_weights(model, layout: Layout, weights: CheckpointWeights | CopiedWe
     """Collective, after sharding: each tensor of `layout` sent by rank 0 over the default
     group (on `device`, the group's): a parameter scattered, each rank receiving only its
     shard (kept on `shard_device`: the host under CPU offload), a buffer broadcast whole."""
-    import torch
 
     owners = _parameter_owners(model)
     for name, shape, dtype in layout:
@@ -314,9 +300,6 @@ def receive_weights(model, layout: Layout, weights: CheckpointWeights | CopiedWe
 def _scatter(full, old, device):
     """This rank's rows of the weight (dim 0 split as torch.chunk and FSDP2 split it),
     received from rank 0 alone: no rank but 0 ever holds the whole weight."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor, Shard
 
     if not isinstance(old, DTensor):  # not sharded: every rank takes it whole
         return _broadcast(full, tuple(old.shape), old.dtype, device)
@@ -333,7 +316,6 @@ def _scatter(full, old, device):
 
 def _padded(full, start: int, rows: int):
     """Rows start..start+rows of `full` (a view), zero-padded where it ends before."""
-    import torch
 
     piece = full[start:start + rows]
     if piece.shape[0] == rows:
@@ -344,8 +326,6 @@ def _padded(full, start: int, rows: int):
 
 
 def _as_sharded(local, old):
-    from torch.distributed.tensor import DTensor
-
     if not isinstance(old, DTensor):
         return local
     return DTensor.from_local(local, old.device_mesh, old.placements, run_check=False,
@@ -353,9 +333,6 @@ def _as_sharded(local, old):
 
 
 def _broadcast(tensor, shape, dtype, device):
-    import torch
-    import torch.distributed as dist
-
     if tensor is None:
         tensor = torch.empty(shape, dtype=dtype, device=device)
     dist.broadcast(tensor, src=0)

@@ -14,6 +14,7 @@ import resource
 import socket
 import sys
 
+import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from finetune_trainer import gpu
@@ -167,7 +168,6 @@ class TrainerMetrics:
 
 def peak_memory_bytes(device) -> int:
     if getattr(device, "type", "cpu") == "cuda":
-        import torch
 
         return int(torch.cuda.max_memory_allocated(device))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

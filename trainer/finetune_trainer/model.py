@@ -14,6 +14,18 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
+from accelerate import init_empty_weights
+from torch.utils.checkpoint import CheckpointPolicy as Policy
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    BitsAndBytesConfig,
+    GenerationConfig,
+)
+
 from finetune_trainer import layout
 from finetune_trainer.config import (
     CheckpointPolicy,
@@ -93,8 +105,6 @@ def _load_error(location: str, source: ModelSource, error: Exception) -> ModelEr
 
 
 def load_tokenizer(source: ModelSource, base_dir: Path | None = None):
-    from transformers import AutoTokenizer
-
     location = model_location(source, base_dir)
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, **_hub_kwargs(source))
@@ -127,8 +137,6 @@ def load_model(source: ModelSource, method: MethodConfig, precision: Precision,
     `meta` and `zero3` read nothing and build the same model (same dtypes, same adapters)
     without storage.
     """
-    import torch
-    from transformers import AutoModelForCausalLM
 
     location = model_location(source, base_dir)
     compute = getattr(torch, COMPUTE_DTYPES[precision])
@@ -161,8 +169,6 @@ def read_base_model(source: ModelSource, method: MethodConfig, precision: Precis
                     base_dir: Path | None = None):
     """The transformers model as `load_model` reads it, weights in host memory, nothing
     applied (what rank 0 sends from where a checkpoint cannot be streamed: loading.py)."""
-    import torch
-    from transformers import AutoModelForCausalLM
 
     location = model_location(source, base_dir)
     compute = getattr(torch, COMPUTE_DTYPES[precision])
@@ -176,7 +182,6 @@ def read_base_model(source: ModelSource, method: MethodConfig, precision: Precis
 def _load_kwargs(source: ModelSource, method: MethodConfig, compute) -> dict[str, Any]:
     """from_pretrained's arguments: the base in the compute dtype for LoRA (4-bit for
     QLoRA), fp32 for a full fine-tune."""
-    import torch
 
     kwargs: dict[str, Any] = _hub_kwargs(source)
     if method.type == "qlora":
@@ -191,8 +196,6 @@ def _empty_model(location: str, source: ModelSource, dtype):
     """The model from its config alone, parameters on the meta device: no weight is read
     and no memory taken. Buffers stay real (rotary frequencies are computed, not stored),
     as does every attribute tensor computed at construction."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(location, **_hub_kwargs(source))
     with init_empty_weights(include_buffers=False):
@@ -206,7 +209,6 @@ def _finish_as_read(model, location: str, source: ModelSource) -> None:
     """What from_pretrained does after reading, done to a model built from its config:
     weights tied (on meta, transformers leaves them apart), eval mode, and the checkpoint's
     generation config (the export carries it on)."""
-    from transformers import GenerationConfig
 
     model.tie_weights()
     model.eval()
@@ -225,7 +227,6 @@ def _apply_lora_to_empty(model, lora: LoraConfig):
     device and dtype, and a write would fail), peft draws the adapters as it does on a
     loaded model (the same random numbers, in the same dtype: every rank the same adapters,
     as when each read the model), and the base goes back to the meta device."""
-    import torch
 
     empty = swap_parameters(model, lambda p: torch.empty((), dtype=p.dtype).expand(p.shape),
                             lambda p: p.is_meta)
@@ -239,7 +240,6 @@ def swap_parameters(model, make, which) -> set[int]:
     """Each parameter `which` selects replaced by a new one holding `make(parameter)`, its
     trainable flag kept and tied parameters still shared (a tensor's `.data` cannot move
     between the meta device and the host); returns the ids of the new parameters."""
-    import torch
 
     swapped: dict[int, tuple[Any, Any]] = {}  # old id -> (old, kept alive: ids stay unique; new)
     for module in model.modules():
@@ -254,8 +254,6 @@ def swap_parameters(model, make, which) -> set[int]:
 
 
 def _prepare_four_bit(model, compute) -> None:
-    import torch
-
     model.requires_grad_(False)
     if compute == torch.float16 or os.environ.get("FINETUNE_QLORA_UPCAST") == "1":
         # fp16's narrow range wants the norms and embeddings in fp32 (peft's recipe);
@@ -285,8 +283,6 @@ def checkpointing_options(policy: CheckpointPolicy) -> dict[str, Any]:
 
 
 def _saved_ops() -> set:
-    import torch
-
     aten = torch.ops.aten
     names = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention",
              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
@@ -294,7 +290,7 @@ def _saved_ops() -> set:
              "_efficient_attention_forward")
     saved = {getattr(aten, name).default for name in names if hasattr(aten, name)}
     with contextlib.suppress(ImportError, AttributeError):  # packed attention (attention.py)
-        import torch.nn.attention.varlen  # registers the op
+        from torch.nn.attention import varlen  # noqa: F401  registers the op, where torch has it
 
         saved.add(torch.ops.torch_attn._varlen_attn.default)
     return saved
@@ -303,8 +299,6 @@ def _saved_ops() -> set:
 def _keep_matmul_outputs():
     """Selective checkpointing (torchtitan's op-level policy): save what is expensive to
     recompute (matmuls, attention), recompute the element-wise rest."""
-    from torch.utils.checkpoint import CheckpointPolicy as Policy
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     saved = _saved_ops()
 
@@ -326,13 +320,10 @@ def compile_layers(model, layer_classes: list[str]) -> int:
 
 
 def _four_bit(compute):
-    import torch
-
     if not torch.cuda.is_available():
         raise ModelError("spec.method.type", "qlora needs a CUDA GPU (bitsandbytes 4-bit "
                          "kernels) and none is visible", "use `method.type: lora` on CPU, or run "
                          "on GPU nodes")
-    from transformers import BitsAndBytesConfig
 
     # quant_storage in the compute dtype lets FSDP shard the 4-bit weights like the rest
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
@@ -345,8 +336,6 @@ def inspect_architecture(source: ModelSource, method: MethodConfig,
     """Check the adapter targets on an empty (meta-device) copy of the model, before any
     weights are read or processes are joined; returns its decoder-layer class names
     (what FSDP wraps)."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     location = model_location(source, base_dir)
     try:
@@ -375,7 +364,6 @@ def _check_targets(model, lora: LoraConfig) -> None:
 
 def linear_module_names(model) -> set[str]:
     """Short names of the linear layers LoRA can adapt (the output head excluded)."""
-    import torch
 
     names = set()
     for full_name, module in model.named_modules():
@@ -390,6 +378,7 @@ def linear_module_names(model) -> set[str]:
 
 
 def apply_lora(model, lora: LoraConfig):
+    # peft: only adapter jobs import it (as __main__._import_training_stack), not full ones
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 

@@ -21,6 +21,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 from finetune_trainer.collectives import bus_bandwidth
 
 SLOW_RATIO = 0.8
@@ -140,8 +143,6 @@ def node_name() -> str:
 
 def _time_all_reduce(size: int, group, device, iterations: int) -> float:
     """Seconds per all-reduce of `size` bytes, the slowest rank's view."""
-    import torch
-    import torch.distributed as dist
 
     tensor = torch.ones(max(size // 4, 1), dtype=torch.float32, device=device)
     for _ in range(2):  # warm-up: connections, NCCL channels
@@ -158,14 +159,12 @@ def _time_all_reduce(size: int, group, device, iterations: int) -> float:
 
 def _sync(device) -> None:
     if device.type == "cuda":
-        import torch
 
         torch.cuda.synchronize(device)
 
 
 def _groups(members: list[list[int]]):
     """Every rank creates every group (torch's rule); returns the one this rank is in."""
-    import torch.distributed as dist
 
     mine = None
     for ranks in members:
@@ -177,7 +176,6 @@ def _groups(members: list[list[int]]):
 
 def measure(device, sizes: tuple[int, ...] | None = None,
             iterations: int | None = None) -> PreflightResult:
-    import torch.distributed as dist
 
     world, rank = dist.get_world_size(), dist.get_rank()
     gpu = device.type == "cuda"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from finetune_trainer.config import Hyperparameters
 
 
@@ -23,7 +25,6 @@ def lr_factor(step: int, total_steps: int, warmup_ratio: float, scheduler: str) 
 def build_optimizer(model, hp: Hyperparameters, learning_rate: float, fused: bool = True):
     """AdamW, weight decay on matrices only; torch's fused kernel when `fused` (the
     strategy's `fused_optimizer`) and every trainable weight is on a GPU."""
-    import torch
 
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if _dims(p) >= 2]
@@ -42,7 +43,5 @@ def _dims(parameter) -> int:
 
 
 def build_scheduler(optimizer, hp: Hyperparameters, total_steps: int):
-    import torch
-
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(
         step, total_steps, hp.warmup_ratio, hp.scheduler))

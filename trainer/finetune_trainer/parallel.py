@@ -14,11 +14,28 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils._pytree import tree_leaves
+
+from finetune_trainer import loading
+from finetune_trainer.collectives import DeepSpeedSampler, ddp_hook, time_fsdp
 from finetune_trainer.config import Hyperparameters, MethodType, StrategyConfig
 from finetune_trainer.model import Loading
 
@@ -30,8 +47,6 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 def init_distributed(timeout_minutes: int = 30):
     """Join the process group from the torchrun / Azure ML environment (nccl on GPUs,
     gloo on CPU); a bare `finetune-train` runs as a world of one. Returns the device."""
-    import torch
-    import torch.distributed as dist
 
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
@@ -51,8 +66,6 @@ def init_distributed(timeout_minutes: int = 30):
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -72,8 +85,6 @@ class Strategy:
     generation keeps going, `synced_gpus`, until every rank's completions have ended)."""
 
     def __init__(self, config: StrategyConfig, hp: Hyperparameters, device) -> None:
-        import torch
-
         self.config, self.hp, self.device = config, hp, device
         self.compute_dtype = getattr(torch, DTYPES[config.precision])
         self.model: Any = None
@@ -98,8 +109,6 @@ class Strategy:
 
     # one micro-step
     def autocast(self):
-        import torch
-
         if self.compute_dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
@@ -124,7 +133,6 @@ class Strategy:
     # state
     def save(self, path: Path) -> None:
         """Collective: model (trainable weights) and optimizer state into `path`."""
-        import torch.distributed.checkpoint as dcp
 
         dcp.save(self._checkpoint_state(), storage_writer=_writer(path))
 
@@ -137,8 +145,6 @@ class Strategy:
         on the default group they would interleave with the training step's, in an order
         that differs between ranks. Staging copies every tensor, so the next optimizer
         step cannot change what is written."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
         return dcp.async_save(self._checkpoint_state(), storage_writer=_writer(path),
                               process_group=self.save_group(),
@@ -147,7 +153,6 @@ class Strategy:
     def checkpoint_bytes(self) -> int:
         """Host memory a background save stages: this rank's part of the checkpointed model
         and optimizer state (its shard under fsdp), copied whole before the write."""
-        from torch.utils._pytree import tree_leaves
 
         total = 0
         for value in tree_leaves(self._checkpoint_state()):
@@ -157,8 +162,6 @@ class Strategy:
         return total
 
     def _checkpoint_state(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
         model_state, optim_state = get_state_dict(
             self.model, self.optimizer, options=StateDictOptions(ignore_frozen_params=True))
         return {"model": model_state, "optimizer": optim_state}
@@ -166,20 +169,12 @@ class Strategy:
     def save_group(self):
         """The background writes' gloo group, made at the first one (collective: every
         rank reaches its first checkpoint at the same step)."""
-        import torch.distributed as dist
 
         if self.background_group is None:
             self.background_group = dist.new_group(backend="gloo")
         return self.background_group
 
     def load(self, path: Path) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_state_dict,
-            set_state_dict,
-        )
-
         # frozen base weights are not in the checkpoint: they come from the model itself
         options = StateDictOptions(ignore_frozen_params=True, strict=False)
         model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
@@ -190,7 +185,6 @@ class Strategy:
 
     def full_state_dict(self) -> dict[str, Any]:
         """Collective: every weight, gathered on rank 0 (on CPU); empty elsewhere."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(self.model, options=StateDictOptions(
             full_state_dict=True, cpu_offload=True))
@@ -205,8 +199,6 @@ class Strategy:
         return getattr(self.model, "module", self.model)
 
     def _clip(self) -> Any:
-        import torch
-
         if self.hp.max_grad_norm <= 0:
             return None
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -214,8 +206,6 @@ class Strategy:
 
 
 def _writer(path: Path):
-    import torch.distributed.checkpoint as dcp
-
     # One file per tensor: DCP's writer keeps the host copy of every tensor of a file
     # until that file is written, so one file per rank (the default) held a GPU rank's
     # weights and both Adam moments on the host at once: 17 GB for a 1.5B full fine-tune.
@@ -232,8 +222,6 @@ class DDPStrategy(Strategy):
         return None
 
     def setup(self, model, make_optimizer, weights=None) -> None:
-        from torch.nn.parallel import DistributedDataParallel
-
         model.to(self.device)
         ids = [self.device.index] if self.device.type == "cuda" else None
         # gradients live in the all-reduce buckets: no copy in and out of them each step
@@ -241,8 +229,6 @@ class DDPStrategy(Strategy):
         self.optimizer = self.base_optimizer = make_optimizer(self.model)
 
     def time_collectives(self, log) -> Any:
-        from finetune_trainer.collectives import ddp_hook
-
         self.model.register_comm_hook(state=None, hook=ddp_hook(log))
         return None
 
@@ -274,7 +260,6 @@ class FSDPStrategy(Strategy):
         each weight rank 0 reads (`setup`, loading.py): the node holds its shards, not one
         model per rank (#17). QLoRA stays as transformers places it (bitsandbytes
         quantizes each rank's weights on its own GPU as they are read)."""
-        import torch.distributed as dist
 
         self.from_rank0 = method != "qlora" and dist.get_world_size() > 1
         return "meta" if self.from_rank0 else "host"
@@ -293,11 +278,6 @@ class FSDPStrategy(Strategy):
         return model.eval()
 
     def _shard(self, model, weights) -> None:
-        import torch.distributed as dist
-        from torch.distributed.fsdp import fully_shard
-
-        from finetune_trainer import loading
-
         options = self._shard_options()
         if self.from_rank0 and dist.get_rank() == 0 and weights is None:
             raise ValueError("every rank built the model empty: rank 0 sends the weights "
@@ -317,9 +297,6 @@ class FSDPStrategy(Strategy):
                                     shard_device="cpu" if offloaded else self.device)
 
     def _shard_options(self) -> dict[str, Any]:
-        import torch
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
-
         options: dict[str, Any] = {}
         if self.compute_dtype != torch.float32:
             options["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.compute_dtype,
@@ -332,8 +309,6 @@ class FSDPStrategy(Strategy):
         return contextlib.nullcontext()  # the mixed-precision policy casts per layer
 
     def time_collectives(self, log) -> Any:
-        from finetune_trainer.collectives import time_fsdp
-
         time_fsdp(self.model, log)
         return None
 
@@ -392,7 +367,7 @@ class DeepSpeedStrategy(Strategy):
         engine without an optimizer, for forward passes without gradients (GRPO's
         reference): its parameters stay partitioned and are gathered in each layer's
         forward, as the trained model's are (TRL's `prepare_deepspeed` does the same)."""
-        import deepspeed
+        import deepspeed  # ZeRO's engine: only ZeRO jobs import deepspeed (seconds, its ops)
 
         if self.config.type != "zero3":
             raise ValueError(f"{self.name} keeps whole weights: a frozen copy needs no engine")
@@ -408,12 +383,12 @@ class DeepSpeedStrategy(Strategy):
         zero3_partition(module, self.ds_config(), self.compute_dtype, self.device)
 
     def _init_deepspeed(self) -> None:
-        import deepspeed
+        import deepspeed  # ZeRO's engine: only ZeRO jobs import deepspeed (seconds, its ops)
 
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
 
     def setup(self, model, make_optimizer, weights=None) -> None:
-        import deepspeed
+        import deepspeed  # ZeRO's engine: only ZeRO jobs import deepspeed (seconds, its ops)
 
         self._init_deepspeed()
         config = self.ds_config()
@@ -436,8 +411,6 @@ class DeepSpeedStrategy(Strategy):
         return self.model.get_global_grad_norm()
 
     def time_collectives(self, log) -> Any:
-        from finetune_trainer.collectives import DeepSpeedSampler
-
         return DeepSpeedSampler()
 
     def save(self, path: Path) -> None:
@@ -448,6 +421,7 @@ class DeepSpeedStrategy(Strategy):
         """What `save` writes, through the engine's own `save_checkpoint` with a checkpoint
         engine of ours lent for the call: it stages each file in host memory and a thread
         writes it (deepspeed_saves.py). Returns the write's future."""
+        # deepspeed's own classes: only ZeRO jobs import deepspeed (seconds, and its ops)
         from finetune_trainer.deepspeed_saves import BackgroundCheckpointEngine
 
         if self.background_engine is None:
@@ -473,8 +447,6 @@ class DeepSpeedStrategy(Strategy):
         self.model.load_checkpoint(str(path), tag="deepspeed", load_module_strict=False)
 
     def full_state_dict(self) -> dict[str, Any]:
-        import torch.distributed as dist
-
         if self.config.type == "zero3":
             state = self.model._zero3_consolidated_16bit_state_dict()
         else:
@@ -488,7 +460,7 @@ def zero3_partition(model, config: dict[str, Any], dtype, device) -> None:
     the compute dtype and partitioned on its way to the device, which
     `deepspeed.initialize` does only after moving the whole module there (more than one
     GPU holds for a 70B base); the engine then finds it partitioned."""
-    import deepspeed
+    import deepspeed  # ZeRO's engine: only ZeRO jobs import deepspeed (seconds, its ops)
 
     for parameter in model.parameters():  # what the engine's own cast does: buffers stay
         if hasattr(parameter, "ds_id"):

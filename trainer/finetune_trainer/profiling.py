@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch.profiler as tp
+
 ROWS = 40
 
 
@@ -25,7 +27,6 @@ class StepProfiler:
 
     def __init__(self, folder: Path, rank: int, device_type: str, first: int = 6,
                  count: int = 3) -> None:
-        import torch.profiler as tp
 
         if first < 2 or count < 1:
             raise ValueError(f"FINETUNE_PROFILE_STEPS={first}:{count}: the first profiled "

@@ -13,6 +13,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Protocol
 
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from tqdm import tqdm
+
 from finetune_trainer import errors
 from finetune_trainer.layout import HISTORY_FILE, PROGRESS_FILE
 from finetune_trainer.record import ProgressRecord, format_duration, headline
@@ -54,8 +57,6 @@ class Reporter:
         """The latest evaluation's figures as `eval_<name>` (TRL's names), in every record
         after it among the objective's figures."""
         if enabled and sys.stderr.isatty():
-            from tqdm import tqdm
-
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", file=sys.stderr)
 
     def step_done(self, label_tokens: int, input_tokens: int | None = None) -> None:
@@ -212,8 +213,6 @@ class ProgressServer:
                 elif self.path == "/progress":
                     self._send(204, b"", "application/json")
                 elif self.path == "/metrics" and server.registry is not None:
-                    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
                     self._send(200, generate_latest(server.registry), CONTENT_TYPE_LATEST)
                 else:
                     self._send(404, b"not found\n", "text/plain")

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
 
 from finetune_trainer.exits import TERMINATION_LIMIT
+from finetune_trainer.objectives import registry
 
 MLFLOW_METRICS: dict[str, str] = {
     "loss": "loss",
@@ -38,8 +39,6 @@ def headline(objective_metrics: dict[str, float] | None) -> list[tuple[str, floa
     """(label, value, format) of the objective's figures a progress line shows (each
     objective's `ObjectiveSpec.headline`: DPO's margin and accuracy, GRPO's reward), finite
     values only."""
-    from finetune_trainer.objectives import registry
-
     figures = objective_metrics or {}
     return [(label, figures[name], shown) for spec in registry().values()
             for name, label, shown in spec.headline

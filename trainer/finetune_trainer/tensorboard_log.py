@@ -77,7 +77,7 @@ def tensorboard_tracker(output_dir: Path, start_step: int = 0) -> TensorBoardTra
     tensorboard package is missing. A resumed run (`start_step` > 0) purges what an earlier
     attempt wrote after its checkpoint, so each step has one value."""
     try:
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # needs tensorboard: may be missing
     except ImportError:
         print("TensorBoard event files are not written: the tensorboard package is not "
               "installed (pip install tensorboard), or set spec.output.tensorboard: false",

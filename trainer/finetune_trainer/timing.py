@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 PHASES = ("data", "forward_backward", "optimizer")
 
 
@@ -24,7 +26,6 @@ class Clock:
     def mark(self):
         if not self.cuda:
             return time.perf_counter()
-        import torch
 
         event = torch.cuda.Event(enable_timing=True)
         event.record()

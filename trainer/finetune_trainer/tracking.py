@@ -120,7 +120,7 @@ def record_failure(text: str, code: int) -> None:
     environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
     environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
     try:
-        from mlflow.tracking import MlflowClient
+        from mlflow.tracking import MlflowClient  # an Azure ML image's only: may be missing
 
         MlflowClient().set_tag(run_id, key, value[:TAG_CHARACTERS])
     except Exception as error:  # mlflow missing, the service, the network, the plugin
@@ -133,7 +133,7 @@ def from_environment(environ: Mapping[str, str] | None = None) -> MlflowTracker 
     if not in_azureml(environ):
         return None
     try:
-        import mlflow
+        import mlflow  # an Azure ML image's only: may be missing
     except ImportError:
         print("metrics are not sent to Azure ML tracking: mlflow is not installed in this "
               "environment (pip install azureml-mlflow); Studio charts and the operator's "

@@ -15,19 +15,29 @@ import dataclasses
 import math
 import os
 import signal
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from finetune_trainer import (
+    attention,
     checkpoint,
     fingerprints,
     flops,
+    loss,
+    model_card,
     network_preflight,
     tracking,
     trained_with,
 )
+from finetune_trainer.attention import sequence_bounds
 from finetune_trainer.collectives import CollectiveLog, merge
 from finetune_trainer.config import Hyperparameters, TrainerConfig
 from finetune_trainer.data import (
@@ -39,6 +49,8 @@ from finetune_trainer.data import (
     read_split,
     resolve_format,
 )
+from finetune_trainer.export import export_trained
+from finetune_trainer.fetch import name_hub_model
 from finetune_trainer.gpu_memory import check_room
 from finetune_trainer.layout import (
     FINAL_DIR,
@@ -54,9 +66,12 @@ from finetune_trainer.model import (
     compile_layers,
     inspect_architecture,
     load_tokenizer,
+    model_location,
 )
 from finetune_trainer.objectives import spec_of
 from finetune_trainer.objectives.base import Objective, RunContext
+from finetune_trainer.optim import build_optimizer, build_scheduler
+from finetune_trainer.parallel import build_strategy, init_distributed
 from finetune_trainer.profiling import StepProfiler
 from finetune_trainer.progress import ProgressServer, Reporter
 from finetune_trainer.step_batch import StepBatch, StepWork
@@ -141,9 +156,6 @@ class StopRequest:
 
 class _Agreement:
     def __init__(self, requested: bool, writing: bool, group) -> None:
-        import torch
-        import torch.distributed as dist
-
         self.flags = torch.tensor([float(requested), float(writing)])
         self.work = dist.all_reduce(self.flags, group=group, async_op=True)
         self.written = False
@@ -158,9 +170,6 @@ class _Agreement:
 
 
 def _all_ranks_sum(values: list[float], group) -> list[float]:
-    import torch
-    import torch.distributed as dist
-
     if group is None:
         return values
     tensor = torch.tensor(values, dtype=torch.float64)
@@ -211,7 +220,6 @@ def check_network(config: TrainerConfig, device, output_dir: Path, scratch: Path
                   metrics: TrainerMetrics):
     """The collective preflight; rank 0 logs the table. Raises PreflightError below the
     floor or when InfiniBand was asked for and not used."""
-    import torch.distributed as dist
 
     result = network_preflight.measure(device)
     if scratch is not None:
@@ -230,7 +238,6 @@ def check_network(config: TrainerConfig, device, output_dir: Path, scratch: Path
 def _network_env(config: TrainerConfig, output_dir: Path) -> Path | None:
     """Before the process group exists: the NCCL flight recorder, and NCCL's transport log
     where InfiniBand must be checked. Returns the folder of that log."""
-    import torch
 
     if not torch.cuda.is_available():
         return None
@@ -239,7 +246,6 @@ def _network_env(config: TrainerConfig, output_dir: Path) -> Path | None:
     (output_dir / network_preflight.FLIGHT_RECORDER_DIR).mkdir(parents=True, exist_ok=True)
     if not (config.preflight.enabled and config.preflight.require_infiniband):
         return None
-    import tempfile
 
     scratch = Path(tempfile.mkdtemp(prefix="nccl-log-"))
     os.environ.update(network_preflight.nccl_debug_env(scratch))
@@ -249,7 +255,6 @@ def _network_env(config: TrainerConfig, output_dir: Path) -> Path | None:
 def export(strategy, tokenizer, config: TrainerConfig, output_dir: Path, base_dir: Path) -> Path:
     """The model a user hands to vLLM next: a peft adapter or full safetensors weights,
     and, with mergeAdapter, the base model with the adapter merged in."""
-    import torch.distributed as dist
 
     final = output_dir / FINAL_DIR
     state_dict = strategy.full_state_dict()  # collective under fsdp / zero3; None under ddp
@@ -270,19 +275,13 @@ def describe_export(output_dir: Path, config: TrainerConfig) -> None:
     """final/ made to stand on its own, before a push (`output.export`) takes it along: the
     model card in place of peft's template (from the record `Reporter.conclude` wrote) and,
     for a model fetched from the hub, the hub's name in place of the local copy's path."""
-    from finetune_trainer import model_card
-    from finetune_trainer.fetch import name_hub_model
 
     model_card.write(output_dir, config)
     name_hub_model(output_dir / FINAL_DIR, config)
 
 
 def merge_adapter(config: TrainerConfig, adapter_dir: Path, out: Path, base_dir: Path) -> None:
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from finetune_trainer.model import model_location
+    from peft import PeftModel  # an adapter's merge only: full jobs never import peft
 
     base = AutoModelForCausalLM.from_pretrained(model_location(config.model, base_dir),
                                                 dtype=torch.float32)
@@ -347,9 +346,6 @@ class Collation:
     width in compute once an epoch."""
 
     def tensors(self, sequences) -> dict:
-        from finetune_trainer import loss
-        from finetune_trainer.attention import sequence_bounds
-
         batch = collate(sequences, self.pad_id, self.width, paired=self.paired,
                         rows=self.rows)
         if self.paired:
@@ -366,8 +362,6 @@ def _to(batch, device):
 
 
 def _say(text: str) -> None:
-    import torch.distributed as dist
-
     if dist.get_rank() == 0:
         print(text, flush=True)
 
@@ -384,8 +378,6 @@ class StepLogger:
     writes the progress record."""
 
     def __init__(self, trainer: Trainer, work: flops.ModelWork, peak: float | None) -> None:
-        import torch
-
         device, world = trainer.device, trainer.world
         self.trainer, self.work, self.peak = trainer, work, peak
         instrumented = trainer.config.metrics.enabled
@@ -469,11 +461,6 @@ class Trainer:
     global batch, `train` is the loop, `finish` evaluates and exports."""
 
     def __init__(self, config: TrainerConfig, base_dir: Path) -> None:
-        import torch.distributed as dist
-        import transformers
-
-        from finetune_trainer.parallel import init_distributed
-
         self.config, self.base_dir, self.hp = config, base_dir, config.hyperparameters
         self.prepared = preflight(config, base_dir)
         self.objective = self.prepared.objective
@@ -510,11 +497,6 @@ class Trainer:
     def _build_model(self) -> None:
         """The model as its strategy reads it, what runs inside it (packed attention, the
         fused loss, compiled layers), wrapped and given its optimizer."""
-        import torch
-
-        from finetune_trainer import attention, loss
-        from finetune_trainer.optim import build_optimizer
-        from finetune_trainer.parallel import build_strategy
 
         config, device, hp = self.config, self.device, self.hp
         strategy = build_strategy(config.strategy, hp, device, self.prepared.wrap_classes)
@@ -559,8 +541,6 @@ class Trainer:
         self.log = StepLogger(self, model_work(model, objective.reference_each_batch), peak)
 
     def _build_schedule(self) -> None:
-        from finetune_trainer.optim import build_scheduler
-
         hp = self.hp
         micro_batch, passes = hp.micro_steps()
         if micro_batch * passes != hp.batch_size_per_device * hp.gradient_accumulation_steps:
@@ -773,7 +753,6 @@ class Trainer:
         complete, the eval loss (unless `evaluated` at that step already), the export (of
         the best evaluation's weights under early stopping), then rank 0's pushes to
         `output.export`, their outcomes in the final record."""
-        import torch.distributed as dist
 
         self.checkpoints.finish()  # the last checkpoint complete before anything can fail
         if self.profiler is not None:
@@ -793,7 +772,6 @@ class Trainer:
             self.reporter.conclude(stopped_early, exported_loss, exporting=bool(targets))
             describe_export(self.output_dir, self.config)  # before a push takes final/
             if targets:
-                from finetune_trainer.export import export_trained
 
                 pushed = export_trained(self.output_dir, targets,
                                         say=lambda text: print(text, flush=True))

@@ -35,6 +35,11 @@ RULES_ENTRY_POINT_GROUP = "finetune_operator.backend_rules"
 # name them (they validate), the operator reports them as not served.
 PLANNED_BACKENDS: tuple[str, ...] = ()
 
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+"""Kueue's queue label. The kubernetes backend puts it on the worker Job from
+spec.kubernetes.queueName; on a FineTuneJob itself (where users of Kubeflow's TrainJob put
+it) Kueue never reads it, so both backends' rules refuse it there, each with its fix."""
+
 
 class BackendError(Exception):
     """A backend call failed in a way that may pass (throttling, an outage, a missing role

@@ -12,15 +12,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from finetune_trainer.config import HUB_TOKEN_KEY
 from finetune_trainer.export.retry import ExportError
+from finetune_trainer.layout import FINAL_DIR, MERGED_DIR, export_credentials
 from finetune_trainer.uris import UriError, parse_uri
 
 
 def model_folder(output: Path, merged: bool = False) -> Path:
     """What to export of `output`: a job's output folder gives its `final/` (`merged/` with
     `merged`), a model folder itself. Raises ExportError saying what is there instead."""
-    from finetune_trainer.layout import FINAL_DIR, MERGED_DIR
-
     if not output.is_dir():
         raise ExportError(str(output), "no such folder", "give a job's output folder (its "
                           "spec.output.uri) or a model folder")
@@ -50,11 +50,11 @@ def export(folder: Path, target: str, *, plain_http: bool = False, say=print,
     except UriError as error:
         raise ExportError(target, error.what, error.fix) from None
     if uri.scheme == "hf":
-        from finetune_trainer.export import hub
+        from finetune_trainer.export import hub  # each target's client: only its push loads it
 
         token = credentials.read_text().strip() if credentials else None
         return hub.push(folder, hub.HubRepo.parse(uri.raw), token=token, say=say)
-    from finetune_trainer.export import oci
+    from finetune_trainer.export import oci  # as hub above
 
     return oci.push(folder, oci.Reference.parse(uri.raw), plain_http=plain_http, say=say,
                     configs=[credentials] if credentials else None)
@@ -67,8 +67,6 @@ def export_trained(output: Path, targets: list, say=print) -> list[dict[str, str
     folder whatever happens here. A target's `secretName` is read where the workers have it
     mounted (layout.export_credentials); where it is not (`finetune run`), the user's own
     login is (Docker's, or HF_TOKEN)."""
-    from finetune_trainer.config import HUB_TOKEN_KEY
-    from finetune_trainer.layout import export_credentials
 
     outcomes = []
     for target in targets:

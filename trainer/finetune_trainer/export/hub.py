@@ -48,7 +48,7 @@ def push(folder: Path, repo: HubRepo, *, token: str | None = None, say=print,
     """Commit `folder`'s files (hidden ones left out) to `repo`, creating it private when it
     does not exist. `token`: one with write access (None: HF_TOKEN or `hf auth login`'s).
     Returns `hf://owner/name@commit`. Raises ExportError."""
-    from huggingface_hub import HfApi
+    from huggingface_hub import HfApi  # the hub's client: only a push to hf:// loads it
 
     files = model_files(folder)
     size = sum(path.stat().st_size for path in files)

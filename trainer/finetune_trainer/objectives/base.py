@@ -14,13 +14,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+import torch.distributed as dist
+
 from finetune_trainer.data import (
+    IGNORE,
     DataError,
     GlobalBatches,
     one_per_sequence,
     pack,
     pack_in_order,
+    rank_batches,
 )
+from finetune_trainer.objectives import trains_on
+from finetune_trainer.record import headline
 from finetune_trainer.step_batch import StepBatch, StepCounts
 
 if TYPE_CHECKING:
@@ -51,7 +58,6 @@ class Evaluation:
 
     def said(self) -> str:
         """`loss 1.2345`, or the headline figures (`reward 0.5000, reward std 0.1000`)."""
-        from finetune_trainer.record import headline
 
         parts = [] if self.loss is None else [f"loss {self.loss:.4f}"]
         parts += [f"{label} {shown.format(value)}"
@@ -106,7 +112,6 @@ class Objective:
     def check_format(self, fmt: str) -> None:
         """The data's format is one this objective trains on (`auto` is only resolved from
         the columns, so this is checked again where the records are read)."""
-        from finetune_trainer.objectives import trains_on
 
         if fmt in self.spec.formats:
             return
@@ -129,7 +134,6 @@ class Objective:
     def units(self, sequence: dict[str, list[int]]) -> int:
         """What the loss is a mean over, in one sequence: its trained tokens (the label of
         a row's first token is never predicted)."""
-        from finetune_trainer.data import IGNORE
 
         return sum(label != IGNORE for label in sequence["labels"][1:])
 
@@ -168,10 +172,6 @@ class Objective:
         there are none). Here: the objective's mean loss over them (per label token, per
         preference pair); every rank runs the same number of batches, so collectives inside
         the forward stay in step. Collective."""
-        import torch
-        import torch.distributed as dist
-
-        from finetune_trainer.data import rank_batches
 
         if not sequences:
             return None

@@ -9,13 +9,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from finetune_operator.api import FineTuneJob
-from finetune_operator.backends import BackendRules
+from finetune_operator.backends import KUEUE_QUEUE_LABEL, BackendRules
 from finetune_operator.validation import CelRule, Problem, Rule
 
 NAME = "azureml"
-
-KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
-"""Kueue's label, which users of Kubeflow's TrainJob put on a job to queue it."""
 
 
 def section_present(job: FineTuneJob) -> Iterator[Problem]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from finetune_operator.api import FineTuneJob
-from finetune_operator.backends import BackendRules
+from finetune_operator.backends import KUEUE_QUEUE_LABEL, BackendRules
 from finetune_operator.validation import CelRule, Problem, Rule, short_repr
 
 NAME = "kubernetes"
@@ -23,9 +23,6 @@ RESERVED_ENV_NAMES = (
 set by the backend for every worker, so a user's value would silently split or hang the
 gang."""
 RESERVED_ENV_PREFIXES = ("PET_",)
-
-KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
-"""Kueue's queue label: the operator puts it on the worker Job from spec.kubernetes.queueName."""
 
 _RESERVED_CEL = ("!(e.name in [" + ", ".join(f"'{n}'" for n in RESERVED_ENV_NAMES) + "]) && "
                  + " && ".join(f"!e.name.startsWith('{p}')" for p in RESERVED_ENV_PREFIXES))

@@ -10,7 +10,7 @@ from typing import Any
 
 from finetune_operator import naming, yamlio
 from finetune_operator.api import API_VERSION, KIND, FineTuneJob
-from finetune_operator.backends.kubernetes.rules import KUEUE_QUEUE_LABEL
+from finetune_operator.backends import KUEUE_QUEUE_LABEL
 from finetune_operator.settings import OperatorSettings, Taint
 from finetune_operator.trainer_config import build_trainer_config, unreachable_locations
 from finetune_operator.validation import PUSH_THE_TRAINER_IMAGE, Problem, placeholder_image
@@ -19,7 +19,6 @@ from finetune_trainer.config import TrainerConfig
 from finetune_trainer.layout import export_secret_dir
 from finetune_trainer.uris import SCHEME_EXAMPLES, SECTION_SCHEMES, Location, Unreachable
 
-QUEUE_LABEL = KUEUE_QUEUE_LABEL
 PODS_READY_ANNOTATION = "kueue.x-k8s.io/wait-for-pods-ready"
 """Kueue's own waitForPodsReady timeout for one workload (v0.20, alpha behind its
 WorkloadLevelWaitForPodsReady gate; earlier versions ignore it): JSON, `timeoutSeconds`."""
@@ -471,7 +470,7 @@ def worker_job(job: FineTuneJob, settings: OperatorSettings) -> dict[str, Any]:
     pod failure (backoffLimit 0): gang restarts and their budget belong to the operator."""
     nodes = job.spec.resources.nodes
     k8s = job.spec.kubernetes
-    queue = {QUEUE_LABEL: k8s.queue_name} if k8s and k8s.queue_name else {}
+    queue = {KUEUE_QUEUE_LABEL: k8s.queue_name} if k8s and k8s.queue_name else {}
     meta = object_meta(job, naming.worker_job(job.name), queue)
     if queue:
         meta["annotations"] = {PODS_READY_ANNOTATION: json.dumps(

@@ -13,9 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from finetune_trainer.data import rank_batches
+from finetune_trainer.loss import answer_logps
 from finetune_trainer.objectives.dpo.settings import DpoConfig
 
 
@@ -72,9 +74,6 @@ def reference_table(strategy, head, sequences, pair_count: int, micro_batch: int
     """Every pair's answer log-probabilities under the model as it is now (full weights,
     before the first step), [pairs, 2] float64 on CPU: each rank scores its share of the
     packed `sequences`, all ranks running the same number of batches, summed over ranks."""
-    import torch.distributed as dist
-
-    from finetune_trainer.loss import answer_logps
 
     world, rank = dist.get_world_size(), dist.get_rank()
     table = torch.zeros(pair_count, 2, dtype=torch.float64)

@@ -9,10 +9,12 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
 
 from finetune_trainer import trained_with
 from finetune_trainer.data import DataError, tokenize_pairs
 from finetune_trainer.layout import REFERENCE_FILE
+from finetune_trainer.loss import answer_logps
 from finetune_trainer.objectives.base import Objective, PreparedData, RunContext
 from finetune_trainer.objectives.dpo.loss import (
     PairLosses,
@@ -83,8 +85,6 @@ class DpoObjective(Objective):
             self.table = self._reference_table(run)
 
     def _reference_table(self, run: RunContext) -> torch.Tensor:
-        import torch.distributed as dist
-
         path = run.output_dir / REFERENCE_FILE
         digest = hashlib.sha256()
         # of these pairs, through this model at this precision: another model's table, left
@@ -119,8 +119,6 @@ class DpoObjective(Objective):
         return table
 
     def reference(self, batch) -> torch.Tensor:
-        from finetune_trainer.loss import answer_logps
-
         if self.table is not None:
             pairs = batch["pairs"]
             if self.table.device != pairs.device:  # once: then no host sync per batch
@@ -131,7 +129,6 @@ class DpoObjective(Objective):
 
     def summed(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of the batch's pair losses, `PairLosses.reward_sums`)."""
-        from finetune_trainer.loss import answer_logps
 
         reference = self.reference(batch)
         policy = answer_logps(self.strategy.model, batch, self.head)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from finetune_trainer.data import DataError, GlobalBatches
 
 
@@ -55,7 +57,6 @@ class GroupBatches(GlobalBatches):
     def order(self, epoch: int) -> list[int]:
         """The epoch's permutation of the prompts: one generator seeded once, drawing one
         permutation per epoch (RepeatSampler's)."""
-        import torch
 
         generator = torch.Generator().manual_seed(self.seed)
         for _ in range(epoch):

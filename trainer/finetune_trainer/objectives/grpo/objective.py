@@ -16,10 +16,16 @@ import os
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, GenerationConfig
 
 from finetune_trainer import flops
+from finetune_trainer.attention import forward_kwargs
 from finetune_trainer.data import IGNORE, DataError
 from finetune_trainer.data_files import local_path
+from finetune_trainer.loading import load_for
+from finetune_trainer.loss import loss_targets
+from finetune_trainer.model import model_location
 from finetune_trainer.objectives.base import Evaluation, Objective, PreparedData, RunContext
 from finetune_trainer.objectives.grpo import loss as grpo_loss
 from finetune_trainer.objectives.grpo.batches import GroupBatches
@@ -156,7 +162,6 @@ class GrpoObjective(Objective):
         """The generation settings, and the reference where beta > 0: the base with its
         adapters off, or for full weights the model as it was read (loaded again: a resumed
         run's weights have moved)."""
-        from transformers import GenerationConfig
 
         super().attach(run)
         grpo, tokenizer = self.settings, self.tokenizer
@@ -179,10 +184,6 @@ class GrpoObjective(Objective):
         """Under fsdp and zero3 read as the trained model was (every rank building it
         empty, rank 0 reading and sending the weights) and sharded as it is: each process
         holds its shard of the reference too. Elsewhere a whole copy in the compute dtype."""
-        from transformers import AutoModelForCausalLM
-
-        from finetune_trainer.loading import load_for
-        from finetune_trainer.model import model_location
 
         strategy = run.strategy
         if strategy.shards_weights:
@@ -211,7 +212,6 @@ class GrpoObjective(Objective):
     def _sample(self, index: int, rows: list[dict]) -> Round:
         """Sample this rank's completions, score every rank's, and lay out the micro-batches
         (shuffled as TRL shuffles a generation batch before splitting it)."""
-        import torch.distributed as dist
 
         grpo = self.settings
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -277,7 +277,6 @@ class GrpoObjective(Objective):
         says nothing of progress. Each process answers whole groups, in batches of a
         round's size; under fsdp and zero3 every process makes as many `generate` calls
         (each is collective), one without prompts left answering the first one again."""
-        import torch.distributed as dist
 
         if not sequences:
             return None
@@ -358,8 +357,6 @@ class GrpoObjective(Objective):
         return completions, order
 
     def _collate(self, sequences: list[dict]) -> dict:
-        from finetune_trainer.loss import loss_targets
-
         batch = self.run.collation.tensors(sequences)
         if "loss_rows" not in batch:
             batch.update(loss_targets(batch["labels"]))
@@ -390,7 +387,6 @@ class GrpoObjective(Objective):
     def _logps(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Each completion token's log-probability at the sampling temperature, and the
         entropy there (no gradient)."""
-        from finetune_trainer.attention import forward_kwargs
 
         logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                        use_cache=False, **forward_kwargs(batch)).logits
@@ -428,7 +424,6 @@ class GrpoObjective(Objective):
         on its completions and their sampling log-probabilities: sampled again, they would
         come from the moved weights) and what the next log step reports of the rounds and
         micro-batches since the last one."""
-        import torch.distributed as dist
 
         if self.round is None:
             return {}
@@ -440,7 +435,6 @@ class GrpoObjective(Objective):
         """Taken back only by the same number of ranks (a round is one rank's share of a
         generation batch); otherwise the round in progress is sampled again, with a line
         saying so."""
-        import torch.distributed as dist
 
         if not state:
             return
@@ -472,7 +466,6 @@ class GrpoObjective(Objective):
     def logged(self, sums, units) -> dict[str, float]:
         """The window's figures: each round's and each micro-batch's (over all ranks),
         averaged as TRL averages them; the latest round's samples printed."""
-        import torch.distributed as dist
 
         out = {name: sum(values) / len(values) for name, values in self.figures.items()}
         if self.micro:

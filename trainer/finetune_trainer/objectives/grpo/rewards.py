@@ -63,7 +63,7 @@ def math_equal(completions, column: str, **columns) -> list[float | None]:
     """1 where the completion's last answer is mathematically the record's `column`
     (math-verify: numbers, fractions, sets, LaTeX), else 0; None where the reference answer
     itself cannot be read."""
-    from math_verify import parse, verify
+    from math_verify import parse, verify  # its parsers: only jobs with this reward load it
 
     out: list[float | None] = []
     for completion, answer in zip(completions, _column(columns, column), strict=True):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from finetune_trainer.data import DataError, tokenize_records
+from finetune_trainer.loss import summed_loss
 from finetune_trainer.objectives.base import Objective, PreparedData
 
 
@@ -33,6 +34,4 @@ class SftObjective(Objective):
         return PreparedData(self.arrange(train), self.arrange(evaluation))
 
     def summed(self, batch):
-        from finetune_trainer.loss import summed_loss
-
         return summed_loss(self.strategy.model, batch, self.head), None

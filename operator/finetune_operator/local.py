@@ -36,7 +36,7 @@ from finetune_operator.planner import (
     fetch_from_hub,
 )
 from finetune_operator.planner.plan import gib
-from finetune_operator.planner.render import plan_with_notes
+from finetune_operator.planner.report import plan_with_notes
 from finetune_operator.trainer_config import (
     Mount,
     trainer_config_and_step_settings,

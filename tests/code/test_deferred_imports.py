@@ -79,11 +79,11 @@ def test_an_import_without_its_reason_is_found():
     source = ("def plan():\n"
               "    # the planner's tables: only the command that plans loads them\n"
               "    from finetune_operator import planner\n"
-              "    from finetune_operator.planner import render\n"
+              "    from finetune_operator.planner import report\n"
               "    if planner:\n"
               "        import yaml\n"
               "        return yaml\n"
               "    import optuna  # the sweeps' sampler: 0.3 s, only for a sweep\n"
-              "    return render, optuna\n")
+              "    return report, optuna\n")
     assert unexplained(source) == [(6, "import yaml")]
 

@@ -9,7 +9,7 @@ import pytest
 from finetune_operator.planner import plan_job
 from finetune_operator.planner.disk import stored_bytes_per_param
 from finetune_operator.planner.known_models import KNOWN_MODELS
-from finetune_operator.planner.render import table
+from finetune_operator.planner.report import table
 from finetune_operator.planner.sources import ModelConfig
 from finetune_operator.validation import parse_job
 from tests.conftest import minimal_job

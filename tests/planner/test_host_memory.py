@@ -17,7 +17,7 @@ from finetune_operator.planner.architecture import from_hf_config
 from finetune_operator.planner.host import PROCESS_BYTES, estimate_host_memory
 from finetune_operator.planner.known_models import KNOWN_MODELS
 from finetune_operator.planner.memory import TrainingSetup
-from finetune_operator.planner.render import table
+from finetune_operator.planner.report import table
 from finetune_operator.planner.sources import ModelConfig
 from finetune_operator.validation import parse_job
 from tests.conftest import REPO, minimal_job

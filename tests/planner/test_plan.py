@@ -13,7 +13,7 @@ from finetune_operator.planner import plan_job, recommend, resolve_strategy
 from finetune_operator.planner.architecture import from_hf_config
 from finetune_operator.planner.known_models import KNOWN_MODELS
 from finetune_operator.planner.plan import HEADROOM, fallback_strategy
-from finetune_operator.planner.render import plan_with_notes
+from finetune_operator.planner.report import plan_with_notes
 from finetune_operator.planner.sources import ModelConfig, ModelConfigs, fetch_from_hub, from_table
 from finetune_operator.validation import check_document, parse_job
 from tests.conftest import minimal_job

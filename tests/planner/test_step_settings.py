@@ -9,7 +9,7 @@ from finetune_operator import gpu_catalog as catalog
 from finetune_operator.api import FineTuneJob
 from finetune_operator.planner import choose_step_settings, resolve_strategy
 from finetune_operator.planner.plan import AUTO_ORDER, TOKENS_PER_PASS
-from finetune_operator.planner.render import plan_with_notes, table
+from finetune_operator.planner.report import plan_with_notes, table
 from finetune_operator.planner.sources import from_table
 from finetune_operator.trainer_config import build_trainer_config
 from tests.conftest import minimal_job

@@ -65,7 +65,7 @@ def plan_command(file: str | None, gpu_type: str | None, output: str, offline: b
     """
     # the planner (its tables, the hub's client): loaded only by the command that plans
     from finetune_operator import planner
-    from finetune_operator.planner import render as plan_render
+    from finetune_operator.planner import report as plan_report
     from finetune_operator.planner.sources import ask_hub, hub_offline
 
     with_model = {"--method": method, "--seq-len": seq_len, "--gpus-per-node": gpus_per_node,
@@ -92,12 +92,12 @@ def plan_command(file: str | None, gpu_type: str | None, output: str, offline: b
         doc, job = _the_job_to_plan(file, gpu_type)
         configs.base_dir = doc.folder
     model = configs.resolve(job.spec.model.uri, job.spec.model.revision)
-    result = plan_render.plan_with_notes(job, model, offline=why_offline, unanswered=(
+    result = plan_report.plan_with_notes(job, model, offline=why_offline, unanswered=(
         configs.unanswered(job.spec.model.uri, job.spec.model.revision)))
     if output == "json":
         click.echo(json.dumps(result.to_dict(), indent=2))
     else:
-        click.echo(printable(plan_render.table(job, result)))
+        click.echo(printable(plan_report.table(job, result)))
     sys.exit(1 if result.fits is False else 0)
 
 

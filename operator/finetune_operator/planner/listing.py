@@ -11,7 +11,7 @@ from finetune_operator.planner import known_models
 from finetune_operator.planner.architecture import ConfigError, from_hf_config
 from finetune_operator.planner.compute import EXPECTED_MFU
 from finetune_operator.planner.plan import gib
-from finetune_operator.planner.render import count
+from finetune_operator.planner.report import count
 
 
 def gpus() -> list[dict[str, Any]]:

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 import pydantic
 import yaml
 
-from finetune_operator import run_lock
 from finetune_operator.api import (
     KIND,
     SWEEP_KIND,
@@ -26,6 +25,7 @@ from finetune_operator.api import (
     FineTuneSweepStatus,
     Progress,
 )
+from finetune_operator.local.lock import holder, ran_here
 from finetune_trainer.layout import LOCAL_CONFIG, PROGRESS_FILE, RUN_LOG, resolve_output
 from finetune_trainer.record import ProgressRecord, format_duration, headline
 
@@ -139,14 +139,14 @@ def view_of_output(name: str, folder: Path) -> JobView:
     run that says Running with no `finetune run` left holding the folder was stopped."""
     record = read_progress(folder)
     if record is None:
-        if not run_lock.ran_here(folder):
+        if not ran_here(folder):
             if folder.is_dir() and any(folder.iterdir()):  # a model's folder, say
                 raise NotARun(f"{folder}: not a `finetune run` output folder (no "
                               f"{PROGRESS_FILE}, no run lock in logs/): name a run's output "
                               "folder or its manifest")
             return JobView(name=name, phase="Pending", where=str(folder), message=(
                 "no `finetune run` has written here yet"))  # --watch waits for one
-        if run_lock.holder(folder) is None:
+        if holder(folder) is None:
             return JobView(name=name, phase="Stopped", where=str(folder), message=(
                 "ended before its first step (interrupted); the same `finetune run` starts "
                 "again"))
@@ -156,7 +156,7 @@ def view_of_output(name: str, folder: Path) -> JobView:
     if phase == "Failed":  # the run, its fetch or its checks of the model and data
         message = (f"`finetune logs {folder}` shows why; once mended, the same `finetune "
                    "run` starts again (from the newest checkpoint, if any)")
-    if phase == "Running" and run_lock.ran_here(folder) and run_lock.holder(folder) is None:
+    if phase == "Running" and ran_here(folder) and holder(folder) is None:
         phase, message = "Stopped", (
             "no `finetune run` is writing here: it ended without finishing (killed, or the "
             "machine restarted); the same `finetune run` resumes from the newest checkpoint")

@@ -11,7 +11,7 @@ from finetune_operator.api import FineTuneJob
 from finetune_operator.backends import BackendContext
 from finetune_operator.backends.azureml import jobspec
 from finetune_operator.backends.kubernetes.backend import KubernetesBackend
-from finetune_operator.local import local_mount
+from finetune_operator.local.config import local_mount
 from finetune_operator.settings import OperatorSettings
 from finetune_operator.trainer_config import build_trainer_config, unreachable_locations
 from finetune_operator.validation import parse_job, relative_locations

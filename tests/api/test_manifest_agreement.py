@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from finetune_operator.admission import admit, offline_backends
 from finetune_operator.cli import main
-from finetune_operator.local_paths import local_path_problems
+from finetune_operator.local.paths import local_path_problems
 from finetune_operator.manifests import read_documents
 from finetune_operator.validation import parse_job
 from tests.cli.demo_tree import examples_in
@@ -200,7 +200,8 @@ def test_the_planner_reads_no_config_from_a_path_it_cannot_look_at(tmp_path):
 
 
 def test_the_run_notes_come_from_the_trainer_configs_own_decision(tmp_path):
-    from finetune_operator import local, planner
+    from finetune_operator import planner
+    from finetune_operator.local.config import local_config
     from finetune_operator.planner.sources import from_table
 
     job = parse_job(minimal_job(model={"uri": "hf://meta-llama/Llama-3.1-8B"},
@@ -209,7 +210,7 @@ def test_the_run_notes_come_from_the_trainer_configs_own_decision(tmp_path):
                                 resources={"gpusPerNode": 8,
                                            "gpuType": "Standard_ND96isr_H100_v5"}))
     model = from_table(job.spec.model.uri)
-    config, settings = local.local_config(job, tmp_path, model)
+    config, settings = local_config(job, tmp_path, model)
     assert settings.notes and settings.notes == planner.choose_step_settings(
         job, model, config.strategy.type).notes
     assert config.strategy.gradient_checkpointing == settings.gradient_checkpointing

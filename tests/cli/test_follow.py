@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from finetune_operator import run_lock
 from finetune_operator.api import Progress
 from finetune_operator.follow import (
     NotARun,
@@ -34,6 +33,7 @@ from finetune_operator.follow import (
     view_of_sweep,
 )
 from finetune_operator.kube import default_namespace
+from finetune_operator.local import lock as run_lock
 from finetune_trainer.layout import LOCAL_CONFIG, RUN_LOCK
 from finetune_trainer.record import ProgressRecord
 from tests.conftest import REPO

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from finetune_operator.api import FineTuneJob
-from finetune_operator.local import MachineMismatch, as_run_here, fit_to_machine
+from finetune_operator.local.machine import MachineMismatch, as_run_here, fit_to_machine
 from tests.conftest import REPO, minimal_job
 from tests.support import waits
 
@@ -95,7 +95,7 @@ def test_a_cpu_jobs_workers_see_no_gpu(monkeypatch):
     """A job of CPU workers on a machine with GPUs: the trainer takes the GPU of each
     worker's local rank wherever it sees one, so worker 1 of examples/01 failed on a machine
     with one GPU (on a GPU: test_gpu_training.py's test_a_cpu_job_trains_on_cpus_there)."""
-    from finetune_operator.local import worker_env
+    from finetune_operator.local.processes import worker_env
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     assert worker_env(2, verbose=False, on_gpus=False)["CUDA_VISIBLE_DEVICES"] == ""
@@ -106,7 +106,7 @@ def test_a_runs_collectives_bind_the_loopback_interface(monkeypatch):
     """#51, item 2: gloo (and NCCL) bind the address the host name resolves to, which the
     network reaches on a laptop whose name resolves to its LAN address; `finetune run`'s
     workers keep their sockets on the loopback interface (one a user set is kept)."""
-    from finetune_operator.local import worker_env
+    from finetune_operator.local.processes import worker_env
 
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     env = worker_env(2, verbose=False, on_gpus=False)
@@ -359,7 +359,7 @@ def test_this_machine_is_planned_by_the_free_memory_nvidia_smi_reports(tmp_path,
     """`finetune run` asks nvidia-smi (here a script printing what it prints for the query)
     about the GPUs its workers get, the ones CUDA_VISIBLE_DEVICES names: each worker gets
     the least free memory, and the catalog GPU's speed."""
-    from finetune_operator.local import described, this_machine
+    from finetune_operator.local.machine import described, this_machine
 
     (tmp_path / "nvidia-smi").write_text(NVIDIA_SMI)
     (tmp_path / "nvidia-smi").chmod(0o755)
@@ -485,7 +485,7 @@ def test_a_run_serves_its_metrics_on_loopback_from_ports_no_other_process_holds(
     refused with the fix."""
     import socket
 
-    from finetune_operator.local import PortTaken, serving_here
+    from finetune_operator.local.ports import PortTaken, serving_here
     from finetune_operator.trainer_config import build_trainer_config
     from tests.trainer.test_metrics import metrics_ports
 
@@ -528,7 +528,7 @@ def test_the_ports_a_run_names_are_held_for_its_workers_until_it_ends():
     import socket
     import urllib.request
 
-    from finetune_operator.local import CAN_HOLD, serving_here
+    from finetune_operator.local.ports import CAN_HOLD, serving_here
     from finetune_operator.trainer_config import build_trainer_config
     from finetune_trainer.progress import ProgressServer
     from tests.trainer.test_metrics import metrics_ports
@@ -575,7 +575,7 @@ def test_the_ports_a_run_names_are_held_for_its_workers_until_it_ends():
 def test_a_long_path_is_named_whole_in_the_refusal(tmp_path):
     """A path longer than 80 characters was quoted and cut in the middle: the path the fix
     names could not be copied. (One with a line break is refused as no location at all.)"""
-    from finetune_operator.local_paths import local_path_problems
+    from finetune_operator.local.paths import local_path_problems
 
     deep = tmp_path / ("a-rather-long-folder-name-" * 5) / "tiny-lama"
     job = FineTuneJob.model_validate(minimal_job(model={"uri": str(deep)}))
@@ -586,7 +586,7 @@ def test_a_long_path_is_named_whole_in_the_refusal(tmp_path):
 def test_a_relative_path_that_is_not_there_is_an_error_an_absolute_one_a_warning(tmp_path):
     """A relative path means this machine (only `finetune run` reads one), so a missing one
     is wrong wherever it is checked; an absolute one may exist only inside the image."""
-    from finetune_operator.local_paths import local_path_problems
+    from finetune_operator.local.paths import local_path_problems
 
     job = FineTuneJob.model_validate(minimal_job(model={"uri": "/models/llama"},
                                                  dataset={"uri": "./data/train.jsonl"}))
@@ -603,7 +603,7 @@ def test_a_relative_path_that_is_not_there_is_an_error_an_absolute_one_a_warning
 def test_the_demo_model_not_built_yet_says_make_demo_builds_it(tmp_path):
     """Examples 01 and 08 train the tiny model `make demo` builds: before it ran, their
     model path is missing, and the fix says what makes it (not "fix the path")."""
-    from finetune_operator.local_paths import local_path_problems
+    from finetune_operator.local.paths import local_path_problems
     from finetune_trainer import layout
 
     examples = tmp_path / "examples"
@@ -631,8 +631,8 @@ def test_a_lora_adapter_as_the_model_is_named_with_the_way_to_a_whole_model(tmp_
     """SFT, then DPO from its export: final/ of a LoRA job is an adapter (no config.json),
     which `finetune run` and the trainer refused as `not a saved model` without saying what
     it is or how to get the model the DPO job needs (#58). Both say it in one wording."""
-    from finetune_operator.local_paths import local_path_problems
-    from finetune_operator.local_paths import unusable as _unusable
+    from finetune_operator.local.paths import local_path_problems
+    from finetune_operator.local.paths import unusable as _unusable
     from finetune_trainer import layout
     from finetune_trainer.config import ModelSource
     from finetune_trainer.model import ModelError, model_location

@@ -6,7 +6,9 @@ import sys
 
 import pytest
 
-from finetune_operator.local import QuietLog, run_step, stopped_message
+from finetune_operator.local.logs import QuietLog
+from finetune_operator.local.output import stopped_message
+from finetune_operator.local.processes import run_step
 
 SIGNAL_TRACEBACK = """Traceback (most recent call last):
   File "<frozen runpy>", line 198, in _run_module_as_main

@@ -325,19 +325,19 @@ def test_validate_warns_about_a_gpu_type_the_planner_does_not_know():
 
 
 def test_finetune_run_warns_where_the_operator_would_refuse():
-    from finetune_operator import local
+    from finetune_operator.local.config import plan_warnings
     from finetune_operator.planner.sources import from_table
 
     spec = {"model": {"uri": "hf://meta-llama/Llama-3.1-70B"}, "method": {"type": "full"},
             "strategy": {"type": "ddp"}, "resources": {"gpusPerNode": 1, "gpuType": "A100-80GB"}}
     model = from_table(spec["model"]["uri"])
-    [warning] = local.plan_warnings(job(**spec), model)
+    [warning] = plan_warnings(job(**spec), model)
     assert warning.startswith("warning: spec.resources.gpuType: predicted not to fit")
     assert "the operator would not launch this job" in warning
     skipped = {**spec, "resources": {**spec["resources"], "skipFeasibilityCheck": True}}
-    assert local.plan_warnings(job(**skipped), model) == []
+    assert plan_warnings(job(**skipped), model) == []
     small = {**spec, "model": {"uri": "hf://Qwen/Qwen2.5-0.5B"}}
-    assert local.plan_warnings(job(**small), from_table(small["model"]["uri"])) == []
+    assert plan_warnings(job(**small), from_table(small["model"]["uri"])) == []
 
 
 def test_grpo_is_planned_with_its_kv_cache_its_sampling_time_and_its_reference():

@@ -312,7 +312,7 @@ def test_finetune_run_sizes_the_step_for_the_gpu_it_has():
     assert plan.gpu_type == "this machine" and plan.gpu_memory_bytes == 24 * 1024**3
     assert "on this machine (NVIDIA H100 80GB HBM3, 24.0 GiB)" in plan.reason
     assert plan.recommendation.on_requested_gpu is None  # more of this machine: not to be had
-    from finetune_operator.local import plan_warnings
+    from finetune_operator.local.config import plan_warnings
 
     full = job(method="full", batch=4, seq=4096, gpus=1)
     [warning] = plan_warnings(full, from_table(f"hf://{LLAMA_8B}"), machine)

@@ -326,7 +326,8 @@ def test_refused_data_is_not_restarted(tiny_model_dir, tmp_path):
     """The workers' refusal of the data (exit 2) ends the run at once with their line:
     torchrun's restarts repeated it backoffLimit times (`finetune run` checks the data
     first, so here the workers are started by hand on a config the check never saw)."""
-    from finetune_operator.local import local_config, run_trainer, write_config
+    from finetune_operator.local.config import local_config, write_config
+    from finetune_operator.local.processes import run_trainer
     from finetune_operator.validation import parse_job
 
     data = tmp_path / "chats.jsonl"

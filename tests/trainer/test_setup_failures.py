@@ -70,13 +70,13 @@ def test_other_errors_are_not_the_images():
 
 
 def test_finetune_run_restarts_a_setup_failure_once(monkeypatch, tmp_path):
-    """`finetune run`'s workers (local.run_trainer): exit 5 is restarted once, not
-    backoffLimit times; exit 1 still uses the whole budget."""
-    from finetune_operator import local
+    """`finetune run`'s workers (local.processes.run_trainer): exit 5 is restarted once,
+    not backoffLimit times; exit 1 still uses the whole budget."""
+    from finetune_operator.local import processes
 
     for code, attempts in ((5, 2), (1, 4)):
         ran = []
-        monkeypatch.setattr(local, "_run_attempt", lambda *a, c=code, r=ran: r.append(1) or c)
-        assert local.run_trainer(tmp_path / "trainer.yaml", 2, tmp_path / "run.log",
-                                 max_restarts=3, on_gpus=False) == code
+        monkeypatch.setattr(processes, "_run_attempt", lambda *a, c=code, r=ran: r.append(1) or c)
+        assert processes.run_trainer(tmp_path / "trainer.yaml", 2, tmp_path / "run.log",
+                                     max_restarts=3, on_gpus=False) == code
         assert len(ran) == attempts, code

@@ -188,7 +188,7 @@ def test_a_worker_that_refuses_its_data_says_so_on_the_job_run(job_run, tiny_mod
     """A worker as Azure ML starts it (its rank environment, no torchrun) on a data file with
     a broken line: it exits 2, and the job's run carries its line, where the operator reads
     why the job failed (Azure ML keeps no termination message)."""
-    from finetune_operator.local import local_config, write_config
+    from finetune_operator.local.config import local_config, write_config
     from finetune_operator.validation import parse_job
     from tests.trainer.test_training import manifest
 

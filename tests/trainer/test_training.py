@@ -140,7 +140,7 @@ def test_compiled_layers_train_the_same_numbers(runs):
 def test_batches_prefetched_on_a_thread_train_the_same_numbers(runs, tmp_path):
     """The GPU default (a collating thread), forced on CPU workers by the trainer config's
     benchmark switch: the trainer config `finetune run` wrote, run again by its torchrun."""
-    from finetune_operator.local import trainer_command
+    from finetune_operator.local.processes import trainer_command
 
     done = runs("ddp", "full")
     config = yaml.safe_load((done / ".finetune" / "trainer.yaml").read_text())

@@ -1,6 +1,6 @@
-"""`finetune run`: a FineTuneJob trained on this machine. The steps are `local`'s (the
-config for this machine, fetching, preflight, torchrun and its restarts) and the path
-checks `local_paths`'; here they are called in order and each outcome said."""
+"""`finetune run`: a FineTuneJob trained on this machine. The steps are the `local`
+package's (the config for this machine, fetching, preflight, torchrun and its restarts, the
+path checks, the folder's lock); here they are called in order and each outcome said."""
 
 from __future__ import annotations
 
@@ -13,10 +13,29 @@ import click
 from finetune_operator.api import FineTuneJob
 from finetune_operator.cli.common import jobs_in, summary
 from finetune_operator.cli.group import EXIT_INVALID, main
-from finetune_operator.local_paths import local_path_problems
+from finetune_operator.follow import mark_failed, run_log
+from finetune_operator.local.lock import FolderInUse, hold
+from finetune_operator.local.logs import RunLog
+from finetune_operator.local.output import (
+    START_OVER,
+    already_done,
+    set_earlier_run_aside,
+    stopped_message,
+)
+from finetune_operator.local.paths import local_path_problems
+from finetune_operator.local.ports import PortTaken, serving_here
+from finetune_operator.local.processes import (
+    failure_hint,
+    fetch_command,
+    needs_fetch,
+    preflight_command,
+    run_step,
+    run_trainer,
+)
 from finetune_operator.manifests import Document
 from finetune_operator.validation import InvalidJobError
-from finetune_trainer import layout
+from finetune_trainer import layout, trained_with
+from finetune_trainer.exits import STOPPED
 
 if TYPE_CHECKING:
     from finetune_trainer.config import TrainerConfig
@@ -53,46 +72,37 @@ def run_command(file: str, nproc: int | None, fresh: bool, metrics_port: int | N
     strategy, ...) are never resumed, and a model exported there is never replaced by a run
     from step 0; the run is refused, naming what differs (--fresh sets them aside).
     """
-    # local runs (the planner, process handling): loaded only by the command that trains
-    from finetune_operator import local
-    from finetune_operator.follow import mark_failed, run_log
-    from finetune_trainer import trained_with
+    # the planner (model configs, this machine as a VM size): only the command that trains
+    from finetune_operator.local.config import model_config, plan_warnings, write_config
+    from finetune_operator.local.machine import described
 
     doc, job = _the_job_to_run(file)
-    model = local.model_config(job, doc.folder)
-    gpus = local.visible_gpus()
-    processes = nproc or local.default_processes(job, gpus)
-    try:
-        accumulation, differences = local.fit_to_machine(job, processes, gpus)
-    except local.MachineMismatch as error:
-        click.echo(f"{doc.source}: {error}", err=True)
-        sys.exit(EXIT_INVALID)
-    here = local.as_run_here(job, processes, accumulation)
-    machine = local.this_machine(processes) if gpus and job.spec.resources.on_gpus else None
+    model = model_config(job, doc.folder)
+    gpus, processes, here, differences, machine = _fitted_here(doc, job, nproc)
     config, step_settings, serving, ports = _config_here(doc, here, model, machine,
                                                          metrics_port)
     output_dir = Path(config.output.uri)
     lock = _hold_output(doc.source, output_dir)  # before anything in the folder changes
-    if fresh and (moved := local.set_earlier_run_aside(output_dir)) is not None:
+    if fresh and (moved := set_earlier_run_aside(output_dir)) is not None:
         aside, names = moved
         click.echo(f"--fresh: the earlier run's {', '.join(names)} are kept in {aside}; "
                    "starting over")
-    if refused := trained_with.refusal(output_dir, config, local.START_OVER, doc.folder):
+    if refused := trained_with.refusal(output_dir, config, START_OVER, doc.folder):
         click.echo(f"{doc.source}: {refused}", err=True)
         sys.exit(EXIT_INVALID)
-    if not fresh and (done := local.already_done(output_dir, config)):
+    if not fresh and (done := already_done(output_dir, config)):
         click.echo(f"{doc.source}: {done}")
         sys.exit(0)
-    config_path = local.write_config(config, output_dir)
+    config_path = write_config(config, output_dir)
     click.echo(f"{doc.source}: {summary(here, 'this machine', on_gpus=bool(gpus))}")
     for difference in differences:
         click.echo(f"{doc.source}: {difference}", err=True)
     if machine is not None:
         click.echo(f"{doc.source}: step settings sized for this machine's "
-                   f"{local.described(machine)}, not for spec.resources.gpuType")
+                   f"{described(machine)}, not for spec.resources.gpuType")
     for note in step_settings.notes:
         click.echo(f"{doc.source}: {note}")
-    for warning in local.plan_warnings(here if machine else job, model, machine):
+    for warning in plan_warnings(here if machine else job, model, machine):
         click.echo(f"{doc.source}: {warning}", err=True)
     click.echo(f"trainer config: {config_path}")
     click.echo(serving)
@@ -103,7 +113,7 @@ def run_command(file: str, nproc: int | None, fresh: bool, metrics_port: int | N
                f"(a failed worker restarts them all from the newest checkpoint, up to "
                f"{restarts} time{'' if restarts == 1 else 's'}: spec.runPolicy.backoffLimit)")
 
-    code = local.run_trainer(config_path, processes, run_log(output_dir),
+    code = run_trainer(config_path, processes, run_log(output_dir),
                              max_restarts=restarts, verbose=verbose, lock=lock,
                              on_gpus=job.spec.resources.on_gpus)
     ports.close()  # held for the workers until now, restarts included
@@ -111,12 +121,37 @@ def run_command(file: str, nproc: int | None, fresh: bool, metrics_port: int | N
         click.echo(f"done: model in {output_dir / layout.FINAL_DIR}, checkpoints in "
                    f"{layout.checkpoint_root(output_dir)}, progress in "
                    f"{output_dir / layout.PROGRESS_FILE}")
-    elif code == local.EXIT_STOPPED:
-        click.echo(local.stopped_message(output_dir), err=True)
+    elif code == STOPPED:
+        click.echo(stopped_message(output_dir), err=True)
     else:
         mark_failed(output_dir)
-        click.echo(f"training failed (exit {code}): {local.failure_hint(code)}", err=True)
+        click.echo(f"training failed (exit {code}): {failure_hint(code)}", err=True)
     sys.exit(code)
+
+
+def _fitted_here(doc: Document, job: FineTuneJob, nproc: int | None):
+    """The visible GPUs, the processes this run starts (`--nproc`, else the spec's CPU
+    workers or the visible GPUs), the job as run on them (the spec's global batch kept),
+    one line for each way that differs from the spec, and this machine's GPUs as the planner
+    sees a VM size (None on CPUs); or exit 2 where the global batch cannot be kept."""
+    from finetune_operator.local.machine import (  # as in run_command
+        MachineMismatch,
+        as_run_here,
+        default_processes,
+        fit_to_machine,
+        this_machine,
+        visible_gpus,
+    )
+
+    gpus = visible_gpus()
+    processes = nproc or default_processes(job, gpus)
+    try:
+        accumulation, differences = fit_to_machine(job, processes, gpus)
+    except MachineMismatch as error:
+        click.echo(f"{doc.source}: {error}", err=True)
+        sys.exit(EXIT_INVALID)
+    machine = this_machine(processes) if gpus and job.spec.resources.on_gpus else None
+    return gpus, processes, as_run_here(job, processes, accumulation), differences, machine
 
 
 def _the_job_to_run(file: str) -> tuple[Document, FineTuneJob]:
@@ -138,20 +173,20 @@ def _the_job_to_run(file: str) -> tuple[Document, FineTuneJob]:
 
 def _config_here(doc: Document, here: FineTuneJob, model, machine, metrics_port: int | None):
     """The trainer config of the job run `here`, its step settings, the line saying where
-    its metrics are served and the hold on those ports (`local.PortHold`, kept until the
+    its metrics are served and the hold on those ports (`ports.PortHold`, kept until the
     run ends); or its problems said and exit 2."""
-    from finetune_operator import local  # as in run_command
+    from finetune_operator.local.config import local_config  # as in run_command
 
     try:
         manifest = None if doc.path == "-" else str(Path(doc.path).resolve())
-        config, step_settings = local.local_config(here, doc.folder, model, machine, manifest)
-        config, serving, ports = local.serving_here(config, here.spec.resources.processes(),
+        config, step_settings = local_config(here, doc.folder, model, machine, manifest)
+        config, serving, ports = serving_here(config, here.spec.resources.processes(),
                                                     metrics_port)
     except InvalidJobError as error:
         for problem in error.problems:
             click.echo(f"{doc.source}: {problem}", err=True)
         sys.exit(EXIT_INVALID)
-    except local.PortTaken as error:
+    except PortTaken as error:
         click.echo(f"{doc.source}: {error}", err=True)
         sys.exit(EXIT_INVALID)
     return config, step_settings, serving, ports
@@ -162,16 +197,13 @@ def _fetch_and_check(config: TrainerConfig, config_path: Path, output_dir: Path,
     """Before any worker: an hf:// model fetched into the output folder, then the model and
     data checked (the trainer's preflight); exits with their code when one fails, the run
     marked Failed (`finetune status` of the folder says so, not Stopped)."""
-    from finetune_operator import local  # as in run_command
-    from finetune_operator.follow import run_log
-
     log = run_log(output_dir)
-    local.RunLog(log).begin("finetune run")  # where this run's lines start
-    if local.needs_fetch(config) and (fetched := local.run_step(
-            local.fetch_command(config_path), log, verbose)) != 0:
+    RunLog(log).begin("finetune run")  # where this run's lines start
+    if needs_fetch(config) and (fetched := run_step(
+            fetch_command(config_path), log, verbose)) != 0:
         _stop_before_training(fetched, output_dir)
         sys.exit(fetched)  # 2: the name, revision or token; 1: the network or the disk
-    if (checked := local.run_step(local.preflight_command(config_path), log, verbose)) != 0:
+    if (checked := run_step(preflight_command(config_path), log, verbose)) != 0:
         _stop_before_training(checked, output_dir)
         sys.exit(checked)  # 2: the model or the data; 1: anything else (the traceback said)
 
@@ -179,23 +211,18 @@ def _fetch_and_check(config: TrainerConfig, config_path: Path, output_dir: Path,
 def _stop_before_training(code: int, output_dir: Path) -> None:
     """A step before the workers failed (the run is marked Failed: `finetune status` says
     so) or was interrupted (Ctrl-C: nothing failed; one line, exit 143 as in training)."""
-    from finetune_operator import local  # as in run_command
-    from finetune_operator.follow import mark_failed
-
-    if code == local.EXIT_STOPPED:
-        click.echo(local.stopped_message(output_dir), err=True)
+    if code == STOPPED:
+        click.echo(stopped_message(output_dir), err=True)
         sys.exit(code)
     mark_failed(output_dir)
 
 
 def _hold_output(source: str, output_dir: Path) -> int | None:
-    """The output folder's lock for this run (`run_lock.hold`), or exit 2 naming the run
+    """The output folder's lock for this run (`lock.hold`), or exit 2 naming the run
     that writes it."""
-    from finetune_operator import run_lock  # as in run_command
-
     try:
-        return run_lock.hold(output_dir)
-    except run_lock.FolderInUse as error:
+        return hold(output_dir)
+    except FolderInUse as error:
         click.echo(f"{source}: spec.output.uri: {error} — wait for it to end, stop it (Ctrl-C "
                    "where it runs: it checkpoints first), or give this run another "
                    "spec.output.uri", err=True)

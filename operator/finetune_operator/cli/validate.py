@@ -12,7 +12,7 @@ from finetune_operator import yamlio
 from finetune_operator.admission import offline_backends
 from finetune_operator.cli.common import jobs_in, say_problem, summary
 from finetune_operator.cli.group import EXIT_INVALID, main
-from finetune_operator.local_paths import local_path_problems
+from finetune_operator.local.paths import local_path_problems
 from finetune_operator.output_folders import shared_folder_warnings
 from finetune_operator.render import render
 from finetune_operator.validation import Problem

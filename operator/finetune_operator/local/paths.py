@@ -3,7 +3,7 @@ lacks or cannot use, said before anything starts or is written.
 
 `finetune validate` warns of them (an absolute path may exist only in the job's image; a
 relative one means this machine, so one not here is an error) and `finetune run` refuses
-them. Apart from `local` (the run itself: torchrun, its log) so that `validate` reads them
+them. Apart from `local.config` (which brings the planner) so that `validate` reads them
 without loading the planner.
 """
 

@@ -17,9 +17,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 def quiet_libraries(verbose: bool) -> None:
     """Unless `verbose`, the libraries' progress bars, warnings and notices off, as a plain
-    `finetune run` shows none (`finetune_operator.local.processes.worker_env`, `local.logs.QuietLog`): before
-    transformers and huggingface_hub are imported, which read these variables then; a
-    variable set already is kept."""
+    `finetune run` shows none (`finetune_operator.local`: `processes.worker_env`,
+    `logs.QuietLog`): before transformers and huggingface_hub are imported, which read these
+    variables then; a variable set already is kept."""
     if verbose:
         return
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' bars too

@@ -11,9 +11,6 @@ import os
 import warnings
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 
 def quiet_libraries(verbose: bool) -> None:
     """Unless `verbose`, the libraries' progress bars, warnings and notices off, as a plain
@@ -31,8 +28,12 @@ def quiet_libraries(verbose: bool) -> None:
 
 
 def answer(model_dir: Path, question: str, max_new_tokens: int = 32) -> str:
+    # after main's quiet_libraries: transformers reads its settings when imported
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     if (model_dir / "adapter_config.json").is_file():
-        from peft import AutoPeftModelForCausalLM  # adapters only: a full model needs no peft
+        from peft import AutoPeftModelForCausalLM  # as above; a full model needs no peft
 
         model = AutoPeftModelForCausalLM.from_pretrained(model_dir)
     else:

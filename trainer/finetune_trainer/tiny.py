@@ -12,10 +12,6 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
 from finetune_trainer.generate import quiet_libraries
 
 SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|begin|>", "<|system|>", "<|user|>", "<|assistant|>"]
@@ -28,6 +24,9 @@ CHAT_TEMPLATE = (
 def build_tokenizer(corpus: Iterable[str], vocab_size: int = 512, show_progress: bool = False):
     """A byte-level BPE tokenizer trained on `corpus`, with a chat template (`show_progress`:
     the trainer's bars, on stdout; blank lines where that is no terminal)."""
+    # after main's quiet_libraries (generate.py): transformers reads its settings on import
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
 
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -66,6 +65,8 @@ def build_tiny_llama(out_dir: str | Path, corpus: Iterable[str], *, hidden_size:
                      layers: int = 2, heads: int = 4, kv_heads: int = 2, seed: int = 0,
                      show_progress: bool = False) -> Path:
     """Save a randomly initialised tiny Llama and its tokenizer to `out_dir`."""
+    import torch  # as in build_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = build_tokenizer(corpus, show_progress=show_progress)
     config = LlamaConfig(
@@ -84,7 +85,6 @@ def build_tiny_llama(out_dir: str | Path, corpus: Iterable[str], *, hidden_size:
 
 
 def main(argv: list[str] | None = None) -> int:
-
     parser = argparse.ArgumentParser(description="Build a tiny local model for demos and tests.")
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--corpus", type=Path, required=True,
@@ -95,7 +95,6 @@ def main(argv: list[str] | None = None) -> int:
     if (args.out_dir / "config.json").is_file():
         print(f"{args.out_dir} already holds a model")
         return 0
-
     quiet_libraries(args.verbose)
     build_tiny_llama(args.out_dir, corpus_from_jsonl(args.corpus), show_progress=args.verbose)
     print(f"built a tiny Llama and its tokenizer in {args.out_dir}")

@@ -84,8 +84,7 @@ def _fetch(config: TrainerConfig, output_dir: Path) -> int:
         raise SystemExit(STOPPED)
 
     signal.signal(signal.SIGTERM, stop)
-    from huggingface_hub.utils import disable_progress_bars  # the hub's client: this step's
-
+    from huggingface_hub.utils import disable_progress_bars  # the hub's: only this step's
 
     disable_progress_bars()  # one line per weight file instead, readable in `kubectl logs`
     try:

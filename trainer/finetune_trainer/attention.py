@@ -87,7 +87,6 @@ def why_not(model, device: torch.device, precision: str) -> str | None:
 def install(model) -> None:
     """Make `model` (a transformers model, not wrapped) attend through `packed_attention`;
     every forward must then pass `cu_seq_lens_q` (see `forward_kwargs`)."""
-
     AttentionInterface.register(NAME, packed_attention)
     model.set_attn_implementation(NAME)
 

@@ -157,7 +157,6 @@ class Checkpointer:
         `background=False` (SIGTERM: the pod is about to go) completes it before returning,
         as does `output.asyncCheckpoints` off: a checkpoint that is written is made
         complete at once. Returns its folder, which exists once it is complete."""
-
         self.finish()
         rank = dist.get_rank()
         root = checkpoint_root(self.output_dir)
@@ -199,7 +198,6 @@ class Checkpointer:
         """Collective: complete the checkpoint in flight, if one is. Waits for this rank's
         write (its failure raised here), then for every rank's (a barrier); then rank 0
         names it complete and prunes the oldest. Returns its folder."""
-
         pending, self._pending = self._pending, None
         if pending is None:
             return None
@@ -222,7 +220,6 @@ class Checkpointer:
         written (#22 had made the synchronous write stream it one tensor at a time), so it
         goes behind only where that copy is affordable (`staging_refused`), unless
         `output.asyncCheckpoints` says `on` or `off`."""
-
         if self._behind is not None:
             return self._behind
         if self.mode != "auto":
@@ -285,7 +282,6 @@ class Checkpointer:
 
     def _guarded(self, partial: Path, write: Callable[[], Any]) -> Any:
         """`write()`, a storage failure turned into a CheckpointError naming the folder."""
-
         try:
             return write()
         # torch reports a full disk as a RuntimeError ("unexpected pos"), DCP as a
@@ -369,7 +365,6 @@ words): not the storage's fault, and not worth a message about the output folder
 def peer_failure(error: BaseException) -> bool:
     """The save failed because another rank died or hung, not because of the output folder
     (#25, item 6): a torch.distributed error, or DCP's per-rank failures all of that kind."""
-
     failures = getattr(error, "_failures", None)  # DCP: {rank: (exception, traceback)}
     if failures:
         return all(peer_failure(cause) for cause, _trace in failures.values())
@@ -435,7 +430,6 @@ def load(strategy, scheduler, checkpoint: Path) -> TrainerState:
 def objective_state(checkpoint: Path) -> dict:
     """This rank's objective state in `checkpoint` (empty when none was saved, or when
     the world size changed and this rank saved none)."""
-
     saved = checkpoint / OBJECTIVE_FILE.format(rank=dist.get_rank())
     return torch.load(saved, weights_only=True) if saved.exists() else {}
 

@@ -131,7 +131,6 @@ class CollectiveLog:
 
 def ddp_hook(log: CollectiveLog):
     """A DDP communication hook: the default mean all-reduce, timed."""
-
     def hook(state, bucket):
         tensor = bucket.buffer()
         tensor.div_(dist.get_world_size())

@@ -50,7 +50,6 @@ def local_splits(files: list[Path], root: Path) -> dict[str, list[Path]]:
     `dev*` / `val*`, `test*` / `eval*` (`datasets.data_files.get_data_patterns`); all of
     them `train` where none is named so. Unlike `load_dataset`, a file left out of every
     split is refused, not skipped."""
-
     patterns = {str(name): found for name, found in get_data_patterns(str(root)).items()}
     if patterns == {"train": ["**"]}:  # no file names a split
         return {"train": files}
@@ -150,7 +149,6 @@ def read_split(source: DatasetSource, base_dir: Path | None = None,
                evaluation: bool = False):
     """`read_records`, and where the records came from, for the log: `<uri> split <split>`,
     with a folder's files, since their names chose them."""
-
     uri = source.uri
     split = source.eval_split if evaluation else source.split
     if uri.startswith("hf://"):
@@ -186,7 +184,6 @@ def read_split(source: DatasetSource, base_dir: Path | None = None,
 
 def _read_files(source: DatasetSource, files: list[Path], split: str):
     """`split` (a name, or a slice of it) of local data files, each checked first."""
-
     builder = data_file_builder(files[0].name)
     lines: list[tuple[Path, list[int]]] = []  # where each record of a jsonl file starts
     for path in files:
@@ -561,7 +558,6 @@ def tokenize_records(records, fmt: str, tokenizer, max_length: int) -> list[dict
 
     A record the tokenizer or its chat template refuses (jinja's `raise_exception`, e.g.
     roles that do not alternate) is a DataError quoting the record."""
-
     out = []
     for record in records:
         problem = record_problem(record, fmt)
@@ -679,7 +675,6 @@ class Pairs:
 def tokenize_pairs(records, tokenizer, max_length: int, first_id: int = 0) -> Pairs:
     """Every preference record as a pair sample (`pair_sample`), numbered from `first_id`
     in `pairs`; a record the tokenizer refuses is a DataError quoting it."""
-
     out = Pairs([])
     for record in records:
         if (problem := record_problem(record, "preference")) is not None:
@@ -947,7 +942,6 @@ def collate(sequences: list[dict[str, list[int]]], pad_id: int, width: int | Non
     or from real tokens. An empty micro-batch becomes one padding row with no loss: the
     rank still runs forward and backward, keeping collectives in step with its peers.
     """
-
     empty = {"input_ids": [pad_id], "labels": [IGNORE], "position_ids": [0],
              **({"answers": [-1], "pairs": []} if paired else {})}
     sequences = list(sequences) + [empty] * max((rows or 1) - len(sequences), 0)

@@ -119,7 +119,6 @@ def register(registry, labels: dict[str, str], device) -> GpuCollector | None:
 def _handle(nvml, device):
     """NVML numbers GPUs by PCI order and CUDA may not (CUDA_VISIBLE_DEVICES, fastest
     first): match them by UUID."""
-
     uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
     if uuid is not None:
         try:

@@ -57,7 +57,6 @@ def load_for(strategy, source: ModelSource, method: MethodConfig, precision: Pre
     """The model as `strategy` has it read (`load_model` with the strategy's `loading`),
     and the weights rank 0 sends in `strategy.setup` when every rank built it empty
     (None elsewhere): what each caller of `setup` needs, together."""
-
     how = strategy.loading(method.type)
     model = load_model(source, method, precision, gradient_checkpointing, base_dir,
                        loading=how, checkpoint_policy=checkpoint_policy, device=device)
@@ -97,7 +96,6 @@ def open_weights(source: ModelSource, model, method: MethodConfig, precision: Pr
     """Rank 0: the weights of `model` (built empty by load_model's "meta" or "zero3"), to
     be sent: every parameter on the meta device and every buffer the checkpoint holds,
     under `model`'s names."""
-
     location = model_location(source, base_dir)
     names = checkpoint_names(model)
     files = _safetensors_files(location, source)
@@ -111,7 +109,6 @@ def checkpoint_names(model) -> dict[str, str]:
     """Each parameter's and buffer's name in the checkpoint, by its name in `model`: the
     transformers model's own names (under a peft wrapper, without its prefix and without
     `base_layer`, the module LoRA wraps)."""
-
     base = base_causal_lm(model)
     by_id = {id(t): n.replace(".base_layer.", ".") for n, t in base.named_parameters()}
     names = {name: by_id[id(p)] for name, p in model.named_parameters() if id(p) in by_id}
@@ -123,7 +120,6 @@ def checkpoint_names(model) -> dict[str, str]:
 def _safetensors_files(location: str, source: ModelSource) -> dict[str, str] | None:
     """Each checkpoint key's safetensors file (downloaded for a hub model), or None when
     the checkpoint has none."""
-
     def find(filename: str) -> str | None:
         return cached_file(location, filename, revision=source.revision,
                            token=_hub_kwargs(source)["token"],
@@ -143,7 +139,6 @@ def _streamable(model, names: dict[str, str], files: dict[str, str]) -> bool:
     """Whether the files hold every empty parameter under its checkpoint name, in its
     shape, and the model keeps no module in fp32 apart (from_pretrained would cast
     those, the config alone does not)."""
-
     base = base_causal_lm(model)
     if getattr(base, "_keep_in_fp32_modules", None) or getattr(
             base, "_keep_in_fp32_modules_strict", None):
@@ -176,7 +171,6 @@ def _copied_weights(source: ModelSource, model, method: MethodConfig, precision:
                     base_dir: Path | None, names: dict[str, str]) -> CopiedWeights:
     """A whole copy read by from_pretrained (its random draws, if any, undone: the other
     ranks drew none), its tensors under `model`'s names in their own dtypes."""
-
     state = torch.get_rng_state()
     copy = read_base_model(source, method, precision, base_dir)
     torch.set_rng_state(state)
@@ -203,7 +197,6 @@ def agree_on_layout(model, weights: CheckpointWeights | CopiedWeights | None) ->
 
 def _agreed(weights: CheckpointWeights | CopiedWeights | None) -> Layout:
     """Collective: rank 0's layout, on every rank."""
-
     shared = [weights.layout if weights is not None else None]
     dist.broadcast_object_list(shared, src=0)
     return shared[0]
@@ -238,7 +231,6 @@ def partition_from_rank0(model, weights: CheckpointWeights | CopiedWeights | Non
     module's weights is broadcast whole, then `partition(module)` keeps this rank's part
     and frees the rest. Buffers the checkpoint holds are broadcast whole (ZeRO-3 does not
     partition them)."""
-
     layout = _agreed(weights)
     _built_alike(model, layout)
     sent = {name: (shape, dtype) for name, shape, dtype in layout}
@@ -281,7 +273,6 @@ def receive_weights(model, layout: Layout, weights: CheckpointWeights | CopiedWe
     """Collective, after sharding: each tensor of `layout` sent by rank 0 over the default
     group (on `device`, the group's): a parameter scattered, each rank receiving only its
     shard (kept on `shard_device`: the host under CPU offload), a buffer broadcast whole."""
-
     owners = _parameter_owners(model)
     for name, shape, dtype in layout:
         full = None
@@ -300,7 +291,6 @@ def receive_weights(model, layout: Layout, weights: CheckpointWeights | CopiedWe
 def _scatter(full, old, device):
     """This rank's rows of the weight (dim 0 split as torch.chunk and FSDP2 split it),
     received from rank 0 alone: no rank but 0 ever holds the whole weight."""
-
     if not isinstance(old, DTensor):  # not sharded: every rank takes it whole
         return _broadcast(full, tuple(old.shape), old.dtype, device)
     if old.device_mesh.ndim != 1 or tuple(old.placements) != (Shard(0),):
@@ -316,7 +306,6 @@ def _scatter(full, old, device):
 
 def _padded(full, start: int, rows: int):
     """Rows start..start+rows of `full` (a view), zero-padded where it ends before."""
-
     piece = full[start:start + rows]
     if piece.shape[0] == rows:
         return piece

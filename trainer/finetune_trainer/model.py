@@ -137,7 +137,6 @@ def load_model(source: ModelSource, method: MethodConfig, precision: Precision,
     `meta` and `zero3` read nothing and build the same model (same dtypes, same adapters)
     without storage.
     """
-
     location = model_location(source, base_dir)
     compute = getattr(torch, COMPUTE_DTYPES[precision])
     kwargs = _load_kwargs(source, method, compute)
@@ -169,7 +168,6 @@ def read_base_model(source: ModelSource, method: MethodConfig, precision: Precis
                     base_dir: Path | None = None):
     """The transformers model as `load_model` reads it, weights in host memory, nothing
     applied (what rank 0 sends from where a checkpoint cannot be streamed: loading.py)."""
-
     location = model_location(source, base_dir)
     compute = getattr(torch, COMPUTE_DTYPES[precision])
     try:
@@ -182,7 +180,6 @@ def read_base_model(source: ModelSource, method: MethodConfig, precision: Precis
 def _load_kwargs(source: ModelSource, method: MethodConfig, compute) -> dict[str, Any]:
     """from_pretrained's arguments: the base in the compute dtype for LoRA (4-bit for
     QLoRA), fp32 for a full fine-tune."""
-
     kwargs: dict[str, Any] = _hub_kwargs(source)
     if method.type == "qlora":
         kwargs["quantization_config"] = _four_bit(compute)
@@ -196,7 +193,6 @@ def _empty_model(location: str, source: ModelSource, dtype):
     """The model from its config alone, parameters on the meta device: no weight is read
     and no memory taken. Buffers stay real (rotary frequencies are computed, not stored),
     as does every attribute tensor computed at construction."""
-
     config = AutoConfig.from_pretrained(location, **_hub_kwargs(source))
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(
@@ -209,7 +205,6 @@ def _finish_as_read(model, location: str, source: ModelSource) -> None:
     """What from_pretrained does after reading, done to a model built from its config:
     weights tied (on meta, transformers leaves them apart), eval mode, and the checkpoint's
     generation config (the export carries it on)."""
-
     model.tie_weights()
     model.eval()
     if model.can_generate():
@@ -227,7 +222,6 @@ def _apply_lora_to_empty(model, lora: LoraConfig):
     device and dtype, and a write would fail), peft draws the adapters as it does on a
     loaded model (the same random numbers, in the same dtype: every rank the same adapters,
     as when each read the model), and the base goes back to the meta device."""
-
     empty = swap_parameters(model, lambda p: torch.empty((), dtype=p.dtype).expand(p.shape),
                             lambda p: p.is_meta)
     model = apply_lora(model, lora)
@@ -240,7 +234,6 @@ def swap_parameters(model, make, which) -> set[int]:
     """Each parameter `which` selects replaced by a new one holding `make(parameter)`, its
     trainable flag kept and tied parameters still shared (a tensor's `.data` cannot move
     between the meta device and the host); returns the ids of the new parameters."""
-
     swapped: dict[int, tuple[Any, Any]] = {}  # old id -> (old, kept alive: ids stay unique; new)
     for module in model.modules():
         for attribute, parameter in module._parameters.items():
@@ -299,7 +292,6 @@ def _saved_ops() -> set:
 def _keep_matmul_outputs():
     """Selective checkpointing (torchtitan's op-level policy): save what is expensive to
     recompute (matmuls, attention), recompute the element-wise rest."""
-
     saved = _saved_ops()
 
     def policy(ctx, op, *args, **kwargs):
@@ -336,7 +328,6 @@ def inspect_architecture(source: ModelSource, method: MethodConfig,
     """Check the adapter targets on an empty (meta-device) copy of the model, before any
     weights are read or processes are joined; returns its decoder-layer class names
     (what FSDP wraps)."""
-
     location = model_location(source, base_dir)
     try:
         config = AutoConfig.from_pretrained(location, **_hub_kwargs(source))
@@ -364,7 +355,6 @@ def _check_targets(model, lora: LoraConfig) -> None:
 
 def linear_module_names(model) -> set[str]:
     """Short names of the linear layers LoRA can adapt (the output head excluded)."""
-
     names = set()
     for full_name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) or type(module).__name__ in ("Linear4bit",

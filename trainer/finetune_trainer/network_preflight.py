@@ -143,7 +143,6 @@ def node_name() -> str:
 
 def _time_all_reduce(size: int, group, device, iterations: int) -> float:
     """Seconds per all-reduce of `size` bytes, the slowest rank's view."""
-
     tensor = torch.ones(max(size // 4, 1), dtype=torch.float32, device=device)
     for _ in range(2):  # warm-up: connections, NCCL channels
         dist.all_reduce(tensor, group=group)
@@ -165,7 +164,6 @@ def _sync(device) -> None:
 
 def _groups(members: list[list[int]]):
     """Every rank creates every group (torch's rule); returns the one this rank is in."""
-
     mine = None
     for ranks in members:
         group = dist.new_group(ranks=ranks)

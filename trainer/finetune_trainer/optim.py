@@ -25,7 +25,6 @@ def lr_factor(step: int, total_steps: int, warmup_ratio: float, scheduler: str) 
 def build_optimizer(model, hp: Hyperparameters, learning_rate: float, fused: bool = True):
     """AdamW, weight decay on matrices only; torch's fused kernel when `fused` (the
     strategy's `fused_optimizer`) and every trainable weight is on a GPU."""
-
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if _dims(p) >= 2]
     no_decay = [p for p in params if _dims(p) < 2]  # biases and norms

@@ -47,7 +47,6 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 def init_distributed(timeout_minutes: int = 30):
     """Join the process group from the torchrun / Azure ML environment (nccl on GPUs,
     gloo on CPU); a bare `finetune-train` runs as a world of one. Returns the device."""
-
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
@@ -133,7 +132,6 @@ class Strategy:
     # state
     def save(self, path: Path) -> None:
         """Collective: model (trainable weights) and optimizer state into `path`."""
-
         dcp.save(self._checkpoint_state(), storage_writer=_writer(path))
 
     def save_async(self, path: Path) -> Future | None:
@@ -145,7 +143,6 @@ class Strategy:
         on the default group they would interleave with the training step's, in an order
         that differs between ranks. Staging copies every tensor, so the next optimizer
         step cannot change what is written."""
-
         return dcp.async_save(self._checkpoint_state(), storage_writer=_writer(path),
                               process_group=self.save_group(),
                               async_checkpointer_type=AsyncCheckpointerType.THREAD)
@@ -153,7 +150,6 @@ class Strategy:
     def checkpoint_bytes(self) -> int:
         """Host memory a background save stages: this rank's part of the checkpointed model
         and optimizer state (its shard under fsdp), copied whole before the write."""
-
         total = 0
         for value in tree_leaves(self._checkpoint_state()):
             tensor = value.to_local() if hasattr(value, "to_local") else value  # DTensor
@@ -169,7 +165,6 @@ class Strategy:
     def save_group(self):
         """The background writes' gloo group, made at the first one (collective: every
         rank reaches its first checkpoint at the same step)."""
-
         if self.background_group is None:
             self.background_group = dist.new_group(backend="gloo")
         return self.background_group
@@ -185,7 +180,6 @@ class Strategy:
 
     def full_state_dict(self) -> dict[str, Any]:
         """Collective: every weight, gathered on rank 0 (on CPU); empty elsewhere."""
-
         return get_model_state_dict(self.model, options=StateDictOptions(
             full_state_dict=True, cpu_offload=True))
 
@@ -260,7 +254,6 @@ class FSDPStrategy(Strategy):
         each weight rank 0 reads (`setup`, loading.py): the node holds its shards, not one
         model per rank (#17). QLoRA stays as transformers places it (bitsandbytes
         quantizes each rank's weights on its own GPU as they are read)."""
-
         self.from_rank0 = method != "qlora" and dist.get_world_size() > 1
         return "meta" if self.from_rank0 else "host"
 

@@ -220,7 +220,6 @@ def check_network(config: TrainerConfig, device, output_dir: Path, scratch: Path
                   metrics: TrainerMetrics):
     """The collective preflight; rank 0 logs the table. Raises PreflightError below the
     floor or when InfiniBand was asked for and not used."""
-
     result = network_preflight.measure(device)
     if scratch is not None:
         result.transport = network_preflight.read_transport(scratch)
@@ -238,7 +237,6 @@ def check_network(config: TrainerConfig, device, output_dir: Path, scratch: Path
 def _network_env(config: TrainerConfig, output_dir: Path) -> Path | None:
     """Before the process group exists: the NCCL flight recorder, and NCCL's transport log
     where InfiniBand must be checked. Returns the folder of that log."""
-
     if not torch.cuda.is_available():
         return None
     for name, value in network_preflight.flight_recorder_env(output_dir).items():
@@ -255,7 +253,6 @@ def _network_env(config: TrainerConfig, output_dir: Path) -> Path | None:
 def export(strategy, tokenizer, config: TrainerConfig, output_dir: Path, base_dir: Path) -> Path:
     """The model a user hands to vLLM next: a peft adapter or full safetensors weights,
     and, with mergeAdapter, the base model with the adapter merged in."""
-
     final = output_dir / FINAL_DIR
     state_dict = strategy.full_state_dict()  # collective under fsdp / zero3; None under ddp
     if dist.get_rank() == 0:
@@ -275,7 +272,6 @@ def describe_export(output_dir: Path, config: TrainerConfig) -> None:
     """final/ made to stand on its own, before a push (`output.export`) takes it along: the
     model card in place of peft's template (from the record `Reporter.conclude` wrote) and,
     for a model fetched from the hub, the hub's name in place of the local copy's path."""
-
     model_card.write(output_dir, config)
     name_hub_model(output_dir / FINAL_DIR, config)
 
@@ -497,7 +493,6 @@ class Trainer:
     def _build_model(self) -> None:
         """The model as its strategy reads it, what runs inside it (packed attention, the
         fused loss, compiled layers), wrapped and given its optimizer."""
-
         config, device, hp = self.config, self.device, self.hp
         strategy = build_strategy(config.strategy, hp, device, self.prepared.wrap_classes)
         # unset (the operator resolves both before a worker starts): checkpointing on
@@ -753,7 +748,6 @@ class Trainer:
         complete, the eval loss (unless `evaluated` at that step already), the export (of
         the best evaluation's weights under early stopping), then rank 0's pushes to
         `output.export`, their outcomes in the final record."""
-
         self.checkpoints.finish()  # the last checkpoint complete before anything can fail
         if self.profiler is not None:
             self.profiler.stop()

@@ -67,7 +67,6 @@ def export_trained(output: Path, targets: list, say=print) -> list[dict[str, str
     folder whatever happens here. A target's `secretName` is read where the workers have it
     mounted (layout.export_credentials); where it is not (`finetune run`), the user's own
     login is (Docker's, or HF_TOKEN)."""
-
     outcomes = []
     for target in targets:
         if not target.pushed_by_trainer:

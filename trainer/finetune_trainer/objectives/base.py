@@ -58,7 +58,6 @@ class Evaluation:
 
     def said(self) -> str:
         """`loss 1.2345`, or the headline figures (`reward 0.5000, reward std 0.1000`)."""
-
         parts = [] if self.loss is None else [f"loss {self.loss:.4f}"]
         parts += [f"{label} {shown.format(value)}"
                   for label, value, shown in headline(self.figures)]
@@ -112,7 +111,6 @@ class Objective:
     def check_format(self, fmt: str) -> None:
         """The data's format is one this objective trains on (`auto` is only resolved from
         the columns, so this is checked again where the records are read)."""
-
         if fmt in self.spec.formats:
             return
         others = [name for name in trains_on(fmt) if name != self.spec.name]
@@ -134,7 +132,6 @@ class Objective:
     def units(self, sequence: dict[str, list[int]]) -> int:
         """What the loss is a mean over, in one sequence: its trained tokens (the label of
         a row's first token is never predicted)."""
-
         return sum(label != IGNORE for label in sequence["labels"][1:])
 
     def batches(self, count: int, micro_batch: int, accumulation: int, world: int,
@@ -172,7 +169,6 @@ class Objective:
         there are none). Here: the objective's mean loss over them (per label token, per
         preference pair); every rank runs the same number of batches, so collectives inside
         the forward stay in step. Collective."""
-
         if not sequences:
             return None
         run, strategy = self.run, self.strategy

@@ -74,7 +74,6 @@ def reference_table(strategy, head, sequences, pair_count: int, micro_batch: int
     """Every pair's answer log-probabilities under the model as it is now (full weights,
     before the first step), [pairs, 2] float64 on CPU: each rank scores its share of the
     packed `sequences`, all ranks running the same number of batches, summed over ranks."""
-
     world, rank = dist.get_world_size(), dist.get_rank()
     table = torch.zeros(pair_count, 2, dtype=torch.float64)
     was_training = strategy.model.training

@@ -129,7 +129,6 @@ class DpoObjective(Objective):
 
     def summed(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of the batch's pair losses, `PairLosses.reward_sums`)."""
-
         reference = self.reference(batch)
         policy = answer_logps(self.strategy.model, batch, self.head)
         pairs = self.pair_losses(batch, policy, reference)

@@ -57,7 +57,6 @@ class GroupBatches(GlobalBatches):
     def order(self, epoch: int) -> list[int]:
         """The epoch's permutation of the prompts: one generator seeded once, drawing one
         permutation per epoch (RepeatSampler's)."""
-
         generator = torch.Generator().manual_seed(self.seed)
         for _ in range(epoch):
             torch.randperm(self.prompts, generator=generator)

@@ -162,7 +162,6 @@ class GrpoObjective(Objective):
         """The generation settings, and the reference where beta > 0: the base with its
         adapters off, or for full weights the model as it was read (loaded again: a resumed
         run's weights have moved)."""
-
         super().attach(run)
         grpo, tokenizer = self.settings, self.tokenizer
         model = run.strategy.unwrapped()
@@ -184,7 +183,6 @@ class GrpoObjective(Objective):
         """Under fsdp and zero3 read as the trained model was (every rank building it
         empty, rank 0 reading and sending the weights) and sharded as it is: each process
         holds its shard of the reference too. Elsewhere a whole copy in the compute dtype."""
-
         strategy = run.strategy
         if strategy.shards_weights:
             model, weights = load_for(strategy, self.config.model, self.config.method,
@@ -212,7 +210,6 @@ class GrpoObjective(Objective):
     def _sample(self, index: int, rows: list[dict]) -> Round:
         """Sample this rank's completions, score every rank's, and lay out the micro-batches
         (shuffled as TRL shuffles a generation batch before splitting it)."""
-
         grpo = self.settings
         rank, world = dist.get_rank(), dist.get_world_size()
         prompts = [row["input_ids"] for row in rows]
@@ -277,7 +274,6 @@ class GrpoObjective(Objective):
         says nothing of progress. Each process answers whole groups, in batches of a
         round's size; under fsdp and zero3 every process makes as many `generate` calls
         (each is collective), one without prompts left answering the first one again."""
-
         if not sequences:
             return None
         grpo, hp = self.settings, self.config.hyperparameters
@@ -387,7 +383,6 @@ class GrpoObjective(Objective):
     def _logps(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Each completion token's log-probability at the sampling temperature, and the
         entropy there (no gradient)."""
-
         logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                        use_cache=False, **forward_kwargs(batch)).logits
         picked = logits.flatten(0, 1).index_select(0, batch["loss_rows"]).float()
@@ -424,7 +419,6 @@ class GrpoObjective(Objective):
         on its completions and their sampling log-probabilities: sampled again, they would
         come from the moved weights) and what the next log step reports of the rounds and
         micro-batches since the last one."""
-
         if self.round is None:
             return {}
         return {"world": dist.get_world_size(), "round": self.round.state_dict(),
@@ -435,7 +429,6 @@ class GrpoObjective(Objective):
         """Taken back only by the same number of ranks (a round is one rank's share of a
         generation batch); otherwise the round in progress is sampled again, with a line
         saying so."""
-
         if not state:
             return
         if state["world"] != dist.get_world_size():
@@ -466,7 +459,6 @@ class GrpoObjective(Objective):
     def logged(self, sums, units) -> dict[str, float]:
         """The window's figures: each round's and each micro-batch's (over all ranks),
         averaged as TRL averages them; the latest round's samples printed."""
-
         out = {name: sum(values) / len(values) for name, values in self.figures.items()}
         if self.micro:
             micro = torch.stack(self.micro).cpu()

@@ -26,6 +26,7 @@ from finetune_operator.api import (
     Progress,
 )
 from finetune_operator.local.lock import holder, ran_here
+from finetune_operator.manifests import one_document
 from finetune_trainer.layout import LOCAL_CONFIG, PROGRESS_FILE, RUN_LOG, resolve_output
 from finetune_trainer.record import ProgressRecord, format_duration, headline
 
@@ -200,8 +201,8 @@ def output_folder(target: str) -> tuple[str, Path] | None:
         return _job_name(path.resolve()), path.resolve()
     looks_local = "/" in target or path.suffix.lower() in MANIFEST_SUFFIXES
     if path.is_file():
-        try:
-            job = FineTuneJob.model_validate(yaml.safe_load(path.read_text()))
+        try:  # read as `validate` reads it, and kubectl
+            job = FineTuneJob.model_validate(one_document(path.read_text()))
         except (OSError, UnicodeDecodeError, yaml.YAMLError, pydantic.ValidationError):
             if looks_local:
                 raise NotARun(f"{target}: not a valid FineTuneJob manifest — `finetune "

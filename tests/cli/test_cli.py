@@ -189,6 +189,22 @@ def test_a_key_written_twice_is_refused_as_kubectl_does(tmp_path):
     assert document.data["hyperparameters"] == {"maxSteps": 7, "learningRate": 0.1}
 
 
+def test_a_learning_rate_written_as_kubectl_takes_it_is_a_number(tmp_path):
+    """`learningRate: 1e-4` is how users write it and a number to kubectl; YAML 1.1 (PyYAML)
+    read it as the string '1e-4', and validate refused a manifest kubectl applies."""
+    path = tmp_path / "job.yaml"
+    text = yaml.safe_dump(minimal_job(), sort_keys=False)
+    path.write_text(text.replace("    maxSteps: 10\n", "    maxSteps: 1e3\n    learningRate: 1e-4\n"
+                                 "    warmupRatio: .5e-1\n"))
+    assert finetune("validate", str(path)).returncode == 0
+    result = finetune("render", "-o", "json", str(path))
+    assert result.returncode == 0, result.stderr
+    config_map = next(o for o in json.loads(result.stdout)["items"] if o["kind"] == "ConfigMap")
+    trainer = yaml.safe_load(config_map["data"]["trainer.yaml"])["hyperparameters"]
+    assert (trainer["learningRate"], trainer["maxSteps"], trainer["warmupRatio"]) == (
+        1e-4, 1000, 0.05)
+
+
 def test_render_kubernetes_job_yaml():
     result = finetune("render", str(REPO / "examples/02-aks-fsdp-full-8b.yaml"))
     assert result.returncode == 0, result.stderr

@@ -1,0 +1,85 @@
+"""A manifest reads as kubectl reads it: the real kubectl (`kubectl label --local -o json`,
+no cluster needed) is the oracle for every scalar and key below. PyYAML alone reads YAML
+1.1, where `learningRate: 1e-4` is the string '1e-4' (refused by `finetune validate`,
+taken by `kubectl apply`) and `1:30` is the number 90."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from finetune_operator.manifests import json_key, load_yaml
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.process
+
+VALUES = [
+    "1e-4", "2E-5", "1e4", "1e+4", "1.0e4", "1.5e-3", "-1e-3", "+1e-3", ".5", "+.5", "-.5",
+    ".5e3", "0.", "1.", "1_000", "1_000.5", "0x1F", "-0x1F", "0x_1F", "0X1f", "012", "09",
+    "0o17", "0b101", "-0b101", "00", "0", "-0", "+0", "+7", "99999999999999999999", "1e-400",
+    "1e400", "1e1_0", "0.1_5", "12e", "1e", "1.2.3", "._5", "1_", "_1", "0o8", "08.5", "1__0",
+    "y", "Y", "n", "N", "yes", "Yes", "YES", "no", "True", "TRUE", "tRUE", "on", "off", "Off",
+    "null", "Null", "NULL", "~", "2026-01-02", "2026-01-02T10:00:00Z", "1:30", "1:30:00", "=",
+    "v1", "1.0.0-rc1",
+]
+"""Numbers as go-yaml v2 reads them and YAML 1.1 does not (or reads otherwise), booleans of
+one letter, dates and sexagesimals that stay text, and text that looks like a number."""
+
+KEYS = [
+    "1e3", "1.5", "y", "n", "on", "0x10", "2026-01-02", "1e-7", "1:30",
+    "100000000000000000000", "1e21", "0.1", "1234567.0", "3.14159265358979", "-2.5e-5", "0o17",
+    "012", "09", "100.25", "-0", "1e39", "0.00012", ".5e3", "+7", "true", "1e-45", "0.3",
+]
+"""Keys that YAML reads as other than text, named as sigs.k8s.io/yaml names them for JSON
+(`n` and `-0` among them: one key to a Python dict, two to kubectl)."""
+
+
+@pytest.fixture(scope="module")
+def kubectl():
+    if shutil.which("go") is None:
+        pytest.skip("kubectl is built from its Go module beside the control plane: no Go")
+    sys.path.insert(0, str(REPO / "cluster"))
+    import controlplane
+
+    return controlplane.build() / "kubectl"
+
+
+def read_both(kubectl, path, lines: list[str]) -> tuple[dict, dict]:
+    """`spec` as kubectl reads it (`label --local`: no cluster) and as our loader does."""
+    path.write_text("apiVersion: v1\nkind: Probe\nmetadata: {name: x}\nspec:\n"
+                    + "\n".join(lines) + "\n")
+    done = subprocess.run([str(kubectl), "label", "--local", "-f", str(path), "read=yes",
+                           "-o", "json"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    (ours,) = load_yaml(path.read_text())
+    return json.loads(done.stdout)["spec"], ours["spec"]
+
+
+def test_scalars_read_as_kubectl_reads_them(kubectl, tmp_path):
+    theirs, ours = read_both(kubectl, tmp_path / "scalars.yaml",
+                             [f"  k{i:02d}: {value}" for i, value in enumerate(VALUES)])
+    # JSON is how kubectl hands a manifest on: 1e4 and 10000 are one number there
+    differ = {VALUES[int(key[1:])]: (theirs[key], ours[key]) for key in theirs
+              if json.dumps(theirs[key]) != json.dumps(ours[key]) and theirs[key] != ours[key]}
+    assert differ == {}, differ
+    said = dict(zip(VALUES, ours.values(), strict=True))
+    assert said["1e-4"] == 1e-4 and said["1:30"] == "1:30"  # the point of it
+
+
+def test_keys_are_named_as_kubectl_names_them(kubectl, tmp_path):
+    theirs, ours = read_both(kubectl, tmp_path / "keys.yaml",
+                             [f"  {key}: v{i:02d}" for i, key in enumerate(KEYS)])
+    assert ours == theirs
+    assert json_key(float("inf")) == ".inf" and json_key(-1e-7) == "-1e-07"
+
+
+def test_a_key_kubectl_cannot_name_is_refused_with_its_line():
+    for text, words in (("a: 1\n~: 2\n", "found a key that is null"),
+                        ("a: 1\n? [1, 2]\n: 3\n", "found a key that is a list or a mapping")):
+        with pytest.raises(Exception, match=words) as raised:
+            load_yaml(text)
+        assert "line 2" in str(raised.value)

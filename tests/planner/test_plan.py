@@ -171,8 +171,8 @@ def test_the_plan_says_the_hub_did_not_answer_and_where_the_config_came_from():
     assert unknown.reason == (
         "no config.json for hf://me/custom: the hub did not answer (huggingface.co: Name or "
         "service not known), and the planner's built-in table does not know it (`finetune "
-        "plan --list-models` lists it) — give a local folder holding its config.json, or "
-        "plan where the hub can be reached")
+        "plan --list-models` lists the models it knows) — give a local folder holding its "
+        "config.json, or plan where the hub can be reached")
 
 
 # --- strategy auto -----------------------------------------------------------------------

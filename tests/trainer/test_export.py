@@ -314,8 +314,8 @@ def test_a_job_pushes_its_model_to_each_export_target_after_training(
 
 @pytest.mark.unit
 def test_what_is_exported_of_an_output_folder(tmp_path):
-    with pytest.raises(ExportError, match="no such folder"):
-        model_folder(tmp_path / "missing")
+    with pytest.raises(ExportError, match=f"^export of {tmp_path / 'missing'}: no such folder"):
+        model_folder(tmp_path / "missing")  # the folder is what is wrong, not the target
     with pytest.raises(ExportError, match="holds no final/ folder and is no model folder"):
         model_folder(tmp_path)
     (tmp_path / "final").mkdir()

@@ -902,12 +902,13 @@ def _where_configs_come_from(uri: str, offline: str | None = None,
                 "model is, or use a model the built-in table knows")
     if uri.startswith("hf://") and offline:
         return (f"the hub was not asked (offline: {offline}), and the planner's built-in "
-                "table does not know it (`finetune plan --list-models` lists it) — give a "
-                "local folder holding its config.json, or plan with the hub")
+                "table does not know it (`finetune plan --list-models` lists the models it "
+                "knows) — give a local folder holding its config.json, or plan with the hub")
     if uri.startswith("hf://") and unanswered:
         return (f"the hub did not answer ({unanswered}), and the planner's built-in table "
-                "does not know it (`finetune plan --list-models` lists it) — give a local "
-                "folder holding its config.json, or plan where the hub can be reached")
+                "does not know it (`finetune plan --list-models` lists the models it "
+                "knows) — give a local folder holding its config.json, or plan where the hub "
+                "can be reached")
     if uri.startswith("hf://"):
         return ("the hub could not be reached (or the repo is gated) and the built-in "
                 "table does not know it")

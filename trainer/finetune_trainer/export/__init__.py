@@ -22,21 +22,22 @@ def model_folder(output: Path, merged: bool = False) -> Path:
     """What to export of `output`: a job's output folder gives its `final/` (`merged/` with
     `merged`), a model folder itself. Raises ExportError saying what is there instead."""
     if not output.is_dir():
-        raise ExportError(str(output), "no such folder", "give a job's output folder (its "
-                          "spec.output.uri) or a model folder")
+        raise ExportError.of_folder(output, "no such folder", "give a job's output folder "
+                                    "(its spec.output.uri) or a model folder")
     if merged:
         if not (output / MERGED_DIR).is_dir():
-            raise ExportError(str(output), f"holds no {MERGED_DIR}/ folder", "train with "
-                              "spec.output.mergeAdapter: true, or export final/ (leave out "
-                              "--merged)")
+            raise ExportError.of_folder(output, f"holds no {MERGED_DIR}/ folder", "train "
+                                        "with spec.output.mergeAdapter: true, or export "
+                                        "final/ (leave out --merged)")
         return output / MERGED_DIR
     if (output / FINAL_DIR).is_dir():
         return output / FINAL_DIR
     if any((output / name).is_file() for name in ("adapter_config.json", "config.json")):
         return output
-    raise ExportError(str(output), f"holds no {FINAL_DIR}/ folder and is no model folder "
-                      "(adapter_config.json or config.json)", "wait until the job has ended "
-                      "(its final/ is written after the last step), or give the model folder")
+    raise ExportError.of_folder(output, f"holds no {FINAL_DIR}/ folder and is no model "
+                                "folder (adapter_config.json or config.json)", "wait until "
+                                "the job has ended (its final/ is written after the last "
+                                "step), or give the model folder")
 
 
 def export(folder: Path, target: str, *, plain_http: bool = False, say=print,

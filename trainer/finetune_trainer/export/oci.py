@@ -211,8 +211,8 @@ def pack(folder: Path, work: Path, created: datetime | None = None) -> Packed:
     same manifest)."""
     files = model_files(folder)
     if not files:
-        raise ExportError(str(folder), "the folder holds no files", "export a model folder: "
-                          "a job's final/ (or merged/) once training has ended")
+        raise ExportError.of_folder(folder, "holds no files", "export a model folder: a "
+                                    "job's final/ (or merged/) once training has ended")
     tar_digest, layer_digest, layer_size = write_layer(folder, files, work / "layer.tar.gz")
     config = json.dumps({"architecture": "amd64", "os": "linux", "rootfs": {
         "type": "layers", "diff_ids": [tar_digest]}}, sort_keys=True).encode()

@@ -4,6 +4,8 @@ and how often a push that met a transient fault is tried again. A leaf of the pa
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 class ExportError(RuntimeError):
     """An export that did not happen: what went wrong at `target`, and what to do. The
@@ -12,6 +14,13 @@ class ExportError(RuntimeError):
     def __init__(self, target: str, problem: str, fix: str) -> None:
         super().__init__(f"export to {target}: {problem}; {fix}")
         self.target, self.problem, self.fix = target, problem, fix
+
+    @classmethod
+    def of_folder(cls, folder: Path, problem: str, fix: str) -> ExportError:
+        """What is wrong with the folder to export, said as of it (nothing was pushed)."""
+        error = cls(str(folder), problem, fix)
+        error.args = (f"export of {folder}: {problem}; {fix}",)
+        return error
 
 
 ATTEMPTS = 4

@@ -43,6 +43,14 @@ def test_loading_bars_banner_and_the_stop_it_asked_for_are_dropped():
     assert shown(text) == "step 129/4000 | loss 5.1297\n"
 
 
+def test_torchruns_log_of_a_worker_exit_code_is_dropped_for_the_launchers_words():
+    said = "finetune-train: spec.objective.grpo.rewards mine:score: returned 7 values\n"
+    text = (said + "E1129 06:49:51.273000 13720 torch/distributed/elastic/multiprocessing/"
+            "api.py:1002] failed (exitcode: 2) local_rank: 0 (pid: 13728) of binary: "
+            "/venv/bin/python\n" + said)
+    assert shown(text) == said + said
+
+
 def test_the_blank_lines_a_bar_leaves_before_it_go_with_it_and_others_stay():
     # a pipe read in text mode turns a bar's carriage returns into line ends
     text = ("\nGenerating train split: 0 examples\nGenerating train split: 64 examples\n\n"

@@ -18,10 +18,13 @@ NOISE = re.compile(
     r"^(Loading weights|Generating \w+ split|Writing model shards|Map( \(num_proc=\d+\))?:|"
     r"\*{20,}|Setting OMP_NUM_THREADS environment variable|"
     r"stopped by SIGTERM (after step|before the first step)|"  # said once, by `finetune run`
-    r"W\d{4} .*(Received \d+ death signal|closing signal SIGTERM))")
+    r"W\d{4} .*(Received \d+ death signal|closing signal SIGTERM)|"
+    r"E\d{4} .*\] failed \(exitcode: -?\d+\) local_rank: \d+)")
 """Lines of the workers and of torchrun that a plain `finetune run` does not show
 (`--verbose` shows everything): progress bars of loading and data preparation,
-torchrun's thread banner, and its log of the stop `finetune run` itself asked for."""
+torchrun's thread banner, its log of the stop `finetune run` itself asked for, and its
+log of a worker's exit code (the launcher's `finetune-train:` line names the rank, the
+code and the worker's words, and `training failed (exit N)` follows)."""
 
 
 _TRACEBACK = "Traceback (most recent call last)"

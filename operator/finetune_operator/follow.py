@@ -26,7 +26,7 @@ from finetune_operator.api import (
     Progress,
 )
 from finetune_operator.local.lock import holder, ran_here
-from finetune_operator.manifests import one_document
+from finetune_operator.manifests import MANIFEST_SUFFIXES, one_document
 from finetune_trainer.layout import LOCAL_CONFIG, PROGRESS_FILE, RUN_LOG, resolve_output
 from finetune_trainer.record import ProgressRecord, format_duration, headline
 
@@ -186,8 +186,6 @@ def _job_name(folder: Path) -> str:
 class NotARun(Exception):
     """A NAME that can only mean this machine (a path) and names no `finetune run`."""
 
-
-MANIFEST_SUFFIXES = (".yaml", ".yml", ".json")
 
 
 def output_folder(target: str) -> tuple[str, Path] | None:

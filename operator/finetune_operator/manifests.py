@@ -1,5 +1,5 @@
-"""Reading manifests: files or stdin, several YAML documents each, read as kubectl reads
-them."""
+"""Reading manifests: files, folders of them or stdin, several YAML documents each (and
+lists of objects), read as kubectl reads them."""
 
 from __future__ import annotations
 
@@ -213,6 +213,33 @@ def read_documents(path: str) -> list[Document]:
         raise ManifestError(f"{path}: holds a value that cannot be read ({error}) — "
                             "write it shorter") from error
     source = "<stdin>" if path == "-" else path
-    if len(docs) == 1:
-        return [Document(source, docs[0], path)]
-    return [Document(f"{source}#{i}", d, path) for i, d in enumerate(docs, start=1)]
+    named = [(source, docs[0])] if len(docs) == 1 else [
+        (f"{source}#{i}", d) for i, d in enumerate(docs, start=1)]
+    return [Document(name, data, path) for where, doc in named
+            for name, data in _listed(where, doc, single=len(docs) == 1)]
+
+
+def _listed(source: str, data: Any, single: bool) -> list[tuple[str, Any]]:
+    """A list document (`kind: List`, what `kubectl get -o yaml` writes of several objects)
+    as its items, each named `file#items[i]`, as kubectl apply takes them; any other
+    document as itself."""
+    kind = data.get("kind") if isinstance(data, dict) else None
+    if not (isinstance(kind, str) and kind.endswith("List")
+            and isinstance(data.get("items"), list)):
+        return [(source, data)]
+    return [(f"{source}{'#' if single else '.'}items[{i}]", item)
+            for i, item in enumerate(data["items"])]
+
+
+MANIFEST_SUFFIXES = (".json", ".yaml", ".yml")
+"""The files of a folder that are manifests, as `kubectl apply -f FOLDER` takes them."""
+
+
+def manifest_paths(path: str) -> list[str]:
+    """`path`, or for a folder the manifests in it in name order (`MANIFEST_SUFFIXES`; not
+    its subfolders', as kubectl without -R)."""
+    folder = Path(path)
+    if path == "-" or not folder.is_dir():
+        return [path]
+    return [str(file) for file in sorted(folder.iterdir())
+            if file.suffix in MANIFEST_SUFFIXES and file.is_file()]

@@ -1,5 +1,6 @@
 """A manifest reads as kubectl reads it: the real kubectl (`kubectl label --local -o json`,
-no cluster needed) is the oracle for every scalar and key below. PyYAML alone reads YAML
+no cluster needed) is the oracle for every scalar and key below, and for the files of a
+folder and the items of a list. PyYAML alone reads YAML
 1.1, where `learningRate: 1e-4` is the string '1e-4' (refused by `finetune validate`,
 taken by `kubectl apply`) and `1:30` is the number 90."""
 
@@ -11,9 +12,10 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from finetune_operator.manifests import json_key, load_yaml
-from tests.conftest import REPO
+from tests.conftest import REPO, minimal_job
 
 pytestmark = pytest.mark.process
 
@@ -83,3 +85,46 @@ def test_a_key_kubectl_cannot_name_is_refused_with_its_line():
         with pytest.raises(Exception, match=words) as raised:
             load_yaml(text)
         assert "line 2" in str(raised.value)
+
+
+def test_a_folder_and_a_list_hold_the_jobs_kubectl_apply_takes(kubectl, tmp_path):
+    """`kubectl apply -f FOLDER` takes the folder's .json, .yaml and .yml files (not its
+    subfolders', nor `.YAML`), and a `kind: List` (what `kubectl get -o yaml` writes) as
+    its items; `finetune validate` had said "cannot read: Is a directory" and skipped the
+    List. A list item's problem is named by its index."""
+    folder = tmp_path / "jobs"
+    (folder / "sub").mkdir(parents=True)
+
+    def job(name: str, steps: int = 10) -> dict:
+        return {**minimal_job(hyperparameters={"maxSteps": steps}), "metadata": {"name": name}}
+
+    (folder / "a.yaml").write_text(yaml.safe_dump(job("first")))
+    listed = {"apiVersion": "v1", "kind": "List", "items": [job("second"), job("third")]}
+    (folder / "b.yml").write_text(yaml.safe_dump(listed))
+    (folder / "c.json").write_text(json.dumps(job("fourth")))
+    (folder / "d.YAML").write_text(yaml.safe_dump(job("not-taken")))
+    (folder / "notes.txt").write_text("not a manifest")
+    (folder / "sub" / "e.yaml").write_text(yaml.safe_dump(job("nested")))
+    done = subprocess.run([str(kubectl), "label", "--local", "-f", str(folder), "read=yes",
+                           "-o", "name"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    theirs = [line.rsplit("/", 1)[1] for line in done.stdout.split()]
+    validated = validate("-o", "json", str(folder))
+    assert validated.returncode == 0, validated.stderr
+    assert [j["name"] for j in json.loads(validated.stdout)["jobs"]] == theirs == [
+        "first", "second", "third", "fourth"]
+
+    listed["items"][1] = job("third", steps=-1)
+    (folder / "b.yml").write_text(yaml.safe_dump(listed))
+    refused = validate(str(folder))
+    assert refused.returncode == 2
+    assert (f"{folder}/b.yml#items[1]: spec.hyperparameters.maxSteps: is -1, must be at "
+            "least 1") in refused.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert f"{empty}: holds no manifest" in validate(str(empty)).stderr
+
+
+def validate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "finetune_operator.cli", "validate", *args],
+                          capture_output=True, text=True, cwd=REPO, timeout=300)

@@ -12,7 +12,13 @@ import click
 
 from finetune_operator.admission import admit, offline_backends, said_by_validate
 from finetune_operator.api import KIND, SWEEP_KIND, FineTuneJob
-from finetune_operator.manifests import Document, ManifestError, read_documents
+from finetune_operator.manifests import (
+    MANIFEST_SUFFIXES,
+    Document,
+    ManifestError,
+    manifest_paths,
+    read_documents,
+)
 from finetune_operator.sweep import check_sweep
 from finetune_operator.validation import Problem, short_repr
 
@@ -50,52 +56,63 @@ def _sweep_valid(doc: Document, say: Callable[[str, Problem], None]) -> bool:
 def jobs_in(paths: tuple[str, ...], use: Use, backend: str | None = None,
             say: Callable[[str, Problem], None] = say_problem,
             ) -> tuple[list[tuple[Document, FineTuneJob]], int]:
-    """Check every FineTuneJob in `paths`, telling `say` each problem; returns the valid
-    jobs and the number of invalid documents. `use`: `validate` and `render` check what the
-    operator checks, the backend's refusals included (`admission.admit`), so the
-    two agree; `validate` leaves out the backend's refusal of relative paths, which it
-    reports as one warning (they are for `finetune run`). `here`: `finetune run` and
-    `finetune plan` on this machine, without the cluster-only rules. `backend`: check them
-    as if `spec.backend` said so (`render --backend`)."""
+    """Check every FineTuneJob in `paths` (files, folders of them as `kubectl apply -f`
+    takes them, `-`), telling `say` each problem; returns the valid jobs and the number of
+    invalid documents. `use`: `validate` and `render` check what the operator checks, the
+    backend's refusals included (`admission.admit`), so the two agree; `validate` leaves
+    out the backend's refusal of relative paths, which it reports as one warning (they are
+    for `finetune run`). `here`: `finetune run` and `finetune plan` on this machine,
+    without the cluster-only rules. `backend`: check them as if `spec.backend` said so
+    (`render --backend`)."""
     valid: list[tuple[Document, FineTuneJob]] = []
     invalid = 0
     installed = offline_backends() if use != "here" else {}  # `here` needs their names only
     for path in paths:
-        try:
-            documents = read_documents(path)
-        except ManifestError as error:
-            say(path, Problem("", str(error), "fix the file"))
+        files = manifest_paths(path)
+        if not files:
+            say(path, Problem("", f"{path}: holds no manifest — put FineTuneJobs in its "
+                              f"{', '.join(MANIFEST_SUFFIXES)} files", "add a manifest"))
             invalid += 1
             continue
-        jobs_here = 0
-        for doc in documents:
-            if use == "validate" and isinstance(doc.data, dict) and (
-                    doc.data.get("kind") == SWEEP_KIND):
-                jobs_here += 1
-                invalid += not _sweep_valid(doc, say)
+        taken, unread = 0, 0
+        for file in files:
+            try:
+                documents = read_documents(file)
+            except ManifestError as error:
+                say(file, Problem("", str(error), "fix the file"))
+                invalid, unread = invalid + 1, unread + 1
                 continue
-            if isinstance(doc.data, dict) and doc.data.get("kind") not in (None, KIND):
-                _say_skipped(doc)
-                continue
-            jobs_here += 1
-            if backend and isinstance(doc.data, dict) and isinstance(doc.data.get("spec"), dict):
-                doc.data["spec"]["backend"] = backend
-            admission = admit(doc.data, installed, "here" if use == "here" else "cluster")
-            job, problems = admission.job, admission.problems
-            if use == "validate":
-                problems = said_by_validate(problems)
-            errors = [p for p in problems if p.severity == "error"]
-            for problem in problems:
-                say(doc.source, problem)
-            if errors or job is None:
-                invalid += 1
-            else:
-                valid.append((doc, job))
-        if jobs_here == 0:  # a problem of the file: in `validate -o json` too
+            for doc in documents:
+                counted, ok, job = _checked(doc, use, backend, installed, say)
+                taken, invalid = taken + counted, invalid + (counted and not ok)
+                if job is not None:
+                    valid.append((doc, job))
+        if taken == 0 and not unread:  # a problem of the file: in `validate -o json` too
             say(path, Problem("", f"{path}: no {KIND} found — check `kind: {KIND}`",
                               f"check `kind: {KIND}`"))
             invalid += 1
     return valid, invalid
+
+
+def _checked(doc: Document, use: Use, backend: str | None, installed: dict,
+             say: Callable[[str, Problem], None]) -> tuple[bool, bool, FineTuneJob | None]:
+    """One document: (a job or sweep the command takes, it is valid, the job if one)."""
+    data = doc.data
+    if use == "validate" and isinstance(data, dict) and data.get("kind") == SWEEP_KIND:
+        return True, _sweep_valid(doc, say), None
+    if isinstance(data, dict) and data.get("kind") not in (None, KIND):
+        _say_skipped(doc)
+        return False, True, None
+    if backend and isinstance(data, dict) and isinstance(data.get("spec"), dict):
+        data["spec"]["backend"] = backend
+    admission = admit(data, installed, "here" if use == "here" else "cluster")
+    job, problems = admission.job, admission.problems
+    if use == "validate":
+        problems = said_by_validate(problems)
+    for problem in problems:
+        say(doc.source, problem)
+    ok = job is not None and not any(p.severity == "error" for p in problems)
+    return True, ok, job if ok else None
 
 
 def _say_skipped(doc: Document) -> None:

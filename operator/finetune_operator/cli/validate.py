@@ -25,6 +25,9 @@ from finetune_operator.validation import Problem
 def validate(files: tuple[str, ...], output: str) -> None:
     """Check FineTuneJob and FineTuneSweep manifests (`-` reads stdin).
 
+    A FILE may be a folder: its .json, .yaml and .yml files, as `kubectl apply -f` takes
+    it (not its subfolders). A `kind: List` (`kubectl get -o yaml`) is read as its items.
+
     Prints one line per problem, `FILE: path.to.field: what is wrong — how to fix`, and
     exits 2 when any manifest is invalid. It checks what the operator checks, the
     backend's own refusals included (what `finetune render` refuses). Warnings (an

@@ -104,6 +104,20 @@ def minimal_job(**spec_overrides: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="session")
+def kubectl_cli() -> Path:
+    """The real kubectl, built from its Go module beside the control plane (what `make
+    cluster-bin` built): `--local` commands of it need no cluster."""
+    import shutil
+
+    if shutil.which("go") is None:
+        pytest.skip("kubectl is built from its Go module beside the control plane: no Go")
+    sys.path.insert(0, str(REPO / "cluster"))
+    import controlplane
+
+    return controlplane.build() / "kubectl"
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(shared) -> Path:
     """A tiny Llama and its tokenizer, saved with save_pretrained (nothing downloaded); one
     for the session, so that runs of the same manifest on two workers are one run."""

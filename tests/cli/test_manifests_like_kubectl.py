@@ -7,7 +7,6 @@ taken by `kubectl apply`) and `1:30` is the number 90."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 
@@ -40,29 +39,19 @@ KEYS = [
 (`n` and `-0` among them: one key to a Python dict, two to kubectl)."""
 
 
-@pytest.fixture(scope="module")
-def kubectl():
-    if shutil.which("go") is None:
-        pytest.skip("kubectl is built from its Go module beside the control plane: no Go")
-    sys.path.insert(0, str(REPO / "cluster"))
-    import controlplane
-
-    return controlplane.build() / "kubectl"
-
-
-def read_both(kubectl, path, lines: list[str]) -> tuple[dict, dict]:
+def read_both(kubectl_cli, path, lines: list[str]) -> tuple[dict, dict]:
     """`spec` as kubectl reads it (`label --local`: no cluster) and as our loader does."""
     path.write_text("apiVersion: v1\nkind: Probe\nmetadata: {name: x}\nspec:\n"
                     + "\n".join(lines) + "\n")
-    done = subprocess.run([str(kubectl), "label", "--local", "-f", str(path), "read=yes",
+    done = subprocess.run([str(kubectl_cli), "label", "--local", "-f", str(path), "read=yes",
                            "-o", "json"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     (ours,) = load_yaml(path.read_text())
     return json.loads(done.stdout)["spec"], ours["spec"]
 
 
-def test_scalars_read_as_kubectl_reads_them(kubectl, tmp_path):
-    theirs, ours = read_both(kubectl, tmp_path / "scalars.yaml",
+def test_scalars_read_as_kubectl_reads_them(kubectl_cli, tmp_path):
+    theirs, ours = read_both(kubectl_cli, tmp_path / "scalars.yaml",
                              [f"  k{i:02d}: {value}" for i, value in enumerate(VALUES)])
     # JSON is how kubectl hands a manifest on: 1e4 and 10000 are one number there
     differ = {VALUES[int(key[1:])]: (theirs[key], ours[key]) for key in theirs
@@ -72,8 +61,8 @@ def test_scalars_read_as_kubectl_reads_them(kubectl, tmp_path):
     assert said["1e-4"] == 1e-4 and said["1:30"] == "1:30"  # the point of it
 
 
-def test_keys_are_named_as_kubectl_names_them(kubectl, tmp_path):
-    theirs, ours = read_both(kubectl, tmp_path / "keys.yaml",
+def test_keys_are_named_as_kubectl_names_them(kubectl_cli, tmp_path):
+    theirs, ours = read_both(kubectl_cli, tmp_path / "keys.yaml",
                              [f"  {key}: v{i:02d}" for i, key in enumerate(KEYS)])
     assert ours == theirs
     assert json_key(float("inf")) == ".inf" and json_key(-1e-7) == "-1e-07"
@@ -87,7 +76,7 @@ def test_a_key_kubectl_cannot_name_is_refused_with_its_line():
         assert "line 2" in str(raised.value)
 
 
-def test_a_folder_and_a_list_hold_the_jobs_kubectl_apply_takes(kubectl, tmp_path):
+def test_a_folder_and_a_list_hold_the_jobs_kubectl_apply_takes(kubectl_cli, tmp_path):
     """`kubectl apply -f FOLDER` takes the folder's .json, .yaml and .yml files (not its
     subfolders', nor `.YAML`), and a `kind: List` (what `kubectl get -o yaml` writes) as
     its items; `finetune validate` had said "cannot read: Is a directory" and skipped the
@@ -105,7 +94,7 @@ def test_a_folder_and_a_list_hold_the_jobs_kubectl_apply_takes(kubectl, tmp_path
     (folder / "d.YAML").write_text(yaml.safe_dump(job("not-taken")))
     (folder / "notes.txt").write_text("not a manifest")
     (folder / "sub" / "e.yaml").write_text(yaml.safe_dump(job("nested")))
-    done = subprocess.run([str(kubectl), "label", "--local", "-f", str(folder), "read=yes",
+    done = subprocess.run([str(kubectl_cli), "label", "--local", "-f", str(folder), "read=yes",
                            "-o", "name"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     theirs = [line.rsplit("/", 1)[1] for line in done.stdout.split()]

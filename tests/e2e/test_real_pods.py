@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.support.argocd import argo_health
 from tests.support.cluster_fixtures import missing_tools, running
 
 REPO = Path(__file__).resolve().parents[2]
@@ -186,6 +187,7 @@ def test_example_06_trains_on_two_real_pods_to_succeeded(cluster, release, claim
     progress = status["status"]["progress"]
     steps = spec["spec"]["hyperparameters"]["maxSteps"]
     assert progress["step"] == steps, progress  # read by the operator, in its pod
+    assert argo_health(status)["status"] == "Healthy"  # the chart's Argo CD health check
     assert status["status"].get("restarts", 0) == 0
     assert f"step {steps}/{steps}" in followed, followed[-3000:]  # `finetune logs -f`
     # `finetune status --watch`: printed again as the phase and the step moved, then exit 0
@@ -370,6 +372,8 @@ def test_an_op_the_image_cannot_build_fails_the_job_after_one_restart(cluster, r
     print(f"an op the image cannot build: Failed in {time.monotonic() - began:.0f} s")
     failed = next(c for c in status["conditions"] if c["type"] == "Failed")
     assert failed["reason"] == "WorkerSetupFailed", failed
+    assert argo_health({"kind": "FineTuneJob", "status": status}) == {  # the chart's Argo CD
+        "status": "Degraded", "message": status.get("message", "Failed")}  # check
     assert status["restarts"] == 1, status
     assert "op 'pin_memory' could not be built in this image: /bin/sh: 1: c++: not found" in \
         failed["message"], failed

@@ -7,6 +7,8 @@ and writes benchmarks/changes.json.
 
     .venv/bin/python benchmarks/changes.py                  # every CPU change (~15 min)
     .venv/bin/python benchmarks/changes.py --only fused-loss,prefetch
+    .venv/bin/python benchmarks/changes.py --only dpo-precomputed-reference \
+        --out benchmarks/changes-dpo.json
     .venv/bin/python benchmarks/changes.py --suite gpu      # 1B full on one GPU (~8 min)
     .venv/bin/python benchmarks/changes.py --suite gpu --only gpu-micro-batch
 """
@@ -64,6 +66,14 @@ CHANGES = [
     Change("prefetch", CPU_BASE, on={"benchmark": {"prefetch": True}},
            off={"benchmark": {"prefetch": False}},
            why="next steps' batches collated on a thread during this step (vs in the loop)"),
+    # the pass before step 1 is outside the timed steps: `reference log-probabilities of N
+    # preference pairs taken in S s` in the run's log says what it cost
+    Change("dpo-precomputed-reference",
+           replace(SUITES["cpu-dpo"].benches[0], name="change", steps=21),
+           on={"objective": {"dpo": {"precomputeRefLogProbs": True}}},
+           off={"objective": {"dpo": {"precomputeRefLogProbs": False}}},
+           why="LoRA DPO: the base's log-probabilities taken once, before step 1 (vs a "
+           "forward of the base beside the policy at every batch)"),
 ]
 
 GPU_BASE = replace(next(b for b in SUITES["gpu"].benches if b.name == "gpu-1b-full"),

@@ -25,7 +25,8 @@ users do:
   matches ours' pairs per step), chosen and rejected rows padded to the longest (its
   padding-free mode is switched off in TRL 1.16), its chunked log-probability head; the
   reference from a second forward at every step, with the adapters switched off under
-  LoRA (`precompute_ref_log_probs=False`, its default).
+  LoRA (`precompute_ref_log_probs=False`, its default), or taken once before training
+  where the config's `precomputeRefLogProbs` says so, as ours then does.
 - `GRPOTrainer` (`--peer grpo`, the config's `objective.grpo`): the config's prompt records
   as its text `prompt` rows with their other columns, the config's rewards as its reward
   functions (our built-ins, called as it calls any), completions sampled by transformers
@@ -181,7 +182,8 @@ def main() -> None:
         if peak_flops and seconds:
             # as ours counts: the pairs each document attends, the reference's forward
             params, frozen, layers, width = flops.model_shape(trainer.model)
-            referenced = args.peer == "dpo" or (
+            referenced = (args.peer == "dpo" and not config.objective.settings()
+                          .precompute_ref_log_probs) or (
                 args.peer == "grpo" and config.objective.settings().beta > 0)
             reference = frozen if referenced and adapters is not None else 0.0
             work = flops.ModelWork.of(params, frozen, layers, width, reference)
@@ -211,7 +213,8 @@ def dpo_trainer(config, model, rows: list[dict], tokenizer, adapters, timing, se
         peft_config=adapters, callbacks=[timing], args=DPOConfig(
             **{**settings, "remove_unused_columns": True},  # its default: the ids alone
             max_length=config.dataset.max_seq_length, beta=dpo.beta, loss_type=[dpo.loss],
-            label_smoothing=dpo.label_smoothing, precompute_ref_log_probs=False))
+            label_smoothing=dpo.label_smoothing,
+            precompute_ref_log_probs=dpo.precompute_ref_log_probs))
 
 
 def grpo_trainer(config, model, rows: list[dict], tokenizer, adapters, timing, settings: dict):

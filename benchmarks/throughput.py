@@ -184,6 +184,13 @@ SUITES = {
               steps=30, processes=1, precision="bf16", gpu=True, checkpointing=None,
               compile=None, samples=2000, warmup=10, objective="dpo",
               extra={"peerBatch": PAIRS, "peerCheckpointing": True}),
+        # both sides take the base's log-probabilities once, before training
+        # (precomputeRefLogProbs, TRL's precompute_ref_log_probs): no reference forward
+        # in a step
+        Bench("gpu-1b-dpo-precomputed", LLAMA_1B, "lora", "variable", seq_len=2048,
+              batch=4, steps=30, processes=1, precision="bf16", gpu=True,
+              checkpointing=None, compile=None, samples=2000, warmup=10, objective="dpo",
+              extra={"dpo": {"precomputeRefLogProbs": True}}),
     ], peers=("trl_dpo",), repeats=1),
     # GRPO on LoRA, beside GRPOTrainer with the same generation engine (transformers
     # `generate`, KV cache on both sides); a random model seldom ends a completion early, so

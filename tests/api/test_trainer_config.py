@@ -130,7 +130,8 @@ def test_the_trainer_is_told_the_objective_with_its_dpo_defaults_spelled_out(tmp
     path.write_text(render(dpo)[0]["data"][naming.TRAINER_CONFIG_KEY])
     assert TrainerConfig.load(path).objective == config.objective
     assert yaml.safe_load(path.read_text())["objective"] == {
-        "type": "dpo", "dpo": {"beta": 0.1, "loss": "sigmoid", "labelSmoothing": 0.0}}
+        "type": "dpo", "dpo": {"beta": 0.1, "loss": "sigmoid", "labelSmoothing": 0.0,
+                               "precomputeRefLogProbs": False}}
 
     chosen = parse_job(minimal_job(objective={"type": "dpo", "dpo": {"loss": "robust",
                                                                      "labelSmoothing": 0.1}},

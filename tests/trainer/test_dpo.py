@@ -237,6 +237,38 @@ def test_a_dpo_run_resumes_exactly_from_its_checkpoint(dpo_runs, tiny_model_dir,
         [r["loss"] for r in uninterrupted], rel=1e-4)
 
 
+def test_a_precomputed_reference_trains_the_lora_pairs_as_the_per_batch_one(
+        dpo_runs, tiny_model_dir, tmp_path):
+    """`precomputeRefLogProbs` (TRL's `precompute_ref_log_probs`): the base's log-
+    probabilities of every pair taken once, adapters off, before step 1, in place of its
+    forward at every batch; the same steps as the per-batch reference. A resume that finds
+    the table gone takes it again (an adapter run's base has not moved) and trains on as
+    the uninterrupted run."""
+    job = dpo_manifest(tiny_model_dir, PAIRS, tmp_path / "out")
+    job["spec"]["objective"]["dpo"]["precomputeRefLogProbs"] = True
+    result = finetune_run(job, tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "reference log-probabilities of 64 preference pairs taken" in result.stdout
+    per_batch, mine = records(dpo_runs("ddp", "lora") / "out"), records(tmp_path / "out")
+    assert len(mine) == 6 and mine[-1]["loss"] < mine[0]["loss"]
+    assert [r["loss"] for r in mine] == pytest.approx([r["loss"] for r in per_batch],
+                                                      rel=1e-5)
+    assert [r["objectiveMetrics"]["rewards/margins"] for r in mine] == pytest.approx(
+        [r["objectiveMetrics"]["rewards/margins"] for r in per_batch], rel=1e-4, abs=1e-6)
+
+    output = tmp_path / "out"
+    shutil.rmtree(output / "checkpoints" / "step-00000006")
+    shutil.rmtree(output / "final")
+    (output / "progress.jsonl").unlink()
+    (output / REFERENCE_FILE).unlink()
+    result = finetune_run(job, tmp_path / "again")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "step-00000003 (step 3/6)" in result.stdout
+    assert "reference log-probabilities of 64 preference pairs taken" in result.stdout
+    assert [r["loss"] for r in records(output)] == pytest.approx(
+        [r["loss"] for r in per_batch[3:]], rel=1e-5)
+
+
 def test_a_full_weight_run_without_its_reference_is_refused_not_retaken(
         dpo_runs, tiny_model_dir, tmp_path):
     """The reference of full weights is the model before step 1: a resume that finds the

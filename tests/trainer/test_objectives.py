@@ -9,11 +9,12 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
 from finetune_trainer import objectives
-from finetune_trainer.config import ObjectiveConfig
+from finetune_trainer.config import MethodConfig, ObjectiveConfig
 from tests.support import plugins
 
 
@@ -24,7 +25,14 @@ def test_sft_dpo_and_grpo_are_registered_with_what_the_operator_reads():
     assert (sft.formats, sft.rows_per_sample, sft.settings) == (
         ("chat", "instruction", "text"), 1, None)
     assert (dpo.formats, dpo.rows_per_sample) == (("preference",), 2)
-    assert dpo.runs_reference_each_batch("lora") and not dpo.runs_reference_each_batch("full")
+    def job(method: str, **dpo) -> SimpleNamespace:  # what a spec and a config both have
+        return SimpleNamespace(method=MethodConfig(type=method),
+                               objective=ObjectiveConfig(type="dpo", dpo=dpo or None))
+
+    assert dpo.runs_reference_each_batch(job("lora")) and dpo.runs_reference_each_batch(
+        job("qlora"))
+    assert not dpo.runs_reference_each_batch(job("full"))
+    assert not dpo.runs_reference_each_batch(job("lora", precomputeRefLogProbs=True))
     assert objectives.trains_on("preference") == ["dpo"]
     grpo = known["grpo"]
     assert (grpo.formats, grpo.rows_per_sample) == (("prompt",), 1)

@@ -129,6 +129,10 @@ def test_another_objective_or_its_settings_is_refused_naming_them(tmp_path):
     beta = trained_with.refusal(tmp_path, config(**{**dpo, "objective.dpo.beta": 0.5}), "x")
     assert "(objective.dpo.beta: 0.1 → 0.5; newest" in beta, beta
     assert trained_with.refusal(tmp_path, config(**dpo), "x") is None
+    # how the reference is taken (once before step 1, or at every batch), not what it is
+    precomputed = config(**{**dpo, "objective.dpo.precomputeRefLogProbs": True})
+    assert trained_with.refusal(tmp_path, precomputed, "x") is None
+    assert not any("precompute" in key for key in trained_with.record(precomputed))
 
 
 def data_file(folder, text: str):

@@ -44,13 +44,15 @@ sequences (maxSeqLength, packing) nor anything of the model's."""
 
 def _objective_settings(config: TrainerConfig) -> dict[str, Any]:
     """`objective.<name>.<field>` of every registered objective's settings: the chosen one's
-    values (its defaults included), None for the others."""
+    values (its defaults included), None for the others; not those a settings section
+    names `not_trained_with` (how DPO's reference is taken, not what it is)."""
     chosen = config.objective.settings()
     values = chosen.model_dump(mode="json") if chosen is not None else {}  # JSON: the record
     return {f"objective.{name}.{info.alias}": (values[field] if name ==
                                                config.objective.type else None)
             for name, spec in objectives.registry().items() if spec.settings is not None
-            for field, info in spec.settings.model_fields.items()}
+            for field, info in spec.settings.model_fields.items()
+            if field not in getattr(spec.settings, "not_trained_with", ())}
 
 
 def record(config: TrainerConfig, data_content: dict[str, Any] | None = None

@@ -182,7 +182,7 @@ def setup_for(job: FineTuneJob, strategy: Strategy, world_size: int | None = Non
     micro_batch, passes = spec.hyperparameters.micro_steps()
     # a sample's row: DPO's holds a pair (prompt + chosen, prompt + rejected)
     objective = spec_of(spec.objective.type)
-    plans = {"reference_forward": objective.runs_reference_each_batch(spec.method.type),
+    plans = {"reference_forward": objective.runs_reference_each_batch(spec),
              **(objective.plans(spec) if objective.plans is not None else {})}
     return TrainingSetup(
         method=spec.method.type,

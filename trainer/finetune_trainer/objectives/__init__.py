@@ -70,9 +70,10 @@ class ObjectiveSpec:
     """A sample's row is this many times `maxSeqLength` wide (DPO: prompt + chosen, then
     prompt + rejected): packing's room, compiled layers' fixed width and the planner's
     activations."""
-    reference_forward: frozenset[str] = frozenset()
-    """The methods (`spec.method.type`) under which a reference model runs forward on every
-    batch beside the policy (DPO with adapters: the base, adapters off), for the planner's
+    reference_forward: Callable[[Any], bool] = lambda job: False
+    """(a FineTuneJob's spec or a trainer config: each has `method` and `objective`) → a
+    reference model runs forward on every batch beside the policy (DPO with adapters: the
+    base, adapters off, unless its log-probabilities were taken once), for the planner's
     memory and MFU's FLOPs."""
     about: str = ""
     """What it trains towards, a sentence for `spec.objective.type`'s reference."""
@@ -98,8 +99,9 @@ class ObjectiveSpec:
         *most, last = self.formats
         return f"{', '.join(most)} or {last}" if most else last
 
-    def runs_reference_each_batch(self, method: str) -> bool:
-        return method in self.reference_forward
+    def runs_reference_each_batch(self, job) -> bool:
+        """`job`: a FineTuneJob's spec or a trainer config of this objective."""
+        return self.reference_forward(job)
 
     def objective(self, config: TrainerConfig) -> Objective:
         """Its trainer side for one run (imported here: torch comes with it)."""

@@ -103,7 +103,7 @@ class Objective:
 
     def __init__(self, config: TrainerConfig, spec: ObjectiveSpec) -> None:
         self.config, self.spec = config, spec
-        self.reference_each_batch = spec.runs_reference_each_batch(config.method.type)
+        self.reference_each_batch = spec.runs_reference_each_batch(config)
         """A reference runs forward beside the policy on every batch (MFU counts it)."""
         self.width = spec.rows_per_sample * config.dataset.max_seq_length
         """The widest row a sample makes (compiled layers pad every row to it)."""

@@ -9,7 +9,8 @@ SPEC = ObjectiveSpec(
     formats=("preference",),
     title="preference tuning (DPO)",
     rows_per_sample=2,  # prompt + chosen, then prompt + rejected
-    reference_forward=frozenset({"lora", "qlora"}),  # the base, adapters off; full: a table
+    reference_forward=lambda job: (job.method.type != "full" and not  # full: a table
+                                   job.objective.settings().precompute_ref_log_probs),
     about="preference tuning on pairs of a chosen and a rejected answer to one prompt "
     "(`dataset.format: preference`), against the model as it was before training (with "
     "adapters: the base, adapters switched off; with full weights: log-probabilities taken "

@@ -10,6 +10,7 @@ DPOTrainer step for step.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -70,15 +71,17 @@ def adapters_off(model):
 
 
 def reference_table(strategy, head, sequences, pair_count: int, micro_batch: int,
-                    collation, group) -> torch.Tensor:
+                    collation, group, base: bool = False) -> torch.Tensor:
     """Every pair's answer log-probabilities under the model as it is now (full weights,
-    before the first step), [pairs, 2] float64 on CPU: each rank scores its share of the
-    packed `sequences`, all ranks running the same number of batches, summed over ranks."""
+    before the first step; `base`: an adapter run's base, adapters off), [pairs, 2]
+    float64 on CPU: each rank scores its share of the packed `sequences`, all ranks running
+    the same number of batches, summed over ranks."""
     world, rank = dist.get_world_size(), dist.get_rank()
     table = torch.zeros(pair_count, 2, dtype=torch.float64)
     was_training = strategy.model.training
     strategy.model.eval()
-    with torch.no_grad():
+    switched = adapters_off(strategy.unwrapped()) if base else contextlib.nullcontext()
+    with torch.no_grad(), switched:
         for mine in rank_batches(sequences, micro_batch, world, rank):
             batch = collation.tensors(mine)
             on_device = {k: v.to(strategy.device) for k, v in batch.items()}

@@ -76,12 +76,12 @@ class DpoObjective(Objective):
                 f"{sum(self.units(s) for s in train)} preference pairs")
 
     def attach(self, run: RunContext) -> None:
-        """The reference of an adapter run is the base, adapters off, at every batch; of a
-        full-weight run, a table of every pair's log-probabilities taken before the first
-        step and kept in the output folder (the weights it was taken from change at every
-        step)."""
+        """The reference of an adapter run is the base, adapters off, at every batch, or
+        with `precomputeRefLogProbs` a table of every pair's log-probabilities taken of it
+        before the first step; of a full-weight run, always such a table (the weights it
+        was taken from change at every step). A table is kept in the output folder."""
         super().attach(run)
-        if self.config.method.type == "full":
+        if self.config.method.type == "full" or self.settings.precompute_ref_log_probs:
             self.table = self._reference_table(run)
 
     def _reference_table(self, run: RunContext) -> torch.Tensor:
@@ -99,7 +99,8 @@ class DpoObjective(Objective):
             if saved.get("fingerprint") == fingerprint:
                 run.say(f"reference log-probabilities read from {path}")
                 return saved["logps"]
-        if run.step > 0:
+        full = self.config.method.type == "full"
+        if run.step > 0 and full:  # an adapter run's base has not moved: taken again
             raise DataError(str(path), "is missing, or was taken of other preference pairs, "
                             f"and this run resumes at step {run.step}: the reference "
                             "of a full-weight run is the model before its first step, gone "
@@ -108,7 +109,7 @@ class DpoObjective(Objective):
         started = time.perf_counter()
         pairs = sum(self.units(s) for s in run.sequences)
         table = reference_table(run.strategy, run.head, run.sequences, pairs,
-                                run.micro_batch, run.collation, run.group)
+                                run.micro_batch, run.collation, run.group, base=not full)
         if dist.get_rank() == 0:
             partial = path.with_name(path.name + ".partial")
             torch.save({"fingerprint": fingerprint, "logps": table}, partial)

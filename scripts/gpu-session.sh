@@ -11,13 +11,15 @@
 #                                                     # PEERS (default trl_sft,trl_liger)
 #   bash scripts/gpu-session.sh changes NAMES         # changes.py --only NAMES (on vs off)
 #   bash scripts/gpu-session.sh profile NAME          # the top kernels of our warm-up steps
+#   bash scripts/gpu-session.sh generation            # generate's sides: dynamic, merged,
+#                                                     # static (benchmarks/generation.py)
 #
 # NAMES: comma-separated, e.g. gpu-1b-full,gpu-1b-lora (throughput.py's) or
 # gpu-packed-attention (changes.py's). On a machine that has a package index, `make
 # bench-gpu` runs every configuration and change instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-step=${1:?"a step: tests, bench NAMES [PEERS], changes NAMES or profile NAME"}
+step=${1:?"a step: tests, bench NAMES [PEERS], changes NAMES, profile NAME or generation"}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 site=${FINETUNE_SITE:-/tmp/finetune-site}
@@ -61,8 +63,12 @@ case "$step" in
       | tee "$out/profile.txt"
     rm -f "$out"/profile/*/*trace.json.gz  # too large to bring back; the top tables stay
     ;;
+  generation)
+    "$PY" benchmarks/generation.py --suite gpu --out "$out/generation-gpu.json" 2>&1 \
+      | tee "$out/generation.txt"
+    ;;
   *)
-    echo "unknown step $step: tests, bench, changes or profile" >&2
+    echo "unknown step $step: tests, bench, changes, profile or generation" >&2
     exit 2
     ;;
 esac

@@ -183,3 +183,26 @@ def test_every_change_pair_is_two_trainer_configs_the_trainer_takes(tmp_path):
         assert sides[0] != sides[1] or change.env_on != change.env_off, change.name
         for side in sides:
             TrainerConfig.model_validate(side)
+
+
+@pytest.mark.process
+def test_the_generation_benchmark_samples_each_side_beside_dynamic(tmp_path):
+    """benchmarks/generation.py on CPU, as a user runs it: each side timed over the same
+    completions, `merged` against `dynamic`, and both sampling the same model (greedy
+    tokens alike: fp32, the merge moves the logits by rounding alone)."""
+    out = tmp_path / "generation.json"
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks/generation.py"),
+                           "--calls", "1", "--new-tokens", "8", "--out", str(out)],
+                          capture_output=True, text=True, cwd=REPO,
+                          timeout=waits.seconds_left())
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]
+    assert [r["side"] for r in rows] == ["dynamic", "merged"]
+    assert rows[0]["ratio"] == 1.0 and rows[1]["ratio"] > 0
+    assert all(r["tokens_per_second"] > 0 for r in rows)
+    assert rows[1]["greedy_agreement"] >= 0.75, rows[1]
+    assert "merged" in done.stdout and "greedy same" in done.stdout
+    refused = subprocess.run([sys.executable, str(REPO / "benchmarks/generation.py"),
+                              "--sides", "dynamic,static"], capture_output=True, text=True,
+                             cwd=REPO, timeout=waits.seconds_left())
+    assert refused.returncode == 2 and "GPUs only" in refused.stderr

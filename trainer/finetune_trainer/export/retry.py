@@ -11,16 +11,15 @@ class ExportError(RuntimeError):
     """An export that did not happen: what went wrong at `target`, and what to do. The
     model folder is untouched whatever happened."""
 
-    def __init__(self, target: str, problem: str, fix: str) -> None:
-        super().__init__(f"export to {target}: {problem}; {fix}")
+    def __init__(self, target: str, problem: str, fix: str, *, source: bool = False) -> None:
+        """`source`: `target` is the folder to export, not where it goes."""
+        super().__init__(f"export {'of' if source else 'to'} {target}: {problem}; {fix}")
         self.target, self.problem, self.fix = target, problem, fix
 
     @classmethod
     def of_folder(cls, folder: Path, problem: str, fix: str) -> ExportError:
         """What is wrong with the folder to export, said as of it (nothing was pushed)."""
-        error = cls(str(folder), problem, fix)
-        error.args = (f"export of {folder}: {problem}; {fix}",)
-        return error
+        return cls(str(folder), problem, fix, source=True)
 
 
 ATTEMPTS = 4

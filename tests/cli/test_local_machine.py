@@ -270,7 +270,7 @@ def test_a_run_on_fewer_processes_than_the_spec_resumes_on_them(tiny_model_dir, 
     from tests.trainer.test_training import finetune_run, manifest
 
     spec = manifest(tiny_model_dir, tmp_path / "out", steps=4, checkpoint_every=2)
-    # a cold datasets cache: the preflight's first read of the data draws a bar (it showed)
+    # a cold datasets cache: the workers' first read of the data draws a bar (it showed)
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets-cache"))
     first = finetune_run(spec, tmp_path, "--nproc", "1")
     assert first.returncode == 0, first.stdout + first.stderr
@@ -326,9 +326,9 @@ def test_the_training_stack_alone_plans_runs_and_follows_a_job(tiny_model_dir, t
 def test_a_trainer_that_cannot_start_is_not_called_bad_input(tiny_model_dir, tmp_path,
                                                              monkeypatch):
     """A module missing where the trainer runs (on the GPU box: prometheus_client, which
-    gpu-wheels.sh did not ship) fails the preflight with its traceback and exit 5, what this
-    environment cannot set up; the run's exit 2 said "bad input" of a manifest, model and
-    data that were fine."""
+    gpu-wheels.sh did not ship) fails the workers with its traceback and exit 5, what this
+    environment cannot set up, restarted once at most; the run's exit 2 said "bad input" of
+    a manifest, model and data that were fine."""
     from tests.trainer.test_training import manifest
 
     monkeypatch.setenv("PYTHONPATH", TRAINING_STACK_ONLY)
@@ -341,7 +341,9 @@ def test_a_trainer_that_cannot_start_is_not_called_bad_input(tiny_model_dir, tmp
     assert result.returncode == 5, result.stdout + result.stderr
     assert "ModuleNotFoundError: No module named 'prometheus_client'" in result.stderr
     assert "(an import this image cannot do)" in result.stderr
-    assert "starting 1 training process" not in result.stdout
+    assert "restart 1 of at most 3" in result.stderr and "restart 2" not in result.stderr
+    assert result.stderr.splitlines()[-1].startswith(
+        "training failed (exit 5): the line above says what the workers could not set up")
 
 
 NVIDIA_SMI = """#!/bin/sh
@@ -420,9 +422,10 @@ def test_paths_a_run_cannot_use_are_refused_before_anything_is_written(tiny_mode
 @pytest.mark.process
 def test_ctrl_c_while_the_model_and_data_are_checked_ends_in_one_line(tiny_model_dir,
                                                                       tmp_path):
-    """The terminal's SIGINT reaches its whole process group: the preflight printed a
-    KeyboardInterrupt traceback, click said `Aborted!` and the exit was 1. Now the step
-    is stopped as training is: one line, exit 143, the run not marked Failed."""
+    """The terminal's SIGINT reaches its whole process group: a step before the workers
+    printed a KeyboardInterrupt traceback, click said `Aborted!` and the exit was 1. Now the
+    workers still loading are stopped as training is: one line, exit 143, the run not
+    marked Failed."""
     import signal
     import time
 
@@ -435,18 +438,18 @@ def test_ctrl_c_while_the_model_and_data_are_checked_ends_in_one_line(tiny_model
                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            text=True, start_new_session=True)
     seen = []
-    for line in run.stdout:  # the preflight starts right after this line
+    for line in run.stdout:  # the workers start right after this line
         seen.append(line)
         if line.startswith("trainer config:"):
             break
-    time.sleep(1)  # inside the preflight's imports
+    time.sleep(1)  # inside the workers' imports
     os.killpg(run.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the foreground group
     output = "".join(seen) + run.communicate(timeout=waits.seconds_left())[0]
     assert run.returncode == 143, output
     assert output.splitlines()[-1] == ("interrupted before the first checkpoint; run the "
                                        "same command to start again"), output
     assert "Traceback" not in output and "KeyboardInterrupt" not in output
-    assert "Aborted" not in output and "preflight:" not in output
+    assert "Aborted" not in output
     assert not (tmp_path / "out" / "progress.json").exists()  # not Failed: nothing failed
 
 

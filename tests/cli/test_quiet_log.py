@@ -43,12 +43,18 @@ def test_loading_bars_banner_and_the_stop_it_asked_for_are_dropped():
     assert shown(text) == "step 129/4000 | loss 5.1297\n"
 
 
-def test_torchruns_log_of_a_worker_exit_code_is_dropped_for_the_launchers_words():
+def test_a_reason_every_rank_and_the_launcher_say_is_shown_once():
+    """Each worker refuses the data before it joins, torchrun logs the exit code, and the
+    launcher says the first failed rank's reason again: one line in the terminal. Another
+    reason (another rank's, another failure) is still shown."""
     said = "finetune-train: spec.objective.grpo.rewards mine:score: returned 7 values\n"
-    text = (said + "E1129 06:49:51.273000 13720 torch/distributed/elastic/multiprocessing/"
-            "api.py:1002] failed (exitcode: 2) local_rank: 0 (pid: 13728) of binary: "
-            "/venv/bin/python\n" + said)
-    assert shown(text) == said + said
+    text = (said + said + "E1129 06:49:51.273000 13720 torch/distributed/elastic/"
+            "multiprocessing/api.py:1002] failed (exitcode: 2) local_rank: 0 (pid: 13728) of "
+            "binary: /venv/bin/python\n" + said)
+    assert shown(text) == said
+    other = "finetune-train: rank 1 was ended by SIGKILL\n"
+    assert shown(said + other + said + "step 3/6\n" + "step 3/6\n") == (
+        said + other + "step 3/6\n" + "step 3/6\n")  # only the reasons are said once
 
 
 def test_the_blank_lines_a_bar_leaves_before_it_go_with_it_and_others_stay():
@@ -60,8 +66,9 @@ def test_the_blank_lines_a_bar_leaves_before_it_go_with_it_and_others_stay():
 
 @pytest.mark.process
 def test_a_step_before_the_workers_is_shown_as_they_are(tmp_path, capfd):
-    """The preflight reads the data first and `datasets` draws its bar on stderr: a plain
-    `finetune run` drops it, `--verbose` shows it, the run log keeps it either way."""
+    """A step before the workers (an hf:// model's fetch) is filtered as they are: a bar
+    the workers' filter drops, a plain `finetune run` drops there too, `--verbose` shows it,
+    the run log keeps it either way."""
     script = ("import sys, tqdm\n"
               "for _ in tqdm.tqdm(range(64), desc='Generating train split'): pass\n"
               "print('preflight: 16 training sequences')\n")

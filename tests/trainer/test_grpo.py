@@ -348,7 +348,9 @@ def test_a_reward_that_cannot_be_imported_stops_the_run_before_it_starts(tiny_mo
     assert result.returncode == 2, said[-3000:]
     assert "spec.objective.grpo.rewards scoring:exact: module scoring cannot be imported" in said
     assert "ship scoring.py beside the data, or install it in the image" in said
-    assert "starting" not in result.stdout and not (tmp_path / "out/checkpoints").exists()
+    assert said.count("module scoring cannot be imported") == 1  # every rank's, said once
+    assert "restart" not in result.stderr.replace("no restart would", "")  # none was made
+    assert not (tmp_path / "out/checkpoints").exists()
 
 
 @pytest.mark.parametrize(("name", "problem"), [

@@ -132,6 +132,15 @@ def test_fused_loss_trains_the_same_numbers_as_whole_logits(runs, strategy, meth
         whole, rel=1e-3 if precision == "fp32" else 1e-2)
 
 
+@pytest.mark.parametrize(("strategy", "method"), [("zero2", "full"), ("ddp", "full")])
+def test_cpu_workers_are_not_told_deepspeed_found_no_gpu(runs, strategy, method):
+    """DeepSpeed, imported for ZeRO and by accelerate at a full-weight save, warned on every
+    rank of a job of CPU workers that it was 'unable to detect' a GPU and fell back to the
+    CPU, the terminal's last words before `done:` in a DDP run."""
+    kept = run_log(runs(strategy, method)).read_text()
+    assert "exported" in kept and "unable to detect" not in kept, kept[-3000:]
+
+
 def test_compiled_layers_train_the_same_numbers(runs):
     assert losses(runs("ddp", "full", compile=True)) == pytest.approx(
         losses(runs("ddp", "full")), rel=1e-4)
@@ -378,15 +387,22 @@ def _checkpointed_weights(folder: Path, strategy: str) -> tuple[set[str], set]:
     return set(states["module"]), {group.dtype for group in masters}
 
 
-def test_bad_data_fails_before_any_process_starts(tiny_model_dir, tmp_path):
+def test_bad_data_is_named_once_and_never_restarted(tiny_model_dir, tmp_path):
+    """Each worker refuses the data before it joins (as in the pods), and the launcher says
+    the first one's reason again: the terminal shows the reason once, the log keeps all."""
     data = tmp_path / "bad.jsonl"
     data.write_text('{"messages": []}\n{"messages": [\n')
     job = manifest(tiny_model_dir, tmp_path / "out")
     job["spec"]["dataset"]["uri"] = str(data)
     result = finetune_run(job, tmp_path)
     assert result.returncode == 2
-    assert f"{data}:2: is not valid JSON" in result.stderr
-    assert "starting 2 training processes" not in result.stdout
+    said = [line for line in result.stderr.splitlines() if f"{data}:2: is not valid JSON" in line]
+    assert len(said) == 1 and said[0].startswith(f"finetune-train: {data}:2: "), result.stderr
+    assert result.stderr.splitlines()[-1] == (
+        "training failed (exit 2): the line above names the setting; no restart would change "
+        "it, so none was made")
+    kept = run_log(tmp_path / "out").read_text()
+    assert kept.count(f"{data}:2: is not valid JSON") == 3  # 2 ranks and the launcher
 
 
 def test_a_folder_named_by_split_trains_on_one_and_evaluates_on_another(
@@ -405,7 +421,8 @@ def test_a_folder_named_by_split_trains_on_one_and_evaluates_on_another(
     job["spec"]["hyperparameters"]["evalEverySteps"] = 2
     result = finetune_run(job, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "preflight: 40 training sequences, 12 eval sequences" in result.stdout, result.stdout
+    assert "training 40 sequences on 2 processes" in result.stdout, result.stdout
+    assert "evaluating on 12 held-out sequences every 2 steps and at the end" in result.stdout
     assert (f"data: training on {folder} split train (train.jsonl), evaluating on {folder} "
             "split validation (validation.jsonl)") in result.stdout
     assert "eval at step 2: loss" in result.stdout
@@ -419,7 +436,7 @@ def test_a_folder_named_by_split_trains_on_one_and_evaluates_on_another(
     assert (f"{folder}: has no dev split (train: train.jsonl; validation: validation.jsonl; "
             "test: test.jsonl) — set spec.dataset.evalSplit to validation or test"
             ) in refused.stderr
-    assert "starting 2 training processes" not in refused.stdout
+    assert refused.stderr.count("has no dev split") == 1  # every rank's, said once
 
 
 def test_early_stopping_counts_evaluations_that_do_not_improve():

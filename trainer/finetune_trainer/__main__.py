@@ -154,6 +154,10 @@ def _import_training_stack(config: TrainerConfig, worker: bool) -> None:
     they import took a fifth of the import time (about 0.8 s a process); frozen, no later
     collection walks them again. Nothing is allocated for training yet, so nothing waits on
     the collector meanwhile."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES") == "":  # CPU workers: each backend hides the
+        # GPUs from them; DeepSpeed (imported for ZeRO, and by accelerate at a full-weight
+        # save) would warn on every rank that it found none and fell back to the CPU
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     gc.disable()
     try:
         import accelerate  # noqa: F401

@@ -668,6 +668,9 @@ class Trainer:
              f"{self.batches.global_batch} sequences, each process's in "
              f"{self.batches.accumulation} pass{'es' if self.batches.accumulation > 1 else ''}"
              f" of {self.batches.micro_batch}")
+        if self.prepared.eval:
+            every = f"every {hp.eval_every_steps} steps and " if hp.eval_every_steps else ""
+            _say(f"evaluating on {len(self.prepared.eval)} held-out sequences {every}at the end")
         if short := batch_larger_than_data(self.batches, hp.batch_size_per_device,
                                            hp.gradient_accumulation_steps,
                                            self.config.dataset.packing):

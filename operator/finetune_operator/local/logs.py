@@ -29,14 +29,19 @@ code and the worker's words, and `training failed (exit N)` follows)."""
 
 _TRACEBACK = "Traceback (most recent call last)"
 
+_FAILURE = "finetune-train: "
+"""How a worker's and the launcher's one-line reasons open (`errors.failed`): each rank says
+the same refusal of the data, and the launcher says the first failed rank's again."""
+
 
 _CHAINED = ("During handling of the above exception", "The above exception was the direct")
 
 
 class QuietLog:
-    """Filters one output stream of torchrun line by line. Drops `NOISE`, and the traceback
-    torchrun's agent prints when `finetune run` forwards Ctrl-C or SIGTERM to it
-    (SignalException); every other traceback passes whole."""
+    """Filters one output stream of torchrun line by line. Drops `NOISE`, a `finetune-train:`
+    line already shown (the same reason from another rank, or the launcher's copy of it),
+    and the traceback torchrun's agent prints when `finetune run` forwards Ctrl-C or
+    SIGTERM to it (SignalException); every other traceback passes whole."""
 
     def __init__(self, stopping: Callable[[], bool]) -> None:
         self.stopping = stopping
@@ -46,6 +51,7 @@ class QuietLog:
         it is not one (a second Ctrl-C raises one while the agent handles the first)."""
         self.dropped = False
         self.blanks: list[str] = []
+        self.reasons: set[str] = set()
 
     def feed(self, line: str) -> list[str]:
         if self.traceback is not None:
@@ -70,7 +76,9 @@ class QuietLog:
                 self.blanks.append(line)
             return []
         blanks, self.blanks = self.blanks, []
-        self.dropped = NOISE.match(line) is not None
+        self.dropped = NOISE.match(line) is not None or line in self.reasons
+        if line.startswith(_FAILURE):
+            self.reasons.add(line)
         return [] if self.dropped else [*blanks, line]
 
     def flush(self) -> list[str]:

@@ -1,5 +1,5 @@
-"""`finetune run`'s processes: torchrun through the launcher the pods use, the steps before
-it (fetch, preflight), each in its own session so Ctrl-C becomes a SIGTERM the workers
+"""`finetune run`'s processes: torchrun through the launcher the pods use, the step before
+it (an hf:// model's fetch), each in its own session so Ctrl-C becomes a SIGTERM the workers
 checkpoint on, and the restarts `runPolicy.backoffLimit` allows. Torch is only ever
 started as a child process."""
 
@@ -30,10 +30,6 @@ def trainer_command(config_path: Path, processes: int) -> list[str]:
             "--config", str(config_path)]
 
 
-def preflight_command(config_path: Path) -> list[str]:
-    return [sys.executable, "-m", "finetune_trainer", "--config", str(config_path), "--preflight"]
-
-
 def fetch_command(config_path: Path) -> list[str]:
     """The pods' fetch-model step, here: the copy goes into the local output folder, so a
     second run (or a resumed one) downloads nothing."""
@@ -47,11 +43,11 @@ def needs_fetch(config: TrainerConfig) -> bool:
 
 
 def run_step(command: list[str], log_path: Path, verbose: bool) -> int:
-    """One step before the workers start (the model's fetch, the preflight), run as an
-    attempt of the workers is (`_run_attempt`): its lines filtered unless `verbose` (a
-    first read of the data draws a progress bar) and kept in `log_path`; Ctrl-C or SIGTERM
-    ends it (EXIT_STOPPED), in its own session, so that the terminal's SIGINT does not
-    reach it as a KeyboardInterrupt and its traceback."""
+    """A step before the workers start (the model's fetch), run as an attempt of the
+    workers is (`_run_attempt`): its lines filtered unless `verbose` (a download draws
+    progress bars) and kept in `log_path`; Ctrl-C or SIGTERM ends it (EXIT_STOPPED), in
+    its own session, so that the terminal's SIGINT does not reach it as a
+    KeyboardInterrupt and its traceback."""
     return _run_attempt(command, worker_env(1, verbose), log_path, None, verbose)
 
 

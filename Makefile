@@ -13,7 +13,7 @@ TORCH_INDEX_URL ?=
 PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 
 .PHONY: venv venv-base tools test test-quick lint crds demo clean kind-e2e e2e bench bench-gpu bench-metrics \
-	cluster-bin node-images product-images cluster cluster-install cluster-images cluster-pull-secret cluster-down bench-operator bench-checkpoint \
+	cluster-bin node-images product-images cluster cluster-install cluster-images cluster-pull-secret cluster-down bench-operator bench-checkpoint bench-startup \
 	bench-loading docs docs-serve
 
 venv: $(VENV)/.installed
@@ -153,6 +153,11 @@ $(VENV)/.bench: $(VENV)/.installed
 # The trainer's instrumentation on vs off, side by side (prints the ratio; CPU, minutes).
 bench-metrics: venv
 	$(BIN)/python benchmarks/metrics_overhead.py
+
+# Seconds from `finetune run` to the first step and to the end, beside torchrun alone on the
+# same trainer config (the tiny model on 2 CPU processes, 3 rounds: ~1.5 minutes).
+bench-startup: venv
+	$(BIN)/python benchmarks/startup.py --out benchmarks/startup.json
 
 # How long a checkpoint holds the loop, written in the background vs synchronously, side
 # by side (ddp, fsdp and zero3 on 2 CPU processes, ~8 minutes; prints the ratios).

@@ -226,7 +226,7 @@ def _main(argv: list[str] | None) -> int:
     from finetune_trainer.data import DataError
     from finetune_trainer.model import ModelError
     from finetune_trainer.network_preflight import PreflightError
-    from finetune_trainer.train import preflight, run
+    from finetune_trainer.train import counted, preflight, run
 
     # the copy fetched into the output folder, where there is one: no hub request at all
     config = fetch.with_local_copy(config, output)
@@ -234,9 +234,11 @@ def _main(argv: list[str] | None) -> int:
         if args.preflight:
             prepared = preflight(config, base_dir)
             said = prepared.objective.summary(prepared.train)  # pairs, prompts, rewards
-            print(f"preflight: {len(prepared.train)} training sequences, "
-                  f"{len(prepared.eval)} eval sequences{f' ({said})' if said else ''}; "
-                  "model and data look usable")
+            (train, evaluation), rows = prepared.records, (prepared.train, prepared.eval)
+            print(f"preflight: {counted(train, 'training record')} "
+                  f"({counted(len(rows[0]), 'sequence')}), "
+                  f"{counted(evaluation, 'eval record')} ({counted(len(rows[1]), 'sequence')})"
+                  f"{f'; {said}' if said else ''}; model and data look usable")
             for note in prepared.notes:
                 print(f"preflight: {note}")
             return 0

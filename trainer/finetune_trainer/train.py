@@ -96,6 +96,14 @@ class Prepared:
     """Where the training and eval splits come from (`data.read_split`), for the log."""
     notes: tuple[str, ...] = ()
     """What the log says of the data beyond that (preference pairs truncated)."""
+    records: tuple[int, int] = (0, 0)
+    """The training and eval records read, before `train` and `eval` made sequences of them
+    (packed several to a sequence, or pairs and prompts laid out)."""
+
+
+def counted(count: int, noun: str) -> str:
+    """`1 sequence`, `2 sequences`."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def preflight(config: TrainerConfig, base_dir: Path) -> Prepared:
@@ -134,7 +142,7 @@ def preflight(config: TrainerConfig, base_dir: Path) -> Prepared:
         sources += f", evaluating on {data.eval_fraction:g} of it held out (evalFraction)"
     prepared = objective.prepare(tokenizer, records, eval_records, fmt)
     return Prepared(tokenizer, prepared.train, prepared.eval, wrap_classes, objective, sources,
-                    prepared.notes)
+                    prepared.notes, (len(records), len(eval_records)))
 
 
 class StopRequest:
@@ -661,7 +669,7 @@ class Trainer:
             _say(note)
         if (summary := self.objective.summary(self.prepared.train)) is not None:
             _say(summary)
-        _say(f"training {len(self.prepared.train)} sequences on {self.world} "
+        _say(f"training {counted(len(self.prepared.train), 'sequence')} on {self.world} "
              f"{'process' if self.world == 1 else 'processes'} ({self.strategy.name}, "
              f"{self.config.strategy.precision}): {self.steps} "
              f"step{'s' if self.steps != 1 else ''} of "
@@ -670,7 +678,8 @@ class Trainer:
              f" of {self.batches.micro_batch}")
         if self.prepared.eval:
             every = f"every {hp.eval_every_steps} steps and " if hp.eval_every_steps else ""
-            _say(f"evaluating on {len(self.prepared.eval)} held-out sequences {every}at the end")
+            _say(f"evaluating on {counted(len(self.prepared.eval), 'held-out sequence')} "
+                 f"{every}at the end")
         if short := batch_larger_than_data(self.batches, hp.batch_size_per_device,
                                            hp.gradient_accumulation_steps,
                                            self.config.dataset.packing):

@@ -22,7 +22,12 @@ from finetune_operator.validation import Problem
 @click.argument("files", nargs=-1, required=True, metavar="FILE...")
 @click.option("-o", "--output", type=click.Choice(["text", "json"]), default="text",
               show_default=True, help="json: one object with every problem, for tools and CI.")
-def validate(files: tuple[str, ...], output: str) -> None:
+@click.option("--data", is_flag=True,
+              help="Also read each valid job's model and data on this machine as its workers "
+                   "will before training (the tokenizer, every record, the objective's "
+                   "rules), and say how many sequences it found or which record is wrong. "
+                   "Needs the trainer's packages; seconds a job, no GPU, nothing written.")
+def validate(files: tuple[str, ...], output: str, data: bool) -> None:
     """Check FineTuneJob and FineTuneSweep manifests (`-` reads stdin).
 
     A FILE may be a folder: its .json, .yaml and .yml files, as `kubectl apply -f` takes
@@ -33,7 +38,8 @@ def validate(files: tuple[str, ...], output: str) -> None:
     backend's own refusals included (what `finetune render` refuses). Warnings (an
     absolute local path that does not exist on this machine, relative paths that only
     `finetune run` can use, two jobs writing one output folder) do not change the exit
-    code; a relative model or data path that is not on this machine is an error.
+    code; a relative model or data path that is not on this machine is an error. With
+    --data, a model or data set the trainer would refuse is an error too.
     """
     found: list[dict] = []
 
@@ -43,27 +49,41 @@ def validate(files: tuple[str, ...], output: str) -> None:
 
     say = collect if output == "json" else say_problem
     valid, invalid = jobs_in(files, "validate", say=say)
-    usable = []
+    if data:
+        # the trainer config and a process of the training stack: only when asked
+        from finetune_operator.local.data_check import check_data
+    usable, read = [], []  # read: what --data found of each usable job
     for doc, job in valid:
         here = local_path_problems(job, doc.folder)
+        checked = check_data(job, doc.folder) if data and not here else None
+        if checked:
+            here += checked.problems
+        elif data:  # its model or data path is not usable here, as said
+            here.append(Problem("--data", "not read: its model or data is not on this "
+                                "machine (above)", "check it where the job runs",
+                                severity="warning"))
         for problem in here:
             say(doc.source, problem)
-        if any(p.severity == "error" for p in here):  # a relative path not on this machine
-            invalid += 1
+        if any(p.severity == "error" for p in here):  # a relative path not on this machine,
+            invalid += 1                             # a model or data the trainer refuses
         else:
             usable.append((doc, job))
+            read.append(checked.said if checked else None)
     valid = usable
     for source, problem in shared_folder_warnings(valid, offline_backends()):
         say(source, problem)
     if output == "json":
         click.echo(json.dumps({
             "valid": invalid == 0,
-            "jobs": [{"source": doc.source, "name": job.name, "namespace": job.namespace}
-                     for doc, job in valid],
+            "jobs": [{"source": doc.source, "name": job.name, "namespace": job.namespace,
+                      **({"data": list(said)} if said is not None else {})}
+                     for (doc, job), said in zip(valid, read, strict=True)],
             "problems": found}, indent=2))
     else:
-        for doc, job in valid:
+        for (doc, job), said in zip(valid, read, strict=True):
             click.echo(f"{doc.source}: valid {summary(job)}")
+            for line in said or ():
+                click.echo(f"{doc.source}: data: {line}")
     if invalid:
         sys.exit(EXIT_INVALID)
 

@@ -679,24 +679,26 @@ def check_document(doc: Any) -> tuple[FineTuneJob | None, list[Problem]]:
         problems.append(Problem("kind", "is missing" if doc.get("kind") is None else
                                 f"{short_repr(doc.get('kind'))} is not {KIND}",
                                 f"use `kind: {KIND}`"))
+    if problems:  # another kind, or another version: nothing below applies
+        return None, problems
     namespace = (doc.get("metadata") or {}).get("namespace") if isinstance(
         doc.get("metadata"), dict) else None
     if isinstance(namespace, str) and (len(namespace) > 63
                                        or not re.fullmatch(DNS_1123_LABEL, namespace)):
-        # the API server's own check (the request's path): no CEL rule sees it
+        # the API server's own check (the request's path): no CEL rule sees it, and it
+        # refuses the request before it reads the spec; said here with the spec's problems,
+        # every problem at once
         problems.append(Problem("metadata.namespace", f"{short_repr(namespace)} is not a "
                                 "DNS-1123 label", "use at most 63 lowercase letters, digits "
                                 "and '-', starting and ending with a letter or digit"))
-    if problems:
-        return None, problems
     try:
         # field names as the API server decodes them, strictly: camelCase only (the models
         # also take Python's names, for code; a manifest's `max_seq_length` is unknown there)
         job = FineTuneJob.model_validate(doc, by_alias=True, by_name=False)
     except ValidationError as error:
-        return None, [structural_problem(e, FineTuneJob) for e in error.errors()]
+        return None, [*problems, *(structural_problem(e, FineTuneJob) for e in error.errors())]
     if mistyped := _mistyped(doc["spec"]):
-        return None, mistyped
+        return None, [*problems, *mistyped]
     for r in RULES:
         problems.extend(r.check(job))
     return job, problems

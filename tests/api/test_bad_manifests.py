@@ -333,6 +333,20 @@ def test_all_problems_are_reported_at_once():
     assert {"spec.method.type", "spec.strategy.precision", "spec.strategy.nvmePath"} <= paths
 
 
+@pytest.mark.parametrize("spec_change", [
+    {"spec.method": {"type": "qlora"}, "spec.resources.gpusPerNode": 0},  # a CEL rule's
+    {"spec.hyperparameters.maxSteps": 0},                                 # the schema's
+], ids=["cel", "schema"])
+def test_a_namespace_that_is_no_label_hides_none_of_the_specs_problems(spec_change):
+    """The API server refuses such a namespace in the request's path, before it reads the
+    spec; `validate` said that alone, and the spec's problems only once it was mended."""
+    doc = edit(minimal_job(), {"metadata.namespace": "Team_A", **spec_change})
+    admission = admit(doc, INSTALLED)
+    paths = [p.path for p in admission.errors]
+    assert paths[0] == "metadata.namespace" and len(paths) > 1, paths
+    assert not admission.admitted
+
+
 def test_non_mapping_document():
     _, problems = check_document(["not", "a", "job"])
     assert problems[0].path == "(document)"

@@ -422,7 +422,7 @@ def test_a_folder_named_by_split_trains_on_one_and_evaluates_on_another(
     result = finetune_run(job, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "training 40 sequences on 2 processes" in result.stdout, result.stdout
-    assert "evaluating on 12 held-out sequences every 2 steps and at the end" in result.stdout
+    assert "held out: 12 sequences, evaluated every 2 steps and at the end" in result.stdout
     assert (f"data: training on {folder} split train (train.jsonl), evaluating on {folder} "
             "split validation (validation.jsonl)") in result.stdout
     assert "eval at step 2: loss" in result.stdout

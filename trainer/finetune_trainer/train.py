@@ -678,7 +678,8 @@ class Trainer:
              f" of {self.batches.micro_batch}")
         if self.prepared.eval:
             every = f"every {hp.eval_every_steps} steps and " if hp.eval_every_steps else ""
-            _say(f"evaluating on {counted(len(self.prepared.eval), 'held-out sequence')} "
+            # not `eval...`: the evaluations' own lines open so (`eval at step N: ...`)
+            _say(f"held out: {counted(len(self.prepared.eval), 'sequence')}, evaluated "
                  f"{every}at the end")
         if short := batch_larger_than_data(self.batches, hp.batch_size_per_device,
                                            hp.gradient_accumulation_steps,

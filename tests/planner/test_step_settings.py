@@ -261,12 +261,19 @@ def test_the_plan_says_why_auto_chose_its_strategy():
     seconds = [float(s.split()[1]) for s in steps]
     assert seconds == sorted(seconds) and seconds[0] < seconds[1]
     assert note.endswith("; nothing fits with ddp")
-    unknown = auto_job("full", 4, gpu_type=None)
-    assert next(n for n in plan_with_notes(unknown, model).notes
-                if n.startswith("strategy auto")) == (
-        "strategy auto → fsdp: the planner cannot size this job (no model config, no known "
-        "gpuType, or CPU workers), so the simple rules: fsdp for full fine-tuning on several "
-        "devices, else ddp")
+    # the one cause that applies, where it said three that might ("no model config, no
+    # known gpuType, or CPU workers")
+    for unknown, chosen, cause in [
+            (auto_job("full", 4, gpu_type=None), "fsdp", "spec.resources.gpuType is not set"),
+            (auto_job("full", 4, gpu_type="Standard_NX"), "fsdp",
+             "gpuType 'Standard_NX' is not in the catalog"),
+            (auto_job("full", 4, gpu_type=None, gpus=0), "ddp",  # 1 process: nothing to shard
+             "CPU workers: the planner estimates GPU memory only")]:
+        assert next(n for n in plan_with_notes(unknown, model).notes
+                    if n.startswith("strategy auto")) == (
+            f"strategy auto → {chosen}: the planner cannot size this job ({cause}), so the "
+            "simple rules: fsdp for full fine-tuning on several devices, else ddp")
+
 
 
 NVIDIA_SMI_ROWS = """NVIDIA H100 80GB HBM3, 81559, 81000, 9.0

@@ -500,10 +500,11 @@ def explain_strategy(job: FineTuneJob, model: ModelConfig | None = None,
         return "zero3", "offload needs DeepSpeed ZeRO-3"
     ranked = _ranked_strategies(job, model or from_table(job.spec.model.uri), machine)
     if not ranked:
+        _, _, unknown = _gpu_and_shape(job, model, machine)
+        why = unknown or "every strategy it may choose is refused for it"
         return fallback_strategy(job), (
-            "the planner cannot size this job (no model config, no known gpuType, or CPU "
-            "workers), so the simple rules: fsdp for full fine-tuning on several devices, "
-            "else ddp")
+            f"the planner cannot size this job ({why}), so the simple rules: fsdp for full "
+            "fine-tuning on several devices, else ddp")
     return ranked[0].strategy, _why_ranked(ranked)
 
 

@@ -269,6 +269,21 @@ def render(view: JobView, now: datetime | None = None) -> list[str]:
     return lines
 
 
+def as_json(view: JobView) -> dict[str, Any]:
+    """What `finetune status -o json` prints for one look: `render`'s facts as data, the
+    progress under the names `status.progress` has (camelCase, unset ones left out)."""
+    return {
+        "name": view.name, "phase": view.phase, "message": view.message,
+        "progress": view.progress.to_dict() if view.progress is not None else None,
+        "restarts": view.restarts, "where": view.where,
+        "conditions": [{"type": kind, "status": status, "reason": reason, "message": message}
+                       for kind, status, reason, message in view.conditions],
+        "events": [{"type": kind, "reason": reason, "message": message}
+                   for kind, reason, message in view.events],
+        **({"details": view.details} if view.details else {}),  # a sweep's trials
+    }
+
+
 def run_log(output_dir: Path) -> Path:
     return output_dir / RUN_LOG
 

@@ -219,6 +219,27 @@ def test_a_run_that_ended_before_its_first_step_reads_stopped_not_pending(tmp_pa
         os.close(held)
 
 
+@pytest.mark.process
+def test_status_as_json_is_the_look_a_script_reads(tmp_path):
+    """`-o json`: one line, the phase and the progress by status.progress's names, and the
+    same exit code as the text (1 for a failed run)."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    (folder / LOCAL_CONFIG).parent.mkdir()
+    (folder / LOCAL_CONFIG).write_text(yaml.safe_dump({"job": {"name": "tiny"}}))
+    (folder / "progress.json").write_text(json.dumps(ProgressRecord(
+        step=3, totalSteps=6, loss=1.5, phase="Failed").as_json()))
+    result = subprocess.run([*FINETUNE, "status", str(folder), "-o", "json"],
+                            capture_output=True, text=True, timeout=waits.seconds_left())
+    assert result.returncode == 1, result.stderr
+    (line,) = result.stdout.splitlines()
+    look = json.loads(line)
+    assert (look["name"], look["phase"], look["where"]) == ("tiny", "Failed", str(folder))
+    assert look["progress"]["step"] == 3 and look["progress"]["totalSteps"] == 6
+    assert look["progress"]["loss"] == 1.5 and "eta" not in line
+    assert look["conditions"] == [] and look["events"] == []
+
+
 def test_a_run_that_says_running_with_no_finetune_run_holding_its_folder_was_stopped(
         tmp_path):
     folder = tmp_path / "out"
@@ -363,6 +384,13 @@ async def test_status_and_logs_with_a_kubeconfig_against_the_real_api_server(
     assert "40/100" in shown.stdout and "loss 1.2500" in shown.stdout
     assert re.search(r"Running +True +WorkersRunning", shown.stdout), shown.stdout
     assert re.search(r"Normal +Running +training", shown.stdout), shown.stdout  # an event
+    as_json = await asyncio.to_thread(finetune, "status", "demo", "-o", "json", *cluster)
+    look = json.loads(as_json.stdout)
+    assert (look["phase"], look["progress"]["step"], look["progress"]["totalSteps"]) == (
+        "Running", 40, 100), as_json.stdout
+    assert {"type": "Running", "status": "True", "reason": "WorkersRunning"}.items() <= next(
+        c for c in look["conditions"] if c["type"] == "Running").items()
+    assert any(e["reason"] == "Running" for e in look["events"])
 
     # KWOK's pods have no kubelet to serve a log: the command finds rank 0's pod and says
     # what the API server answered

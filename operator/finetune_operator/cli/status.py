@@ -3,6 +3,7 @@ cluster or from the output folder of a `finetune run`. What is shown is `follow`
 
 from __future__ import annotations
 
+import json
 import sys
 
 import click
@@ -37,6 +38,21 @@ class Screen:
         self.last = lines[:-1]
 
 
+class JsonLines:
+    """`-o json`: each look as one line of JSON, printed again only when it changed (there
+    is no clock in it to change)."""
+
+    def __init__(self) -> None:
+        self.last: str | None = None
+
+    def show(self, view: dict) -> None:
+        line = json.dumps(view)
+        if line != self.last:
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
+        self.last = line
+
+
 @main.command(name="status")
 @click.argument("target", metavar="NAME")
 @click.option("-n", "--namespace", help=NAMESPACE_HELP)
@@ -45,8 +61,13 @@ class Screen:
               help="Follow the job until it succeeds or fails (exit 0 or 1).")
 @click.option("--interval", type=click.FloatRange(min=0.2), default=2.0, show_default=True,
               help="Seconds between looks with --watch.")
+@click.option("-o", "--output", type=click.Choice(["text", "json"]), default="text",
+              show_default=True,
+              help="json: one object per look on one line (phase, message, progress as "
+                   "status.progress names it, restarts, conditions, events), for scripts; "
+                   "with --watch, a line each time it changed.")
 def status_command(target: str, namespace: str | None, kubeconfig: str | None, watch: bool,
-                   interval: float) -> None:
+                   interval: float, output: str) -> None:
     """A FineTuneJob's phase, progress bar (step / total, loss, tokens/s, ETA), restarts,
     conditions and last events; a FineTuneSweep's trials (phase, step, objective, values)
     and best trial. NAME may also be the output folder of `finetune run`, or the manifest
@@ -70,7 +91,7 @@ def status_command(target: str, namespace: str | None, kubeconfig: str | None, w
         return await follow.look(client, namespace, target)
 
     async def follow_job() -> int:
-        screen = Screen()
+        screen = Screen() if output == "text" else JsonLines()
         try:
             while True:
                 view = await look_once()
@@ -79,7 +100,7 @@ def status_command(target: str, namespace: str | None, kubeconfig: str | None, w
                                f"namespace {namespace} — `kubectl get ftj,ftsweep -n "
                                f"{namespace}` lists them", err=True)
                     return 1
-                screen.show(follow.render(view))
+                screen.show(follow.render(view) if output == "text" else follow.as_json(view))
                 if not watch:  # a script's check: 1 for a job that failed or stopped
                     return follow.FINISHED.get(view.phase or "", 0)
                 if view.finished:

@@ -34,7 +34,7 @@ def job(name: str, data: str, **spec) -> dict:
 
 
 def test_a_folder_of_jobs_is_read_and_the_wrong_record_named(tiny_model_dir, tmp_path):
-    """Two jobs, relative paths from their folder: the good one's sequences counted, the
+    """Two jobs, relative paths from their folder: the good one's records counted, the
     other's broken line named by file and line and the job not called valid (exit 2);
     nothing written (no output folder); a claim cannot be read here, and says so."""
     shutil.copytree(tiny_model_dir, tmp_path / "model")

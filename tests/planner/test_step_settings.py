@@ -275,7 +275,6 @@ def test_the_plan_says_why_auto_chose_its_strategy():
             "simple rules: fsdp for full fine-tuning on several devices, else ddp")
 
 
-
 NVIDIA_SMI_ROWS = """NVIDIA H100 80GB HBM3, 81559, 81000, 9.0
 NVIDIA A100-SXM4-40GB, 40960, 40000, 8.0
 NVIDIA A100 80GB PCIe, 81920, 81000, 8.0

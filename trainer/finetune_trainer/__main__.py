@@ -234,10 +234,11 @@ def _main(argv: list[str] | None) -> int:
         if args.preflight:
             prepared = preflight(config, base_dir)
             said = prepared.objective.summary(prepared.train)  # pairs, prompts, rewards
-            (train, evaluation), rows = prepared.records, (prepared.train, prepared.eval)
-            print(f"preflight: {counted(train, 'training record')} "
-                  f"({counted(len(rows[0]), 'sequence')}), "
-                  f"{counted(evaluation, 'eval record')} ({counted(len(rows[1]), 'sequence')})"
+            train_records, eval_records = prepared.records
+            print(f"preflight: {counted(train_records, 'training record')} "
+                  f"({counted(len(prepared.train), 'sequence')}), "
+                  f"{counted(eval_records, 'eval record')} "
+                  f"({counted(len(prepared.eval), 'sequence')})"
                   f"{f'; {said}' if said else ''}; model and data look usable")
             for note in prepared.notes:
                 print(f"preflight: {note}")

@@ -25,7 +25,7 @@ from finetune_operator.validation import Problem
 @click.option("--data", is_flag=True,
               help="Also read each valid job's model and data on this machine as its workers "
                    "will before training (the tokenizer, every record, the objective's "
-                   "rules), and say how many sequences it found or which record is wrong. "
+                   "rules), and say how many records it found or which one is wrong. "
                    "Needs the trainer's packages; seconds a job, no GPU, nothing written.")
 def validate(files: tuple[str, ...], output: str, data: bool) -> None:
     """Check FineTuneJob and FineTuneSweep manifests (`-` reads stdin).

@@ -26,7 +26,8 @@ _REFUSED = "finetune-train: "
 @dataclass(frozen=True)
 class DataCheck:
     said: tuple[str, ...] = ()
-    """What the check found (`24 training sequences, 3 eval sequences; ...`), when it passed."""
+    """What the check found (`57 training records (16 sequences), 7 eval records (3
+    sequences); ...`), when it passed."""
     problems: tuple[Problem, ...] = ()
     """Why the model or the data cannot be trained on, or why they could not be read here."""
 

@@ -12,9 +12,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from finetune_operator import yamlio
 from finetune_operator.api import FineTuneJob
-from finetune_operator.local.config import local_config
+from finetune_operator.local.config import local_config, write_config
 from finetune_operator.local.processes import worker_env
 from finetune_operator.validation import InvalidJobError, Problem
 from finetune_trainer.exits import EXIT_BAD_INPUT, EXIT_SETUP
@@ -43,8 +42,7 @@ def check_data(job: FineTuneJob, base_dir: Path) -> DataCheck:
                     "check the rest when they start", severity="warning")
             for p in error.problems))
     with tempfile.TemporaryDirectory(prefix="finetune-data-check-") as scratch:
-        path = Path(scratch) / "trainer.yaml"
-        path.write_text(yamlio.dump(config.to_dict()))
+        path = write_config(config, Path(scratch))  # as `finetune run` writes it
         done = subprocess.run(
             [sys.executable, "-m", "finetune_trainer", "--config", str(path), "--base-dir",
              str(base_dir), "--preflight"], capture_output=True, text=True, errors="replace",

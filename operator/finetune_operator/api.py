@@ -582,10 +582,16 @@ class SearchParameter(ApiModel):
             if not self.values:
                 raise ValueError("choice needs values — list them, e.g. values: [8, 16, 32]")
             return self
-        if self.min is None or self.max is None or not self.min < self.max:
-            raise ValueError(f"{self.type} needs min < max — e.g. min: 1e-5, max: 1e-3")
+        example = {"intRange": "min: 4, max: 64", "uniform": "min: 0.0, max: 0.1"}.get(
+            self.type, "min: 1e-5, max: 1e-3")  # one the type takes
+        if self.min is None or self.max is None:
+            raise ValueError(f"{self.type} needs min and max — e.g. {example}")
+        if not self.min < self.max:
+            raise ValueError(f"{self.type} needs min < max, and min is {self.min:g}, max is "
+                             f"{self.max:g} — e.g. {example}")
         if self.type == "logUniform" and self.min <= 0:
-            raise ValueError("logUniform needs min > 0 — the log of 0 is not a number")
+            raise ValueError(f"logUniform needs min > 0 (it samples the log), and min is "
+                             f"{self.min:g} — e.g. {example}")
         if self.type == "intRange" and not (float(self.min).is_integer()
                                             and float(self.max).is_integer()):
             raise ValueError("intRange needs whole min and max — e.g. min: 4, max: 64")

@@ -22,6 +22,7 @@ from finetune_operator.api import (
     SWEEP_KIND,
     FineTuneJob,
     FineTuneJobStatus,
+    FineTuneSweep,
     FineTuneSweepStatus,
     Progress,
 )
@@ -29,6 +30,7 @@ from finetune_operator.local.lock import holder, ran_here
 from finetune_operator.manifests import MANIFEST_SUFFIXES, one_document
 from finetune_trainer.layout import LOCAL_CONFIG, PROGRESS_FILE, RUN_LOG, resolve_output
 from finetune_trainer.record import ProgressRecord, format_duration, headline
+from finetune_trainer.uris import UriError
 
 if TYPE_CHECKING:  # `finetune run` follows a local run: no Kubernetes client to import
     from collections.abc import Collection
@@ -187,32 +189,57 @@ class NotARun(Exception):
     """A NAME that can only mean this machine (a path) and names no `finetune run`."""
 
 
+class OnItsCluster(NotARun):
+    """A manifest whose job runs on a cluster (its output is there, or it is a sweep): with
+    no cluster named, said so; with `-n` or `--kubeconfig`, its cluster is asked for it."""
+
+    def __init__(self, message: str, kind: str, name: str, namespace: str) -> None:
+        super().__init__(message)
+        self.kind, self.name, self.namespace = kind, name, namespace
+
+
+def looks_local(target: str) -> bool:
+    """A path, never an object's name: it holds a `/` or ends in a manifest's suffix."""
+    return "/" in target or Path(target).suffix.lower() in MANIFEST_SUFFIXES
+
 
 def output_folder(target: str) -> tuple[str, Path] | None:
     """(name, output folder) when `target` means this machine: a `finetune run` output
     folder, or the manifest it ran (its spec.output.uri, relative to the manifest); None
     for a FineTuneJob's name. NotARun where it is a path (a `/` or a manifest's suffix:
     never a FineTuneJob's name) to nothing or to a manifest that does not parse: asking a
-    cluster about it would only say the kubeconfig's problem."""
+    cluster about it would only say the kubeconfig's problem; OnItsCluster for a manifest
+    of a job that runs on a cluster."""
     path = Path(target)
     if path.is_dir():
         return _job_name(path.resolve()), path.resolve()
-    looks_local = "/" in target or path.suffix.lower() in MANIFEST_SUFFIXES
     if path.is_file():
+        kind = None
         try:  # read as `validate` reads it, and kubectl
-            job = FineTuneJob.model_validate(one_document(path.read_text()))
-        except (OSError, UnicodeDecodeError, yaml.YAMLError, pydantic.ValidationError):
-            if looks_local:
-                raise NotARun(f"{target}: not a valid FineTuneJob manifest — `finetune "
-                              f"validate {target}` says why") from None
+            document = one_document(path.read_text())
+            kind = document.get("kind") if isinstance(document, dict) else None
+            if kind == SWEEP_KIND:
+                sweep = FineTuneSweep.model_validate(document)
+                raise OnItsCluster(
+                    f"{target}: FineTuneSweep {sweep.namespace}/{sweep.name} runs on a "
+                    "cluster only (`finetune run` takes a FineTuneJob) — add `-n "
+                    f"{sweep.namespace}` to ask its cluster",
+                    SWEEP_KIND, sweep.name, sweep.namespace)
+            job = FineTuneJob.model_validate(document)
+            output = job.spec.output.location
+        except (OSError, UnicodeDecodeError, yaml.YAMLError, pydantic.ValidationError,
+                UriError):
+            if looks_local(target):
+                raise NotARun(f"{target}: not a valid {kind if kind == SWEEP_KIND else KIND} "
+                              f"manifest — `finetune validate {target}` says why") from None
             return None  # not a manifest: NAME is a FineTuneJob's name after all
-        output = job.spec.output.location
         if output.scheme not in ("path", "relative"):  # a cluster's job: its folder is there
-            raise NotARun(f"{target}: FineTuneJob {job.namespace}/{job.name} writes "
-                          f"{output.raw}, which is not on this machine — `finetune status "
-                          f"{job.name} -n {job.namespace}` asks its cluster")
+            raise OnItsCluster(f"{target}: FineTuneJob {job.namespace}/{job.name} writes "
+                               f"{output.raw}, which is not on this machine — add `-n "
+                               f"{job.namespace}` to ask its cluster",
+                               KIND, job.name, job.namespace)
         return job.name, resolve_output(output.raw, path.resolve().parent)
-    if looks_local:
+    if looks_local(target):
         raise NotARun(f"{target}: no such file or folder (a `finetune run` output folder "
                       "or its manifest; or a FineTuneJob's name, which has no / or suffix)")
     return None

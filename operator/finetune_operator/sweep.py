@@ -43,6 +43,7 @@ from finetune_operator.reasons import CompleteReason, ConditionType, SweepReason
 from finetune_operator.reconcile import Event
 from finetune_operator.validation import (
     Problem,
+    field_path,
     in_sweep_template,
     structural_problem,
 )
@@ -133,7 +134,7 @@ def with_params(template: Mapping[str, Any], params: Mapping[str, Scalar]) -> di
         for part in parents:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise ValueError(f"searchSpace.{path}: {part} is not a section of the spec")
+                raise ValueError(f"{part} is not a section of the template")
         node[leaf] = value
     return spec
 
@@ -390,7 +391,8 @@ def check_sweep(doc: Any) -> tuple[FineTuneSweep | None, list[Problem]]:
     """Every problem with a FineTuneSweep manifest, each naming its field and the fix, and
     the sweep if it parsed: its own fields, its template as a FineTuneJob's spec (by the
     same rules the operator admits a job with), and every searched field's extreme values
-    set into the template, so no trial is made that its own admission would refuse."""
+    (and a fraction a float range draws) set into the template, so no trial is made that
+    its own admission would refuse."""
     if not isinstance(doc, dict) or doc.get("kind") != SWEEP_KIND:
         return None, [Problem("kind", "is not FineTuneSweep", f"use `kind: {SWEEP_KIND}`")]
     try:
@@ -403,7 +405,9 @@ def check_sweep(doc: Any) -> tuple[FineTuneSweep | None, list[Problem]]:
                                 f"is {MAX_SWEEP_NAME_LENGTH}", "shorten it: trials are named "
                                 f"<sweep>-<n> and a FineTuneJob's name takes {MAX_NAME_LENGTH}"))
     template = sweep.spec.template.to_dict()
-    own = _as_template(_job_problems(sweep, template, sweep.spec.max_trials - 1))
+    # the template as written, as the API server types it (a job's spec): parsed, the sweep
+    # has taken `maxSteps: "200"` for 200, which `kubectl apply` refuses
+    own = _as_template(_job_problems(sweep, doc["spec"]["template"], sweep.spec.max_trials - 1))
     problems += own
     if sweep.spec.parallel_trials > sweep.spec.max_trials:
         problems.append(Problem(
@@ -426,13 +430,13 @@ def check_sweep(doc: Any) -> tuple[FineTuneSweep | None, list[Problem]]:
                                 "(e.g. validation) or evalFraction (e.g. 0.05), or "
                                 "objective.metric: loss"))
     for path, parameter in sweep.spec.search_space.items():
-        where = f"spec.searchSpace[{path}]"
+        where = field_path(("spec", "searchSpace", path))
         if sweep.spec.sampling == "grid":
             try:
                 grid_values(parameter)
             except ValueError as error:
                 problems.append(Problem(where, *str(error).split(" — ", 1)))
-        for value in _extremes(parameter):
+        for value in _values_to_try(parameter):
             try:
                 spec = with_params(template, {path: value})
             except ValueError as error:
@@ -442,19 +446,39 @@ def check_sweep(doc: Any) -> tuple[FineTuneSweep | None, list[Problem]]:
             # the template's own problems are said once, above, not again for each value
             found = [p for p in _as_template(_job_problems(sweep, spec, 0))
                      if p.severity == "error" and p not in own]
-            problems += [Problem(where, f"the value {value!r} makes {p.path} invalid: "
-                                 f"{p.message}", p.fix) for p in found]
+            problems += [_made_invalid(where, parameter, value, p) for p in found]
             if found:
                 break
     return sweep, problems
 
 
-def _extremes(parameter: SearchParameter) -> list[Scalar]:
+def _values_to_try(parameter: SearchParameter) -> list[Scalar]:
+    """Every choice; a range's ends; and for a float range, a value between that is not
+    whole, as its draws are: an integer field takes 1.0 and 8.0, and refuses 4.5."""
     if parameter.type == "choice":
         return list(parameter.values or [])
     if parameter.type == "intRange":
         return [int(parameter.min or 0), int(parameter.max or 0)]
-    return [parameter.min or 0.0, parameter.max or 0.0]
+    low, high = parameter.min or 0.0, parameter.max or 0.0
+    between = (low + high) / 2
+    while between.is_integer() and low < between:
+        between = (low + between) / 2
+    return [low, high, between]
+
+
+def _made_invalid(where: str, parameter: SearchParameter, value: Scalar,
+                  problem: Problem) -> Problem:
+    """A trial's problem with a searched value, as the searched field's. A float range on an
+    integer field (structural_problem's `must be an integer`) gets the fix of its type."""
+    if parameter.type in ("uniform", "logUniform") and problem.message.startswith(
+            "must be an integer"):
+        low, high = math.ceil(parameter.min or 0), math.floor(parameter.max or 0)
+        return Problem(where, f"{parameter.type} draws fractions (e.g. {value!r}), and "
+                       f"{problem.path} takes an integer", "use `type: intRange` (e.g. min: "
+                       f"{low}, max: {high}) or `type: choice` with the values to try"
+                       if low < high else "use `type: choice` with the values to try")
+    return Problem(where, f"the value {value!r} makes {problem.path} invalid: "
+                   f"{problem.message}", problem.fix)
 
 
 def _job_problems(sweep: FineTuneSweep, spec: dict[str, Any], number: int) -> list[Problem]:

@@ -15,7 +15,7 @@ import re
 import reprlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_origin
 
 from pydantic import BaseModel, ValidationError
 
@@ -28,6 +28,8 @@ from finetune_operator.api import (
     KIND,
     MAX_NAME_LENGTH,
     QUANTITY_PATTERN,
+    SHORT_NAMES,
+    SWEEP_SHORT_NAMES,
     FineTuneJob,
     FineTuneJobSpec,
 )
@@ -544,7 +546,7 @@ _TYPE_NAMES = {"int": "an integer", "float": "a number", "bool": "true or false"
 _PLAIN_KEY = re.compile(r"^[A-Za-z_$][A-Za-z0-9_$-]*$")
 
 
-def _path(loc: tuple[Any, ...]) -> str:
+def field_path(loc: tuple[Any, ...]) -> str:
     """`spec.kubernetes.env[0].name`; a key that is empty or not a plain name is quoted
     (`spec.model[""]`, `spec["a b"]`), so the path is never blank or ambiguous."""
     out = ""
@@ -561,17 +563,26 @@ def _path(loc: tuple[Any, ...]) -> str:
 def _field_names_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     """Wire names of the fields of the object at `loc`, for spelling suggestions."""
     current: Any = model
+    keyed = False  # the part after a map's field is a key of it (`searchSpace["x"]`)
     for part in loc:
-        if isinstance(part, int) or not (isinstance(current, type)
-                                         and issubclass(current, BaseModel)):
+        if isinstance(part, int) or keyed or not (isinstance(current, type)
+                                                  and issubclass(current, BaseModel)):
+            keyed = False
             continue
         match = [f for n, f in current.model_fields.items() if (f.alias or n) == part]
         if not match:
             return []
+        keyed = _is_map(match[0].annotation)
         current = _inner_model(match[0].annotation)
     if isinstance(current, type) and issubclass(current, BaseModel):
         return [f.alias or n for n, f in current.model_fields.items()]
     return []
+
+
+def _is_map(annotation: Any) -> bool:
+    """`dict[...]`, or `dict[...] | None`."""
+    return get_origin(annotation) is dict or any(
+        get_origin(arg) is dict for arg in getattr(annotation, "__args__", ()))
 
 
 def _inner_model(annotation: Any) -> Any:
@@ -598,20 +609,22 @@ def short_repr(value: Any) -> str:
 
 def in_sweep_template(text: str) -> str:
     """A job's words about its fields (`spec.x`) as a sweep's, whose template the job's
-    spec is (`spec.template.x`)."""
-    return _JOB_FIELD.sub("spec.template.", text)
+    spec is (`spec.template.x`); `kubectl explain ftj.spec.x` as the sweep's kind's, whose
+    schema holds the template's (`ftj` has no spec.template)."""
+    return _JOB_FIELD.sub(lambda m: f"{SWEEP_SHORT_NAMES[0]}.spec.template." if m[1]
+                          else "spec.template.", text)
 
 
-_JOB_FIELD = re.compile(r"\bspec\.")
+_JOB_FIELD = re.compile(rf"(\b{SHORT_NAMES[0]}\.)?\bspec\.")
 
 
 def structural_problem(error: Any, root: type[BaseModel]) -> Problem:
     loc = tuple(error["loc"])
-    path = _path(loc)
+    path = field_path(loc)
     kind = error["type"]
     ctx = error.get("ctx", {})
     given = error.get("input")
-    short = {"FineTuneSweep": "ftsweep"}.get(root.__name__, "ftj")
+    short = {"FineTuneSweep": SWEEP_SHORT_NAMES[0]}.get(root.__name__, SHORT_NAMES[0])
     # kubectl explain takes field names only: a map's key (searchSpace["..."]) is cut off
     explain = f"see `kubectl explain {short}.{path.split('[')[0]}`" if path.startswith(
         "spec") else f"see the {root.__name__} reference, docs/api-reference.md"

@@ -40,8 +40,23 @@ def test_validate_refuses_a_sweep_whose_searched_value_breaks_the_template():
     result = finetune("validate", "-", stdin=yaml.safe_dump(sweep))
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "<stdin>: spec.searchSpace[resources.nodes]: the value 0 makes "
+        '<stdin>: spec.searchSpace["resources.nodes"]: the value 0 makes '
         "spec.template.resources.nodes invalid: is 0, must be at least 1 — set a value at least 1"]
+
+
+def test_validate_refuses_a_float_range_on_an_integer_field():
+    """uniform 1..8 on batchSizePerDevice: its ends are whole, every draw (3.92, 4.05)
+    is not, and each trial would be refused; the sweep is, before any trial runs."""
+    sweep = yaml.safe_load(SWEEP_EXAMPLES[0].read_text())
+    sweep["spec"]["searchSpace"]["hyperparameters.batchSizePerDevice"] = {
+        "type": "uniform", "min": 1, "max": 8}
+    result = finetune("validate", "-", stdin=yaml.safe_dump(sweep))
+    assert result.returncode == 2, result.stdout
+    assert result.stderr.strip().splitlines() == [
+        '<stdin>: spec.searchSpace["hyperparameters.batchSizePerDevice"]: uniform draws '
+        "fractions (e.g. 4.5), and spec.template.hyperparameters.batchSizePerDevice takes an "
+        "integer — use `type: intRange` (e.g. min: 1, max: 8) or `type: choice` with the "
+        "values to try"]
 
 
 def test_validate_reports_one_line_per_problem_and_exits_2():
@@ -125,13 +140,16 @@ def test_a_file_without_a_job_says_why_in_json_too(tmp_path):
         "fix": "check `kind: FineTuneJob`"}]
     assert result.stderr.splitlines() == [f"{path}: skipped FinetuneJob (not a FineTuneJob; "
                                           "kinds are case-sensitive: `kind: FineTuneJob`?)"]
-    # a sweep, spelled right, to a command that takes jobs: no hint at the kind it has
+    # a sweep, spelled right, to a command that takes jobs: no hint at the kind it has, nor
+    # a `check kind:` after it
     sweep = REPO / "examples/07-sweep-lora-lr.yaml"
-    planned = finetune("plan", str(sweep))
-    assert planned.returncode == 2 and planned.stderr.splitlines()[0] == (
-        f"{sweep}: skipped FineTuneSweep (this command takes FineTuneJobs; `finetune "
-        "validate` checks a sweep, whose trials are its spec.template with the searched "
-        "values set)")
+    rendered = finetune("render", str(sweep))
+    assert rendered.returncode == 2 and rendered.stderr.splitlines() == [
+        f"{sweep}: skipped FineTuneSweep (this command takes FineTuneJobs: a sweep's trials, "
+        "its spec.template with the searched values set, run on a cluster; `finetune "
+        "validate` checks it, `finetune plan` sizes its largest trial)",
+        f"{sweep}: no FineTuneJob found, a FineTuneSweep only — apply it to a cluster, whose "
+        "operator makes its trials"]
     del manifest["kind"], manifest["apiVersion"]
     path.write_text(yaml.safe_dump(manifest))
     result = finetune("validate", str(path))
@@ -226,6 +244,11 @@ def test_render_json_and_invalid_input():
     bad = finetune("render", "-", stdin=yaml.safe_dump(minimal_job(backend="slurm")))
     assert bad.returncode == 2
     assert "spec.backend: 'slurm' is not an installed backend" in bad.stderr
+    # the flag's wrong value is the flag's, not the manifest's (which names no backend)
+    flag = finetune("render", str(REPO / "examples/01-tiny-cpu-lora.yaml"), "--backend", "slurm")
+    assert flag.returncode == 2 and "spec.backend" not in flag.stderr, flag.stderr
+    assert "Invalid value for --backend: 'slurm' is not an installed backend — use one of: " \
+        "azureml, kubernetes" in flag.stderr
 
 
 def test_help_reads_well():

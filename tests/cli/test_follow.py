@@ -21,6 +21,7 @@ import yaml
 from finetune_operator.api import Progress
 from finetune_operator.follow import (
     NotARun,
+    OnItsCluster,
     log_to_read,
     mark_failed,
     newest_pod,
@@ -384,6 +385,14 @@ async def test_status_and_logs_with_a_kubeconfig_against_the_real_api_server(
     assert "40/100" in shown.stdout and "loss 1.2500" in shown.stdout
     assert re.search(r"Running +True +WorkersRunning", shown.stdout), shown.stdout
     assert re.search(r"Normal +Running +training", shown.stdout), shown.stdout  # an event
+    # the manifest that was applied names the job as well, as `kubectl get -f` does; its
+    # own namespace where no -n is given
+    applied = Path(testbed.installation.plane.folder) / "demo.yaml"
+    applied.write_text(yaml.safe_dump(testbed.manifest()))
+    by_file = await asyncio.to_thread(finetune, "status", str(applied), "--kubeconfig",
+                                      kubeconfig)
+    assert by_file.returncode == 0 and by_file.stdout.startswith("demo  Running"), \
+        by_file.stderr
     as_json = await asyncio.to_thread(finetune, "status", "demo", "-o", "json", *cluster)
     look = json.loads(as_json.stdout)
     assert (look["phase"], look["progress"]["step"], look["progress"]["totalSteps"]) == (
@@ -447,6 +456,11 @@ def test_a_path_that_names_no_run_is_said_so_and_no_cluster_is_asked(tmp_path):
     (tmp_path / "typo.yaml").write_text("kind: FineTuneJob\nspec: {modle: {}}\n")
     with pytest.raises(NotARun, match=r"not a valid FineTuneJob manifest — `finetune validate"):
         output_folder(str(tmp_path / "typo.yaml"))
+    job = manifest(tmp_path / "model", Path("out"))
+    job["spec"]["output"]["uri"] = "out"  # neither ./out nor a scheme: it raised UriError
+    (tmp_path / "bare.yaml").write_text(yaml.safe_dump(job))
+    with pytest.raises(NotARun, match=r"not a valid FineTuneJob manifest — `finetune validate"):
+        output_folder(str(tmp_path / "bare.yaml"))
     assert output_folder("llama-8b-full") is None
     model = tmp_path / "model"  # a folder with things in it, none a run's: --watch waited
     model.mkdir()
@@ -459,8 +473,71 @@ def test_a_cluster_jobs_manifest_names_the_cluster_command_not_a_local_folder():
     """Example 02's `finetune status`: its pvc:// output was read as a local path
     (`where: .../examples/pvc:/checkpoints/...`, Pending for ever). Its folder is on a cluster:
     said so, with the command that asks it."""
-    with pytest.raises(NotARun, match=(
+    with pytest.raises(OnItsCluster, match=(
             r"FineTuneJob ml-team/llama-8b-full writes pvc://checkpoints/llama-8b-full, which "
-            r"is not on this machine — `finetune status llama-8b-full -n ml-team` asks its "
-            r"cluster")):
+            r"is not on this machine — add `-n ml-team` to ask its cluster")):
         output_folder(str(REPO / "examples/02-aks-fsdp-full-8b.yaml"))
+
+
+@pytest.mark.process
+def test_a_sweeps_manifest_is_said_to_run_on_a_cluster_not_to_be_invalid(tmp_path):
+    """`finetune status sweep.yaml` said `not a valid FineTuneJob manifest` of a sweep
+    `finetune validate` passes; `logs` said the same."""
+    sweep = str(REPO / "examples/07-sweep-lora-lr.yaml")
+    meta = yaml.safe_load(Path(sweep).read_text())["metadata"]
+    for command in ("status", "logs"):
+        result = subprocess.run([*FINETUNE, command, sweep], capture_output=True, text=True,
+                                timeout=waits.seconds_left())
+        assert result.returncode == 1, result.stderr
+        assert f"FineTuneSweep {meta['namespace']}/{meta['name']} runs on a cluster only " \
+               f"(`finetune run` takes a FineTuneJob) — add `-n {meta['namespace']}` to ask " \
+               "its cluster" in result.stderr, result.stderr
+        assert "not a valid" not in result.stderr
+    # with its cluster named: a sweep's status is asked of it, and it has no log of its own
+    logs = subprocess.run([*FINETUNE, "logs", sweep, "-n", meta["namespace"]],
+                          capture_output=True, text=True, timeout=waits.seconds_left())
+    assert logs.returncode == 1 and logs.stderr == (
+        f"finetune logs: {sweep} is a FineTuneSweep, whose trials are FineTuneJobs with logs "
+        f"of their own — `finetune status {meta['name']} -n {meta['namespace']}` lists them\n")
+
+
+@pytest.mark.process
+def test_a_local_runs_folder_or_manifest_is_read_here_whatever_cluster_is_named(tmp_path):
+    """A NAME with a `/` or a manifest's suffix is this machine's, as the guide says: with
+    `-n` or `--kubeconfig` it was asked of a cluster (`no usable Kubernetes credentials`),
+    though named by path. Read here, said that those flags were not used; `--rank` past the
+    one node of a `finetune run` is refused, not ignored."""
+    job = manifest(tmp_path / "model", Path("out"))
+    job["spec"]["output"]["uri"] = "./out"
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    folder = tmp_path / "out"
+    (folder / LOCAL_CONFIG).parent.mkdir(parents=True)
+    name = job["metadata"]["name"]
+    (folder / LOCAL_CONFIG).write_text(yaml.safe_dump({"job": {"name": name}}))
+    (folder / "progress.json").write_text(json.dumps(ProgressRecord(
+        step=3, totalSteps=6, loss=1.5, phase="Succeeded").as_json()))
+    (folder / "logs").mkdir()
+    (folder / "logs/run.log").write_text("step 3/6 | loss 1.5\n")
+    env = {**os.environ, "KUBECONFIG": str(tmp_path / "none")}
+
+    def finetune(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*FINETUNE, *args], capture_output=True, text=True, env=env,
+                              cwd=tmp_path, timeout=waits.seconds_left())
+
+    for named in ("job.yaml", "out/", str(folder)):
+        shown = finetune("status", named, "-n", "other")
+        assert shown.returncode == 0, shown.stderr
+        assert shown.stdout.startswith(f"{name}  Succeeded"), shown.stdout
+        assert shown.stderr == (f"finetune status: {named} is a `finetune run` on this machine: "
+                                "read here, -n not used\n")
+    logs = finetune("logs", "job.yaml", "--kubeconfig", str(tmp_path / "none"))
+    assert logs.returncode == 0 and logs.stdout == "step 3/6 | loss 1.5\n", logs.stderr
+    assert "--kubeconfig not used" in logs.stderr
+    ranked = finetune("logs", "job.yaml", "--rank", "5")
+    assert ranked.returncode == 2 and ranked.stdout == ""
+    assert "Invalid value for --rank: 5: a `finetune run` is one node, rank 0" in \
+        ranked.stderr, ranked.stderr
+    # a bare name with -n is the cluster's, even where a folder of that name is here
+    asked = finetune("status", "out", "-n", "other")
+    assert asked.returncode == 1 and "no usable Kubernetes credentials" in asked.stderr, \
+        asked.stderr

@@ -286,6 +286,9 @@ def test_a_run_on_fewer_processes_than_the_spec_resumes_on_them(tiny_model_dir, 
     log = (tmp_path / "out" / "logs" / "run.log").read_text().splitlines()
     starts = [line for line in log if line.startswith("=== finetune run, ")]
     assert len(starts) == 2 and log[0] == starts[0]  # where each run's lines begin
+    ends = [line for line in log if line.startswith("done: model in ")]  # and end, as the
+    assert len(ends) == 2 and log[-1] == again.stdout.splitlines()[-1]  # terminal said it
+    assert log.index(ends[0]) < log.index(starts[1])
     # the same command once more: nothing left to do, said at once (it started the
     # workers, evaluated and exported the model again)
     done = finetune_run(spec, tmp_path, "--nproc", "1")

@@ -70,3 +70,16 @@ def test_a_folder_of_jobs_is_read_and_the_wrong_record_named(tiny_model_dir, tmp
     assert (problem["source"], problem["field"], problem["severity"]) == (
         "jobs/broken.yaml", f"{tmp_path / 'broken.jsonl'}:4", "error")
     assert problem["message"].startswith("is not valid JSON"), problem
+
+
+def test_a_sweep_says_its_template_data_was_not_read():
+    """A sweep's trials read its template's model and data on the cluster: --data says it
+    did not read them (a line, not silence), and the sweep stays valid."""
+    text = validate_data(REPO, "examples/07-sweep-lora-lr.yaml")
+    assert text.returncode == 0, text.stderr
+    assert text.stderr.splitlines() == [
+        "examples/07-sweep-lora-lr.yaml: warning: --data: not read: --data reads "
+        "FineTuneJobs, and a sweep's trials read spec.template's model and data on the "
+        "cluster — their workers check them when each trial starts; to read them here, "
+        "validate --data a FineTuneJob whose spec is the template"]
+    assert "examples/07-sweep-lora-lr.yaml: valid FineTuneSweep" in text.stdout

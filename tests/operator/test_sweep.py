@@ -70,7 +70,7 @@ def test_a_trial_runs_the_template_with_its_parameters_set():
     assert spec == {"method": {"type": "lora", "lora": {"r": 16}},
                     "hyperparameters": {"maxSteps": 10, "learningRate": 1e-4}}
     assert template == {"method": {"type": "lora"}, "hyperparameters": {"maxSteps": 10}}
-    with pytest.raises(ValueError, match=r"searchSpace.method.type.x: type is not a section"):
+    with pytest.raises(ValueError, match=r"type is not a section of the template"):
         with_params(template, {"method.type.x": 1})
 
 
@@ -78,6 +78,10 @@ def test_a_trial_runs_the_template_with_its_parameters_set():
     ({"type": "choice"}, "list them"),
     ({"type": "uniform", "min": 1.0, "max": 1.0}, "min < max"),
     ({"type": "logUniform", "min": 0.0, "max": 1.0}, "min > 0"),
+    ({"type": "logUniform", "min": -1.0, "max": 4.0},
+     r"logUniform needs min > 0 \(it samples the log\), and min is -1 — e.g. min: 1e-5"),
+    ({"type": "intRange", "min": 16, "max": 4},
+     "intRange needs min < max, and min is 16, max is 4 — e.g. min: 4, max: 64"),
     ({"type": "intRange", "min": 1.5, "max": 4}, "whole min and max"),
 ])
 def test_a_bad_parameter_says_how_to_write_it(parameter, fix):
@@ -266,12 +270,30 @@ def test_a_curve_keeps_at_most_32_points_first_and_last_among_them():
 
 @pytest.mark.parametrize(("change", "path", "words"), [
     ({"searchSpace": {"hyperparameters.learningRatee": {"type": "choice", "values": [1e-4]}}},
-     "spec.searchSpace[hyperparameters.learningRatee]", "did you mean `learningRate`"),
+     'spec.searchSpace["hyperparameters.learningRatee"]', "did you mean `learningRate`"),
     ({"searchSpace": {"resources.nodes": {"type": "intRange", "min": 0, "max": 2}}},
-     "spec.searchSpace[resources.nodes]",
+     'spec.searchSpace["resources.nodes"]',
      "the value 0 makes spec.template.resources.nodes invalid"),
-    ({"sampling": "grid"}, "spec.searchSpace[hyperparameters.learningRate]",
+    ({"sampling": "grid"}, 'spec.searchSpace["hyperparameters.learningRate"]',
      "a grid cannot enumerate a logUniform range"),
+    ({"searchSpace": {"method.type.x": {"type": "choice", "values": [1]}}},
+     'spec.searchSpace["method.type.x"]', ': type is not a section of the template — name a'),
+    # a float range on an integer field: its ends (1.0, 8.0) pass, its draws (4.5) do not
+    ({"searchSpace": {"hyperparameters.batchSizePerDevice": {
+        "type": "uniform", "min": 1, "max": 8}}},
+     'spec.searchSpace["hyperparameters.batchSizePerDevice"]',
+     "uniform draws fractions (e.g. 4.5), and spec.template.hyperparameters."
+     "batchSizePerDevice takes an integer — use `type: intRange` (e.g. min: 1, max: 8)"),
+    ({"searchSpace": {"method.lora.r": {"type": "logUniform", "min": 4, "max": 64}}},
+     'spec.searchSpace["method.lora.r"]', "logUniform draws fractions (e.g. 11.5)"),
+    ({"searchSpace": {"hyperparameters.learningRate": {
+        "type": "logUniform", "min": 1e-5, "max": 1e-3, "mean": 1e-4}}},
+     'spec.searchSpace["hyperparameters.learningRate"].mean',
+     "remove it; known fields: type, values, min, max, step"),
+    # the sweep's kind: a FineTuneJob (ftj) has no spec.template to explain
+    ({"searchSpace": {"method.lora.r": {"type": "choice", "values": ["16"]}}},
+     'spec.searchSpace["method.lora.r"]',
+     "see `kubectl explain ftsweep.spec.template.method.lora.r`"),
     ({"objective": {"metric": "evalLoss"}, "template": minimal_job()["spec"]},
      "spec.objective.metric", "evalFraction"),
     ({"objective": {"metric": "evalLoss"}, "template": minimal_job(
@@ -302,6 +324,12 @@ def test_a_template_problem_is_said_once_not_again_for_each_searched_value():
     assert problem.path == "spec.template.hyperparameters.evalEverySteps"
     assert "set `spec.template.dataset.evalSplit`" in problem.fix
     assert "spec.template.template" not in str(problem)
+    # typed as written, as the API server types it: parsed, the sweep took "10" for 10
+    doc["spec"]["template"] = {**minimal_job()["spec"], "hyperparameters": {"maxSteps": "10"}}
+    [problem] = [p for p in check_sweep(doc)[1] if p.path.startswith("spec.template")]
+    assert (problem.path, problem.message) == ("spec.template.hyperparameters.maxSteps",
+                                               "must be an integer, got '10'"), problem
+    assert "kubectl explain ftsweep.spec.template.hyperparameters.maxSteps" in problem.fix
 
 
 def test_more_trials_at_once_than_in_all_is_a_warning():
@@ -341,5 +369,5 @@ def test_a_sweep_searches_dpos_beta_and_is_told_a_beta_out_of_range():
     doc["spec"]["searchSpace"]["objective.dpo.beta"]["max"] = 500.0
     _, problems = check_sweep(doc)
     said = [str(p) for p in problems if p.severity == "error"]
-    assert any("spec.searchSpace[objective.dpo.beta]" in p and "500" in p and
+    assert any('spec.searchSpace["objective.dpo.beta"]' in p and "500" in p and
                "objective.dpo.beta" in p.split(":", 1)[1] for p in said), said

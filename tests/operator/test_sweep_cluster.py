@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from finetune_operator.sweep import check_sweep
 from finetune_trainer.progress import ProgressServer
 from finetune_trainer.record import ProgressRecord
 from tests.support import waits
@@ -149,6 +150,15 @@ async def test_a_sweep_the_api_server_refuses_names_the_field(control_plane_test
     result = bed.installation.kubectl("apply", "-f", "-", input=json.dumps(sweep), check=False)
     assert result.returncode != 0
     assert "spec.template.resources.nodes" in result.stderr
+    # a value of the wrong type in the template: refused by the schema, and by validate
+    # (which parsed the sweep and took "10" for 10)
+    template["resources"]["nodes"] = 1
+    template["hyperparameters"]["maxSteps"] = "10"
+    result = bed.installation.kubectl("apply", "-f", "-", input=json.dumps(sweep), check=False)
+    assert result.returncode != 0
+    assert "spec.template.hyperparameters.maxSteps: Invalid value: \"string\"" in result.stderr
+    assert [p.path for p in check_sweep(sweep)[1] if p.severity == "error"] == [
+        "spec.template.hyperparameters.maxSteps"]
 
 
 @pytest.mark.asyncio

@@ -318,6 +318,43 @@ def test_nothing_fits_is_said_plainly():
     assert rec.best is None and "nothing in the catalog fits" in rec.why
 
 
+@pytest.mark.parametrize(("method", "smaller"), [
+    ("full", ", use spec.method.type: lora or qlora, "),
+    ("lora", ", use spec.method.type: qlora, "), ("qlora", None)])
+def test_what_fits_nowhere_is_told_a_smaller_method_only_where_there_is_one(method, smaller):
+    """A QLoRA job that fits nowhere was told `or use lora/qlora`: the method it has."""
+    shape = from_hf_config({**KNOWN_MODELS["meta-llama/Llama-3.1-70B"], "vocab_size": 10**8})
+    j = job(method={"type": method}, resources={"gpusPerNode": 1, "gpuType": "T4"},
+            dataset={"uri": "pvc://d/x.jsonl", "maxSeqLength": 131072})
+    why = recommend(shape, j).why
+    assert why.startswith("nothing in the catalog fits up to 64 nodes with 10% headroom: "
+                          "shorten spec.dataset.maxSeqLength, set "
+                          "spec.hyperparameters.microBatchSize: 1, "), why
+    assert why.endswith("or train a smaller model")
+    if smaller:
+        assert smaller in why
+    else:
+        assert "method" not in why and "lora" not in why
+
+
+def test_a_job_no_catalog_gpu_holds_does_not_fit_without_a_gpu_type():
+    """70B full fine-tuning on 1 GPU, no gpuType: `unknown — 1315.2 GiB per GPU`, exit 0.
+    No GPU of the catalog holds that: does-not-fit, as with a gpuType. The operator's
+    admission, planning for a cluster's GPUs it does not know, still says unknown."""
+    seventy = ModelConfig(config=KNOWN_MODELS["meta-llama/Llama-3.1-70B"], source="test")
+    j = job(model={"uri": "hf://meta-llama/Llama-3.1-70B"}, method={"type": "full"},
+            resources={"gpusPerNode": 1})
+    result = plan_job(j, seventy, "ddp")
+    assert (result.fits, result.verdict) == (False, "does-not-fit")
+    assert ", more than any GPU in the planner's catalog (the largest: H200-141GB, 140.4 " \
+           "GiB): weights " in result.reason, result.reason
+    assert result.reason.endswith(f" — fits on {result.recommendation.best.nodes} x "
+                                  f"{result.recommendation.best.vm_size} with "
+                                  f"{result.recommendation.best.strategy}")
+    assert plan_job(j, seventy, "ddp", search_catalog=False).verdict == "unknown"
+    assert plan_job(job(resources={"gpusPerNode": 1}), LLAMA_8B, "ddp").verdict == "unknown"
+
+
 def test_validate_warns_about_a_gpu_type_the_planner_does_not_know():
     _, problems = check_document(minimal_job(resources={"gpuType": "MI300X"}))
     assert [(p.path, p.severity) for p in problems] == [("spec.resources.gpuType", "warning")]
@@ -338,6 +375,11 @@ def test_finetune_run_warns_where_the_operator_would_refuse():
     assert plan_warnings(job(**skipped), model) == []
     small = {**spec, "model": {"uri": "hf://Qwen/Qwen2.5-0.5B"}}
     assert plan_warnings(job(**small), from_table(small["model"]["uri"])) == []
+    # no gpuType: the operator launches it; no GPU the planner knows holds it
+    anywhere = {**spec, "resources": {"gpusPerNode": 1}}
+    [warning] = plan_warnings(job(**anywhere), model)
+    assert warning.startswith("warning: predicted not to fit any GPU the planner knows — ")
+    assert "operator" not in warning
 
 
 def test_grpo_is_planned_with_its_kv_cache_its_sampling_time_and_its_reference():

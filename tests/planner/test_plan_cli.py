@@ -269,3 +269,90 @@ def test_every_key_of_the_plan_json_is_camel_case():
         return [k for v in value for k in keys(v)] if isinstance(value, list) else []
 
     assert [k for k in keys(data) if not re.fullmatch(r"[a-z][a-zA-Z0-9]*", k)] == []
+
+
+# --- a new user's findings ----------------------------------------------------------------
+
+def test_a_job_no_gpu_of_the_catalog_holds_does_not_fit_without_a_gpu_type():
+    """`--model …70B --method full` without a gpuType answered `verdict: unknown — 1315.2
+    GiB per GPU`, exit 0: no GPU holds that, which is said, exit 1."""
+    result = finetune("plan", "--model", "meta-llama/Llama-3.1-70B", "--method", "full",
+                      "--offline")
+    assert result.returncode == 1, result.stderr
+    assert ("verdict: DOES NOT FIT — needs 1315.2 GiB per GPU with ddp on 1 GPU, more than any "
+            "GPU in the planner's catalog (the largest: H200-141GB, 140.4 GiB): ") in result.stdout
+    data = json.loads(finetune("plan", "--model", "meta-llama/Llama-3.1-70B", "--method",
+                               "full", "--offline", "-o", "json").stdout)
+    assert (data["fits"], data["verdict"], data["gpuType"]) == (False, "does-not-fit", None)
+
+
+def test_a_sweep_is_planned_as_its_largest_trial():
+    """`finetune plan` of example 07 said `skipped FineTuneSweep … no FineTuneJob found`,
+    exit 2, the code of an invalid manifest: it plans the template with the largest of
+    each searched number (LoRA rank 32 of 8, 16, 32), and says so."""
+    sweep = finetune("plan", "--offline", str(REPO / "examples/07-sweep-lora-lr.yaml"))
+    assert sweep.returncode == 0 and sweep.stderr == "", sweep.stderr
+    assert sweep.stdout.startswith("ml-team/lr-rank: lora, ddp, bf16, 1 node x 1 GPU process")
+    assert ("note: FineTuneSweep ml-team/lr-rank: planned as its largest trial, spec.template "
+            "with hyperparameters.learningRate: 0.0005, method.lora.r: 32 (each searched "
+            "number at its largest)") in sweep.stdout, sweep.stdout
+    text = yaml.safe_load((REPO / "examples/07-sweep-lora-lr.yaml").read_text())
+    text["spec"]["searchSpace"]["strategy.type"] = {"type": "choice", "values": ["ddp", "fsdp"]}
+    unranked = finetune("plan", "-", "--offline", stdin=yaml.safe_dump(text))
+    assert ("; strategy.type as the template has it: a trial with another value may need "
+            "more memory") in unranked.stdout, unranked.stdout
+    text["spec"]["searchSpace"]["method.lora.r"] = {"type": "choice", "values": [0, 8]}
+    invalid = finetune("plan", "-", "--offline", stdin=yaml.safe_dump(text))
+    assert invalid.returncode == 2 and invalid.stdout == ""
+    assert "<stdin>: spec.searchSpace" in invalid.stderr and "skipped" not in invalid.stderr
+
+
+def test_a_refusal_in_json_is_json_as_validates_is():
+    """`plan X -o json` of a file that is not there printed nothing on standard output."""
+    for args in (["/no/such/job.yaml"], ["--model", "acme/nothing-7b"],
+                 [str(REPO / "examples/02-aks-fsdp-full-8b.yaml"), "--gpu-type", "H1000"]):
+        result = finetune("plan", "--offline", "-o", "json", *args)
+        assert result.returncode == 2 and result.stderr == "", result.stderr
+        data = json.loads(result.stdout)
+        assert data["valid"] is False and data["problems"][0]["severity"] == "error"
+        assert set(data["problems"][0]) == {"source", "field", "message", "fix", "severity"}
+    missing = finetune("plan", "--offline", "-o", "json", "/no/such/job.yaml")
+    said = finetune("validate", "-o", "json", "/no/such/job.yaml")
+    assert json.loads(missing.stdout)["problems"] == json.loads(said.stdout)["problems"]
+
+
+def test_a_gpu_type_the_catalog_does_not_know_gets_the_same_few_names_in_a_manifest():
+    """In the manifest, `gpuType: X100` was `unknown` with the catalog's ~35 names; as
+    `--gpu-type X100`, the three it likely meant. Both say those three now; the manifest's
+    is still a warning (as `finetune validate`'s), exit 0."""
+    job = manifest(model={"uri": "hf://meta-llama/Llama-3.1-8B"},
+                   resources={"gpusPerNode": 1, "gpuType": "X100"})
+    result = finetune("plan", "-", "--offline", stdin=job)
+    assert result.returncode == 0, result.stderr
+    assert ("verdict: unknown — 22.3 GiB per GPU; spec.resources.gpuType 'X100': not in the "
+            "planner's catalog — did you mean V100 or H100 or A100? (`finetune plan "
+            "--list-gpus` lists the catalog)\n") in result.stdout, result.stdout
+    typed = finetune("plan", "-", "--offline", "--gpu-type", "X100", stdin=job)
+    assert typed.stderr.strip() == ("--gpu-type X100: not in the planner's catalog — did you "
+                                    "mean V100 or H100 or A100? (`finetune plan --list-gpus` "
+                                    "lists the catalog)")
+
+
+def test_a_cpu_plan_shows_what_cpu_workers_hold_and_no_recomputation(tmp_path):
+    """A CPU plan showed `CUDA context 0 MiB`, and `optimizer states 0 MiB` for 128 KiB;
+    an unset gradientCheckpointing became full checkpointing, which only slows a CPU run."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 1000, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2}))
+    path = tmp_path / "job.yaml"
+    path.write_text(manifest(model={"uri": "./"}, resources={"gpusPerNode": 0},
+                             dataset={"uri": "./data.jsonl", "maxSeqLength": 128}))
+    result = finetune("plan", str(path))
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "CUDA context" not in out
+    assert re.search(r"\n  optimizer states +\d+ KiB\n", out), out
+    assert "checkpointing off" in out.splitlines()[0]
+    assert ("note: gradientCheckpointing unset → off: CPU workers (recomputing activations "
+            "only slows a CPU run)") in out

@@ -67,9 +67,19 @@ def test_full_checkpointing_where_the_planner_cannot_tell():
     assert no_gpu_type.gradient_checkpointing is True
     assert no_gpu_type.checkpoint_policy == "full"
     assert "gpuType is not set" in no_gpu_type.notes[0]
-    cpu = settings(job(gpu_type=None, gpus=0))
-    assert cpu.gradient_checkpointing is True and cpu.compile is False
-    assert "CPU workers" in cpu.notes[0]
+
+
+def test_no_checkpointing_on_cpu_workers():
+    """CPU workers resolved an unset gradientCheckpointing to full, as an unknown GPU does:
+    recomputing only slowed them, whose activations sit in plentiful host memory."""
+    cpu = job(gpu_type=None, gpus=0)
+    chosen = settings(cpu)
+    assert chosen.gradient_checkpointing is False and chosen.compile is False
+    assert chosen.notes[0] == ("gradientCheckpointing unset → off: CPU workers (recomputing "
+                               "activations only slows a CPU run)")
+    assert build_trainer_config(cpu).strategy.gradient_checkpointing is False
+    set_on = job(gpu_type=None, gpus=0, strategy={"gradientCheckpointing": True})
+    assert settings(set_on).gradient_checkpointing is True
 
 
 def test_set_fields_are_kept_and_not_explained():

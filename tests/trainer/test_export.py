@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from finetune_trainer.export import ExportError, hub, model_folder, oci
+from tests.conftest import REPO
 from tests.support import registry as registries
 from tests.support import waits
 from tests.support.hub_fake import FakeHub
@@ -240,9 +241,16 @@ def test_a_registry_without_tls_takes_plain_http_when_asked(trained, tmp_path):
 
 @pytest.mark.process
 @pytest.mark.parametrize(("target", "said"), [
-    ("oci://Registry.example.com/Models/X:v1", "not a location this API understands"),
+    ("oci://Registry.example.com/Models/X:v1", "names the repository 'Models/X', which a "
+     "registry refuses: repository names are lowercase (OCI distribution spec); write models/x"),
+    ("oci://127.0.0.1:5000/m/x@sha256:" + "a" * 64, "names a digest, which a push cannot "
+     "target: the registry gives the digest of what it is sent; name a tag"),
+    ("oci://127.0.0.1:5000/m/x:bad tag", "names the tag 'bad tag', which a registry refuses; "
+     "use up to 128 letters, digits, _ . and -, not starting with . or -"),
+    ("oci://127.0.0.1:5000/m/x:-v1", "names the tag '-v1'"),
     ("pvc://claim/models", "PersistentVolumeClaim (pvc://) locations are not accepted here"),
-    ("oci://registry.example.com", "oci://registry.example.com/models/name:tag"),
+    ("oci://registry.example.com", "names no repository; write oci://<host[:port]>/"
+                                   "<repository>[:tag]"),
     ("hf://team/my--adapter", "is not a hub repository name; write hf://owner/name"),
     ("hf://team/adapters/v1", "use oci://registry.example.com/models/name:tag or "
                               "hf://org/name"),
@@ -253,6 +261,32 @@ def test_a_bad_target_is_named_with_the_form_to_write(tmp_path, target, said):
     refused = finetune_export(str(tmp_path), target, home=tmp_path)
     assert refused.returncode == 1
     assert said in refused.stderr and f"export to {target}" in refused.stderr
+
+
+@pytest.mark.process
+def test_a_manifest_run_here_is_exported_from_its_output_folder(tmp_path):
+    """OUTPUT may be the manifest `finetune run` ran, as for `finetune status` and `logs`:
+    its spec.output.uri is the folder; another file is said to be neither."""
+    from tests.trainer.test_training import manifest
+
+    job = manifest(tmp_path / "model", Path("out"))
+    job["spec"]["output"]["uri"] = "./out"
+    (tmp_path / "job.yaml").write_text(json.dumps(job))
+    (tmp_path / "out" / "final").mkdir(parents=True)
+    (tmp_path / "out" / "final" / "config.json").write_text("{}")
+    refused = finetune_export("--merged", str(tmp_path / "job.yaml"), "oci://x.io/m/x:v1",
+                              home=tmp_path)  # merged/ looked for in the manifest's folder
+    assert refused.returncode == 1
+    assert f"export of {tmp_path / 'out'}: holds no merged/ folder" in refused.stderr
+    (tmp_path / "notes.txt").write_text("not a manifest")
+    refused = finetune_export(str(tmp_path / "notes.txt"), "oci://x.io/m/x:v1", home=tmp_path)
+    assert refused.returncode == 1
+    assert (f"export of {tmp_path / 'notes.txt'}: is a file, neither a folder nor a valid "
+            "FineTuneJob manifest") in refused.stderr
+    cluster_job = REPO / "examples" / "02-aks-fsdp-full-8b.yaml"
+    refused = finetune_export(str(cluster_job), "oci://x.io/m/x:v1", home=tmp_path)
+    assert refused.returncode == 1
+    assert "runs on a cluster: its output is not on this machine" in refused.stderr
 
 
 @pytest.mark.process
@@ -397,14 +431,83 @@ def test_a_registry_that_does_not_answer_is_tried_again_then_named(tmp_path):
     folder.mkdir()
     (folder / "config.json").write_text("{}")
     slept: list[float] = []
+    said: list[str] = []
     with socket.socket() as taken:  # a port bound but not listening: refused at once
         taken.bind(("127.0.0.1", 0))
-        reference = oci.Reference.parse(f"oci://127.0.0.1:{taken.getsockname()[1]}/m/x:v1")
+        registry = f"127.0.0.1:{taken.getsockname()[1]}"
+        reference = oci.Reference.parse(f"oci://{registry}/m/x:v1")
         with pytest.raises(ExportError, match=r"did not answer.*\(4 tries\); check that the "
                            "registry is up"):
-            oci.push(folder, reference, plain_http=True, say=lambda _: None,
-                     sleep=slept.append)
+            oci.push(folder, reference, plain_http=True, say=said.append, sleep=slept.append)
     assert slept == [2, 4, 8]
+    assert said[1:] == [f"  {registry} did not answer (connection refused); trying again in "
+                        f"{wait} s" for wait in (2, 4, 8)]  # not urllib3's paragraph
+
+
+@pytest.mark.unit
+def test_a_token_service_that_does_not_answer_is_tried_again_then_named(tmp_path):
+    """A registry's Bearer challenge names a token service that is down (its realm): tried
+    again as a registry that does not answer is, then named; it raised requests' traceback."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    folder = tmp_path / "final"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    with socket.socket() as taken:  # the token service's port, bound but not listening
+        taken.bind(("127.0.0.1", 0))
+        realm = f"http://127.0.0.1:{taken.getsockname()[1]}/token"
+
+        class Challenge(BaseHTTPRequestHandler):  # a registry that wants a token for all
+            def answer(self) -> None:
+                self.send_response(401)
+                self.send_header("WWW-Authenticate", f'Bearer realm="{realm}",service="r"')
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            do_GET = do_HEAD = do_POST = do_PUT = answer
+
+            def log_message(self, *args) -> None:
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Challenge)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        registry = f"127.0.0.1:{server.server_address[1]}"
+        slept: list[float] = []
+        try:
+            with pytest.raises(ExportError, match=(
+                    rf"the token service of {registry}, {realm}, did not answer \(connection "
+                    r"refused\) \(4 tries\); check that the registry is up")):
+                oci.push(folder, oci.Reference.parse(f"oci://{registry}/m/x:v1"),
+                         plain_http=True, say=lambda _: None, sleep=slept.append)
+        finally:
+            server.shutdown()
+            server.server_close()
+    assert slept == [2, 4, 8]
+
+
+@pytest.mark.unit
+def test_a_host_that_does_not_resolve_is_said_at_once_not_tried_again(tmp_path, monkeypatch):
+    """A name missing from DNS stays missing: one line naming the host, no retries."""
+    folder = tmp_path / "final"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+
+    def no_such_name(host, *args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_such_name)  # the resolver's answer, always
+    slept: list[float] = []
+    with pytest.raises(ExportError, match=r"^export to registry.example.com:5000/m/x:v1: the "
+                       r"registry host registry.example.com does not resolve \(no such name\); "
+                       "check the host in the target"):
+        oci.push(folder, oci.Reference.parse("oci://registry.example.com:5000/m/x:v1"),
+                 say=lambda _: None, sleep=slept.append)
+    with pytest.raises(ExportError, match=r"^export to hf://team/x: the hub's host "
+                       r"hub.example.com does not resolve \(no such name\); check HF_ENDPOINT"):
+        hub.push(folder, hub.HubRepo.parse("hf://team/x"), token="t", say=lambda _: None,
+                 sleep=slept.append, endpoint="https://hub.example.com")
+    assert slept == []
 
 
 @pytest.mark.unit

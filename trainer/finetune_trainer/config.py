@@ -211,9 +211,10 @@ class StrategyConfig(ApiModel):
     gradient_checkpointing: bool | None = None
     """Recompute activations in the backward pass: much less memory, about 20-30% slower.
     Unset (the default): chosen from the planner's memory estimate on `gpuType` with 10%
-    headroom — off when the activations fit, else `selective`, else `full` — and on
-    (`full`) where the planner cannot tell (no `gpuType`, unknown model, CPU workers).
-    `finetune plan` and `finetune run` print the choice and why."""
+    headroom — off when the activations fit, else `selective`, else `full` — on (`full`)
+    where the planner cannot tell (no `gpuType`, unknown model), and off on CPU workers
+    (recomputing only slows them; host memory holds the activations). `finetune plan` and
+    `finetune run` print the choice and why."""
     gradient_checkpointing_policy: CheckpointPolicy = "full"
     """What gradient checkpointing recomputes. `full`: whole decoder layers (least
     memory). `selective`: keeps the outputs of matmuls and attention and recomputes only

@@ -21,6 +21,6 @@ def main() -> None:
       finetune run job.yaml           train it on this machine (CPU or local GPUs)
       finetune status NAME --watch    phase, progress bar, events (a cluster's job or a run's)
       finetune logs NAME -f           the trainer's log
-      finetune export OUT oci://REF   push a trained model to a registry (KAITO, oras)
+      finetune export OUT TARGET      push a trained model to oci:// (KAITO, oras) or hf://
       finetune operator               run the controller (in-cluster, or via KUBECONFIG)
     """

@@ -11,12 +11,13 @@ from typing import TYPE_CHECKING
 import click
 
 from finetune_operator import naming
-from finetune_operator.api import KIND
+from finetune_operator.api import KIND, SWEEP_KIND
 from finetune_operator.cli.common import (
     KUBECONFIG_HELP,
     NAMESPACE_HELP,
+    Target,
     cluster_error,
-    local_target,
+    target_of,
 )
 from finetune_operator.cli.group import main
 
@@ -44,13 +45,13 @@ def logs_command(target: str, namespace: str | None, kubeconfig: str | None, ran
 
     from finetune_operator import follow  # ~8 ms at every start: only status and logs read it
 
-    here = local_target("logs", target, namespace, kubeconfig)
-    if here:
-        sys.exit(_local_logs(follow.run_log(here[1]), here[1], keep_following))
+    named = target_of("logs", target, namespace, kubeconfig)
+    _not_a_pods_log(named, target, rank, keep_following)
     from finetune_operator import kube  # the cluster's client (aiohttp): not for a run's log
 
     client = kube.Kube(kubeconfig)
-    namespace = namespace or kube.default_namespace(kubeconfig)
+    namespace = named.namespace or namespace or kube.default_namespace(kubeconfig)
+    target = named.name
 
     async def read() -> int:
         # the backends: only for a cluster's job (workers' names: only for a pod's log)
@@ -116,6 +117,25 @@ def logs_command(target: str, namespace: str | None, kubeconfig: str | None, ran
         sys.exit(asyncio.run(read()))
     except KeyboardInterrupt:
         sys.exit(130)
+
+
+def _not_a_pods_log(named: Target, target: str, rank: int, keep_following: bool) -> None:
+    """A NAME whose log is no pod's: a `finetune run`'s (printed, then exit) or a sweep's
+    (it has none: exit 1)."""
+    from finetune_operator import follow  # as in logs_command
+
+    if named.folder is not None:
+        if rank:
+            raise click.BadParameter(f"{rank}: a `finetune run` is one node, rank 0, and its "
+                                     "log holds every process's lines — leave --rank out",
+                                     param_hint="--rank")
+        sys.exit(_local_logs(follow.run_log(named.folder), named.folder, keep_following))
+    if named.kind == SWEEP_KIND:
+        click.echo(f"finetune logs: {target} is a FineTuneSweep, whose trials are FineTuneJobs "
+                   f"with logs of their own — `finetune status {named.name}"
+                   f"{f' -n {named.namespace}' if named.namespace else ''}` lists them",
+                   err=True)
+        sys.exit(1)
 
 
 def _no_pod(target: str, obj: dict, rank: int) -> str:

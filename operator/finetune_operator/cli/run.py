@@ -118,14 +118,20 @@ def run_command(file: str, nproc: int | None, fresh: bool, metrics_port: int | N
                              on_gpus=job.spec.resources.on_gpus)
     ports.close()  # held for the workers until now, restarts included
     if code == 0:
-        click.echo(f"done: model in {output_dir / layout.FINAL_DIR}, checkpoints in "
-                   f"{layout.checkpoint_root(output_dir)}, progress in "
-                   f"{output_dir / layout.PROGRESS_FILE}")
+        ended = (f"done: model in {output_dir / layout.FINAL_DIR}, checkpoints in "
+                 f"{layout.checkpoint_root(output_dir)}, progress in "
+                 f"{output_dir / layout.PROGRESS_FILE}")
+        click.echo(ended)
     elif code == STOPPED:
-        click.echo(stopped_message(output_dir), err=True)
+        ended = stopped_message(output_dir)
+        click.echo(ended, err=True)
     else:
         mark_failed(output_dir)
-        click.echo(f"training failed (exit {code}): {failure_hint(code)}", err=True)
+        ended = f"training failed (exit {code}): {failure_hint(code)}"
+        click.echo(ended, err=True)
+    log = RunLog(run_log(output_dir))  # `finetune logs` ends as the terminal did
+    log.write(f"{ended}\n")
+    log.close()
     sys.exit(code)
 
 

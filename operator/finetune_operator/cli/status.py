@@ -12,7 +12,7 @@ from finetune_operator.cli.common import (
     KUBECONFIG_HELP,
     NAMESPACE_HELP,
     cluster_error,
-    local_target,
+    target_of,
 )
 from finetune_operator.cli.group import main
 
@@ -77,18 +77,18 @@ def status_command(target: str, namespace: str | None, kubeconfig: str | None, w
 
     from finetune_operator import follow  # ~8 ms at every start: only status and logs read it
 
-    here = local_target("status", target, namespace, kubeconfig)
+    named = target_of("status", target, namespace, kubeconfig)
     client, cluster_errors = None, ()  # a run on this machine asks no cluster: no client
-    if not here:
+    if named.folder is None:
         from finetune_operator import kube  # the cluster's client (aiohttp): not for a run's
 
         client, cluster_errors = kube.Kube(kubeconfig), (kube.LoginError, kube.KubeError)
-        namespace = namespace or kube.default_namespace(kubeconfig)
+        namespace = named.namespace or namespace or kube.default_namespace(kubeconfig)
 
     async def look_once() -> follow.JobView | None:
-        if here:
-            return follow.view_of_output(*here)
-        return await follow.look(client, namespace, target)
+        if named.folder is not None:
+            return follow.view_of_output(named.name, named.folder)
+        return await follow.look(client, namespace, named.name)
 
     async def follow_job() -> int:
         screen = Screen() if output == "text" else JsonLines()
@@ -96,7 +96,7 @@ def status_command(target: str, namespace: str | None, kubeconfig: str | None, w
             while True:
                 view = await look_once()
                 if view is None:
-                    click.echo(f"finetune status: no FineTuneJob or FineTuneSweep {target} in "
+                    click.echo(f"finetune status: no FineTuneJob or FineTuneSweep {named.name} in "
                                f"namespace {namespace} — `kubectl get ftj,ftsweep -n "
                                f"{namespace}` lists them", err=True)
                     return 1

@@ -10,6 +10,7 @@ import click
 
 from finetune_operator import yamlio
 from finetune_operator.admission import offline_backends
+from finetune_operator.backends import installed_names
 from finetune_operator.cli.common import jobs_in, say_problem, summary
 from finetune_operator.cli.group import EXIT_INVALID, main
 from finetune_operator.local.paths import local_path_problems
@@ -35,9 +36,11 @@ def validate(files: tuple[str, ...], output: str, data: bool) -> None:
 
     Prints one line per problem, `FILE: path.to.field: what is wrong — how to fix`, and
     exits 2 when any manifest is invalid. It checks what the operator checks, the
-    backend's own refusals included (what `finetune render` refuses). Warnings (an
-    absolute local path that does not exist on this machine, relative paths that only
-    `finetune run` can use, two jobs writing one output folder) do not change the exit
+    backend's own refusals included (what `finetune render` refuses, but for relative
+    paths: `finetune run` takes those, so here they are a warning and `render`, for a
+    cluster, refuses them). Warnings (an absolute local path that does not exist on this
+    machine, relative paths that only `finetune run` can use, two jobs writing one output
+    folder) do not change the exit
     code; a relative model or data path that is not on this machine is an error. With
     --data, a model or data set the trainer would refuse is an error too.
     """
@@ -48,10 +51,17 @@ def validate(files: tuple[str, ...], output: str, data: bool) -> None:
                       "fix": problem.fix, "severity": problem.severity})
 
     say = collect if output == "json" else say_problem
-    valid, invalid = jobs_in(files, "validate", say=say)
+    sweeps: list = []
+    valid, invalid = jobs_in(files, "validate", say=say, sweeps=sweeps)
     if data:
         # the trainer config and a process of the training stack: only when asked
         from finetune_operator.local.data_check import check_data
+        for doc, _sweep in sweeps:  # its trials are FineTuneJobs on the cluster only
+            say(doc.source, Problem("--data", "not read: --data reads FineTuneJobs, and a "
+                                    "sweep's trials read spec.template's model and data on "
+                                    "the cluster", "their workers check them when each trial "
+                                    "starts; to read them here, validate --data a FineTuneJob "
+                                    "whose spec is the template", severity="warning"))
     usable, read = [], []  # read: what --data found of each usable job
     for doc, job in valid:
         here = local_path_problems(job, doc.folder)
@@ -101,6 +111,10 @@ def render_command(file: str, output: str, backend: str | None) -> None:
     kubernetes: the ConfigMap, headless Service and Indexed Job
     azureml:    the command job YAML, for `az ml job create --file`
     """
+    if backend is not None and backend not in installed_names():  # the flag's, not the file's
+        raise click.BadParameter(f"{backend!r} is not an installed backend — use one of: "
+                                 f"{', '.join(sorted(installed_names()))}",
+                                 param_hint="--backend")
     valid, invalid = jobs_in((file,), "render", backend=backend)
     if invalid:
         sys.exit(EXIT_INVALID)

@@ -61,6 +61,9 @@ def plan_warnings(job: FineTuneJob, model: ModelConfig | None,
     if machine is not None:
         return [*warnings, f"warning: predicted not to fit this machine's GPUs — "
                 f"{plan.reason} (an estimate, ±15%: the run starts anyway)"]
+    if not job.spec.resources.gpu_type:  # the operator, not told a GPU, launches it
+        return [*warnings, f"warning: predicted not to fit any GPU the planner knows — "
+                f"{plan.reason} (`finetune plan` shows the breakdown)"]
     return [*warnings, f"warning: spec.resources.gpuType: predicted not to fit — "
             f"{plan.reason} (`finetune plan` shows the breakdown; the operator would not "
             "launch this job)"]

@@ -13,6 +13,7 @@ from typing import Any
 from finetune_operator import gpu_catalog as catalog
 from finetune_operator.api import API_VERSION, KIND, MAX_NAME_LENGTH, FineTuneJob
 from finetune_operator.planner import known_models
+from finetune_operator.planner.plan import unknown_gpu_type
 
 
 def model_uri(name: str) -> str:
@@ -74,8 +75,5 @@ def gpu_type_refused(gpu_type: str, job: FineTuneJob) -> str | None:
         return (f"--gpu-type {gpu_type}: the job's workers are CPU processes "
                 "(spec.resources.gpusPerNode: 0) — set gpusPerNode to plan it on GPUs")
     if catalog.find(gpu_type) is None:
-        known, close = catalog.known_names(), catalog.close_names(gpu_type)
-        return (f"--gpu-type {gpu_type}: not in the planner's catalog — "
-                + (f"did you mean {' or '.join(close)}? " if close else "")
-                + f"(known: {', '.join(known)})")
+        return f"--gpu-type {gpu_type}: {unknown_gpu_type(gpu_type)}"
     return None

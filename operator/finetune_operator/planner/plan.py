@@ -165,10 +165,13 @@ class JobPlan(PlanModel):
 
 
 def gib(value: float) -> str:
-    """Bytes for people: GiB, or MiB below one GiB."""
-    if abs(value) < 1024**3:
+    """Bytes for people: GiB, MiB below one GiB, KiB below one MiB (a tiny model's
+    optimizer states would read `0 MiB`, as if there were none)."""
+    if abs(value) >= 1024**3:
+        return f"{value / 1024**3:.1f} GiB"
+    if abs(value) >= 1024**2 or value == 0:
         return f"{value / 1024**2:.0f} MiB"
-    return f"{value / 1024**3:.1f} GiB"
+    return f"{value / 1024:.0f} KiB" if abs(value) >= 1024 else f"{value:.0f} B"
 
 
 def setup_for(job: FineTuneJob, strategy: Strategy, world_size: int | None = None,
@@ -359,8 +362,7 @@ def recommend(shape: ModelShape, job: FineTuneJob, requested: VmSize | None = No
     if not options:
         return Recommendation(best=None, on_requested_gpu=mine, why=(
             f"nothing in the catalog fits up to {NODE_COUNTS[-1]} nodes with "
-            f"{int(headroom * 100)}% headroom: shorten maxSeqLength, lower "
-            "batchSizePerDevice, enable gradientCheckpointing, or use lora/qlora"))
+            f"{int(headroom * 100)}% headroom: {_smaller_job(job)}"))
     best = options[0]
     why = (f"cheapest per trained token of {len(options)} fitting options: {best.strategy} on "
            f"{best.nodes} x {best.vm_size} ({best.gpus_per_node} x {best.gpu}), "
@@ -373,6 +375,22 @@ def recommend(shape: ModelShape, job: FineTuneJob, requested: VmSize | None = No
         why += (f"; next: {runner.strategy} on {runner.nodes} x {runner.vm_size} "
                 f"({ratio:.1f}x the cost)")
     return Recommendation(best=best, on_requested_gpu=mine, why=why, alternatives=options[1:6])
+
+
+def _smaller_job(job: FineTuneJob) -> str:
+    """What would make a job that fits nowhere smaller, of what it does not do already:
+    the options were sized at its micro-batch and with checkpointing on unless the spec
+    sets it off, and a method is only smaller than the job's own (full > lora > qlora)."""
+    spec = job.spec
+    fixes = ["shorten spec.dataset.maxSeqLength"]
+    if spec.hyperparameters.micro_steps()[0] > 1:  # the same global batch, in more passes
+        fixes.append("set spec.hyperparameters.microBatchSize: 1")
+    if spec.strategy.gradient_checkpointing is False:
+        fixes.append("set spec.strategy.gradientCheckpointing: true")
+    smaller = {"full": "lora or qlora", "lora": "qlora"}.get(spec.method.type)
+    if smaller:
+        fixes.append(f"use spec.method.type: {smaller}")
+    return ", ".join(fixes) + ", or train a smaller model"
 
 
 def _vm_of(job: FineTuneJob, machine: VmSize | None = None) -> VmSize | None:
@@ -543,8 +561,9 @@ def choose_step_settings(job: FineTuneJob, model: ModelConfig | None,
     """What an unset `gradientCheckpointing`, `microBatchSize` and `compile` stand for on
     this job: the fastest checkpointing that fits the GPU (the gpuType's, or `machine`'s
     free memory) with headroom (off, selective, full) at the micro-batch that fits it
-    (`_size_the_step`), and compile for GPU runs long enough to pay for it. Set fields are
-    kept as they are."""
+    (`_size_the_step`), full where the planner cannot tell, off on CPU workers (host memory
+    holds the activations); and compile for GPU runs long enough to pay for it. Set fields
+    are kept as they are."""
     chosen, hp, notes = job.spec.strategy, job.spec.hyperparameters, []
     shape, vm, unknown = _gpu_and_shape(job, model, machine)
     resources = job.spec.resources
@@ -562,7 +581,12 @@ def choose_step_settings(job: FineTuneJob, model: ModelConfig | None,
         setup = setup.model_copy(update={"compile": compile_})
     checkpointing, policy = chosen.gradient_checkpointing, chosen.gradient_checkpointing_policy
     micro = hp.micro_steps()[0]
-    if setup is None or shape is None or vm is None:
+    if not resources.on_gpus:
+        if checkpointing is None:  # host memory is what a CPU worker has plenty of
+            checkpointing = False
+            notes.append("gradientCheckpointing unset → off: CPU workers (recomputing "
+                         "activations only slows a CPU run)")
+    elif setup is None or shape is None or vm is None:
         if checkpointing is None:
             checkpointing, policy = True, "full"
             notes.append(f"gradientCheckpointing unset → full: {unknown}")
@@ -772,9 +796,15 @@ def _plan_on(job: FineTuneJob, model: ModelConfig | None, strategy: Strategy,
     else:
         recommendation = Recommendation(best=None, why="catalog not searched")
     if vm is None:
+        largest = max(catalog.GPUS, key=lambda gpu: gpu.memory_bytes)
+        if not gpu_type and search_catalog and estimate.total > largest.memory_bytes:
+            return JobPlan(fits=False, verdict="does-not-fit", gpu_type=None,
+                           recommendation=recommendation, reason=_does_not_fit(
+                               estimate, strategy, world, recommendation,
+                               f"any GPU in the planner's catalog (the largest: "
+                               f"{largest.name}, {gib(largest.memory_bytes)})"), **common)
         why = ("spec.resources.gpuType is not set" if not gpu_type else
-               f"gpuType {gpu_type!r} is not in the planner's catalog (known: "
-               f"{', '.join(catalog.known_names())})")
+               f"spec.resources.gpuType {gpu_type!r}: {unknown_gpu_type(gpu_type)}")
         return JobPlan(fits=None, verdict="unknown", gpu_type=gpu_type, recommendation=(
             recommendation), reason=f"{gib(estimate.total)} per GPU; {why}", **common)
     memory = vm.gpu.memory_bytes
@@ -800,6 +830,15 @@ def _plan_on(job: FineTuneJob, model: ModelConfig | None, strategy: Strategy,
                        **common, "notes": [*common["notes"], *host.notes]})
 
 
+def unknown_gpu_type(gpu_type: str) -> str:
+    """What is wrong with a gpuType the catalog does not know, and the names it likely
+    meant: the same words for the spec's field and for `--gpu-type`."""
+    close = catalog.close_names(gpu_type)
+    listed = "`finetune plan --list-gpus` lists the catalog"
+    return "not in the planner's catalog — " + (
+        f"did you mean {' or '.join(close)}? ({listed})" if close else listed)
+
+
 def _no_bf16(job: FineTuneJob, vm: VmSize, strategy: Strategy, precision: Precision) -> str:
     """The note of a bf16 job planned in fp16 on a GPU without bf16."""
     why_not = refused(as_recommended(job, vm, job.spec.resources.nodes, strategy, precision))
@@ -814,14 +853,24 @@ def _gpu_verdict(estimate: MemoryEstimate, vm: VmSize, strategy: Strategy, world
     memory = vm.gpu.memory_bytes
     verdict: Verdict = ("does-not-fit" if estimate.total > memory else
                         "tight" if estimate.total > memory * (1 - HEADROOM) else "fits")
-    lines = ", ".join(f"{_LABELS[k]} {gib(v)}" for k, v in estimate.breakdown.items() if v)
     where = f"{vm.name} ({vm.gpu.name}, {gib(memory)})"
     if verdict != "does-not-fit":
         return verdict, (f"{gib(estimate.total)} of {gib(memory)} per GPU on {where} with "
                          f"{strategy}" + (" (less than 10% headroom)" if verdict == "tight"
-                                          else "") + f": {lines}")
+                                          else "") + f": {_lines(estimate)}")
+    return verdict, _does_not_fit(estimate, strategy, world, recommendation, where)
+
+
+def _lines(estimate: MemoryEstimate) -> str:
+    return ", ".join(f"{_LABELS[k]} {gib(v)}" for k, v in estimate.breakdown.items() if v)
+
+
+def _does_not_fit(estimate: MemoryEstimate, strategy: Strategy, world: int,
+                  recommendation: Recommendation, than: str) -> str:
+    """Why a job does not fit `than` (the GPU it asks for, or every GPU the catalog has),
+    and what would fit: on the VM size it asks for, else the cheapest anywhere."""
     reason = (f"needs {gib(estimate.total)} per GPU with {strategy} on {world} GPU"
-              f"{'s' if world > 1 else ''}, more than {where}: {lines}")
+              f"{'s' if world > 1 else ''}, more than {than}: {_lines(estimate)}")
     mine = recommendation.on_requested_gpu
     if mine is not None:
         reason += (f" — fits as strategy {mine.strategy} on {mine.nodes} node"
@@ -829,7 +878,7 @@ def _gpu_verdict(estimate: MemoryEstimate, vm: VmSize, strategy: Strategy, world
     elif recommendation.best is not None:
         b = recommendation.best
         reason += f" — fits on {b.nodes} x {b.vm_size} with {b.strategy}"
-    return verdict, reason
+    return reason
 
 
 def _more_gpus_than(job: FineTuneJob, vm: VmSize, gpu_type: str) -> str | None:

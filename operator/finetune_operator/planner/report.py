@@ -127,6 +127,8 @@ def table(job: FineTuneJob, plan: JobPlan) -> str:
             plan.peak_phase or "", "the optimizer step")
         lines.append(f"per {'GPU' if r.on_gpus else 'process'} (peak during {moment}):")
         for key, value in plan.breakdown.items():
+            if key == "cudaContext" and not r.on_gpus:  # a CPU worker opens none
+                continue
             extra = ""
             if key == "temporaryBuffers" and plan.temporary_buffers:
                 parts = sorted(plan.temporary_buffers.items(), key=lambda kv: -kv[1])

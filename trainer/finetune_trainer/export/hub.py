@@ -16,9 +16,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 from finetune_trainer.export.oci import model_files
-from finetune_trainer.export.retry import ATTEMPTS, ExportError, wait_to_try_again
+from finetune_trainer.export.retry import ATTEMPTS, ExportError, unresolved, wait_to_try_again
 
 REPO_ID = re.compile(r"^hf://(?P<repo>(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95})$")
 """The hub's repository names: an optional owner and a name, letters, digits, `-`, `_`, `.`."""
@@ -62,6 +63,11 @@ def push(folder: Path, repo: HubRepo, *, token: str | None = None, say=print,
                                            f"Upload {folder.name}/ from finetune-operator"))
             break
         except Exception as error:
+            if unresolved(error):  # no other try: a missing name stays missing
+                raise ExportError(str(repo), f"the hub's host {urlparse(api.endpoint).hostname}"
+                                  " does not resolve (no such name)", "check HF_ENDPOINT "
+                                  "(unset: huggingface.co), and that this machine's DNS "
+                                  "knows it") from None
             fault = _transient(error)
             if fault is None:
                 raise _refusal(repo, error) from None

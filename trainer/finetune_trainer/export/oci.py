@@ -42,7 +42,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import urljoin
 
-from finetune_trainer.export.retry import ATTEMPTS, ExportError, wait_to_try_again
+from finetune_trainer.export.retry import (
+    ATTEMPTS,
+    ExportError,
+    no_answer,
+    unresolved,
+    wait_to_try_again,
+)
 
 MANIFEST_TYPE = "application/vnd.oci.image.manifest.v1+json"
 CONFIG_TYPE = "application/vnd.oci.image.config.v1+json"
@@ -62,9 +68,10 @@ _HOST = re.compile(r"^(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?"
                    r"(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*|\[[0-9a-fA-F:]+\])"
                    r"(?::[0-9]{1,5})?$")
 _PATH_COMPONENT = re.compile(r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*$")
-_TAG = re.compile(r"^\w[\w.-]{0,127}$")
+_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 """The distribution spec's grammar of a registry host, a repository's path components and
 a tag (distribution/reference's regexp.go)."""
+_EXAMPLE = "oci://myregistry.azurecr.io/adapters/support-bot:v1"
 
 
 @dataclass(frozen=True)
@@ -77,26 +84,34 @@ class Reference:
 
     @classmethod
     def parse(cls, uri: str) -> Reference:
-        """Raises ExportError naming what a registry would refuse, before anything is sent
-        (`finetune validate` and the operator check a job's targets with it)."""
+        """Raises ExportError naming the part a registry would refuse and why, before
+        anything is sent (`finetune export`, `finetune validate` and the operator check a
+        target with it: the one grammar of an oci:// target)."""
         rest = uri.removeprefix("oci://")
         registry, _, path = rest.partition("/")
         if "@" in path:
-            raise ExportError(uri, "names a digest, and a push makes one", "name a tag "
+            raise ExportError(uri, "names a digest, which a push cannot target: the registry "
+                              "gives the digest of what it is sent", "name a tag "
                               "(oci://registry/repository:tag), or none for `latest`")
         repository, _, tag = path.rpartition(":") if ":" in path else (path, "", "")
-        if not _HOST.match(registry):
+        if not _HOST.fullmatch(registry):
             raise ExportError(uri, f"names no registry host ({registry!r})", "write "
-                              "oci://<host[:port]>/<repository>[:tag], e.g. "
-                              "oci://myregistry.azurecr.io/adapters/support-bot:v1")
-        if not repository or not all(_PATH_COMPONENT.match(c) for c in repository.split("/")):
+                              f"oci://<host[:port]>/<repository>[:tag], e.g. {_EXAMPLE}")
+        if not repository:
+            raise ExportError(uri, "names no repository", "write oci://<host[:port]>/"
+                              f"<repository>[:tag], e.g. {_EXAMPLE}")
+        if not all(_PATH_COMPONENT.fullmatch(c) for c in repository.split("/")):
+            lower = repository.lower()
+            why = ": repository names are lowercase (OCI distribution spec)" if (
+                lower != repository) else ""
+            fix = (f"write {lower}" if all(_PATH_COMPONENT.fullmatch(c) for c in lower.split(
+                "/")) else "use lowercase letters, digits and single . _ - between them, in "
+                "/-separated parts")
             raise ExportError(uri, f"names the repository {repository!r}, which a registry "
-                              "refuses", "use lowercase letters, digits and single . _ - "
-                              "between them, in /-separated parts")
-        if tag and not _TAG.match(tag):
-            raise ExportError(uri, f"names the tag {tag!r}, which a registry refuses",
-                              "use up to 128 letters, digits, _ . and -, not starting with "
-                              ". or -")
+                              f"refuses{why}", fix)
+        if tag and not _TAG.fullmatch(tag):
+            raise ExportError(uri, f"names the tag {tag!r}, which a registry refuses", "use "
+                              "up to 128 letters, digits, _ . and -, not starting with . or -")
         return cls(registry, repository, tag or "latest")
 
     def __str__(self) -> str:
@@ -320,7 +335,13 @@ class Registry:
                                   "in REQUESTS_CA_BUNDLE, or --plain-http for a registry "
                                   "without TLS") from None
             except requests.exceptions.RequestException as error:
-                raise Transient(f"{self.reference.registry} did not answer: {error}") from None
+                if unresolved(error):  # no other try: a missing name stays missing
+                    host = re.sub(r":[0-9]+$", "", self.reference.registry)
+                    raise ExportError(str(self.reference), f"the registry host {host} does "
+                                      "not resolve (no such name)", "check the host in the "
+                                      "target, and that this machine's DNS knows it") from None
+                raise Transient(f"{self.reference.registry} did not answer "
+                                f"({no_answer(error)})") from None
             if response.status_code == 401 and attempt == 1:
                 self._authenticate(response)
                 continue
@@ -355,12 +376,20 @@ class Registry:
             return
         if scheme.lower() != "bearer":
             raise self._refused(response)
+        import requests  # as in __init__
+
         fields = dict(re.findall(r'(\w+)="([^"]*)"', params))
+        if not fields.get("realm"):  # no token service named: nothing to ask
+            raise self._refused(response)
         query = {"scope": f"repository:{self.reference.repository}:pull,push"}
         if fields.get("service"):
             query["service"] = fields["service"]
-        answer = self.session.get(fields.get("realm", ""), params=query, timeout=60,
-                                  auth=self.credentials)
+        try:
+            answer = self.session.get(fields["realm"], params=query, timeout=60,
+                                      auth=self.credentials)
+        except requests.exceptions.RequestException as error:  # tried again, as the registry
+            raise Transient(f"the token service of {self.reference.registry}, "
+                            f"{fields['realm']}, did not answer ({no_answer(error)})") from None
         if answer.status_code != 200:
             raise self._refused(answer)
         body = answer.json()

@@ -1,9 +1,12 @@
 """What every kind of export target shares: the error an export that did not happen raises,
-and how often a push that met a transient fault is tried again. A leaf of the package:
-`oci` and `hub` import it, and the package's `export` imports them."""
+how often a push that met a transient fault is tried again, and why a request got no answer
+(a host name that does not resolve is no transient fault). A leaf of the package: `oci` and
+`hub` import it, and the package's `export` imports them."""
 
 from __future__ import annotations
 
+import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -35,3 +38,38 @@ def wait_to_try_again(attempt: int, fault: object, target: str, where: str, say,
                           "up and reachable from here, then export again")
     say(f"  {fault}; trying again in {2 ** attempt} s")
     sleep(2 ** attempt)
+
+
+_NO_SUCH_NAME = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
+
+
+def _causes(error: BaseException) -> Iterator[BaseException]:
+    """`error` and what it was raised from, outermost first (requests wraps urllib3's, which
+    wraps the socket's; httpx wraps httpcore's)."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def unresolved(error: BaseException) -> bool:
+    """Whether a request failed because its host name does not resolve: it will not in
+    the seconds between tries (a lookup that failed for now, EAI_AGAIN, may)."""
+    return any(isinstance(cause, socket.gaierror) and cause.errno in _NO_SUCH_NAME
+               for cause in _causes(error))
+
+
+def no_answer(error: BaseException) -> str:
+    """Why a request got no answer, in a few words: the socket's reason where one is in
+    the chain, else the error's kind (the HTTP clients' own text runs to a paragraph)."""
+    for cause in _causes(error):
+        if isinstance(cause, ConnectionRefusedError):
+            return "connection refused"
+        if isinstance(cause, ConnectionResetError):
+            return "connection reset"
+        if isinstance(cause, TimeoutError):
+            return "timed out"
+        if isinstance(cause, socket.gaierror):
+            return "name lookup failed"
+    return type(error).__name__

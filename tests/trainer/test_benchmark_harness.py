@@ -210,15 +210,17 @@ def test_the_generation_benchmark_samples_each_side_beside_dynamic(tmp_path):
 
 @pytest.mark.process
 def test_the_startup_benchmark_times_each_side_to_its_first_step_and_end(tmp_path):
-    """benchmarks/startup.py, one round: `finetune run`, torchrun alone on the config it
-    wrote, and the preflight process it ran before, each run to the end (6 steps)."""
+    """benchmarks/startup.py, one round: `finetune run` and torchrun alone on the config it
+    wrote, each run to the end (6 steps). (The third side, the preflight process `finetune
+    run` ran before 11-29, adds a run as long as these two for a figure of the past: left to
+    the benchmark.)"""
     out = tmp_path / "startup.json"
     done = subprocess.run([sys.executable, str(REPO / "benchmarks/startup.py"), "--rounds", "1",
-                           "--out", str(out)], capture_output=True, text=True, cwd=REPO,
-                          timeout=waits.seconds_left())
+                           "--sides", "torchrun alone", "--out", str(out)],
+                          capture_output=True, text=True, cwd=REPO, timeout=waits.seconds_left())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     sides = json.loads(out.read_text())["sides"]
-    assert list(sides) == ["finetune run", "torchrun alone", "with the old preflight"]
+    assert list(sides) == ["finetune run", "torchrun alone"]  # `finetune run` always
     for figures in sides.values():
         assert 0 < figures["seconds_to_first_step"] <= figures["seconds_to_done"]
     assert sides["finetune run"]["ratio_to_finetune_run"] == 1.0

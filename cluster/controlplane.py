@@ -328,6 +328,13 @@ class ControlPlane:
     def server(self) -> str:
         return f"https://{self.address}:{self.ports['apiserver']}"
 
+    def attach(self) -> None:
+        """The ports and address of the plane another process started, from state.json:
+        with the real node the API server listens on the host's end of the node's link, not
+        127.0.0.1 (`make cluster-install` wrote a kubeconfig no one could log in with)."""
+        state = json.loads((self.folder / "state.json").read_text())
+        self.ports, self.address = state["ports"], state["address"]
+
     @property
     def admin_kubeconfig(self) -> Path:
         return self.folder / "admin.kubeconfig"
@@ -680,7 +687,7 @@ def main(argv: list[str] | None = None) -> int:
             if not plane.running():
                 raise ControlPlaneError(f"no control plane is running from {args.folder}: "
                                         "`make cluster` first")
-            plane.ports = json.loads((args.folder / "state.json").read_text())["ports"]
+            plane.attach()
             installed = plane.install()
             settings = " ".join(f"{k}={shlex.quote(v)}"
                                 for k, v in sorted(installed.operator_env.items()))

@@ -40,8 +40,11 @@ def test_two_visible_gpus_keep_a_two_by_eight_jobs_global_batch():
 def test_cpu_instead_of_the_gpu_the_spec_asks_for_is_said():
     accumulation, notes = fit_to_machine(job(nodes=1, gpus=1), processes=1, gpus=0)
     assert accumulation == 1
+    precision = job().spec.strategy.precision
     assert notes == ["no GPU is visible here: training on 1 CPU process instead of the 1 GPU "
-                     "the spec asks for (slow; fine for a check)"]
+                     "the spec asks for (slow; fine for a check), with the step settings and "
+                     f"precision ({precision}) of the job on its GPUs, so that its checkpoints "
+                     "resume there"]  # the GPU's micro-batch was said as if a GPU ran it
 
 
 def test_the_same_machine_changes_nothing():

@@ -95,6 +95,8 @@ def test_the_steps_run_as_written(tmp_path):
                             timeout=waits.seconds_left())
     assert result.returncode == 0, session + result.stdout[-3000:] + result.stderr[-3000:]
     assert "Succeeded" in result.stdout
+    shown = next(line for line in PAGE.read_text().splitlines() if line.startswith("training "))
+    assert shown.split(":")[0] in result.stdout, shown  # the page's line, as the run says it
     asked = next(line for line in session.splitlines()
                  if "finetune_trainer.generate" in line and "/final" in line)
     question = shlex.split(asked.split("#")[0])[-1]

@@ -119,6 +119,23 @@ def test_a_pod_runs_for_real_with_its_logs_and_exec(plane, base_image):
     plane.kubectl_run("delete", "pod", "hello", "--wait=false")
 
 
+def test_cluster_install_writes_an_operator_kubeconfig_that_logs_in(plane):
+    """`make cluster-install` (`controlplane.py install`, a process of its own) on a plane with
+    the real node, whose API server listens on the node link's host end: the kubeconfig it
+    printed for `finetune operator` named 127.0.0.1, where nothing listens."""
+    installed = subprocess.run([sys.executable, str(REPO / "cluster/controlplane.py"), "install",
+                                "--folder", str(plane.folder)], capture_output=True, text=True,
+                               timeout=waits.seconds_left())
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    kubeconfig = plane.folder / "operator.kubeconfig"
+    assert f"KUBECONFIG={kubeconfig} " in installed.stdout
+    assert plane.address != "127.0.0.1" and plane.server in kubeconfig.read_text()
+    asked = subprocess.run([str(plane.kubectl), "--kubeconfig", str(kubeconfig), "auth", "can-i",
+                            "watch", "finetunejobs.finetune.dev", "--all-namespaces"],
+                           capture_output=True, text=True, timeout=waits.seconds_left())
+    assert asked.stdout.strip() == "yes", asked.stdout + asked.stderr
+
+
 def test_two_pods_of_an_indexed_job_reach_each_other_by_name(plane, base_image):
     """The shape of a FineTuneJob's workers: an Indexed Job behind a headless Service; pod 0
     listens, pod 1 connects to `<job>-0.<service>` through the cluster's DNS."""

@@ -78,8 +78,15 @@ def test_missing_columns_name_what_was_found():
     with pytest.raises(DataError, match="match no format"):
         resolve_format("auto", ["question", "answer"])
     with pytest.raises(DataError, match=r"format preference needs columns "
-                                        r"chosen\+prompt\+rejected, found \['chosen', 'prompt'\]"):
+                                        r"chosen\+prompt\+rejected, found \['chosen', 'prompt'\]"
+                       ) as refused:
         resolve_format("preference", ["prompt", "chosen"])
+    # DPO trains on pairs alone: another format is no fix (it was offered)
+    assert refused.value.fix == "add rejected to every record, or rename the columns that hold them"
+    with pytest.raises(DataError) as refused:
+        resolve_format("instruction", ["instruction", "input"])
+    assert refused.value.fix == ("add output to every record, or rename the columns that hold "
+                                 "them, or set spec.dataset.format to the data's format")
     with pytest.raises(DataError) as refused:  # half a pair is no format, and says so
         resolve_format("auto", ["prompt", "chosen"])
     assert refused.value.fix.endswith("`text`, `prompt`+`chosen`+`rejected` (preference, "

@@ -315,9 +315,18 @@ def resolve_format(requested: DatasetFormat, columns: Sequence[str]) -> str:
                         "`prompt` (prompt, for objective grpo)")
     if not any(needed <= present for needed in FORMAT_COLUMNS[requested]):
         wanted = " or ".join("+".join(sorted(n)) for n in FORMAT_COLUMNS[requested])
+        closest = min(FORMAT_COLUMNS[requested], key=lambda needed: len(needed - present))
+        fix = f"add {' and '.join(sorted(closest - present))} to every record, or rename the " \
+              "columns that hold them"
+        if requested not in OBJECTIVE_FORMATS:  # DPO's and GRPO's data have one format
+            fix += ", or set spec.dataset.format to the data's format"
         raise DataError("dataset", f"format {requested} needs columns {wanted}, found "
-                        f"{sorted(present)}", "rename the columns, or set spec.dataset.format")
+                        f"{sorted(present)}", fix)
     return requested
+
+
+OBJECTIVE_FORMATS = ("preference", "prompt")
+"""The formats an objective trains on alone (DPO, GRPO): their data has no other."""
 
 
 CHAT_FIX = ('write each conversation as "messages": [{"role": "user", "content": "..."}, '

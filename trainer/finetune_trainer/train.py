@@ -669,7 +669,10 @@ class Trainer:
             _say(note)
         if (summary := self.objective.summary(self.prepared.train)) is not None:
             _say(summary)
-        _say(f"training {counted(len(self.prepared.train), 'sequence')} on {self.world} "
+        sequences, records = len(self.prepared.train), self.prepared.records[0]
+        packed = f" (packed from {counted(records, 'record')})" if (
+            self.config.dataset.packing and records and records != sequences) else ""
+        _say(f"training {counted(sequences, 'sequence')}{packed} on {self.world} "
              f"{'process' if self.world == 1 else 'processes'} ({self.strategy.name}, "
              f"{self.config.strategy.precision}): {self.steps} "
              f"step{'s' if self.steps != 1 else ''} of "

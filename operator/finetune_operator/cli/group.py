@@ -15,7 +15,7 @@ def main() -> None:
     """Fine-tune LLMs from one FineTuneJob manifest: on Kubernetes, on Azure ML, or here.
 
     \b
-      finetune validate job.yaml      check a manifest, every problem at once
+      finetune validate job.yaml      check a manifest, each problem with its fix
       finetune render job.yaml        print the objects the operator would create
       finetune plan job.yaml          per-GPU memory, step time, the cheapest GPUs that fit
       finetune run job.yaml           train it on this machine (CPU or local GPUs)

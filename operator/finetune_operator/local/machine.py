@@ -49,9 +49,12 @@ def fit_to_machine(job: FineTuneJob, processes: int, gpus: int) -> tuple[int, li
             raise MachineMismatch(
                 f"{refused} — no GPU is visible here (CUDA_VISIBLE_DEVICES, else nvidia-smi), so "
                 "`finetune run` would train on CPU processes: run it where one is")
+        sized = (f"{resources.gpu_type}'s GPUs" if resources.gpu_type else "its GPUs")
         notes.append(f"no GPU is visible here: training on {processes} CPU process"
                      f"{'es' if processes > 1 else ''} instead of the {world} GPU"
-                     f"{'s' if world > 1 else ''} the spec asks for (slow; fine for a check)")
+                     f"{'s' if world > 1 else ''} the spec asks for (slow; fine for a check), "
+                     f"with the step settings and precision ({spec.strategy.precision}) of "
+                     f"the job on {sized}, so that its checkpoints resume there")
     if processes == world:
         return hp.gradient_accumulation_steps, notes
     global_batch = world * hp.batch_size_per_device * hp.gradient_accumulation_steps

@@ -343,6 +343,35 @@ async def look(kube: Kube, namespace: str, name: str) -> JobView | None:
     return None
 
 
+async def namespaces_holding(kube: Kube, kinds: tuple[str, ...], name: str,
+                             asked: str | None) -> list[str]:
+    """The other namespaces that hold an object of `kinds` named `name`: a name asked for in
+    the wrong namespace (the kubeconfig's, no -n) is said where it is. One list across all
+    namespaces per kind; none where that is not allowed (403: a role of one namespace) or
+    the kind is not installed (404)."""
+    from finetune_operator.kube import KubeError  # only a cluster's name is looked for
+
+    found: set[str] = set()
+    for kind in kinds:
+        try:
+            items = await kube.list(kind, fields=f"metadata.name={name}")
+        except KubeError as error:
+            if error.status in (403, 404):
+                continue
+            raise
+        found.update(item["metadata"].get("namespace") or "" for item in items)
+    return sorted(found - {asked, ""})
+
+
+def elsewhere(namespaces: list[str]) -> str:
+    """What the line saying a name is not in the namespace asked adds: where it is."""
+    if not namespaces:
+        return ""
+    if len(namespaces) == 1:
+        return f" — it is in namespace {namespaces[0]}: add -n {namespaces[0]}"
+    return f" — it is in namespaces {', '.join(namespaces)}: add -n and one of them"
+
+
 def newest_pod(pods: list[dict[str, Any]], node_rank: int, index_key: str
                ) -> dict[str, Any] | None:
     """The latest pod of one node rank (a restart makes new ones; the newest is current)."""

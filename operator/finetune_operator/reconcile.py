@@ -313,7 +313,16 @@ def _merge_progress(b: _Builder, seen: Progress | None) -> None:
     before = b.status.progress
     advanced = before is None or (seen.step or 0) > (before.step or 0)
     last = b.now if advanced else (before.last_step_time if before else b.now)
-    b.status.progress = seen.model_copy(update={"last_step_time": last})
+    b.status.progress = seen.model_copy(update={"last_step_time": last, **{
+        name: float(f"{value:.{SHOWN_DIGITS}g}") for name in SHOWN_FIGURES
+        if (value := getattr(seen, name)) is not None}})
+
+
+SHOWN_DIGITS = 4
+SHOWN_FIGURES = ("loss", "eval_loss", "tokens_per_second")
+"""The progress figures `kubectl get` shows (the Loss and Tokens/s columns; a sweep's Best is
+its trials' loss or eval loss), kept to SHOWN_DIGITS significant digits in the status: a
+printer column prints every digit a number has (6.144528664547088)."""
 
 
 def _preflight_condition(b: _Builder, record: dict) -> None:
@@ -422,14 +431,18 @@ def _admitted(b: _Builder) -> bool:
 
 def _output_in_use(b: _Builder) -> bool:
     """Another live job holds the output folder of this one, not launched yet: two jobs in
-    one folder would resume each other's checkpoints or replace each other's model."""
+    one folder would resume each other's checkpoints or replace each other's model. The
+    refusal is final (`_finished` admits it again only once edited): the same manifest
+    applied again is `unchanged` to the API server, so the fix said is delete and apply."""
     if b.output_holder is None or b.status.launched_spec:
         return False
+    job = b.job
     b.fail(FailedReason.OUTPUT_IN_USE,
-           f"spec.output.uri {b.job.spec.output.uri} is the output folder of "
+           f"spec.output.uri {job.spec.output.uri} is the output folder of "
            f"FineTuneJob {b.output_holder} — give this job a folder of its own (another "
-           "spec.output.uri); to train on from that job's checkpoints, apply this one again "
-           "once it has ended", stop_workload=False)
+           "spec.output.uri); to train on from that job's checkpoints, once it has ended "
+           f"delete this job and apply it again (`kubectl delete ftj {job.name} -n "
+           f"{job.namespace}`, then `kubectl apply -f` its manifest)", stop_workload=False)
     return True
 
 

@@ -22,8 +22,10 @@ from finetune_operator.api import Progress
 from finetune_operator.follow import (
     NotARun,
     OnItsCluster,
+    elsewhere,
     log_to_read,
     mark_failed,
+    namespaces_holding,
     newest_pod,
     not_started,
     output_folder,
@@ -33,7 +35,7 @@ from finetune_operator.follow import (
     view_of_output,
     view_of_sweep,
 )
-from finetune_operator.kube import default_namespace
+from finetune_operator.kube import KubeError, default_namespace
 from finetune_operator.local import lock as run_lock
 from finetune_trainer.layout import LOCAL_CONFIG, RUN_LOCK
 from finetune_trainer.record import ProgressRecord
@@ -429,6 +431,46 @@ async def test_status_and_logs_with_a_kubeconfig_against_the_real_api_server(
     assert blocks[-1].startswith("Succeeded"), out.decode()[-2000:]
     absent = await asyncio.to_thread(finetune, "status", "nope", *cluster)
     assert absent.returncode == 1 and "no FineTuneJob or FineTuneSweep nope" in absent.stderr
+    assert "`kubectl get ftj,ftsweep -n " in absent.stderr  # in no namespace at all
+    # asked in another namespace (as with no -n, the kubeconfig's): said where it is
+    for command in ("status", "logs"):
+        elsewhere = await asyncio.to_thread(finetune, command, "demo", "-n", "default",
+                                            "--kubeconfig", kubeconfig)
+        assert elsewhere.returncode == 1 and elsewhere.stderr.rstrip().endswith(
+            f"demo in namespace default — it is in namespace {testbed.namespace}: add -n "
+            f"{testbed.namespace}"), elsewhere.stderr
+
+
+class NamesAcrossNamespaces:
+    """A cluster's answer to a list of one name across all namespaces, or its refusal."""
+
+    def __init__(self, answer: dict[str, list[str]] | KubeError):
+        self.answer = answer
+
+    async def list(self, kind: str, namespace: str | None = None, *,
+                   fields: str | None = None) -> list[dict]:
+        assert namespace is None and fields == "metadata.name=demo"
+        if isinstance(self.answer, KubeError):
+            raise self.answer
+        return [{"metadata": {"name": "demo", "namespace": ns}}
+                for ns in self.answer.get(kind, [])]
+
+
+def test_a_name_in_other_namespaces_is_said_where_unless_listing_them_is_refused():
+    """A user whose role is one namespace's may not list across them (403): the line stays
+    as it was, without a word about the refusal."""
+    def said(answer, kinds=("FineTuneJob", "FineTuneSweep")) -> str:
+        return elsewhere(asyncio.run(namespaces_holding(
+            NamesAcrossNamespaces(answer), kinds, "demo", "default")))
+
+    assert said({"FineTuneJob": ["ml-team"]}) == " — it is in namespace ml-team: add -n ml-team"
+    assert said({"FineTuneJob": ["b"], "FineTuneSweep": ["a", "default"]}) == (
+        " — it is in namespaces a, b: add -n and one of them")
+    assert said({"FineTuneSweep": ["a"]}, kinds=("FineTuneJob",)) == ""
+    assert said({}) == ""
+    assert said(KubeError("list finetunejobs", 403, "Forbidden")) == ""
+    with pytest.raises(KubeError):
+        said(KubeError("list finetunejobs", 500, "Internal Server Error"))
 
 
 @pytest.mark.process

@@ -92,10 +92,12 @@ def test_a_job_whose_folder_another_holds_fails_naming_it_until_its_spec_is_edit
     assert failed.message == (
         "spec.output.uri pvc://ckpt/demo is the output folder of FineTuneJob ml/first "
         "(Running) — give this job a folder of its own (another spec.output.uri); to train "
-        "on from that job's checkpoints, apply this one again once it has ended")
+        "on from that job's checkpoints, once it has ended delete this job and apply it "
+        "again (`kubectl delete ftj demo -n default`, then `kubectl apply -f` its manifest)")
     assert condition(held.status, "Validated").status == "True"  # valid: only not now
     assert [(e.type, e.reason) for e in held.events] == [("Warning", "Failed")]
-    # looked at again (the other still there, or gone): it stays refused, quietly
+    # looked at again (the other still there, or gone; the same manifest applied again is
+    # `unchanged`, no new generation): it stays refused, quietly, as its message says
     again = reconcile(job(held.status), Observation(), at(5))
     assert again.status.phase == "Failed" and kinds(again) == [] and again.events == []
     # its output edited: admitted again, and launched where nothing else holds the folder

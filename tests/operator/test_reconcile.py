@@ -127,6 +127,13 @@ def test_running_workers_and_progress_reach_the_status():
                   at(30))
     assert d.status.phase == "Running" and condition(d.status, "Running").status == "True"
     assert d.status.progress.step == 10 and d.status.progress.last_step_time == at(30)
+    # the figures `kubectl get ftj` shows, to 4 significant digits (every digit, unrounded)
+    precise = Progress(step=11, loss=6.144528664547088, eval_loss=0.012345678,
+                       tokens_per_second=123456.7, mfu=0.4321987)
+    shown = reconcile(job(d.status), Observation(exists=True, running=True, progress=precise),
+                      at(40)).status.progress
+    assert (shown.loss, shown.eval_loss, shown.tokens_per_second, shown.mfu) == (
+        6.145, 0.01235, 123500.0, 0.4321987)
     # the same step seen later keeps the time it was first seen
     again = reconcile(job(d.status), Observation(exists=True, running=True, progress=progress),
                       at(90))

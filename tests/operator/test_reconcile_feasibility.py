@@ -91,6 +91,25 @@ def test_the_controller_plans_from_the_table_before_launch():
     assert asyncio.run(feasibility(runtime, job(), ["spec.x: bad — fix"])) is None
 
 
+def test_a_model_path_the_operator_cannot_read_is_said_to_be_the_trainer_images():
+    """The path is inside the trainer image: `here`, the operator's pod, told the user
+    nothing; a job of CPU workers has no GPU memory to check, whatever its config."""
+    on_gpus = _plan(model={"uri": "/opt/finetune-demo/tiny-llama"},
+                    resources={"gpusPerNode": 1, "gpuType": "H100"})
+    assert on_gpus.fits is None
+    assert on_gpus.message == (
+        "no config.json for /opt/finetune-demo/tiny-llama: the operator cannot read it (a "
+        "path inside the trainer image, not the operator's pod); run `finetune plan` where "
+        "the model is, or use a model the built-in table knows")
+    on_cpus = _plan(model={"uri": "/opt/finetune-demo/tiny-llama"}, method={"type": "lora"},
+                    resources={"gpusPerNode": 0}, strategy={"type": "ddp", "precision": "fp32"})
+    assert on_cpus.fits is None
+    assert on_cpus.message == "CPU workers: the planner checks GPU memory only"
+    known = _plan(model={"uri": "hf://Qwen/Qwen2.5-0.5B"}, method={"type": "lora"},
+                  resources={"gpusPerNode": 0}, strategy={"type": "ddp", "precision": "fp32"})
+    assert known.fits is None and known.message.startswith("CPU workers: about ")
+
+
 def test_the_verdict_is_about_the_passes_the_workers_run():
     """64 sequences of 4096 tokens a step do not fit one 80 GB GPU in one pass, even
     recomputing every layer; in the smaller passes the planner records for the workers

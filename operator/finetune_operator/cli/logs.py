@@ -61,8 +61,10 @@ def logs_command(target: str, namespace: str | None, kubeconfig: str | None, ran
         try:
             obj = await client.get(KIND, namespace, target)
             if obj is None:
-                click.echo(f"finetune logs: no FineTuneJob {target} in namespace {namespace}",
-                           err=True)
+                where = follow.elsewhere(await follow.namespaces_holding(
+                    client, (KIND,), target, namespace))
+                click.echo(f"finetune logs: no FineTuneJob {target} in namespace {namespace}"
+                           f"{where}", err=True)
                 return 1
             rules = installed_rules().get(obj["spec"].get("backend", ""))
             if rules is not None and rules.logs_hint is not None:  # not in pods: said where

@@ -8,6 +8,7 @@ import sys
 
 import click
 
+from finetune_operator.api import KIND, SWEEP_KIND
 from finetune_operator.cli.common import (
     KUBECONFIG_HELP,
     NAMESPACE_HELP,
@@ -96,9 +97,12 @@ def status_command(target: str, namespace: str | None, kubeconfig: str | None, w
             while True:
                 view = await look_once()
                 if view is None:
+                    assert client is not None  # a run's folder always has a view
+                    where = follow.elsewhere(await follow.namespaces_holding(
+                        client, (KIND, SWEEP_KIND), named.name, namespace))
                     click.echo(f"finetune status: no FineTuneJob or FineTuneSweep {named.name} in "
-                               f"namespace {namespace} — `kubectl get ftj,ftsweep -n "
-                               f"{namespace}` lists them", err=True)
+                               f"namespace {namespace}" + (where or f" — `kubectl get "
+                               f"ftj,ftsweep -n {namespace}` lists them"), err=True)
                     return 1
                 screen.show(follow.render(view) if output == "text" else follow.as_json(view))
                 if not watch:  # a script's check: 1 for a job that failed or stopped

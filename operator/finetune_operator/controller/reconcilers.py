@@ -170,7 +170,8 @@ async def feasibility(runtime: Runtime, job: FineTuneJob, problems: list[str]
         model = runtime.model_configs.resolve(job.spec.model.uri, job.spec.model.revision)
         decided, as_run = launch_plan(job, model)
         verdict = plan_job(as_run, model, decided.strategy, search_catalog=False,
-                           as_written=job, offline="HF_HUB_OFFLINE=1" if hub_offline() else None)
+                           as_written=job, offline="HF_HUB_OFFLINE=1" if hub_offline() else None,
+                           by_operator=True)
         return Feasibility(fits=verdict.fits, message=verdict.reason, plan=decided,
                            warnings=tuple(verdict.warnings))
 

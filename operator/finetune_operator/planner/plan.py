@@ -730,7 +730,8 @@ def _compile_by_length(job: FineTuneJob, strategy: Strategy, setup: TrainingSetu
 def plan_job(job: FineTuneJob, model: ModelConfig | None, strategy: Strategy,
              gpu_type: str | None = None, search_catalog: bool = True,
              as_written: FineTuneJob | None = None, machine: VmSize | None = None,
-             offline: str | None = None, unanswered: str | None = None) -> JobPlan:
+             offline: str | None = None, unanswered: str | None = None,
+             by_operator: bool = False) -> JobPlan:
     """The plan for `job` run with `strategy` (already resolved) on `gpu_type` (default:
     the spec's), given the model's config (None: unknown). `search_catalog=False` (the
     operator's admission) only looks for alternatives on the requested VM size, and only
@@ -740,10 +741,12 @@ def plan_job(job: FineTuneJob, model: ModelConfig | None, strategy: Strategy,
     settings it changes (`Option.changes`). `machine`: this machine's GPUs in place of
     `gpu_type` (`finetune run`). `offline`: why the hub was not asked (`--offline`), said
     where a hub model's config is missing; None: it was asked. `unanswered`: why the hub,
-    asked, gave none (`sources.HubUnanswered`), said there too."""
+    asked, gave none (`sources.HubUnanswered`), said there too. `by_operator`: the
+    operator's admission, whose pod holds no path of the trainer image and whose Feasible
+    condition is about GPU memory, which CPU workers do not use."""
     written = as_written or job
     plan = _plan_on(job, model, strategy, gpu_type, search_catalog, written, machine,
-                    offline, unanswered)
+                    offline, unanswered, by_operator)
     if plan.recommendation is None:
         return plan
     planned = sized_settings(job, plan.strategy, plan.precision, plan.gpu_type)
@@ -753,8 +756,8 @@ def plan_job(job: FineTuneJob, model: ModelConfig | None, strategy: Strategy,
 
 def _plan_on(job: FineTuneJob, model: ModelConfig | None, strategy: Strategy,
              gpu_type: str | None, search_catalog: bool, options_for: FineTuneJob,
-             machine: VmSize | None, offline: str | None, unanswered: str | None = None
-             ) -> JobPlan:
+             machine: VmSize | None, offline: str | None, unanswered: str | None = None,
+             by_operator: bool = False) -> JobPlan:
     """`plan_job` but for the options' changes."""
     spec, resources = job.spec, job.spec.resources
     gpu_type = machine.name if machine else gpu_type or resources.gpu_type
@@ -763,7 +766,9 @@ def _plan_on(job: FineTuneJob, model: ModelConfig | None, strategy: Strategy,
     if shape is None:
         why = config_error or (f"no config.json for {spec.model.uri}: "
                                + _where_configs_come_from(spec.model.uri, offline,
-                                                          unanswered))
+                                                          unanswered, by_operator))
+        if by_operator and not resources.on_gpus:  # nothing to check: its config is no fix
+            why = "CPU workers: the planner checks GPU memory only"
         return JobPlan(fits=None, verdict="unknown", reason=why, strategy=strategy,
                        world_size=world, gpu_type=gpu_type,
                        model_source=model.source if model else None)
@@ -944,12 +949,17 @@ _HOST_LABELS = {"weightsWhileLoading": "the weights read once",
 
 
 def _where_configs_come_from(uri: str, offline: str | None = None,
-                             unanswered: str | None = None) -> str:
+                             unanswered: str | None = None, by_operator: bool = False) -> str:
     """Why no config was found for `uri`; `offline`: why the hub was not asked;
-    `unanswered`: why, asked, it gave none."""
+    `unanswered`: why, asked, it gave none; `by_operator`: an absolute path was looked for
+    in the operator's pod, not where the trainer reads it."""
     if uri.startswith("pvc://"):
         return ("the operator cannot read inside a claim; run `finetune plan` where the "
                 "model is, or use a model the built-in table knows")
+    if by_operator and uri.startswith("/"):
+        return ("the operator cannot read it (a path inside the trainer image, not the "
+                "operator's pod); run `finetune plan` where the model is, or use a model the "
+                "built-in table knows")
     if uri.startswith("hf://") and offline:
         return (f"the hub was not asked (offline: {offline}), and the planner's built-in "
                 "table does not know it (`finetune plan --list-models` lists the models it "

@@ -539,6 +539,17 @@ _PATTERN_HINTS = {
                             "(an OCI registry), hf://owner/name (the Hugging Face Hub) or "
                             "azureml://models/NAME (the Azure ML workspace)"),
 }
+
+
+def _pattern_hint(pattern: str, given: str) -> tuple[str, str]:
+    """What is wrong with `given`, which `pattern` refuses, and the fix: the objectives' own
+    words for their settings' patterns (a misspelt GRPO reward), else this module's."""
+    theirs = dict(hint for spec in objectives.registry().values() for hint in spec.pattern_hints)
+    if pattern in theirs:
+        return theirs[pattern](given)
+    return _PATTERN_HINTS.get(pattern, ("has the wrong form", f"match {pattern}"))
+
+
 _TYPE_NAMES = {"int": "an integer", "float": "a number", "bool": "true or false",
                "string": "a string", "dict": "a mapping", "list": "a list", "model": "a mapping"}
 
@@ -646,8 +657,7 @@ def structural_problem(error: Any, root: type[BaseModel]) -> Problem:
         return Problem(path, f"is {short_repr(given)}, must be {word} {bound}",
                        f"set a value {word} {bound}")
     if kind == "string_pattern_mismatch":
-        what, fix = _PATTERN_HINTS.get(ctx.get("pattern"), ("has the wrong form",
-                                                           f"match {ctx.get('pattern')}"))
+        what, fix = _pattern_hint(ctx.get("pattern"), given)
         return Problem(path, f"{short_repr(given)} {what}", fix)
     if kind in ("string_too_long", "too_long"):
         return Problem(path, f"is longer than {ctx.get('max_length')}", "shorten it")

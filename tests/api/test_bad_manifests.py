@@ -231,8 +231,14 @@ CASES = [
          "spec.objective.grpo.rewards", "is required: objective grpo scores completions by "
          "its rewards", "cel"),
     Case("grpo-reward-typo", {**PROMPTS, "spec.objective": {
-        "type": "grpo", "grpo": {"rewards": [{"name": "exact"}]}}},
-         "spec.objective.grpo.rewards[0].name", "exact_match", "schema"),
+        "type": "grpo", "grpo": {"rewards": [{"name": "exact_matches"}]}}},
+         "spec.objective.grpo.rewards[0].name", "'exact_matches' is not a built-in reward — "
+         "did you mean exact_match? (built-ins: exact_match, format, math_equal, "
+         "length_penalty; your own: module:function)", "schema"),
+    Case("grpo-reward-dotted", {**PROMPTS, "spec.objective": {
+        "type": "grpo", "grpo": {"rewards": [{"name": "my_rewards.score"}]}}},
+         "spec.objective.grpo.rewards[0].name", "'my_rewards.score' is neither a built-in "
+         "reward nor module:function — did you mean my_rewards:score?", "schema"),
     Case("grpo-format-without-pattern", {**PROMPTS, "spec.objective": {
         "type": "grpo", "grpo": {"rewards": [{"name": "format"}]}}},
          "spec.objective.grpo.rewards", "has a `format` reward without `pattern`", "cel"),

@@ -346,25 +346,45 @@ def test_a_reward_that_cannot_be_imported_stops_the_run_before_it_starts(tiny_mo
     result = finetune_run(job, tmp_path)
     said = result.stdout + result.stderr
     assert result.returncode == 2, said[-3000:]
-    assert "spec.objective.grpo.rewards scoring:exact: module scoring cannot be imported" in said
-    assert "ship scoring.py beside the data, or install it in the image" in said
+    assert ("spec.objective.grpo.rewards scoring:exact: module scoring cannot be imported: no "
+            f"scoring.py in {data.parent} nor on the trainer's Python path — ship scoring.py "
+            "beside the data (the job's dataset folder), or on the trainer's Python path"
+            ) in said
     assert said.count("module scoring cannot be imported") == 1  # every rank's, said once
     assert "restart" not in result.stderr.replace("no restart would", "")  # none was made
     assert not (tmp_path / "out/checkpoints").exists()
 
 
 @pytest.mark.parametrize(("name", "problem"), [
-    ("broken:raises", "raised KeyError: 'score'"),
+    ("broken:raises", "raised KeyError: 'score' at {folder}/broken.py:2 — fix "
+     "{folder}/broken.py:2, so that it returns a float"),
     ("broken:short", "returned 1 values for 8 completions")])
 def test_a_reward_that_fails_stops_the_run_at_its_first_step_named(tiny_model_dir, tmp_path,
                                                                    name, problem):
     """Bad input, said once: the worker exits as for bad data (no restart), naming the
-    reward, what it did and the fix."""
+    reward, what it did (where in the user's code, when it raised) and the fix."""
     data = prompts(tmp_path / "data")
     (data.parent / "broken.py").write_text(BROKEN)
     job = grpo_manifest(tiny_model_dir, data, tmp_path / "out", rewards=[{"name": name}])
     result = finetune_run(job, tmp_path)
     said = result.stdout + result.stderr
     assert result.returncode == 2, said[-3000:]
+    problem = problem.format(folder=data.parent)
     assert f"spec.objective.grpo.rewards {name}: {problem}" in said, said[-3000:]
     assert "restarting" not in said and "step 1/" not in result.stdout
+
+
+def test_a_run_whose_rewards_never_differ_within_a_group_is_warned_of_once(tiny_model_dir,
+                                                                           tmp_path):
+    """A reward no completion earns: every advantage, every loss 0, and the run would end
+    Succeeded having learnt nothing. At the tenth such step the log says so, once."""
+    from finetune_trainer.objectives.grpo.loss import flat_rewards_warning
+
+    job = grpo_manifest(tiny_model_dir, prompts(tmp_path / "data"), tmp_path / "out",
+                        steps=11, rewards=[{"name": "format", "pattern": "(?!)"}])
+    result = finetune_run(job, tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    warned = [n for n, line in enumerate(lines) if line.startswith("warning: every group")]
+    assert [lines[n] for n in warned] == [flat_rewards_warning(10)], result.stdout[-3000:]
+    assert lines[warned[0] + 1].startswith("step 10/11 "), result.stdout[-3000:]

@@ -124,3 +124,92 @@ def test_math_equal_reads_the_answer_as_math_verify_does():
     assert math_equal(["It is 1/2", "$\\frac{1}{2}$", "3", "none"], column="answer",
                       answer=["0.5"] * 4) == [1.0, 1.0, 0.0, 0.0]
     assert math_equal(["3"], column="answer", answer=["no number here"]) == [None]
+
+
+def _own_reward(folder, module: str, code: str) -> Reward:
+    """`module:score` imported as the trainer imports a user's reward: `code` in a file
+    beside the data (`folder`)."""
+    import sys
+
+    from finetune_trainer.objectives.grpo.rewards import users_own
+    from finetune_trainer.objectives.grpo.settings import RewardConfig
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{module}.py").write_text(code)
+    path = list(sys.path)
+    try:
+        return users_own(RewardConfig(name=f"{module}:score"), [folder])
+    finally:
+        sys.path[:] = path
+        sys.modules.pop(module, None)
+
+
+def test_a_reward_that_raises_is_named_at_the_line_of_its_own_code(tmp_path):
+    """The error arises deep in json; the message points at the user's call of it."""
+    reward = _own_reward(tmp_path, "parsing_rewards", "import json\n\n\n"
+                         "def score(completions, **_):\n"
+                         "    return [json.loads(text) for text in completions]\n")
+    with pytest.raises(RewardError) as refused:
+        reward.score(["p"], ["not json"], [[1]], {})
+    where = f"{tmp_path / 'parsing_rewards.py'}:5"
+    assert str(refused.value) == (
+        "spec.objective.grpo.rewards parsing_rewards:score: raised JSONDecodeError: Expecting "
+        f"value: line 1 column 1 (char 0) at {where} — fix {where}, so that it returns a float "
+        "(or None) for every completion; it is called as TRL calls reward functions, with "
+        "keyword arguments prompts, completions, completion_ids and one per data column")
+
+
+@pytest.mark.parametrize(("code", "problem", "fix"), [
+    ("def score(completions, **_)\n    return []\n",
+     "SyntaxError: expected ':' at {file}:1", "fix {file}:1"),
+    ("import json\nTABLE = json.loads('nope')\n",
+     "JSONDecodeError: Expecting value: line 1 column 1 (char 0) at {file}:2", "fix {file}:2"),
+    ("import not_installed_anywhere\n",
+     "ModuleNotFoundError: No module named 'not_installed_anywhere' at {file}:1",
+     "install not_installed_anywhere on the trainer's Python path, or fix {file}:1")],
+    ids=["syntax", "raises-at-import", "imports-a-missing-package"])
+def test_a_reward_module_whose_own_code_fails_is_fixed_at_its_line(tmp_path, code, problem,
+                                                                    fix):
+    """It was found beside the data: shipping it there is no fix."""
+    file = tmp_path / "broken_rewards.py"
+    with pytest.raises(RewardError) as refused:
+        _own_reward(tmp_path, "broken_rewards", code)
+    assert str(refused.value) == (
+        "spec.objective.grpo.rewards broken_rewards:score: module broken_rewards cannot be "
+        f"imported: {problem.format(file=file)} — {fix.format(file=file)}")
+
+
+def test_a_reward_module_not_found_is_shipped_beside_the_data(tmp_path):
+    import sys
+
+    from finetune_trainer.objectives.grpo.rewards import users_own
+    from finetune_trainer.objectives.grpo.settings import RewardConfig
+
+    path = list(sys.path)
+    try:
+        with pytest.raises(RewardError) as beside:
+            users_own(RewardConfig(name="absent_rewards:score"), [tmp_path])
+        with pytest.raises(RewardError) as nowhere:  # data from hf://: no folder
+            users_own(RewardConfig(name="absent_rewards:score"), [])
+    finally:
+        sys.path[:] = path
+    assert str(beside.value) == (
+        "spec.objective.grpo.rewards absent_rewards:score: module absent_rewards cannot be "
+        f"imported: no absent_rewards.py in {tmp_path} nor on the trainer's Python path — "
+        "ship absent_rewards.py beside the data (the job's dataset folder), or on the "
+        "trainer's Python path")
+    assert str(nowhere.value).endswith(
+        "no absent_rewards.py on the trainer's Python path — put absent_rewards.py on the "
+        "trainer's Python path (this job's data has no folder to ship it beside)")
+
+
+def test_rewards_alike_in_every_group_for_ten_steps_are_warned_of():
+    """A run whose groups are each scored alike learns nothing (every advantage 0), and
+    looks like a success: after FLAT_STEPS steps of it the log says so."""
+    assert grpo_loss.FLAT_STEPS == 10
+    assert grpo_loss.flat_rewards_warning(9) is None
+    assert grpo_loss.flat_rewards_warning(10) == (
+        "warning: every group's completions got the same reward for the last 10 steps "
+        "(frac_reward_zero_std 1.0): GRPO learns only from differences within a group, so "
+        "the model is not learning — give it prompts it answers right only sometimes, raise "
+        "numGenerations or temperature, or add a graded reward")

@@ -399,8 +399,8 @@ def test_bad_data_is_named_once_and_never_restarted(tiny_model_dir, tmp_path):
     said = [line for line in result.stderr.splitlines() if f"{data}:2: is not valid JSON" in line]
     assert len(said) == 1 and said[0].startswith(f"finetune-train: {data}:2: "), result.stderr
     assert result.stderr.splitlines()[-1] == (
-        "training failed (exit 2): the line above names the setting; no restart would change "
-        "it, so none was made")
+        "training failed (exit 2): the line above names what is wrong and the fix; no restart "
+        "would change it, so none was made")
     kept = run_log(tmp_path / "out").read_text()
     assert kept.count(f"{data}:2: is not valid JSON") == 3  # 2 ranks and the launcher
 

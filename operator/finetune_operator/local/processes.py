@@ -145,7 +145,8 @@ def failure_hint(code: int) -> str:
     """What `finetune run` adds to `training failed (exit CODE)`: where the cause was said,
     and why `run_trainer` restarted the workers as often as it did."""
     if code in NOT_RESTARTED:
-        return "the line above names the setting; no restart would change it, so none was made"
+        return ("the line above names what is wrong and the fix; no restart would change "
+                "it, so none was made")
     if code == EXIT_SETUP:
         return ("the line above says what the workers could not set up in this environment "
                 "(an import, an op that cannot be built); restarts meet it again, so at most "

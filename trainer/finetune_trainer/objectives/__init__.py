@@ -93,6 +93,10 @@ class ObjectiveSpec:
     headline: tuple[tuple[str, str, str], ...] = ()
     """Which of its figures (`Objective.logged`, TRL's names) a progress line and `finetune
     status` show: (name, label, format)."""
+    pattern_hints: tuple[tuple[str, Callable[[str], tuple[str, str]]], ...] = ()
+    """(a settings field's `pattern`, value → (what is wrong, the fix)): what `finetune
+    validate` says of a value the pattern refuses, in place of the pattern itself (GRPO: a
+    misspelt reward's likely name)."""
 
     def formats_said(self) -> str:
         """Its formats as a message says them: `chat, instruction or text`."""

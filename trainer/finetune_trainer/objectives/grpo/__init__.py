@@ -4,7 +4,7 @@ better than their group's mean. TRL's GRPOTrainer semantics and names
 (tests/trainer/test_grpo.py holds ours to it step for step)."""
 
 from finetune_trainer.objectives import JobRule, ObjectiveSpec, SettingsRule
-from finetune_trainer.objectives.grpo.settings import GrpoConfig
+from finetune_trainer.objectives.grpo.settings import REWARD_NAME, GrpoConfig, misnamed_reward
 
 
 def _groups(spec, workers: int) -> str | None:
@@ -70,6 +70,7 @@ SPEC = ObjectiveSpec(
                 "objectiveMetrics) to choose the checkpoint")),
     headline=(("reward", "reward", "{:.4f}"), ("reward_std", "reward std", "{:.4f}"),
               ("kl", "kl", "{:.4f}")),
+    pattern_hints=((REWARD_NAME, misnamed_reward),),
     rules=(SettingsRule(
         "grpo.rewards",
         "self.type != 'grpo' || has(self.grpo)",

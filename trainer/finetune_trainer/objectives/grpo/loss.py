@@ -67,6 +67,25 @@ def score(per_reward: torch.Tensor, names: list[str], weights: list[float], gene
     return Scored(torch.nan_to_num(advantages, nan=0.0), figures)
 
 
+FLAT_STEPS = 10
+"""Steps in a row of groups each scored alike before the log warns (a tenth of example 09's
+100): fewer may be a model's first, still random, answers."""
+
+
+def flat_rewards_warning(flat_steps: int) -> str | None:
+    """The warning for a run whose last `flat_steps` steps each trained on groups whose
+    completions all got the same reward (TRL's `frac_reward_zero_std` 1.0): every
+    advantage is 0, so is the loss, and the model does not move, while the run looks well
+    and ends Succeeded. None below FLAT_STEPS."""
+    if flat_steps < FLAT_STEPS:
+        return None
+    return (f"warning: every group's completions got the same reward for the last "
+            f"{flat_steps} steps (frac_reward_zero_std 1.0): GRPO learns only from "
+            "differences within a group, so the model is not learning — give it prompts it "
+            "answers right only sometimes, raise numGenerations or temperature, or add a "
+            "graded reward")
+
+
 def length_figures(lengths: list[int], clipped: list[bool]) -> dict[str, float]:
     """TRL's `completions/*`: lengths (end of text included) of every completion, and of
     those that ended before maxCompletionLength."""

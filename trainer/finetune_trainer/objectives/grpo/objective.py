@@ -86,6 +86,11 @@ class GrpoObjective(Objective):
         highest per-completion clip fractions."""
         self.samples: list[dict] = []
         """This rank's completions of the latest round, for the next log step."""
+        self.flat_round = False
+        """Each group of the latest round was scored alike (frac_reward_zero_std 1)."""
+        self.flat_steps = 0
+        """Steps in a row trained on such rounds (`loss.flat_rewards_warning`)."""
+        self.flat_warned = False
 
     # --- before the first step -------------------------------------------------------------
 
@@ -205,6 +210,7 @@ class GrpoObjective(Objective):
         if self.round is None or self.round.index != index:
             self.round = self._sample(index, [row for micro in loaded for row in micro])
         r = self.round
+        self.flat_steps = self.flat_steps + 1 if self.flat_round else 0
         return StepBatch(r.micro_batches, r.units, r.work, r.local_labels, r.local_samples)
 
     def _sample(self, index: int, rows: list[dict]) -> Round:
@@ -231,6 +237,7 @@ class GrpoObjective(Objective):
         for name, value in {**grpo_loss.length_figures(
                 lengths, [bool(c) for c in every[:, count + 1]]), **scored.figures}.items():
             self.figures[name].append(value)
+        self.flat_round = scored.figures["frac_reward_zero_std"] == 1.0
         advantages = scored.advantages[rank * len(rows):(rank + 1) * len(rows)]
         self._keep_samples(index, [self.prompts[i] for i in indices], texts, scores,
                            advantages.tolist())
@@ -458,7 +465,8 @@ class GrpoObjective(Objective):
 
     def logged(self, sums, units) -> dict[str, float]:
         """The window's figures: each round's and each micro-batch's (over all ranks),
-        averaged as TRL averages them; the latest round's samples printed."""
+        averaged as TRL averages them; the latest round's samples printed; once, a warning
+        when the rewards have told no completion from another for many steps."""
         out = {name: sum(values) / len(values) for name, values in self.figures.items()}
         if self.micro:
             micro = torch.stack(self.micro).cpu()
@@ -482,4 +490,8 @@ class GrpoObjective(Objective):
         self.figures.clear()
         self.micro.clear()
         self.samples = []
+        warning = grpo_loss.flat_rewards_warning(self.flat_steps)
+        if warning is not None and not self.flat_warned:  # just above the step's line
+            self.flat_warned = True
+            self.run.say(warning)
         return out

@@ -11,9 +11,13 @@ no reward in the weighted sum, as TRL's NaN). Torch-free.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import math
+import os
 import re
 import sys
+import sysconfig
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +34,27 @@ class RewardError(DataError):
     def __init__(self, name: str, problem: str, fix: str) -> None:
         super().__init__(f"spec.objective.grpo.rewards {name}", problem, fix)
         self.name = name
+
+
+_NOT_USERS = tuple(dict.fromkeys(os.path.join(folder, "") for folder in (
+    str(Path(__file__).parents[2]), *(sysconfig.get_paths()[k] for k in (
+        "stdlib", "platstdlib", "purelib", "platlib")))))
+"""Where no user's code lives: the trainer's package, the standard library, the installed
+packages (a reward module installed there is still found by its own file)."""
+
+
+def users_line(error: BaseException, own_file: str | None = None) -> str | None:
+    """`file:line` in the user's code where `error` arose, where its fix is: a SyntaxError's
+    own place, else the deepest frame of its traceback in `own_file` (the reward's module)
+    or in any file outside the trainer, the standard library and the installed packages
+    (not numpy's line the user's call failed in). None where no frame is the user's."""
+    if isinstance(error, SyntaxError) and error.filename and not error.filename.startswith(
+            "<"):
+        return f"{error.filename}:{error.lineno}"
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        if frame.filename == own_file or not frame.filename.startswith(("<", *_NOT_USERS)):
+            return f"{frame.filename}:{frame.lineno}"
+    return None
 
 
 def completion_text(completion: Any) -> str:
@@ -111,8 +136,12 @@ class Reward:
         except RewardError:
             raise
         except Exception as error:
-            raise RewardError(self.name, f"raised {type(error).__name__}: {error}",
-                              "make it return a float (or None) for every completion; it is "
+            where = users_line(error, getattr(getattr(self.function, "__code__", None),
+                                              "co_filename", None))
+            raise RewardError(self.name, f"raised {type(error).__name__}: {error}"
+                              + (f" at {where}" if where else ""),
+                              (f"fix {where}, so that it returns" if where else "make it "
+                               "return") + " a float (or None) for every completion; it is "
                               "called as TRL calls reward functions, with keyword arguments "
                               "prompts, completions, completion_ids and one per data "
                               "column") from error
@@ -173,23 +202,53 @@ def users_own(config: RewardConfig, search: Sequence[Path]) -> Reward:
     """A user's `module:function`, imported with `search` (the data's folder) ahead on the
     module path."""
     module_name, _, function_name = config.name.partition(":")
-    added = [str(folder) for folder in search if folder.is_dir()
-             and str(folder) not in sys.path]
-    sys.path[:0] = added
+    folders = [str(folder) for folder in search if folder.is_dir()]
+    sys.path[:0] = [folder for folder in folders if folder not in sys.path]
     try:
         module = importlib.import_module(module_name)
     except Exception as error:
-        where = ", ".join(added) or "the image's Python path"
-        raise RewardError(config.name, f"module {module_name} cannot be imported "
-                          f"({type(error).__name__}: {error}); looked in {where} and the "
-                          "image's Python path", f"ship {module_name.replace('.', '/')}.py "
-                          "beside the data, or install it in the image"
-                          ) from error
+        raise not_imported(config.name, module_name, folders, error) from error
     function = getattr(module, function_name, None)
     if not callable(function):
         raise RewardError(config.name, f"module {module_name} ({module.__file__}) has no "
                           f"function {function_name}", "name a function the module defines")
     return Reward(config.name, config.weight, function, {})
+
+
+def not_imported(name: str, module_name: str, folders: Sequence[str],
+                 error: Exception) -> RewardError:
+    """Why a user's module did not import, with the fix its cause needs: one not found is
+    shipped beside the data or put on the trainer's Python path (the same words for `finetune
+    run` and a pod: the trainer cannot tell them apart); one found whose own code failed
+    (a SyntaxError, an exception at its top level, a package it imports missing) is fixed at
+    its line."""
+    if isinstance(error, ModuleNotFoundError) and error.name is not None and (
+            module_name == error.name or module_name.startswith(f"{error.name}.")):
+        file = f"{module_name.replace('.', '/')}.py"
+        looked = f"in {', '.join(folders)} nor " if folders else ""
+        return RewardError(name, f"module {module_name} cannot be imported: no {file} "
+                           f"{looked}on the trainer's Python path", (
+                               f"ship {file} beside the data (the job's dataset folder), or "
+                               "on the trainer's Python path") if folders else (
+                               f"put {file} on the trainer's Python path (this job's data "
+                               "has no folder to ship it beside)"))
+    where = users_line(error, _module_file(module_name))
+    said = error.msg if isinstance(error, SyntaxError) else str(error)
+    fix = f"fix {where}" if where else f"fix module {module_name}'s own code"
+    if isinstance(error, ModuleNotFoundError) and error.name:
+        fix = f"install {error.name} on the trainer's Python path, or {fix}"
+    return RewardError(name, f"module {module_name} cannot be imported: "
+                       f"{type(error).__name__}: {said}" + (f" at {where}" if where else ""),
+                       fix)
+
+
+def _module_file(module_name: str) -> str | None:
+    """The file a module that failed to run was found in (None where that is unknown)."""
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except Exception:  # a parent package that fails to import as well
+        return None
+    return spec.origin if spec is not None else None
 
 
 def load_rewards(configs: Sequence[RewardConfig], max_completion_length: int,

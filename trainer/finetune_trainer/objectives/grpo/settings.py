@@ -3,6 +3,8 @@ and the operator read them)."""
 
 from __future__ import annotations
 
+import difflib
+import re
 from typing import Literal
 
 from pydantic import Field
@@ -16,6 +18,23 @@ BUILT_IN_REWARDS = ("exact_match", "format", "math_equal", "length_penalty")
 """The verifiable rewards the trainer ships (objectives/grpo/rewards.py); any other name is a
 user's function, `module:function`."""
 REWARD_NAME = rf"^({'|'.join(BUILT_IN_REWARDS)}|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$"
+
+
+def misnamed_reward(name: str) -> tuple[str, str]:
+    """What is wrong with a reward `name` that REWARD_NAME refuses, and the fix: the
+    built-in it likely misspells (as `finetune validate` suggests a misspelt field's name),
+    or the `module:function` it likely means (`mine.score`); the pattern alone helps no
+    one."""
+    forms = f"(built-ins: {', '.join(BUILT_IN_REWARDS)}; your own: module:function)"
+    close = difflib.get_close_matches(name, BUILT_IN_REWARDS, n=1)
+    if close:
+        return "is not a built-in reward", f"did you mean {close[0]}? {forms}"
+    module, dot, function = name.rpartition(".")
+    if dot and re.fullmatch(REWARD_NAME, f"{module}:{function}"):
+        return ("is neither a built-in reward nor module:function",
+                f"did you mean {module}:{function}? {forms}")
+    return ("is neither a built-in reward nor module:function",
+            f"name a built-in or your own function {forms}")
 
 
 class RewardConfig(ApiModel):

@@ -61,11 +61,7 @@ def logs_command(target: str, namespace: str | None, kubeconfig: str | None, ran
         try:
             obj = await client.get(KIND, namespace, target)
             if obj is None:
-                where = follow.elsewhere(await follow.namespaces_holding(
-                    client, (KIND,), target, namespace))
-                click.echo(f"finetune logs: no FineTuneJob {target} in namespace {namespace}"
-                           f"{where}", err=True)
-                return 1
+                return await _not_there(client, namespace, target)
             rules = installed_rules().get(obj["spec"].get("backend", ""))
             if rules is not None and rules.logs_hint is not None:  # not in pods: said where
                 click.echo(rules.logs_hint(obj))
@@ -119,6 +115,18 @@ def logs_command(target: str, namespace: str | None, kubeconfig: str | None, ran
         sys.exit(asyncio.run(read()))
     except KeyboardInterrupt:
         sys.exit(130)
+
+
+async def _not_there(client: Kube, namespace: str, target: str) -> int:
+    """No FineTuneJob of that name in the namespace asked: said, with where it is if
+    elsewhere; exit 1."""
+    from finetune_operator import follow  # as in logs_command
+
+    where = follow.elsewhere(await follow.namespaces_holding(client, (KIND,), target,
+                                                             namespace))
+    click.echo(f"finetune logs: no FineTuneJob {target} in namespace {namespace}{where}",
+               err=True)
+    return 1
 
 
 def _not_a_pods_log(named: Target, target: str, rank: int, keep_following: bool) -> None:
